@@ -1,0 +1,34 @@
+"""The `broker:` and `vault:` sections of stockade.yaml."""
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class BrokerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    listen: str = "0.0.0.0:8081"
+    control_socket: str = "/run/stockade/broker.sock"
+    metrics_listen: str = "127.0.0.1:9465"
+    secret_cache_ttl_s: float = Field(60.0, gt=0)
+    serve_stale_s: float = Field(300.0, ge=0)
+    upstream_timeout_s: float = Field(30.0, gt=0)
+    ca_file: str | None = None  # extra CA bundle for upstream APIs (tests, private CAs)
+
+
+class AppRoleSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role_id_file: str
+    secret_id_file: str
+    secret_id_wrapped: bool = False
+    mount: str = "approle"
+
+
+class VaultSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    address: str | None = None  # None: `stockade run`/`up` start a dev OpenBao
+    token_file: str | None = None
+    approle: AppRoleSettings | None = None
+    ca_file: str | None = None
+    timeout_s: float = Field(5.0, gt=0)

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Installs everything Stockade needs on a fresh Debian 12 machine, as root. Idempotent:
+# a second run checks and installs nothing new. Used by scripts/demo.sh and scripts/test.sh.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+cd "$here"
+
+APT_PACKAGES=(
+    nftables iproute2 procps psmisc util-linux kmod
+    qemu-system-x86 busybox-static cpio
+    curl git dnsutils ca-certificates
+    python3-venv
+    squid tinyproxy   # side-by-side comparisons in bench/
+)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "bootstrap: installing Debian packages: ${missing[*]}" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    # the bench starts squid/tinyproxy itself; the packaged services must not hold ports
+    for svc in squid tinyproxy; do
+        systemctl disable --now "$svc" >/dev/null 2>&1 || service "$svc" stop >/dev/null 2>&1 || true
+    done
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    echo "bootstrap: creating .venv" >&2
+    "$PY" -m venv .venv
+fi
+# reinstall only when the declared dependencies change
+stamp=.venv/.stockade-deps
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! .venv/bin/python -c "import stockade" 2>/dev/null; then
+    echo "bootstrap: installing Python packages into .venv" >&2
+    .venv/bin/pip install -q --upgrade pip >/dev/null
+    .venv/bin/pip install -q -e ".[dev]"
+    echo "$want" > "$stamp"
+fi

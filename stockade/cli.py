@@ -1,0 +1,59 @@
+"""`stockade`: one entry point, one subcommand group per component.
+
+Each component module exposes `add_commands(subparsers)` and keeps its heavy imports
+inside the handlers, so `stockade --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# module -> adds its subcommands; order is the order in --help
+COMMAND_MODULES = (
+    "stockade.policy.cli",  # rules lint|explain|test|diff
+    "stockade.gateway.cli",  # gateway serve
+    "stockade.broker.cli",  # broker serve
+    "stockade.launcher.cli",  # run, sandbox list|kill|suspend|resume
+    "stockade.stack",  # up, demo
+    "stockade.events.cli",  # events
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stockade",
+        description="Contain code written by AI agents: egress gateway, credential broker, "
+        "sandbox launcher.",
+    )
+    parser.add_argument("--version", action="version", version="stockade 0.1.0")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue  # component not installed in this build
+        module.add_commands(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        # a group without its subcommand: show that group's help
+        (getattr(args, "group_parser", None) or parser).print_help(sys.stderr)
+        return 2
+    try:
+        return int(func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""`stockade.yaml`: one file configures every component.
+
+Each component owns the model of its own section (`gateway/settings.py`, ...); this module
+composes them, loads the YAML strictly (unknown keys are errors) and supplies defaults
+for a single-host install. Every key and default is documented in the README.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from stockade.broker.settings import BrokerSettings, VaultSettings
+from stockade.gateway.dns.settings import DnsSettings
+from stockade.gateway.settings import GatewaySettings
+from stockade.launcher.settings import LauncherSettings
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EventSettings(Strict):
+    file: str | None = None  # default: <log_dir>/events.jsonl
+    stdout: bool = False
+    max_bytes: int = Field(50 * 2**20, gt=0)
+    backups: int = Field(5, ge=0)
+
+
+class Config(Strict):
+    rules_dir: str = "rules"
+    state_dir: str = "/var/lib/stockade"
+    log_dir: str = "/var/log/stockade"
+    run_dir: str = "/run/stockade"
+    events: EventSettings = EventSettings()
+    gateway: GatewaySettings = GatewaySettings()
+    dns: DnsSettings = DnsSettings()
+    broker: BrokerSettings = BrokerSettings()
+    vault: VaultSettings = VaultSettings()
+    launcher: LauncherSettings = LauncherSettings()
+
+    @property
+    def events_file(self) -> Path:
+        return Path(self.events.file) if self.events.file else Path(self.log_dir) / "events.jsonl"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys instead of silently keeping the last."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        if key in seen:
+            m = key_node.start_mark
+            raise ConfigError(f"{m.name}:{m.line + 1}:{m.column + 1}: duplicate key {key!r}")
+        seen.add(key)
+    return loader.construct_mapping(node)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def load_config(path: str | Path | None) -> Config:
+    """Load `stockade.yaml`; None gives the embedded defaults."""
+    if path is None:
+        return Config()
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read: {e.strerror}") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # noqa: S506 - SafeLoader subclass
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: invalid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: top level must be a mapping")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        lines = [f"{p}: {'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()]
+        raise ConfigError("\n".join(lines)) from None

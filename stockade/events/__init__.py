@@ -1,0 +1,33 @@
+"""The shared event schema and its writer (see build.py, schema.json, writer.py)."""
+
+import json
+from functools import cache
+from importlib import resources
+from typing import Any
+
+from .build import SCHEMA_VERSION, make_event, timestamp
+from .writer import Event, EventWriter, read_events
+
+
+@cache
+def schema() -> dict[str, Any]:
+    return json.loads(resources.files(__package__).joinpath("schema.json").read_text())
+
+
+def validate(event: dict[str, Any]) -> None:
+    """Raise jsonschema.ValidationError when `event` does not match the schema."""
+    import jsonschema
+
+    jsonschema.validate(event, schema())
+
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Event",
+    "EventWriter",
+    "make_event",
+    "read_events",
+    "schema",
+    "timestamp",
+    "validate",
+]

@@ -1,0 +1,153 @@
+"""Control API shared by the gateway and the broker: register/deregister/list tasks, reload.
+
+HTTP over a Unix socket (mode 0600, owned by root), so a sandbox can never reach it.
+The server is an aiohttp app; the client is synchronous stdlib code so the launcher and
+the CLI can call it without an event loop.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from .registry import RegistryError, Task, TaskRegistry
+
+ReloadFn = Callable[[], Awaitable[dict[str, Any]]]
+
+
+def make_control_app(
+    registry: TaskRegistry,
+    reload: ReloadFn | None = None,
+    status: Callable[[], dict[str, Any]] | None = None,
+) -> web.Application:
+    async def register(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise RegistryError("body must be a JSON object")
+            task = Task.from_dict(body)
+            registry.register(task)
+        except (ValueError, RegistryError) as e:
+            return web.json_response({"error": "bad_request", "detail": str(e)}, status=400)
+        return web.json_response({"registered": asdict(task)}, status=201)
+
+    async def deregister(request: web.Request) -> web.Response:
+        task = registry.deregister(request.match_info["task_id"])
+        if task is None:
+            return web.json_response({"error": "not_found"}, status=404)
+        return web.json_response({"deregistered": asdict(task)})
+
+    async def list_tasks(request: web.Request) -> web.Response:
+        return web.json_response({"tasks": [asdict(t) for t in registry.tasks()]})
+
+    async def do_reload(request: web.Request) -> web.Response:
+        if reload is None:
+            return web.json_response({"error": "not_supported"}, status=404)
+        result = await reload()
+        return web.json_response(result, status=200 if result.get("ok") else 422)
+
+    async def health(request: web.Request) -> web.Response:
+        body: dict[str, Any] = {"ok": True, "tasks": len(registry)}
+        if status is not None:
+            body.update(status())
+        return web.json_response(body)
+
+    app = web.Application(client_max_size=64 * 1024)
+    app.router.add_post("/v1/tasks", register)
+    app.router.add_delete("/v1/tasks/{task_id}", deregister)
+    app.router.add_get("/v1/tasks", list_tasks)
+    app.router.add_post("/v1/reload", do_reload)
+    app.router.add_get("/v1/health", health)
+    return app
+
+
+async def start_control_server(
+    app: web.Application, socket_path: str | os.PathLike[str]
+) -> web.AppRunner:
+    """Serve `app` on a root-only Unix socket; returns the runner (call .cleanup())."""
+    path = Path(socket_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    old = os.umask(0o177)  # the socket exists 0600 from its first instant
+    try:
+        site = web.UnixSite(runner, str(path))
+        await site.start()
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    return runner
+
+
+class ControlError(RuntimeError):
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        super().__init__(f"control API answered {status}: {body}")
+        self.status = status
+        self.body = body
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        s.connect(self._path)
+        self.sock = s
+
+
+class ControlClient:
+    """Synchronous client of a gateway's or broker's control socket."""
+
+    def __init__(self, socket_path: str | os.PathLike[str], timeout: float = 5.0) -> None:
+        self.socket_path = str(socket_path)
+        self.timeout = timeout
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        conn = _UnixHTTPConnection(self.socket_path, self.timeout)
+        try:
+            data = json.dumps(body).encode() if body is not None else None
+            headers = {"Content-Type": "application/json"} if data else {}
+            conn.request(method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+        finally:
+            conn.close()
+        try:
+            parsed = json.loads(raw) if raw else {}
+        except json.JSONDecodeError:
+            parsed = {"error": raw[:200].decode("utf-8", "replace")}
+        if resp.status >= 300:
+            raise ControlError(resp.status, parsed)
+        return parsed
+
+    def register(self, task: Task) -> dict[str, Any]:
+        return self._call("POST", "/v1/tasks", asdict(task))
+
+    def deregister(self, task_id: str, missing_ok: bool = True) -> dict[str, Any] | None:
+        try:
+            return self._call("DELETE", f"/v1/tasks/{task_id}")
+        except ControlError as e:
+            if missing_ok and e.status == 404:
+                return None
+            raise
+
+    def list(self) -> list[Task]:
+        return [Task.from_dict(d) for d in self._call("GET", "/v1/tasks")["tasks"]]
+
+    def reload(self) -> dict[str, Any]:
+        return self._call("POST", "/v1/reload")
+
+    def health(self) -> dict[str, Any]:
+        return self._call("GET", "/v1/health")

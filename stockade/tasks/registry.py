@@ -1,0 +1,159 @@
+"""The task registry: which sandbox address belongs to which task and profile.
+
+Gateway, DNS firewall and broker identify a caller by its source address through this
+registry (the launcher registers each sandbox with them before the command starts).
+It is persisted to a state file so a restart keeps the registrations.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+class RegistryError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    task_id: str
+    address: str  # the sandbox's source IP, canonical text form
+    profile: str
+    expires_at: float | None = None  # unix time; None = until deregistered
+    registered_at: float = 0.0
+
+    def expired(self, now: float) -> bool:
+        return self.expires_at is not None and now >= self.expires_at
+
+    @staticmethod
+    def from_dict(d: dict[str, object]) -> Task:
+        try:
+            task_id = str(d["task_id"])
+            address = str(ipaddress.ip_address(str(d["address"])))
+            profile = str(d["profile"])
+        except (KeyError, ValueError) as e:
+            raise RegistryError(f"invalid task: {e}") from None
+        if not task_id or len(task_id) > 128 or not task_id.isprintable():
+            raise RegistryError("invalid task_id")
+        exp = d.get("expires_at")
+        if exp is not None and not isinstance(exp, int | float):
+            raise RegistryError("expires_at must be a number (unix time)")
+        reg = d.get("registered_at") or time.time()
+        assert isinstance(reg, int | float)
+        return Task(task_id, address, profile, float(exp) if exp is not None else None, float(reg))
+
+
+Listener = Callable[[Task], None]
+
+
+class TaskRegistry:
+    def __init__(self, state_file: str | os.PathLike[str] | None = None) -> None:
+        self.state_file = Path(state_file) if state_file else None
+        self._by_id: dict[str, Task] = {}
+        self._by_addr: dict[str, Task] = {}
+        self._on_removed: list[Listener] = []
+        if self.state_file is not None and self.state_file.exists():
+            self._load()
+
+    # -- queries -------------------------------------------------------------------
+    def by_address(self, address: str, now: float | None = None) -> Task | None:
+        task = self._by_addr.get(address)
+        if task is None:
+            # tolerate non-canonical forms (e.g. IPv4-mapped IPv6 from a dual-stack socket)
+            try:
+                ip = ipaddress.ip_address(address)
+            except ValueError:
+                return None
+            if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+                ip = ip.ipv4_mapped
+            task = self._by_addr.get(str(ip))
+            if task is None:
+                return None
+        if task.expired(time.time() if now is None else now):
+            self._remove(task)
+            return None
+        return task
+
+    def get(self, task_id: str) -> Task | None:
+        return self._by_id.get(task_id)
+
+    def tasks(self) -> list[Task]:
+        return list(self._by_id.values())
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    # -- changes -------------------------------------------------------------------
+    def on_removed(self, fn: Listener) -> None:
+        """`fn(task)` runs when a task is deregistered or expires (close its flows)."""
+        self._on_removed.append(fn)
+
+    def register(self, task: Task) -> None:
+        other = self._by_addr.get(task.address)
+        if other is not None and other.task_id != task.task_id:
+            raise RegistryError(f"address {task.address} belongs to task {other.task_id}")
+        old = self._by_id.get(task.task_id)
+        if old is not None and old.address != task.address:
+            self._by_addr.pop(old.address, None)
+        self._by_id[task.task_id] = task
+        self._by_addr[task.address] = task
+        self._save()
+
+    def deregister(self, task_id: str) -> Task | None:
+        task = self._by_id.get(task_id)
+        if task is not None:
+            self._remove(task)
+        return task
+
+    def expire(self, now: float | None = None) -> list[Task]:
+        """Remove expired tasks; call periodically (the gateway does every 0.5 s)."""
+        t = time.time() if now is None else now
+        gone = [task for task in self._by_id.values() if task.expired(t)]
+        for task in gone:
+            self._remove(task)
+        return gone
+
+    def _remove(self, task: Task) -> None:
+        self._by_id.pop(task.task_id, None)
+        if self._by_addr.get(task.address) is task:
+            del self._by_addr[task.address]
+        self._save()
+        for fn in self._on_removed:
+            fn(task)
+
+    # -- persistence -----------------------------------------------------------------
+    def _load(self) -> None:
+        assert self.state_file is not None
+        try:
+            data = json.loads(self.state_file.read_text())
+            tasks = [Task.from_dict(d) for d in data["tasks"]]
+        except (OSError, ValueError, KeyError, TypeError, RegistryError) as e:
+            raise RegistryError(f"unreadable registry state {self.state_file}: {e}") from None
+        now = time.time()
+        for task in tasks:
+            if not task.expired(now):
+                self._by_id[task.task_id] = task
+                self._by_addr[task.address] = task
+
+    def _save(self) -> None:
+        if self.state_file is None:
+            return
+        self.state_file.parent.mkdir(parents=True, exist_ok=True)
+        body = json.dumps({"tasks": [asdict(t) for t in self._by_id.values()]})
+        # write-then-rename so a crash never leaves a torn state file
+        fd, tmp = tempfile.mkstemp(dir=self.state_file.parent, prefix=".registry.")
+        try:
+            with os.fdopen(fd, "w") as fh:
+                fh.write(body)
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, self.state_file)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
