@@ -61,7 +61,7 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict
         key = loader.construct_object(key_node)
         if key in seen:
             m = key_node.start_mark
-            raise ConfigError(f"{m.name}:{m.line + 1}:{m.column + 1}: duplicate key {key!r}")
+            raise ConfigError(f"{m.line + 1}:{m.column + 1}: duplicate key {key!r}")
         seen.add(key)
     return loader.construct_mapping(node)
 
@@ -82,6 +82,8 @@ def load_config(path: str | Path | None) -> Config:
         data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # noqa: S506 - SafeLoader subclass
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: invalid YAML: {e}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{p}:{e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: top level must be a mapping")
     try:

@@ -1,0 +1,142 @@
+import json
+import os
+
+import jsonschema
+import pytest
+
+from stockade.events import EventWriter, make_event, read_events, validate
+
+
+def _denial(**kw):
+    base = dict(
+        component="gateway",
+        action="connection_decision",
+        decision="denied",
+        reason="no_matching_rule",
+        task_id="t-1",
+        profile="pypi-build",
+        policy_version="abc123",
+        source_ip="10.213.0.2",
+        destination_domain="evil.test",
+        destination_port=443,
+        transport="tcp",
+        protocol="tls",
+    )
+    base.update(kw)
+    return make_event(**base)
+
+
+def test_denial_uses_ecs_fields_and_validates():
+    ev = _denial()
+    validate(ev)
+    assert ev["event"]["outcome"] == "failure"
+    assert ev["event"]["type"] == ["denied"]
+    assert ev["event"]["reason"] == "no_matching_rule"
+    assert ev["destination"] == {"domain": "evil.test", "port": 443}
+    assert ev["labels"] == {"task_id": "t-1", "profile": "pypi-build"}
+    assert ev["rule"] == {"ruleset": "abc123"}
+    assert ev["stockade"]["schema_version"] == "1.0"
+    assert ev["stockade"]["decision"] == "denied"
+
+
+def test_allow_close_dns_broker_and_bypass_shapes_validate():
+    validate(_denial(decision="allowed", reason="allowed_by_rule", rule_id="r1"))
+    close = make_event(
+        component="gateway",
+        action="connection_close",
+        task_id="t",
+        extra={"bytes_up": 10, "bytes_down": 20, "duration_s": 0.5},
+    )
+    validate(close)
+    assert close["event"]["type"] == ["end", "connection"]
+    validate(
+        make_event(
+            component="dns",
+            action="dns_decision",
+            decision="denied",
+            reason="qtype_refused",
+            dns_question={"name": "x.test", "type": "TXT"},
+            dns_response_code="REFUSED",
+        )
+    )
+    validate(
+        make_event(
+            component="broker",
+            action="broker_call",
+            decision="allowed",
+            http_method="GET",
+            http_status=200,
+            url={"path": "/v1/whoami"},
+            extra={"api": "demo", "latency_ms": 1.5},
+        )
+    )
+    bypass = make_event(component="launcher", action="bypass_attempt", decision="denied")
+    validate(bypass)
+    assert bypass["event"]["kind"] == "alert"
+
+
+def test_schema_rejects_unknown_top_level_field():
+    ev = _denial()
+    ev["surprise"] = 1
+    with pytest.raises(jsonschema.ValidationError):
+        validate(ev)
+
+
+def test_report_only_flag():
+    ev = _denial(decision="allowed", report_only=True)
+    validate(ev)
+    assert ev["stockade"]["report_only"] is True
+
+
+def test_writer_json_lines_flushed_per_event(tmp_path):
+    path = tmp_path / "events.jsonl"
+    w = EventWriter(path)
+    w.write(_denial())
+    # readable before close: flushed per event
+    assert len(read_events(path)) == 1
+    w.write(_denial(task_id="t-2"))
+    assert [e["labels"]["task_id"] for e in read_events(path)] == ["t-1", "t-2"]
+    assert w.written == 2 and w.dropped == 0
+    w.close()
+
+
+def test_writer_rotates_by_size_and_keeps_every_event(tmp_path):
+    path = tmp_path / "events.jsonl"
+    w = EventWriter(path, max_bytes=2000, backups=50)
+    for i in range(60):
+        w.write(_denial(task_id=f"t-{i}"))
+    w.close()
+    files = sorted(tmp_path.glob("events.jsonl*"))
+    assert len(files) > 1
+    seen = {e["labels"]["task_id"] for f in files for e in read_events(f)}
+    assert seen == {f"t-{i}" for i in range(60)}
+    assert all(os.path.getsize(f) <= 2000 for f in files)
+
+
+def test_writer_counts_what_it_cannot_write(tmp_path):
+    w = EventWriter(tmp_path / "e.jsonl")
+    assert w.write({"bad": object()}) is False
+    assert w.dropped == 1
+    # the log directory replaced by a file (works as root too): counted, never raised
+    w2 = EventWriter(tmp_path / "sub" / "e.jsonl")
+    (tmp_path / "sub").rmdir()
+    (tmp_path / "sub").write_text("a file where the directory was")
+    assert w2.write(_denial()) is False
+    assert w2.dropped == 1
+
+
+def test_writer_subscribers_and_recent(tmp_path):
+    got = []
+    w = EventWriter(None, keep_recent=2)
+    w.subscribe(got.append)
+    for i in range(3):
+        w.write(_denial(task_id=str(i)))
+    assert [e["labels"]["task_id"] for e in w.recent] == ["1", "2"]
+    assert len(got) == 3
+
+
+def test_stdout_is_json(capsys):
+    w = EventWriter(None, stdout=True)
+    w.write(_denial())
+    out = capsys.readouterr().out
+    assert json.loads(out)["event"]["action"] == "connection_decision"
