@@ -1,0 +1,205 @@
+"""Incremental, pure parser of an HTTP/1.x request head: method, target, Host.
+
+Hand-written on purpose: the gateway must decide on the head before any byte goes
+upstream, keep the bytes for replay, and be stricter than a server library (CRLF only,
+no obs-fold, exactly one Host, no userinfo, a hard size cap) so that the gateway and the
+upstream cannot disagree about which host a request names. h11 would parse the head,
+but it consumes the stream and tolerates what we must refuse.
+
+Usage: `s = HttpSniffer(max_bytes); r = s.feed(chunk)` until `r` is not `NEED_MORE`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from stockade.policy.reasons import Reason
+
+from .sniff_common import NEED_MORE, NeedMore, SniffError
+
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_METHOD = re.compile(rb"[A-Z][A-Z0-9\-_]{0,23}")
+_VERSION = re.compile(rb"HTTP/1\.[01]")
+_TARGET_BYTES = re.compile(rb"[\x21-\x7e]+")
+_VALUE_BYTES = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
+_PORT = re.compile(r"[0-9]{1,5}")
+_HOST_CHARS = re.compile(r"[A-Za-z0-9\-._~%!$&'()*+,;=:]+")
+
+TargetForm = Literal["origin", "absolute", "authority", "asterisk"]
+
+
+class AuthorityError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Authority:
+    host: str  # raw host (brackets removed from IPv6 literals), not yet normalised
+    port: int | None  # None when absent
+    is_ip: bool
+
+
+def parse_authority(raw: str) -> Authority:
+    """`host`, `host:port`, `[v6]` or `[v6]:port`; userinfo and anything odd are refused."""
+    if not raw or "@" in raw or any(c in raw for c in "/?#\\ \t"):
+        raise AuthorityError("malformed authority")
+    port_text: str | None = None
+    if raw.startswith("["):
+        end = raw.find("]")
+        if end < 0:
+            raise AuthorityError("unclosed [")
+        host = raw[1:end]
+        rest = raw[end + 1 :]
+        if rest:
+            if not rest.startswith(":"):
+                raise AuthorityError("junk after ]")
+            port_text = rest[1:]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise AuthorityError("[...] is not an IPv6 literal") from None
+        is_ip = True
+    else:
+        host, sep, port_part = raw.partition(":")
+        if sep:
+            port_text = port_part
+        if ":" in port_part or "[" in host or "]" in host:
+            raise AuthorityError("bare IPv6 or extra colon")
+        if not host or not _HOST_CHARS.fullmatch(host):
+            raise AuthorityError("bad host characters")
+        try:
+            ipaddress.IPv4Address(host)
+            is_ip = True
+        except ValueError:
+            is_ip = False
+    port: int | None = None
+    if port_text is not None:
+        if not _PORT.fullmatch(port_text) or not 0 < int(port_text) < 65536:
+            raise AuthorityError("bad port")
+        port = int(port_text)
+    return Authority(host, port, is_ip)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestHead:
+    method: str
+    target: str
+    version: str
+    form: TargetForm
+    host_header: str | None  # raw value of the single Host header
+    authority: Authority | None  # from an absolute-form or authority-form target
+    path: str | None  # origin/absolute form: path + query
+    head_len: int  # bytes up to and including the blank line
+    headers: tuple[tuple[str, str], ...]
+
+
+def _split_target(method: str, target: str) -> tuple[TargetForm, Authority | None, str | None]:
+    if method == "CONNECT":
+        return "authority", parse_authority(target), None
+    if target == "*":
+        return "asterisk", None, None
+    if target.startswith("/"):
+        return "origin", None, target
+    scheme, sep, rest = target.partition("://")
+    if not sep or scheme.lower() != "http":
+        raise AuthorityError("absolute-form target must be http://")
+    cut = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    auth = parse_authority(rest[:cut])
+    path = rest[cut:] or "/"
+    if path.startswith("#") or path.startswith("?"):
+        path = "/" + path
+    return "absolute", auth, path
+
+
+def parse_head(head: bytes) -> RequestHead | SniffError:
+    """Parse a complete head (ending in CRLF CRLF)."""
+    lines = head[:-4].split(b"\r\n")
+    if any(b"\n" in line or b"\r" in line for line in lines):
+        return SniffError(Reason.PROTOCOL_UNRECOGNISED, "bare CR or LF in request head")
+    parts = lines[0].split(b" ")
+    if len(parts) != 3:
+        return SniffError(Reason.PROTOCOL_UNRECOGNISED, "malformed request line")
+    m, t, v = parts
+    if not _METHOD.fullmatch(m) or not _TARGET_BYTES.fullmatch(t) or not _VERSION.fullmatch(v):
+        return SniffError(Reason.PROTOCOL_UNRECOGNISED, "malformed request line")
+    method, target, version = m.decode(), t.decode(), v.decode()
+    headers: list[tuple[str, str]] = []
+    hosts: list[str] = []
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep or not _TOKEN.fullmatch(name):
+            # includes obs-fold (leading whitespace) and empty names
+            return SniffError(Reason.PROTOCOL_UNRECOGNISED, "malformed header line")
+        value = value.strip(b" \t")
+        if not _VALUE_BYTES.fullmatch(value):
+            return SniffError(Reason.PROTOCOL_UNRECOGNISED, "control character in header")
+        text_name = name.decode("ascii")
+        text_value = value.decode("latin-1")
+        headers.append((text_name, text_value))
+        if text_name.lower() == "host":
+            hosts.append(text_value)
+    if len(hosts) > 1:
+        return SniffError(Reason.DESTINATION_MISMATCH, "more than one Host header")
+    try:
+        form, authority, path = _split_target(method, target)
+        if hosts:
+            parse_authority(hosts[0])  # validated here, compared in flow.py
+    except AuthorityError as e:
+        return SniffError(Reason.INVALID_HOST, str(e))
+    if form == "authority" and method != "CONNECT":
+        return SniffError(Reason.PROTOCOL_UNRECOGNISED, "authority-form without CONNECT")
+    return RequestHead(
+        method=method,
+        target=target,
+        version=version,
+        form=form,
+        host_header=hosts[0] if hosts else None,
+        authority=authority,
+        path=path,
+        head_len=len(head),
+        headers=tuple(headers),
+    )
+
+
+class HttpSniffer:
+    """Buffers bytes until the blank line that ends the head (or the cap is hit)."""
+
+    def __init__(self, max_bytes: int = 16384) -> None:
+        self.max_bytes = max_bytes
+        self._buf = bytearray()
+        self._result: RequestHead | SniffError | None = None
+
+    def feed(self, data: bytes) -> NeedMore | RequestHead | SniffError:
+        if self._result is not None:
+            return self._result
+        start = max(0, len(self._buf) - 3)
+        self._buf += data
+        end = self._buf.find(b"\r\n\r\n", start)
+        if end < 0:
+            if len(self._buf) > self.max_bytes:
+                self._result = SniffError(Reason.HEAD_TOO_LARGE, "request head exceeds the cap")
+                return self._result
+            if not _plausible_prefix(bytes(self._buf[:32])):
+                self._result = SniffError(Reason.PROTOCOL_UNRECOGNISED, "not an HTTP request")
+                return self._result
+            return NEED_MORE
+        if end + 4 > self.max_bytes:
+            self._result = SniffError(Reason.HEAD_TOO_LARGE, "request head exceeds the cap")
+        else:
+            self._result = parse_head(bytes(self._buf[: end + 4]))
+        return self._result
+
+
+def _plausible_prefix(prefix: bytes) -> bool:
+    """Reject early (before the deadline) what can never become a request line."""
+    method, sep, _ = prefix.partition(b" ")
+    if not sep:
+        return method == b"" or _METHOD.fullmatch(method) is not None
+    return _METHOD.fullmatch(method) is not None
+
+
+def looks_like_http(first: bytes) -> bool:
+    return len(first) >= 1 and 0x41 <= first[0] <= 0x5A  # an upper-case method letter
