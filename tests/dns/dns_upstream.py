@@ -157,7 +157,11 @@ class Upstream:
             self._servers = [udp, tcp]
             for s in self._servers:
                 s.server.daemon_threads = True
-                s.start_thread()
+                # a short poll interval keeps shutdown (and so each test's teardown) quick
+                t = threading.Thread(
+                    target=s.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+                )
+                t.start()
             return self
         raise RuntimeError("no free port for the upstream DNS server")
 
