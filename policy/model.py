@@ -42,6 +42,8 @@ class EgressEntry:
     reason: str
     host: str | None = None  # "example.com" or "*.example.com" (subdomains only)
     cidr: IPNetwork | None = None
+    # empty = every port; only deny entries without `ports:` have that (a deny that covered
+    # just 443 would leave the same host open on other ports)
     ports: frozenset[int] = frozenset({443})
     expires: date | None = None
     http: HttpRule | None = None
@@ -92,8 +94,10 @@ class Profile:
     isolation: Isolation = "container"
     limits: Limits = field(default_factory=Limits)
     mode: Mode = "enforce"
+    # own entries first, then those of `presets` (expanded at load time; see entry.origin)
     allow: tuple[EgressEntry, ...] = ()
     deny: tuple[EgressEntry, ...] = ()
+    presets: tuple[str, ...] = ()
     broker: dict[str, BrokerGrant] = field(default_factory=dict)
     exports: ExportPolicy = field(default_factory=ExportPolicy)
     location: SourceLocation | None = None
@@ -159,3 +163,14 @@ class Verdict:
     entry_reason: str | None = None  # the matching entry's human `reason`
     report_only: bool = False  # True when the rules denied but report mode let it through
     needs_inspection: bool = False  # the matching entry has an http block
+
+
+@dataclass(frozen=True, slots=True)
+class Preset:
+    """A reusable set of egress entries (`rules/presets/*.yaml`), expanded into profiles."""
+
+    name: str
+    description: str
+    allow: tuple[EgressEntry, ...] = ()
+    deny: tuple[EgressEntry, ...] = ()
+    location: SourceLocation | None = None

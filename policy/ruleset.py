@@ -1,0 +1,19 @@
+"""The loaded rule set: what `load_rules` returns and every decision reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .index import CompiledProfile
+from .model import ApiDefinition, PolicyTestCase, Preset, Profile
+
+
+@dataclass(frozen=True, slots=True)
+class RuleSet:
+    root: str  # the rules directory it was loaded from
+    version: str  # sha256 of the canonical content, 16 hex; `rule.ruleset` in events
+    profiles: dict[str, Profile]
+    apis: dict[str, ApiDefinition]
+    presets: dict[str, Preset]
+    tests: tuple[PolicyTestCase, ...] = ()
+    compiled: dict[str, CompiledProfile] = field(default_factory=dict, repr=False)

@@ -1,0 +1,236 @@
+"""The YAML file formats as strict pydantic models (unknown keys and wrong types are errors).
+
+These models only check shape and single values; cross-file checks (presets, API names,
+duplicate ids) live in `loader.py`, which turns the result into `model.py` values.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from datetime import date
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
+
+from .globs import compile_glob
+from .hosts import normalize_pattern
+from .reasons import Reason
+from .units import parse_duration, parse_rate, parse_size
+
+NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/*@-]{0,199}$"
+HTTP_METHODS = frozenset(
+    {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "CONNECT", "TRACE"}
+)
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+def _glob(v: str) -> str:
+    compile_glob(v)
+    return v
+
+
+def _method(v: str) -> str:
+    up = v.upper()
+    if up not in HTTP_METHODS:
+        raise ValueError(f"unknown HTTP method {v!r}")
+    return up
+
+
+def _op_method(v: str) -> str:
+    return "*" if v == "*" else _method(v)
+
+
+def _cidr(v: str) -> str:
+    try:
+        net = ipaddress.ip_network(v, strict=True)
+    except ValueError as e:
+        raise ValueError(f"invalid CIDR {v!r}: {e}") from None
+    return str(net)
+
+
+def _reason_text(v: str) -> str:
+    if not v.strip():
+        raise ValueError("reason must say why the entry is needed")
+    return v.strip()
+
+
+Size = Annotated[int, BeforeValidator(parse_size)]
+Duration = Annotated[int, BeforeValidator(parse_duration)]
+Rate = Annotated[float, BeforeValidator(parse_rate)]
+Name = Annotated[StrictStr, Field(pattern=NAME_PATTERN)]
+Port = Annotated[StrictInt, Field(ge=1, le=65535)]
+Glob = Annotated[StrictStr, AfterValidator(_glob)]
+Method = Annotated[StrictStr, AfterValidator(_method)]
+HostPattern = Annotated[StrictStr, AfterValidator(normalize_pattern)]
+Cidr = Annotated[StrictStr, AfterValidator(_cidr)]
+ReasonText = Annotated[StrictStr, AfterValidator(_reason_text)]
+
+
+class HttpModel(Strict):
+    methods: list[Method] = []
+    paths: list[Glob] = []
+
+
+class EntryModel(Strict):
+    host: HostPattern | None = None
+    cidr: Cidr | None = None
+    ports: Annotated[list[Port], Field(min_length=1)] | None = None
+    reason: ReasonText
+    id: Annotated[StrictStr, Field(pattern=ID_PATTERN)] | None = None
+    expires: Annotated[date, Field(strict=False)] | None = None
+    http: HttpModel | None = None
+
+    @model_validator(mode="after")
+    def _one_destination(self) -> EntryModel:
+        if (self.host is None) == (self.cidr is None):
+            raise ValueError("an entry needs exactly one of 'host' or 'cidr'")
+        if self.cidr is not None and self.http is not None:
+            raise ValueError("'http' needs a 'host' entry (L7 rules match names)")
+        return self
+
+
+class DenyEntryModel(EntryModel):
+    @model_validator(mode="after")
+    def _no_http(self) -> DenyEntryModel:
+        if self.http is not None:
+            raise ValueError("deny entries take no 'http' block; deny the host, or narrow "
+                             "the allow entry's http methods/paths")
+        return self
+
+
+class LimitsModel(Strict):
+    cpus: Annotated[float, Field(gt=0, le=256, strict=False)] = 1.0
+    memory: Size = 512 * 2**20
+    disk: Size = 1 * 2**30
+    pids: Annotated[StrictInt, Field(ge=1)] = 256
+    ttl: Duration = 300
+    egress_bytes: Size = 1 * 2**30
+
+
+class EgressModel(Strict):
+    mode: Literal["enforce", "report"] = "enforce"
+    presets: list[Name] = []
+    allow: list[EntryModel] = []
+    deny: list[DenyEntryModel] = []
+
+
+class OperationModel(Strict):
+    method: Annotated[StrictStr, AfterValidator(_op_method)]
+    path: Glob
+
+
+class BudgetModel(Strict):
+    calls: Annotated[StrictInt, Field(ge=0)] | None = None
+    bytes: Size | None = None
+
+
+class GrantModel(Strict):
+    operations: Annotated[list[OperationModel], Field(min_length=1)]
+    rate: Rate = 10.0
+    burst: Annotated[StrictInt, Field(ge=1)] = 20
+    budget: BudgetModel = BudgetModel()
+    max_body: Size = 1 * 2**20
+
+
+class BrokerModel(Strict):
+    apis: dict[Name, GrantModel] = {}
+
+
+class ExportsModel(Strict):
+    max_file: Size = 10 * 2**20
+    max_total: Size = 50 * 2**20
+    types: list[Literal["text", "json", "binary", "archive", "image"]] = ["text", "json"]
+
+
+class ProfileModel(Strict):
+    profile: Name
+    description: StrictStr = ""
+    isolation: Literal["container", "gvisor", "microvm"] = "container"
+    limits: LimitsModel = LimitsModel()
+    egress: EgressModel = EgressModel()
+    broker: BrokerModel = BrokerModel()
+    exports: ExportsModel = ExportsModel()
+
+
+class PresetModel(Strict):
+    preset: Name
+    description: StrictStr = ""
+    allow: list[EntryModel] = []
+    deny: list[DenyEntryModel] = []
+
+
+class CredentialModel(Strict):
+    mount: Annotated[StrictStr, Field(min_length=1)]
+    path: Annotated[StrictStr, Field(min_length=1)]
+    field: Annotated[StrictStr, Field(min_length=1)]
+
+
+class InjectModel(Strict):
+    style: Literal["bearer", "header", "basic", "query"]
+    header: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9-]{1,64}$")] | None = None
+    template: StrictStr | None = None
+    username: StrictStr | None = None
+    param: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] | None = None
+
+    @model_validator(mode="after")
+    def _fields_for_style(self) -> InjectModel:
+        need = {"header": "header", "basic": "username", "query": "param"}.get(self.style)
+        if need and getattr(self, need) is None:
+            raise ValueError(f"style {self.style!r} needs '{need}'")
+        allowed = {"bearer": set(), "header": {"header", "template"}, "basic": {"username"},
+                   "query": {"param"}}[self.style]  # fmt: skip
+        extra = {k for k in ("header", "template", "username", "param")
+                 if getattr(self, k) is not None} - allowed  # fmt: skip
+        if extra:
+            raise ValueError(f"style {self.style!r} takes no {', '.join(sorted(extra))}")
+        if self.template is not None and "{secret}" not in self.template:
+            raise ValueError("template must contain '{secret}'")
+        return self
+
+
+class ApiModel(Strict):
+    api: Name
+    description: StrictStr = ""
+    base_url: StrictStr
+    allow_plain_http: StrictBool = False
+    credential: CredentialModel
+    inject: InjectModel
+
+    @model_validator(mode="after")
+    def _url(self) -> ApiModel:
+        u = urlsplit(self.base_url)
+        if u.scheme not in ("https", "http") or not u.hostname:
+            raise ValueError("base_url must be an absolute https:// URL")
+        if u.scheme == "http" and not self.allow_plain_http:
+            raise ValueError("base_url is plain http; set allow_plain_http: true if intended")
+        if u.username or u.password or u.query or u.fragment:
+            raise ValueError("base_url must not carry userinfo, query or fragment")
+        return self
+
+
+class TestCaseModel(Strict):
+    profile: Name
+    target: Annotated[StrictStr, Field(min_length=1)]
+    method: Method | None = None
+    expect: Literal["allow", "deny"]
+    rule: StrictStr | None = None
+    reason: Reason | None = Field(default=None, strict=False)
+
+
+class TestFileModel(Strict):
+    tests: list[TestCaseModel]
