@@ -13,6 +13,14 @@ class BrokerSettings(BaseModel):
     serve_stale_s: float = Field(300.0, ge=0)
     upstream_timeout_s: float = Field(30.0, gt=0)
     ca_file: str | None = None  # extra CA bundle for upstream APIs (tests, private CAs)
+    # largest request the HTTP server accepts at all (the profile's max_body is usually lower)
+    max_request_bytes: int = Field(16 * 2**20, gt=0)
+    # /v1/call buffers the upstream response into its JSON answer: cap it
+    max_call_response_bytes: int = Field(10 * 2**20, gt=0)
+    # a gzip/deflate upstream body is decoded (for scrubbing) up to this many bytes
+    max_decoded_bytes: int = Field(256 * 2**20, gt=0)
+    max_upstream_connections: int = Field(256, ge=1)  # pooled connections to all upstreams
+    state_file: str | None = None  # task registry state; default <state_dir>/broker-tasks.json
 
 
 class AppRoleSettings(BaseModel):

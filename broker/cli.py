@@ -1,0 +1,71 @@
+"""`stockade broker serve --config FILE`: run the credential broker in the foreground."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def add_commands(sub: Any) -> None:
+    p = sub.add_parser("broker", help="credential broker")
+    p.set_defaults(group_parser=p)
+    bsub = p.add_subparsers(dest="broker_command", metavar="COMMAND")
+    serve = bsub.add_parser("serve", help="run the broker in the foreground")
+    serve.add_argument("--config", "-c", metavar="FILE", help="stockade.yaml (default: built-in)")
+    serve.add_argument("--listen", metavar="HOST:PORT", help="override broker.listen")
+    serve.add_argument("--rules", metavar="DIR", help="override rules_dir")
+    serve.add_argument(
+        "--dev-vault",
+        action="store_true",
+        help="when vault.address is unset, start a throw-away OpenBao dev server (demo only)",
+    )
+    serve.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from stockade.config import ConfigError, load_config
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        print(f"stockade broker: {e}", file=sys.stderr)
+        return 2
+    updates: dict[str, Any] = {}
+    if args.rules:
+        updates["rules_dir"] = args.rules
+    if args.listen:
+        updates["broker"] = cfg.broker.model_copy(update={"listen": args.listen})
+    if updates:
+        cfg = cfg.model_copy(update=updates)
+    return asyncio.run(_run(cfg, args.dev_vault))
+
+
+async def _run(cfg: Any, dev_vault: bool) -> int:
+    from stockade.policy import RulesError
+
+    from .service import BrokerService
+
+    svc = BrokerService(cfg, dev_vault=dev_vault)
+    try:
+        await svc.start()
+    except RulesError as e:
+        print(f"stockade broker: invalid rules:\n{e}", file=sys.stderr)
+        await svc.stop()
+        return 2
+    except (ValueError, OSError) as e:
+        print(f"stockade broker: cannot start: {e}", file=sys.stderr)
+        await svc.stop()
+        return 2
+    assert svc.listen_address is not None
+    host, port = svc.listen_address
+    print(f"stockade broker: listening on {host}:{port}", file=sys.stderr, flush=True)
+    try:
+        await svc.serve_forever()
+    finally:
+        await svc.stop()
+    return 0

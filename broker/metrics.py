@@ -1,0 +1,58 @@
+"""Prometheus metrics of one broker, on its own CollectorRegistry (no global state).
+
+Labels carry API names and reason codes only: never a task id (unbounded), never a path
+or anything a caller chose freely, never a secret.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
+
+
+class BrokerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.calls = Counter(
+            "stockade_broker_calls", "Broker calls by API and outcome (reason code)",
+            ["api", "outcome"], registry=r,
+        )
+        self.upstream_seconds = Histogram(
+            "stockade_broker_upstream_seconds", "Upstream call latency (to last byte)",
+            ["api"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.vault_seconds = Histogram(
+            "stockade_broker_vault_read_seconds", "Vault KV read latency",
+            ["result"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.cache = Counter(
+            "stockade_broker_secret_cache", "Secret cache lookups (hit, miss, stale)",
+            ["result"], registry=r,
+        )
+        self.scrubs = Counter(
+            "stockade_broker_scrubs", "Secret echoes removed from upstream responses",
+            ["api"], registry=r,
+        )
+        self.vault_up = Gauge(
+            "stockade_broker_vault_up", "1 while Vault answers, 0 after a failed read",
+            registry=r,
+        )
+        self.vault_up.set(1)
+        self.bytes = Counter(
+            "stockade_broker_bytes", "Body bytes through the broker", ["api", "direction"],
+            registry=r,
+        )
+        self.events_dropped = Gauge(
+            "stockade_broker_events_dropped", "Events the writer could not write", registry=r
+        )
+
+    def vault_read(self, seconds: float, ok: bool) -> None:
+        self.vault_seconds.labels("ok" if ok else "error").observe(seconds)
+
+    def cache_result(self, what: str) -> None:
+        self.cache.labels(what).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

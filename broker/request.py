@@ -1,0 +1,265 @@
+"""Sans-IO checks of a caller's request and the upstream URL built from it.
+
+Hand-written because the rules are ours, not HTTP's: a caller may choose the path, query,
+method, body and ordinary headers of an upstream call, never its host, scheme, port or
+credentials. Everything here is pure (strings in, `CallRequest` or `RequestError` out)
+so it is unit- and property-tested without sockets.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from urllib.parse import quote, unquote, urlsplit
+
+from stockade.policy.model import ApiDefinition, Injection
+
+
+class RequestError(ValueError):
+    """The request is malformed or tries to escape the API definition (400 bad_request)."""
+
+
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+# RFC 9110 7.6.1 plus the proxy-era ones; never forwarded in either direction
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+# headers the broker owns on the upstream request; a caller's value is dropped
+OWNED_REQUEST = frozenset(
+    {
+        "host",
+        "authorization",
+        "cookie",
+        "content-length",
+        "accept-encoding",
+        "x-api-key",
+        "api-key",
+        "x-auth-token",
+        "private-token",
+        "forwarded",
+        "x-forwarded-for",
+        "x-forwarded-host",
+        "x-forwarded-proto",
+        "x-real-ip",
+        "expect",
+    }
+)
+# headers the broker recomputes on the way back (the body is scrubbed and re-framed)
+OWNED_RESPONSE = frozenset({"content-length", "content-encoding", "set-cookie", "alt-svc"})
+
+_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")  # RFC 9110 token
+_BAD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # CR, LF, NUL and other controls
+_PCT = re.compile(r"%([0-9A-Fa-f]{2})")
+_BAD_PCT = re.compile(r"%(?![0-9A-Fa-f]{2})")
+MAX_PATH = 8192
+MAX_HEADERS = 100
+
+
+@dataclass(frozen=True, slots=True)
+class CallRequest:
+    """A validated call: everything the policy check and the upstream call need."""
+
+    api: str
+    method: str
+    path: str  # as sent upstream (percent-encoded), always starts with "/"
+    match_path: str  # percent-decoded, for operation globs
+    query: tuple[tuple[str, str], ...]
+    headers: tuple[tuple[str, str], ...]  # already filtered
+    body: bytes
+
+
+def check_method(method: str) -> str:
+    m = method.upper()
+    if m not in METHODS:
+        raise RequestError("unsupported method")
+    return m
+
+
+def check_path(raw: str) -> tuple[str, str]:
+    """Return (encoded path, decoded path) or raise RequestError.
+
+    Refuses anything that could move the request off the API's base path or host:
+    absolute and scheme-relative URLs, dot segments (also percent-encoded), encoded
+    slashes and backslashes, NUL/controls, malformed escapes.
+    """
+    if not raw:
+        raw = "/"
+    if len(raw) > MAX_PATH:
+        raise RequestError("path too long")
+    if not raw.startswith("/") or raw.startswith("//"):
+        raise RequestError("path must be absolute-path form, not a URL")
+    if "://" in raw or "\\" in raw or "?" in raw or "#" in raw:
+        raise RequestError("path contains a URL, backslash, query or fragment")
+    if _BAD_VALUE.search(raw) or "\t" in raw or " " in raw:
+        raise RequestError("path contains whitespace or control characters")
+    if _BAD_PCT.search(raw):
+        raise RequestError("malformed percent-escape in path")
+    for m in _PCT.finditer(raw):
+        b = int(m.group(1), 16)
+        # encoded "/", "\" and controls would be decoded by some upstream into a new
+        # segment or header; encoded "." is only dangerous in dot segments (checked below)
+        if b in (0x2F, 0x5C) or b < 0x20 or b == 0x7F:
+            raise RequestError("encoded slash, backslash or control in path")
+    try:
+        decoded = unquote(raw, errors="strict")
+    except UnicodeDecodeError:
+        raise RequestError("path is not UTF-8") from None
+    for seg in decoded.split("/"):
+        if seg in (".", ".."):
+            raise RequestError("dot segment in path")
+    for seg in raw.split("/"):
+        if seg in (".", ".."):
+            raise RequestError("dot segment in path")
+    # re-quote what is not already safe, keeping existing escapes and the "/" structure
+    encoded = quote(raw, safe="/%:@!$&'()*+,;=-._~")
+    return encoded, decoded
+
+
+def check_header(name: str, value: str) -> None:
+    if not _TOKEN.match(name):
+        raise RequestError("invalid header name")
+    if _BAD_VALUE.search(value):
+        raise RequestError("control character (CR/LF/NUL) in header value")
+
+
+def filter_headers(
+    headers: Iterable[tuple[str, str]], injection: Injection | None = None
+) -> tuple[tuple[str, str], ...]:
+    """Drop hop-by-hop, host, credential and broker-owned headers; reject CRLF/NUL.
+
+    The header an injection writes (e.g. X-Api-Key) is dropped too, so the caller can
+    neither override nor duplicate the injected credential.
+    """
+    out: list[tuple[str, str]] = []
+    items = list(headers)
+    if len(items) > MAX_HEADERS:
+        raise RequestError("too many headers")
+    owned = set(OWNED_REQUEST)
+    if injection is not None and injection.header:
+        owned.add(injection.header.lower())
+    # a Connection header may name further hop-by-hop headers
+    conn_named: set[str] = set()
+    for name, value in items:
+        check_header(name, value)
+        if name.lower() == "connection":
+            conn_named.update(t.strip().lower() for t in value.split(",") if t.strip())
+    for name, value in items:
+        low = name.lower()
+        if low in HOP_BY_HOP or low in owned or low in conn_named:
+            continue
+        if low.startswith("proxy-") or low.startswith("x-stockade-"):
+            continue
+        out.append((name, value))
+    return tuple(out)
+
+
+def filter_response_headers(
+    headers: Iterable[tuple[str, str]],
+) -> list[tuple[str, str]]:
+    conn_named: set[str] = set()
+    items = list(headers)
+    for name, value in items:
+        if name.lower() == "connection":
+            conn_named.update(t.strip().lower() for t in value.split(",") if t.strip())
+    return [
+        (n, v)
+        for n, v in items
+        if n.lower() not in HOP_BY_HOP
+        and n.lower() not in OWNED_RESPONSE
+        and n.lower() not in conn_named
+        and not _BAD_VALUE.search(v)
+    ]
+
+
+def parse_query(raw: str) -> tuple[tuple[str, str], ...]:
+    """Split a raw query string into (name, value) pairs, keeping the caller's encoding."""
+    if not raw:
+        return ()
+    if _BAD_VALUE.search(raw) or "#" in raw or " " in raw:
+        raise RequestError("control character, space or fragment in query")
+    pairs: list[tuple[str, str]] = []
+    for part in raw.split("&"):
+        if not part:
+            continue
+        name, _, value = part.partition("=")
+        pairs.append((unquote(name), unquote(value)))
+    return tuple(pairs)
+
+
+def check_query(query: Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+    out = []
+    for name, value in query:
+        if _BAD_VALUE.search(name) or _BAD_VALUE.search(value):
+            raise RequestError("control character in query")
+        out.append((name, value))
+    return tuple(out)
+
+
+def normalize_query(
+    query: Mapping[str, object] | Iterable[object] | None,
+) -> tuple[tuple[str, str], ...]:
+    """Accept the JSON call style's query: {"a": "1", "b": ["2", "3"]} or [["a", "1"]]."""
+    if query is None:
+        return ()
+    pairs: list[tuple[str, str]] = []
+    if isinstance(query, Mapping):
+        for k, v in query.items():
+            vals = v if isinstance(v, list) else [v]
+            for item in vals:
+                if not isinstance(item, str | int | float | bool):
+                    raise RequestError("query values must be scalars")
+                pairs.append((str(k), _scalar(item)))
+    else:
+        for pair in query:
+            if not (isinstance(pair, list | tuple) and len(pair) == 2):
+                raise RequestError("query must be an object or a list of [name, value]")
+            pairs.append((str(pair[0]), _scalar(pair[1])))
+    return check_query(pairs)
+
+
+def _scalar(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    scheme: str
+    host: str
+    port: int
+    prefix: str  # base path without trailing "/"
+
+
+def parse_base_url(api: ApiDefinition) -> Upstream:
+    parts = urlsplit(api.base_url)
+    if parts.scheme not in ("https", "http") or (
+        parts.scheme == "http" and not api.allow_plain_http
+    ):
+        raise RequestError("API base_url must be https (or http with allow_plain_http)")
+    if not parts.hostname or parts.username or parts.password or parts.query or parts.fragment:
+        raise RequestError("API base_url must be scheme://host[:port][/prefix]")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return Upstream(parts.scheme, parts.hostname, port, parts.path.rstrip("/"))
+
+
+def build_url(up: Upstream, path: str, query: Iterable[tuple[str, str]]) -> str:
+    """The upstream URL: scheme, host and port only ever come from the definition."""
+    host = f"[{up.host}]" if ":" in up.host else up.host
+    default = 443 if up.scheme == "https" else 80
+    authority = host if up.port == default else f"{host}:{up.port}"
+    url = f"{up.scheme}://{authority}{up.prefix}{path}"
+    q = "&".join(f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in query)
+    return f"{url}?{q}" if q else url

@@ -1,0 +1,588 @@
+"""The broker's asyncio shell: aiohttp in, policy + Vault + injection, aiohttp out.
+
+Every decision is made by the pure modules (`request`, `inject`, `limits`, `scrub`,
+`decode`, `stockade.policy.match_operation`); this module only moves bytes, keeps the
+per-task state and writes one `broker_call` event per call. Denials are JSON
+`{"error": "denied", "reason": <code>, "message": ...}` plus an `X-Stockade-Deny` header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import ssl
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+from aiohttp import web
+from stockade.policy.model import ApiDefinition, BrokerGrant, Profile
+from stockade.policy.reasons import Reason
+
+from stockade.events import EventWriter, make_event
+from stockade.tasks import Task, TaskRegistry
+
+from .decode import BodyDecoder, DecodeLimit, EncodingRefused
+from .inject import inject, strip_injected_query
+from .limits import Limiter
+from .metrics import BrokerMetrics
+from .request import (
+    CallRequest,
+    RequestError,
+    Upstream,
+    build_url,
+    check_method,
+    check_path,
+    filter_headers,
+    filter_response_headers,
+    normalize_query,
+    parse_base_url,
+    parse_query,
+)
+from .scrub import Patterns, StreamScrubber
+from .settings import BrokerSettings
+from .vault import SecretValue, VaultUnavailable
+
+log = logging.getLogger("stockade.broker")
+
+CHUNK = 64 * 1024
+UPSTREAM_ERROR = "upstream_error"  # reason for an upstream that failed mid-call (502)
+
+
+class Rules(Protocol):
+    """What the broker reads of a `stockade.policy.RuleSet`."""
+
+    @property
+    def version(self) -> str: ...
+    @property
+    def profiles(self) -> Mapping[str, Profile]: ...
+    @property
+    def apis(self) -> Mapping[str, ApiDefinition]: ...
+
+
+class SecretSource(Protocol):
+    async def get(self, cred: Any) -> SecretValue: ...
+
+
+class Denied(Exception):
+    def __init__(self, status: int, reason: str, message: str, retry_after: float = 0) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.message = message
+        self.retry_after = retry_after
+
+
+@dataclass
+class CallLog:
+    """What the audit event of one call says; filled in as the call progresses."""
+
+    t0: float
+    source_ip: str
+    task: Task | None = None
+    api: str | None = None
+    method: str | None = None
+    path: str | None = None
+    upstream: Upstream | None = None
+    status: int | None = None
+    bytes_up: int = 0
+    bytes_down: int = 0
+    decision: str = "denied"
+    reason: str = Reason.BAD_REQUEST
+    scrubs: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Broker:
+    def __init__(
+        self,
+        settings: BrokerSettings,
+        rules: Rules,
+        secrets: SecretSource,
+        registry: TaskRegistry,
+        events: EventWriter,
+        metrics: BrokerMetrics | None = None,
+        *,
+        load_rules: Callable[[], Rules] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.rules = rules
+        self.secrets = secrets
+        self.registry = registry
+        self.events = events
+        self.metrics = metrics or BrokerMetrics()
+        self._load_rules = load_rules
+        self.clock = clock
+        self.limiter = Limiter()
+        self._patterns: OrderedDict[tuple[str, str, int], Patterns] = OrderedDict()
+        self._session: aiohttp.ClientSession | None = None
+        self._upstreams: dict[str, Upstream] = {}
+        registry.on_removed(lambda t: self.limiter.forget(t.task_id))
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def ssl_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context()
+        if self.settings.ca_file:
+            ctx.load_verify_locations(self.settings.ca_file)
+        return ctx
+
+    async def start(self) -> None:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(
+                ssl=self.ssl_context(), limit=self.settings.max_upstream_connections
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                auto_decompress=False,  # decode.py decides: decode gzip/deflate or refuse
+                timeout=aiohttp.ClientTimeout(total=self.settings.upstream_timeout_s),
+                cookie_jar=aiohttp.DummyCookieJar(),  # no state shared between tasks
+                trust_env=False,
+            )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.settings.max_request_bytes)
+        app.router.add_post("/v1/call", self.handle_call)
+        app.router.add_route("*", "/{api}", self.handle_passthrough)
+        app.router.add_route("*", "/{api}/{tail:.*}", self.handle_passthrough)
+
+        async def on_startup(_app: web.Application) -> None:
+            await self.start()
+
+        async def on_cleanup(_app: web.Application) -> None:
+            await self.close()
+
+        app.on_startup.append(on_startup)
+        app.on_cleanup.append(on_cleanup)
+        return app
+
+    # -- rule reload (SIGHUP and the control API) -----------------------------------------
+    async def reload(self) -> dict[str, Any]:
+        if self._load_rules is None:
+            return {"ok": False, "error": "no rule source"}
+        old = self.rules.version
+        try:
+            new = await asyncio.get_running_loop().run_in_executor(None, self._load_rules)
+        except Exception as e:  # RulesError and friends: keep serving with the old rules
+            msg = str(e)[:2000]
+            self.events.write(make_event(
+                component="broker", action="rules_reload", decision="denied",
+                reason="invalid_rules", policy_version=old, message=msg,
+            ))
+            log.warning("rule reload failed, keeping version %s", old)
+            return {"ok": False, "error": "invalid rules", "detail": msg, "version": old}
+        self.rules = new
+        self._upstreams.clear()
+        self.events.write(make_event(
+            component="broker", action="rules_reload", decision="allowed",
+            reason="reloaded", policy_version=new.version, message=f"rules {old} -> {new.version}",
+        ))
+        return {"ok": True, "version": new.version, "previous": old}
+
+    def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rules_version": self.rules.version}
+        st = getattr(self.secrets, "status", None)
+        if callable(st):
+            out.update(st())
+        return out
+
+    # -- the two call styles -------------------------------------------------------------
+    async def handle_call(self, request: web.Request) -> web.StreamResponse:
+        """`POST /v1/call` {api, method, path, query, headers, body | json}."""
+        cl = CallLog(self.clock(), request.remote or "")
+        try:
+            task, profile = self._identify(cl)
+            try:
+                doc = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise Denied(400, Reason.BAD_REQUEST, "body must be a JSON object") from None
+            call = self._parse_call_doc(doc, profile)
+            cl.api, cl.method, cl.path = call.api, call.method, call.match_path
+            api, grant = self._authorize(cl, profile, call)
+            result = await self._forward(cl, task, api, grant, call, None)
+            return web.json_response(result, status=200)
+        except Denied as d:
+            return self._deny(cl, d)
+        except web.HTTPRequestEntityTooLarge:
+            return self._deny(cl, Denied(413, Reason.BODY_TOO_LARGE, "request body too large"))
+        finally:
+            self._audit(cl)
+
+    async def handle_passthrough(self, request: web.Request) -> web.StreamResponse:
+        """`/{api}/{path...}`: an unmodified SDK with its base URL pointed at the broker."""
+        cl = CallLog(self.clock(), request.remote or "")
+        try:
+            task, profile = self._identify(cl)
+            call = self._parse_passthrough(request)
+            cl.api, cl.method, cl.path = call.api, call.method, call.match_path
+            api, grant = self._authorize(cl, profile, call)
+            if request.content_length is not None and request.content_length > grant.max_body_bytes:
+                raise Denied(413, Reason.BODY_TOO_LARGE, "request body too large")
+            body = await self._read_body(request, grant.max_body_bytes)
+            call = CallRequest(call.api, call.method, call.path, call.match_path, call.query,
+                               call.headers, body)
+            await self._forward(cl, task, api, grant, call, request)
+            # _forward wrote the streamed response into request's transport
+            resp = request["stockade.response"]
+            assert isinstance(resp, web.StreamResponse)
+            return resp
+        except Denied as d:
+            return self._deny(cl, d)
+        finally:
+            self._audit(cl)
+
+    @staticmethod
+    async def _read_body(request: web.Request, limit: int) -> bytes:
+        buf = bytearray()
+        while True:
+            chunk = await request.content.read(min(CHUNK, limit + 1 - len(buf)))
+            if not chunk:
+                return bytes(buf)
+            buf += chunk
+            if len(buf) > limit:
+                raise Denied(413, Reason.BODY_TOO_LARGE, "request body too large")
+
+    # -- steps ---------------------------------------------------------------------------
+    def _identify(self, cl: CallLog) -> tuple[Task, Profile]:
+        task = self.registry.by_address(cl.source_ip)
+        if task is None:
+            raise Denied(403, Reason.UNKNOWN_TASK, "caller address is not a registered task")
+        cl.task = task
+        profile = self.rules.profiles.get(task.profile)
+        if profile is None:
+            raise Denied(403, Reason.UNKNOWN_PROFILE, "the task's profile is not loaded")
+        return task, profile
+
+    def _parse_passthrough(self, request: web.Request) -> CallRequest:
+        api_name = request.match_info["api"]
+        raw = request.raw_path
+        if not raw.startswith("/"):
+            raise Denied(400, Reason.BAD_REQUEST, "absolute-form request target refused")
+        raw_path, _, raw_query = raw.partition("?")
+        prefix = "/" + api_name
+        if raw_path != prefix and not raw_path.startswith(prefix + "/"):
+            raise Denied(400, Reason.BAD_REQUEST, "API name must not be percent-encoded")
+        try:
+            method = check_method(request.method)
+            path, decoded = check_path(raw_path[len(prefix):] or "/")
+            query = parse_query(raw_query)
+            api = self.rules.apis.get(api_name)
+            headers = filter_headers(request.headers.items(), api.injection if api else None)
+        except RequestError as e:
+            raise Denied(400, Reason.BAD_REQUEST, str(e)) from None
+        return CallRequest(api_name, method, path, decoded, query, headers, b"")
+
+    def _parse_call_doc(self, doc: Any, profile: Profile) -> CallRequest:
+        if not isinstance(doc, dict):
+            raise Denied(400, Reason.BAD_REQUEST, "body must be a JSON object")
+        unknown = set(doc) - {"api", "method", "path", "query", "headers", "body", "json"}
+        if unknown:
+            raise Denied(400, Reason.BAD_REQUEST, "unknown keys: " + ", ".join(sorted(unknown)))
+        api_name = doc.get("api")
+        if not isinstance(api_name, str) or not api_name:
+            raise Denied(400, Reason.BAD_REQUEST, "api must be a string")
+        try:
+            method = check_method(str(doc.get("method", "GET")))
+            raw_path = doc.get("path", "/")
+            if not isinstance(raw_path, str):
+                raise RequestError("path must be a string")
+            path, decoded = check_path(raw_path)
+            query = normalize_query(doc.get("query"))
+            hdrs = doc.get("headers") or {}
+            if not isinstance(hdrs, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in hdrs.items()
+            ):
+                raise RequestError("headers must be an object of strings")
+            api = self.rules.apis.get(api_name)
+            headers = filter_headers(hdrs.items(), api.injection if api else None)
+            if "body" in doc and "json" in doc:
+                raise RequestError("give body or json, not both")
+            if "json" in doc:
+                body = json.dumps(doc["json"], separators=(",", ":")).encode()
+                if not any(k.lower() == "content-type" for k, _ in headers):
+                    headers = (*headers, ("Content-Type", "application/json"))
+            else:
+                b = doc.get("body")
+                if b is not None and not isinstance(b, str):
+                    raise RequestError("body must be a string (use json for structured data)")
+                body = (b or "").encode("utf-8")
+        except RequestError as e:
+            raise Denied(400, Reason.BAD_REQUEST, str(e)) from None
+        return CallRequest(api_name, method, path, decoded, query, headers, body)
+
+    def _authorize(
+        self, cl: CallLog, profile: Profile, call: CallRequest
+    ) -> tuple[ApiDefinition, BrokerGrant]:
+        from stockade.policy import match_operation
+
+        grant = profile.broker.get(call.api)
+        api = self.rules.apis.get(call.api)
+        if grant is None or api is None:
+            raise Denied(403, Reason.API_NOT_ALLOWED, "the task's profile does not grant this API")
+        if not match_operation(grant, call.method, call.path):
+            raise Denied(403, Reason.OPERATION_NOT_ALLOWED,
+                         "the task's profile does not grant this method and path")
+        if len(call.body) > grant.max_body_bytes:
+            raise Denied(413, Reason.BODY_TOO_LARGE, "request body too large")
+        return api, grant
+
+    def _upstream(self, api: ApiDefinition) -> Upstream:
+        up = self._upstreams.get(api.name)
+        if up is None:
+            up = parse_base_url(api)
+            self._upstreams[api.name] = up
+        return up
+
+    def _patterns_for(
+        self, api: ApiDefinition, sv: SecretValue, rendered: tuple[str, ...]
+    ) -> Patterns:
+        key = (api.name, sv.value, sv.version)
+        p = self._patterns.get(key)
+        if p is None:
+            p = Patterns.build((sv.value, *rendered))
+            self._patterns[key] = p
+            while len(self._patterns) > 256:
+                self._patterns.popitem(last=False)
+        else:
+            self._patterns.move_to_end(key)
+        return p
+
+    async def _forward(
+        self,
+        cl: CallLog,
+        task: Task,
+        api: ApiDefinition,
+        grant: BrokerGrant,
+        call: CallRequest,
+        passthrough: web.Request | None,
+    ) -> dict[str, Any]:
+        now = self.clock()
+        bucket = self.limiter.bucket(task.task_id, api.name, grant.rate_per_second, grant.burst)
+        wait = bucket.take(now)
+        if wait > 0:
+            raise Denied(429, Reason.RATE_LIMITED, "rate limit for this API exceeded", wait)
+        budget = self.limiter.budget(task.task_id, api.name, grant.budget_calls, grant.budget_bytes)
+        if budget.exhausted():
+            raise Denied(403, Reason.BUDGET_EXHAUSTED, "the task's budget for this API is spent")
+        try:
+            up = self._upstream(api)
+        except RequestError:
+            raise Denied(502, UPSTREAM_ERROR, "API definition unusable") from None
+        cl.upstream = up
+        try:
+            sv = await self.secrets.get(api.credential)
+        except VaultUnavailable:
+            raise Denied(503, Reason.VAULT_UNAVAILABLE, "credential store unavailable") from None
+        try:
+            inj = inject(api.injection, sv.value)
+        except RequestError:
+            raise Denied(503, Reason.VAULT_UNAVAILABLE, "credential unusable") from None
+        patterns = self._patterns_for(api, sv, inj.rendered_values)
+        query = strip_injected_query(call.query, api.injection) + inj.query
+        url = build_url(up, call.path, query)
+        headers = [*call.headers, *inj.headers, ("Accept-Encoding", "identity")]
+        budget.charge_call()
+        budget.charge_bytes(len(call.body))
+        cl.bytes_up = len(call.body)
+        self.metrics.bytes.labels(api.name, "up").inc(len(call.body))
+        assert self._session is not None
+        t_up = time.perf_counter()
+        left = budget.bytes_left()
+        cap = self.settings.max_call_response_bytes if passthrough is None else None
+        try:
+            async with self._session.request(
+                call.method, url, headers=headers, data=call.body or None,
+                allow_redirects=False, skip_auto_headers=("User-Agent",),
+            ) as resp:
+                cl.status = resp.status
+                try:
+                    decoder = BodyDecoder(resp.headers.get("Content-Encoding"),
+                                          self.settings.max_decoded_bytes)
+                except EncodingRefused:
+                    raise Denied(502, UPSTREAM_ERROR, "upstream used an unsupported "
+                                 "content coding") from None
+                out_headers, n_h = self._scrub_headers(resp.headers.items(), patterns)
+                scrubber = StreamScrubber(patterns)
+                if passthrough is not None:
+                    await self._stream_back(cl, passthrough, resp, out_headers, decoder,
+                                            scrubber, left, budget)
+                    result: dict[str, Any] = {}
+                else:
+                    body = await self._read_all(resp, decoder, scrubber, cap, left)
+                    result = self._call_result(resp.status, out_headers, body)
+                    budget.charge_bytes(len(body))
+                    cl.bytes_down = len(body)
+                cl.scrubs = n_h + scrubber.count
+        except Denied:
+            raise
+        except (aiohttp.ClientError, TimeoutError, OSError, EncodingRefused, DecodeLimit) as e:
+            cl.extra["error"] = type(e).__name__
+            if passthrough is not None and "stockade.response" in passthrough:
+                # headers are already sent: cut the connection so the caller sees a
+                # truncated body, never one that looks complete
+                cl.decision, cl.reason = "denied", UPSTREAM_ERROR
+                if passthrough.transport is not None:
+                    passthrough.transport.abort()
+                return {}
+            if isinstance(e, TimeoutError | asyncio.TimeoutError):
+                raise Denied(504, Reason.UPSTREAM_UNREACHABLE, "upstream timed out") from None
+            raise Denied(502, Reason.UPSTREAM_UNREACHABLE, "upstream call failed") from None
+        finally:
+            self.metrics.upstream_seconds.labels(api.name).observe(time.perf_counter() - t_up)
+            self.metrics.bytes.labels(api.name, "down").inc(cl.bytes_down)
+        if cl.scrubs:
+            self._secret_echo(cl, api.name)
+        if cl.reason != UPSTREAM_ERROR:
+            cl.decision, cl.reason = "allowed", Reason.ALLOWED_BY_RULE
+        return result
+
+    def _scrub_headers(
+        self, items: Any, patterns: Patterns
+    ) -> tuple[list[tuple[str, str]], int]:
+        out: list[tuple[str, str]] = []
+        total = 0
+        for name, value in filter_response_headers(items):
+            clean, n = patterns.scrub_text(value)
+            total += n
+            out.append((name, clean))
+        return out, total
+
+    async def _read_all(
+        self,
+        resp: aiohttp.ClientResponse,
+        decoder: BodyDecoder,
+        scrubber: StreamScrubber,
+        cap: int | None,
+        budget_left: int | None,
+    ) -> bytes:
+        parts: list[bytes] = []
+        size = 0
+        limit = min(x for x in (cap, budget_left) if x is not None) if (
+            cap is not None or budget_left is not None) else None
+        async for chunk in resp.content.iter_chunked(CHUNK):
+            data = scrubber.feed(decoder.feed(chunk))
+            size += len(data)
+            if limit is not None and size > limit:
+                raise Denied(502, UPSTREAM_ERROR if (cap is not None and size > cap)
+                             else Reason.BUDGET_EXHAUSTED, "upstream response too large")
+            parts.append(data)
+        tail = scrubber.feed(decoder.flush()) + scrubber.flush()
+        parts.append(tail)
+        return b"".join(parts)
+
+    @staticmethod
+    def _call_result(status: int, headers: list[tuple[str, str]], body: bytes) -> dict[str, Any]:
+        merged: dict[str, str] = {}
+        for n, v in headers:
+            key = n.lower()
+            merged[key] = f"{merged[key]}, {v}" if key in merged else v
+        out: dict[str, Any] = {"status": status, "headers": merged}
+        try:
+            out["body"] = body.decode("utf-8")
+        except UnicodeDecodeError:
+            out["body_base64"] = base64.b64encode(body).decode("ascii")
+        return out
+
+    async def _stream_back(
+        self,
+        cl: CallLog,
+        request: web.Request,
+        resp: aiohttp.ClientResponse,
+        headers: list[tuple[str, str]],
+        decoder: BodyDecoder,
+        scrubber: StreamScrubber,
+        budget_left: int | None,
+        budget: Any,
+    ) -> None:
+        out = web.StreamResponse(status=resp.status, reason=resp.reason)
+        for n, v in headers:
+            out.headers.add(n, v)
+        await out.prepare(request)
+        request["stockade.response"] = out
+        sent = 0
+        try:
+            async for chunk in resp.content.iter_chunked(CHUNK):
+                data = scrubber.feed(decoder.feed(chunk))
+                if budget_left is not None and sent + len(data) > budget_left:
+                    cl.extra["cut"] = "budget"
+                    raise DecodeLimit("byte budget exhausted mid-response")
+                if data:
+                    await out.write(data)
+                    sent += len(data)
+            data = scrubber.feed(decoder.flush()) + scrubber.flush()
+            if data:
+                await out.write(data)
+                sent += len(data)
+            await out.write_eof()
+        finally:
+            cl.bytes_down = sent
+            budget.charge_bytes(sent)
+            if sent and cl.scrubs == 0:
+                cl.scrubs = scrubber.count
+
+    # -- denials, events ----------------------------------------------------------------
+    def _deny(self, cl: CallLog, d: Denied) -> web.Response:
+        cl.decision, cl.reason, cl.status = "denied", d.reason, d.status
+        headers = {"X-Stockade-Deny": str(d.reason)}
+        if d.retry_after > 0:
+            headers["Retry-After"] = str(max(1, int(d.retry_after + 0.999)))
+        return web.json_response(
+            {"error": "denied", "reason": str(d.reason), "message": d.message},
+            status=d.status, headers=headers,
+        )
+
+    def _audit(self, cl: CallLog) -> None:
+        api = cl.api if cl.api and cl.api in self.rules.apis else None
+        self.metrics.calls.labels(api or "-", str(cl.reason)).inc()
+        self.metrics.events_dropped.set(self.events.dropped)
+        latency_ms = (self.clock() - cl.t0) * 1000.0
+        extra: dict[str, Any] = {
+            "api": cl.api if api else None,
+            "status": cl.status,
+            "bytes_up": cl.bytes_up,
+            "bytes_down": cl.bytes_down,
+            "latency_ms": round(latency_ms, 3),
+            **cl.extra,
+        }
+        up = cl.upstream
+        self.events.write(make_event(
+            component="broker", action="broker_call", decision=cl.decision,  # type: ignore[arg-type]
+            reason=str(cl.reason),
+            task_id=cl.task.task_id if cl.task else None,
+            profile=cl.task.profile if cl.task else None,
+            policy_version=self.rules.version,
+            source_ip=cl.source_ip or None,
+            destination_domain=up.host if up else None,
+            destination_port=up.port if up else None,
+            transport="tcp", protocol="http",
+            http_method=cl.method, http_status=cl.status,
+            url={"path": cl.path[:2048]} if cl.path else None,
+            extra={k: v for k, v in extra.items() if v is not None},
+        ))
+
+    def _secret_echo(self, cl: CallLog, api: str) -> None:
+        self.metrics.scrubs.labels(api).inc(cl.scrubs)
+        self.events.write(make_event(
+            component="broker", action="secret_echo", decision=None,
+            reason=Reason.SECRET_ECHO,
+            task_id=cl.task.task_id if cl.task else None,
+            profile=cl.task.profile if cl.task else None,
+            policy_version=self.rules.version,
+            source_ip=cl.source_ip or None,
+            destination_domain=cl.upstream.host if cl.upstream else None,
+            http_method=cl.method, http_status=cl.status,
+            url={"path": cl.path[:2048]} if cl.path else None,
+            message="upstream response echoed the credential; removed before the caller saw it",
+            extra={"api": api, "scrubs": cl.scrubs},
+        ))
+

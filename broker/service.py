@@ -1,0 +1,177 @@
+"""Wires one running broker: rules, task registry, Vault client, HTTP, control, metrics.
+
+`BrokerService(config)` is what `stockade broker serve` runs and what `stockade run` /
+`stockade up` embed: `await svc.start()` ... `await svc.stop()`. Without a Vault
+address it can start a DevOpenBao (`dev_vault=True`) so the demo needs no Vault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from stockade.config import Config
+from stockade.events import EventWriter, make_event
+from stockade.tasks import TaskRegistry, make_control_app, start_control_server
+
+from .devvault import DevOpenBao
+from .metrics import BrokerMetrics
+from .server import Broker
+from .settings import VaultSettings
+from .vault import VaultClient
+
+log = logging.getLogger("stockade.broker")
+
+
+def split_hostport(s: str) -> tuple[str, int]:
+    host, _, port = s.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"listen address must be host:port, got {s!r}")
+    return host.strip("[]"), int(port)
+
+
+class BrokerService:
+    def __init__(self, config: Config, *, dev_vault: bool = False) -> None:
+        self.config = config
+        self.dev_vault = dev_vault
+        self.devbao: DevOpenBao | None = None
+        self.broker: Broker | None = None
+        self.vault: VaultClient | None = None
+        self.events: EventWriter | None = None
+        self.registry: TaskRegistry | None = None
+        self.metrics = BrokerMetrics()
+        self._runners: list[web.AppRunner] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self.listen_address: tuple[str, int] | None = None
+        self.metrics_address: tuple[str, int] | None = None
+
+    async def start(self) -> None:
+        from stockade.policy import load_rules
+
+        cfg = self.config
+        s = cfg.broker
+        rules_dir = cfg.rules_dir
+        rules = load_rules(rules_dir)  # RulesError: refuse to start on invalid rules
+        self.registry = TaskRegistry(s.state_file or Path(cfg.state_dir) / "broker-tasks.json")
+        ev = cfg.events
+        self.events = EventWriter(cfg.events_file, max_bytes=ev.max_bytes, backups=ev.backups,
+                                  stdout=ev.stdout)
+        vs = cfg.vault
+        token: str | None = None
+        if vs.address is None:
+            if not self.dev_vault:
+                raise ValueError("vault.address is not set (or start with a dev OpenBao)")
+            self.devbao = await asyncio.get_running_loop().run_in_executor(
+                None, DevOpenBao().start
+            )
+            vs = VaultSettings(address=self.devbao.address, timeout_s=vs.timeout_s)
+            token = self.devbao.root_token
+        self.vault = VaultClient(
+            vs,
+            cache_ttl_s=s.secret_cache_ttl_s,
+            serve_stale_s=s.serve_stale_s,
+            token=token,
+            on_status=self._vault_status,
+            on_read=self.metrics.vault_read,
+            on_cache=self.metrics.cache_result,
+        )
+        await self.vault.ensure_login()
+        self.broker = Broker(s, rules, self.vault, self.registry, self.events, self.metrics,
+                             load_rules=lambda: load_rules(rules_dir))
+        await self.broker.start()
+
+        app = self.broker.app()
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        self._runners.append(runner)
+        host, port = split_hostport(s.listen)
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        await site.start()
+        self.listen_address = _bound(site)
+
+        control = make_control_app(self.registry, reload=self.broker.reload,
+                                   status=self.broker.status)
+        self._runners.append(await start_control_server(control, s.control_socket))
+
+        if s.metrics_listen:
+            mapp = web.Application()
+
+            async def metrics_handler(_r: web.Request) -> web.Response:
+                return web.Response(body=self.metrics.render(),
+                                    content_type="text/plain", charset="utf-8")
+
+            mapp.router.add_get("/metrics", metrics_handler)
+            mrunner = web.AppRunner(mapp, access_log=None, handle_signals=False)
+            await mrunner.setup()
+            self._runners.append(mrunner)
+            mhost, mport = split_hostport(s.metrics_listen)
+            msite = web.TCPSite(mrunner, mhost, mport, reuse_address=True)
+            await msite.start()
+            self.metrics_address = _bound(msite)
+
+        self._tasks.append(asyncio.create_task(self._expire_loop()))
+
+    def _vault_status(self, state: str, cause: str) -> None:
+        self.metrics.vault_up.set(1 if state == "up" else 0)
+        if self.events is not None:
+            self.events.write(make_event(
+                component="broker", action="vault_status",
+                reason="vault_up" if state == "up" else "vault_unavailable",
+                message=f"vault {state}" + (f" ({cause})" if cause else ""),
+            ))
+
+    async def _expire_loop(self) -> None:
+        assert self.registry is not None
+        while True:
+            await asyncio.sleep(0.5)
+            self.registry.expire()
+
+    async def reload(self) -> dict[str, Any]:
+        assert self.broker is not None
+        return await self.broker.reload()
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks.clear()
+        for r in reversed(self._runners):
+            await r.cleanup()
+        self._runners.clear()
+        if self.broker is not None:
+            await self.broker.close()
+        if self.vault is not None:
+            await self.vault.close()
+        if self.devbao is not None:
+            self.devbao.stop()
+            self.devbao = None
+        if self.events is not None:
+            self.events.close()
+
+    async def serve_forever(self) -> None:
+        """Run until SIGTERM/SIGINT; SIGHUP reloads the rules (invalid ones are refused)."""
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload()))
+        try:
+            await stop.wait()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+
+
+def _bound(site: web.TCPSite) -> tuple[str, int]:
+    server = site._server
+    assert server is not None
+    sock = server.sockets[0]  # type: ignore[union-attr]
+    addr = sock.getsockname()
+    return str(addr[0]), int(addr[1])
