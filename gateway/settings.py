@@ -17,3 +17,10 @@ class GatewaySettings(BaseModel):
     connect_timeout_s: float = Field(10.0, gt=0)
     idle_timeout_s: float = Field(300.0, gt=0)
     max_connections_per_task: int = Field(256, ge=1)
+    # the per-task upload cap comes from the profile's `limits.egress_bytes`
+    splice: bool = True  # zero-copy relay with os.splice where the kernel allows it
+    rules_poll_interval_s: float = Field(2.0, gt=0)  # rule file change detection (mtime/size)
+    own_addresses: list[str] = []  # extra addresses/CIDRs of this host, never dialled
+    detect_own_addresses: bool = True  # add every non-loopback interface address (`ip -j addr`)
+    registry_file: str | None = None  # default: <state_dir>/gateway-tasks.json
+    max_open_files: int = Field(1048576, ge=1024)  # RLIMIT_NOFILE raised towards this at start

@@ -1,0 +1,43 @@
+"""Prometheus metrics of one gateway instance (own CollectorRegistry, so tests and
+several gateways in one process never share counters)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter(
+            "stockade_gateway_decisions", "Connection decisions",
+            ["outcome", "reason", "profile"], registry=r,
+        )
+        self.live = Gauge("stockade_gateway_connections_live", "Relayed connections open",
+                          registry=r)
+        self.bytes = Counter("stockade_gateway_bytes", "Bytes relayed", ["direction"],
+                             registry=r)
+        self.decision_seconds = Histogram(
+            "stockade_gateway_decision_seconds",
+            "Accept to decision (sniff, policy, resolve, dial)",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 2.5, 10),
+            registry=r,
+        )
+        self.registry_size = Gauge("stockade_gateway_registry_tasks", "Registered tasks",
+                                   registry=r)
+        self.reloads = Counter("stockade_gateway_rule_reloads", "Rule reloads", ["result"],
+                               registry=r)
+        self.events_dropped = Gauge("stockade_gateway_events_dropped",
+                                    "Events that could not be written", registry=r)
+
+    def track_registry(self, size: Callable[[], int]) -> None:
+        self.registry_size.set_function(lambda: float(size()))
+
+    def track_dropped(self, dropped: Callable[[], int]) -> None:
+        self.events_dropped.set_function(lambda: float(dropped()))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,593 @@
+"""The gateway's asyncio shell: accept, sniff, decide, resolve, dial, relay, log.
+
+Only I/O lives here; every decision is made by pure code (`sniff_tls`, `sniff_http`,
+`flow.decide_flow`, `AddressPolicy`). Two kinds of listener share one pipeline:
+
+- transparent: the sandbox's TCP is redirected here by nftables; SO_ORIGINAL_DST gives
+  the original destination, used for the port, the log and raw-TCP `cidr` rules only.
+- proxy: explicit `HTTPS_PROXY` clients (CONNECT, and absolute-URI plain HTTP).
+
+The gateway always resolves the allowed name itself and dials an address that passed
+the special-purpose check; it never dials the client-chosen address for a named flow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import itertools
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from stockade.policy.reasons import Reason
+
+from stockade.events import make_event
+from stockade.tasks import Task, TaskRegistry
+
+from .addresses import AddressPolicy
+from .deny import CONNECT_ESTABLISHED, TLS_ALERT_ACCESS_DENIED, http_denial
+from .flow import FlowDecision, FlowInput, Listener, decide_flow
+from .metrics import GatewayMetrics
+from .original_dst import original_destination
+from .relay import PipePool, Relay, UploadLimit, splice_works
+from .resolver import Resolver
+from .rulesource import RulesHolder
+from .settings import GatewaySettings
+from .sniff_common import NEED_MORE, SniffError
+from .sniff_http import HttpSniffer, RequestHead, looks_like_http
+from .sniff_tls import ClientHello, TlsSniffer, looks_like_tls
+
+Emit = Callable[[dict[str, Any]], None]
+_ids = itertools.count(1)
+
+
+def parse_listen(addr: str) -> tuple[str, int]:
+    """'ip:port' or '[v6]:port'."""
+    if addr.startswith("["):
+        host, _, rest = addr[1:].partition("]")
+        return host, int(rest.lstrip(":"))
+    host, _, port = addr.rpartition(":")
+    return host, int(port)
+
+
+@dataclass
+class Sniffed:
+    data: bytes = b""  # every byte read so far (replayed upstream unchanged)
+    tls: ClientHello | None = None
+    http: RequestHead | None = None
+    error: SniffError | None = None
+
+
+@dataclass(eq=False)
+class Conn:
+    """One accepted connection, tracked so deregistration/idle/shutdown can close it."""
+
+    id: int
+    listener: Listener
+    client: socket.socket
+    peer: tuple[str, int]
+    started: float
+    task: Task | None = None
+    handler: asyncio.Task[None] | None = None
+    last_activity: float = 0.0
+    relaying: bool = False
+    close_reason: str | None = None  # a Reason code, or "idle_timeout"
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def close(self, reason: str) -> None:
+        if self.close_reason is None:
+            self.close_reason = reason
+        if self.handler is not None and not self.handler.done():
+            self.handler.cancel()
+
+
+class Gateway:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        *,
+        rules: RulesHolder,
+        registry: TaskRegistry,
+        resolver: Resolver,
+        address_policy: AddressPolicy,
+        emit: Emit,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
+        self.settings = settings
+        self.rules = rules
+        self.registry = registry
+        self.resolver = resolver
+        self.address_policy = address_policy
+        self.emit = emit
+        self.metrics = metrics or GatewayMetrics()
+        self.pool: PipePool | None = PipePool() if settings.splice and splice_works() else None
+        self.conns: set[Conn] = set()
+        self.by_task: dict[str, set[Conn]] = {}
+        self.uploaded: dict[str, int] = {}  # task id -> bytes uploaded (all connections)
+        self.bound: dict[Listener, list[tuple[str, int]]] = {"transparent": [], "proxy": []}
+        self._servers: list[_Listening] = []
+        self._sweeper: asyncio.Task[None] | None = None
+        registry.on_removed(self._task_removed)
+        self.metrics.track_registry(lambda: len(self.registry))
+
+    # -- lifecycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        for kind, addrs in (("transparent", self.settings.transparent_listen),
+                            ("proxy", self.settings.proxy_listen)):
+            for addr in addrs:
+                await self._listen(kind, addr)  # type: ignore[arg-type]
+        self._sweeper = asyncio.ensure_future(self._sweep())
+
+    async def _listen(self, kind: Listener, addr: str) -> None:
+        host, port = parse_listen(addr)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind((host, port))
+        sock.listen(4096)
+        sock.setblocking(False)
+        self.bound[kind].append(sock.getsockname()[:2])
+        loop = asyncio.get_running_loop()
+
+        async def accept_loop() -> None:
+            while True:
+                try:
+                    client, peer = await loop.sock_accept(sock)
+                except OSError:
+                    await asyncio.sleep(0.05)  # EMFILE and friends: back off, keep serving
+                    continue
+                self._spawn(kind, client, peer)
+
+        server_task = asyncio.ensure_future(accept_loop())
+        self._servers.append(_Listening(sock, server_task))
+
+    def _spawn(self, kind: Listener, client: socket.socket, peer: tuple[Any, ...]) -> None:
+        client.setblocking(False)
+        with contextlib.suppress(OSError):
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        now = time.monotonic()
+        conn = Conn(next(_ids), kind, client, (_unmap(peer[0]), peer[1]), now, last_activity=now)
+        self.conns.add(conn)
+        conn.handler = asyncio.ensure_future(self._handle(conn))
+
+    async def stop(self) -> None:
+        for srv in self._servers:
+            srv.close()
+        if self._sweeper:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        for conn in list(self.conns):
+            conn.close(Reason.TASK_ENDED)
+        handlers = [c.handler for c in list(self.conns) if c.handler]
+        if handlers:
+            await asyncio.gather(*handlers, return_exceptions=True)
+        if self.pool:
+            self.pool.close()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "connections": len(self.conns),
+            "rules_version": self.rules.current.version,
+            "splice": self.pool is not None,
+        }
+
+    # -- task lifecycle --------------------------------------------------------------
+    def _task_removed(self, task: Task) -> None:
+        for conn in list(self.by_task.get(task.task_id, ())):
+            conn.close(Reason.TASK_ENDED)
+        self.uploaded.pop(task.task_id, None)
+
+    async def _sweep(self) -> None:
+        """Expire tasks, close idle connections, pick up rule file changes."""
+        last_poll = time.monotonic()
+        while True:
+            await asyncio.sleep(0.25)
+            self.registry.expire()
+            now = time.monotonic()
+            idle = self.settings.idle_timeout_s
+            for conn in list(self.conns):
+                if conn.relaying and now - conn.last_activity > idle:
+                    conn.close(IDLE_TIMEOUT)
+            if now - last_poll >= self.settings.rules_poll_interval_s:
+                last_poll = now
+                if await asyncio.to_thread(self.rules.changed):
+                    self.rules.reload("file_change")
+
+    # -- the pipeline ----------------------------------------------------------------
+    async def _handle(self, conn: Conn) -> None:
+        upstream: socket.socket | None = None
+        relay: Relay | None = None
+        decision_ev: dict[str, Any] | None = None
+        try:
+            upstream, relay, decision_ev = await self._decide_and_dial(conn)
+            if upstream is not None and relay is not None:
+                conn.relaying = True
+                self.metrics.live.inc()
+                try:
+                    await relay.run()
+                finally:
+                    self.metrics.live.dec()
+        except asyncio.CancelledError:
+            pass  # closed by deregistration, expiry, idle timeout or shutdown
+        except UploadLimit:
+            conn.close_reason = Reason.UPLOAD_LIMIT
+        except OSError:
+            pass  # a reset by either side ends the relay; the close event says so
+        finally:
+            self._forget(conn)
+            with contextlib.suppress(OSError):
+                conn.client.close()
+            if upstream is not None:
+                with contextlib.suppress(OSError):
+                    upstream.close()
+            if relay is not None and decision_ev is not None:
+                self._emit_close(conn, relay, decision_ev)
+
+    def _forget(self, conn: Conn) -> None:
+        self.conns.discard(conn)
+        if conn.task is not None:
+            group = self.by_task.get(conn.task.task_id)
+            if group is not None:
+                group.discard(conn)
+                if not group:
+                    del self.by_task[conn.task.task_id]
+
+    async def _decide_and_dial(
+        self, conn: Conn
+    ) -> tuple[socket.socket | None, Relay | None, dict[str, Any] | None]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.sniff_timeout_s
+        orig: tuple[str, int] | None = None
+        if conn.listener == "transparent":
+            orig = original_destination(conn.client)
+            if orig is None:
+                local = conn.client.getsockname()
+                orig = (_unmap(local[0]), local[1])
+            orig = (_unmap(orig[0]), orig[1])
+        conn.meta["orig"] = orig
+        task = self.registry.by_address(conn.peer[0])
+        conn.task = task
+
+        connect_head: RequestHead | None = None
+        if conn.listener == "proxy":
+            head_sniff = await self._sniff(conn, deadline, http_only=True)
+            if head_sniff.error is not None or head_sniff.http is None:
+                err = head_sniff.error or SniffError(Reason.PROTOCOL_UNRECOGNISED, "no request")
+                await self._deny_early(conn, err.reason, err.detail, "http")
+                return None, None, None
+            head = head_sniff.http
+            if head.method == "CONNECT":
+                connect_head = head
+                pending = head_sniff.data[head.head_len:]
+            elif head.form == "absolute":
+                pending = b""
+                inner = head_sniff
+            else:
+                await self._deny_early(conn, Reason.PROTOCOL_UNRECOGNISED,
+                                       "proxy request without an absolute URI", "http")
+                return None, None, None
+        if task is None:
+            await self._deny_after_sniff(conn, Reason.UNKNOWN_TASK, "unknown source address",
+                                         deadline, connect_head)
+            return None, None, None
+        group = self.by_task.setdefault(task.task_id, set())
+        if len(group) >= self.settings.max_connections_per_task:
+            await self._deny_after_sniff(conn, Reason.CONNECTION_LIMIT,
+                                         "too many concurrent connections", deadline,
+                                         connect_head)
+            return None, None, None
+        group.add(conn)
+        ruleset = self.rules.current
+
+        if connect_head is not None:
+            # decide on the authority alone first, so a denied CONNECT gets a 403
+            pre = decide_flow(FlowInput("proxy", connect=connect_head), ruleset, task.profile)
+            if not pre.allowed:
+                self._decision_event(conn, pre, None)
+                await self._send_and_close(conn, http_denial(pre.reason, pre.rule_id,
+                                                             task.task_id))
+                return None, None, None
+            await loop.sock_sendall(conn.client, CONNECT_ESTABLISHED)
+            inner = await self._sniff(conn, deadline, initial=pending)
+        elif conn.listener == "transparent":
+            inner = await self._sniff(conn, deadline)
+        inp = FlowInput(
+            listener=conn.listener,
+            original_ip=orig[0] if orig else None,
+            original_port=orig[1] if orig else None,
+            connect=connect_head,
+            tls=inner.tls,
+            http=inner.http,
+            sniff_error=inner.error,
+        )
+        decision = decide_flow(inp, ruleset, task.profile)
+        protocol = decision.protocol
+        if not decision.allowed:
+            self._decision_event(conn, decision, None)
+            await self._refuse(conn, decision.reason, decision.rule_id, protocol)
+            return None, None, None
+
+        # the gateway chooses where to dial: a checked address for the allowed name
+        candidates: list[str]
+        if decision.ip is not None:
+            category = self.address_policy.check(decision.ip)
+            if category is not None:
+                return await self._deny_resolved(conn, decision, Reason.ADDRESS_FORBIDDEN,
+                                                 f"address category {category}")
+            candidates = [decision.ip]
+        else:
+            assert decision.host is not None
+            res = await self.resolver.resolve(decision.host)
+            if not res.addresses:
+                if res.forbidden:
+                    cats = sorted({c for _, c in res.forbidden})
+                    return await self._deny_resolved(
+                        conn, decision, Reason.ADDRESS_FORBIDDEN,
+                        f"name resolves only to forbidden addresses ({', '.join(cats)})")
+                return await self._deny_resolved(conn, decision, Reason.RESOLVE_FAILED,
+                                                 f"resolution failed: {res.error or 'no address'}")
+            candidates = list(res.addresses)
+        upstream, dialled = await self._dial(candidates, decision.port)
+        if upstream is None:
+            return await self._deny_resolved(conn, decision, Reason.UPSTREAM_UNREACHABLE,
+                                             "no checked address accepted the connection",
+                                             status=502)
+        ev = self._decision_event(conn, decision, dialled)
+        self.metrics.decision_seconds.observe(time.monotonic() - conn.started)
+        try:
+            if inner.data:
+                if not self._count_up(task, len(inner.data)):
+                    raise UploadLimit
+                await loop.sock_sendall(upstream, inner.data)
+        except BaseException:
+            upstream.close()
+            raise
+        relay = Relay(
+            conn.client, upstream, count_up=lambda n: self._count_up(task, n),
+            pool=self.pool, on_activity=lambda: _touch(conn),
+        )
+        relay.bytes_up = len(inner.data)
+        return upstream, relay, ev
+
+    def _count_up(self, task: Task, n: int) -> bool:
+        used = self.uploaded.get(task.task_id, 0) + n
+        self.uploaded[task.task_id] = used
+        ruleset = self.rules.current
+        profile = ruleset.profiles.get(task.profile)
+        cap = profile.limits.egress_bytes if profile is not None else 0
+        return used <= cap
+
+    async def _dial(self, addresses: list[str], port: int) -> tuple[socket.socket | None, str]:
+        loop = asyncio.get_running_loop()
+        for ip in addresses:
+            family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                await asyncio.wait_for(loop.sock_connect(sock, (ip, port)),
+                                       self.settings.connect_timeout_s)
+            except (OSError, TimeoutError):
+                sock.close()
+                continue
+            except BaseException:
+                sock.close()
+                raise
+            return sock, ip
+        return None, ""
+
+    # -- sniffing ----------------------------------------------------------------------
+    async def _sniff(
+        self, conn: Conn, deadline: float, *, initial: bytes = b"", http_only: bool = False
+    ) -> Sniffed:
+        loop = asyncio.get_running_loop()
+        out = Sniffed(data=initial)
+        cap = self.settings.sniff_max_bytes
+        sniffer: TlsSniffer | HttpSniffer | None = None
+        buf = bytearray(initial)
+        pending_feed = bytes(initial)
+        while True:
+            if buf and sniffer is None:
+                if looks_like_tls(buf) and not http_only:
+                    sniffer = TlsSniffer(cap)
+                elif looks_like_http(buf):
+                    sniffer = HttpSniffer(cap)
+                else:
+                    out.error = SniffError(Reason.PROTOCOL_UNRECOGNISED,
+                                           "neither TLS nor HTTP")
+                    break
+            if sniffer is not None and pending_feed:
+                r = sniffer.feed(pending_feed)
+                pending_feed = b""
+                if r is not NEED_MORE:
+                    if isinstance(r, SniffError):
+                        out.error = r
+                    elif isinstance(r, ClientHello):
+                        out.tls = r
+                    elif isinstance(r, RequestHead):
+                        out.http = r
+                    break
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                out.error = SniffError(Reason.SNIFF_TIMEOUT, "no complete ClientHello or "
+                                       "request head before the deadline")
+                break
+            try:
+                chunk = await asyncio.wait_for(loop.sock_recv(conn.client, 16384), remaining)
+            except TimeoutError:
+                out.error = SniffError(Reason.SNIFF_TIMEOUT, "no complete ClientHello or "
+                                       "request head before the deadline")
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:
+                out.error = SniffError(Reason.PROTOCOL_UNRECOGNISED,
+                                       "client closed before the first message was complete")
+                break
+            buf += chunk
+            pending_feed = chunk
+            if len(buf) > 2 * cap + 64:
+                out.error = SniffError(Reason.HEAD_TOO_LARGE, "first message exceeds the cap")
+                break
+        out.data = bytes(buf)
+        return out
+
+    # -- denials -------------------------------------------------------------------------
+    async def _deny_early(self, conn: Conn, reason: Reason, detail: str, protocol: str) -> None:
+        ruleset = self.rules.current
+        d = FlowDecision(False, reason, "http" if protocol == "http" else "tcp", 0,
+                         policy_version=ruleset.version, detail=detail)
+        self._decision_event(conn, d, None)
+        tid = conn.task.task_id if conn.task else None
+        await self._send_and_close(conn, http_denial(reason, None, tid))
+
+    async def _deny_after_sniff(
+        self, conn: Conn, reason: Reason, detail: str, deadline: float,
+        connect_head: RequestHead | None,
+    ) -> None:
+        """Deny before any policy work, in the client's own protocol where it can be told."""
+        protocol = "http"
+        if connect_head is None and conn.listener == "transparent":
+            sniffed = await self._sniff(conn, deadline)
+            protocol = "tls" if sniffed.tls or looks_like_tls(sniffed.data) else (
+                "http" if sniffed.http else "tcp")
+        d = FlowDecision(False, reason, protocol, conn.meta["orig"][1] if conn.meta.get("orig")
+                         else 0, policy_version=self.rules.current.version, detail=detail)
+        self._decision_event(conn, d, None)
+        tid = conn.task.task_id if conn.task else None
+        await self._refuse(conn, reason, None, protocol, task_id=tid)
+
+    async def _deny_resolved(
+        self, conn: Conn, decision: FlowDecision, reason: Reason, detail: str, status: int = 403
+    ) -> tuple[None, None, None]:
+        d = FlowDecision(False, reason, decision.protocol, decision.port, host=decision.host,
+                         ip=decision.ip, rule_id=decision.rule_id,
+                         policy_version=decision.policy_version, detail=detail)
+        self._decision_event(conn, d, None)
+        await self._refuse(conn, reason, decision.rule_id, decision.protocol, status=status)
+        return None, None, None
+
+    async def _refuse(
+        self, conn: Conn, reason: Reason, rule: str | None, protocol: str,
+        status: int = 403, task_id: str | None = None,
+    ) -> None:
+        tid = task_id or (conn.task.task_id if conn.task else None)
+        if protocol == "tls":
+            payload = TLS_ALERT_ACCESS_DENIED
+        elif protocol == "http" or conn.listener == "proxy":
+            payload = http_denial(reason, rule, tid, status=status)
+        else:
+            payload = b""
+        await self._send_and_close(conn, payload)
+
+    async def _send_and_close(self, conn: Conn, payload: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        if payload:
+            with contextlib.suppress(OSError, TimeoutError):
+                await asyncio.wait_for(loop.sock_sendall(conn.client, payload), 2.0)
+        with contextlib.suppress(OSError):
+            conn.client.shutdown(socket.SHUT_WR)
+
+    # -- events ----------------------------------------------------------------------
+    def _decision_event(
+        self, conn: Conn, d: FlowDecision, dialled: str | None
+    ) -> dict[str, Any]:
+        task = conn.task
+        profile = task.profile if task else None
+        orig = conn.meta.get("orig")
+        outcome = "allowed" if d.allowed else "denied"
+        self.metrics.decisions.labels(outcome, str(d.reason), profile or "").inc()
+        extra: dict[str, Any] = {"listener": conn.listener, "connection_id": conn.id}
+        if orig is not None:
+            extra["original_destination"] = f"{orig[0]}:{orig[1]}"
+        ev = make_event(
+            component="gateway",
+            action="connection_decision",
+            decision=outcome,
+            reason=str(d.reason),
+            task_id=task.task_id if task else None,
+            profile=profile,
+            policy_version=d.policy_version or None,
+            rule_id=d.rule_id,
+            report_only=d.report_only,
+            source_ip=conn.peer[0],
+            source_port=conn.peer[1],
+            destination_domain=d.host,
+            destination_ip=dialled,
+            destination_port=d.port or None,
+            transport="tcp",
+            protocol=d.protocol,
+            message=d.detail or None,
+            extra=extra,
+        )
+        self.emit(ev)
+        return ev
+
+    def _emit_close(self, conn: Conn, relay: Relay, decision_ev: dict[str, Any]) -> None:
+        self.metrics.bytes.labels("up").inc(relay.bytes_up)
+        self.metrics.bytes.labels("down").inc(relay.bytes_down)
+        reason = conn.close_reason
+        task = conn.task
+        dest = decision_ev.get("destination", {})
+        self.emit(make_event(
+            component="gateway",
+            action="connection_close",
+            decision="denied" if reason in (Reason.UPLOAD_LIMIT, Reason.TASK_ENDED) else None,
+            reason=reason or "closed",
+            task_id=task.task_id if task else None,
+            profile=task.profile if task else None,
+            policy_version=decision_ev.get("rule", {}).get("ruleset"),
+            rule_id=decision_ev.get("rule", {}).get("id"),
+            source_ip=conn.peer[0],
+            source_port=conn.peer[1],
+            destination_domain=dest.get("domain"),
+            destination_ip=dest.get("ip"),
+            destination_port=dest.get("port"),
+            transport="tcp",
+            protocol=decision_ev.get("network", {}).get("protocol"),
+            extra={
+                "bytes_up": relay.bytes_up,
+                "bytes_down": relay.bytes_down,
+                "duration_s": round(time.monotonic() - conn.started, 6),
+                "connection_id": conn.id,
+            },
+        ))
+
+
+IDLE_TIMEOUT = "idle_timeout"  # close reason only (not a decision), so not a Reason code
+
+
+def _touch(conn: Conn) -> None:
+    conn.last_activity = time.monotonic()
+
+
+def _unmap(ip: str) -> str:
+    """'::ffff:10.0.0.1' -> '10.0.0.1' so registry lookups and logs use one form."""
+    try:
+        addr = ipaddress.ip_address(ip.split("%", 1)[0])
+    except ValueError:
+        return ip
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped:
+        return str(addr.ipv4_mapped)
+    return str(addr)
+
+
+class _Listening:
+    """A listening socket and its accept loop (what `stop()` closes)."""
+
+    def __init__(self, sock: socket.socket, task: asyncio.Task[None]) -> None:
+        self.sock = sock
+        self.task = task
+
+    def close(self) -> None:
+        self.task.cancel()
+        self.sock.close()
+
