@@ -37,7 +37,8 @@ class EventWriter:
         self.recent: deque[Event] = deque(maxlen=keep_recent)  # 0 keeps nothing
         self._lock = threading.Lock()
         self._fh: TextIO | None = None
-        self._size = 0
+        self._ino = 0
+        self._size = 0  # current file size, as seen at the last write (several writers share it)
         self._subscribers: list[Callable[[Event], None]] = []
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -47,10 +48,22 @@ class EventWriter:
         self._subscribers.append(fn)
 
     def _open(self) -> TextIO:
-        if self._fh is None:
-            assert self.path is not None
-            self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
-            self._size = self._fh.tell()
+        """The open file, reopened when another process (gateway, broker) rotated it away."""
+        assert self.path is not None
+        if self._fh is not None:
+            try:
+                st = os.stat(self.path)
+                if st.st_ino == self._ino:
+                    self._size = st.st_size
+                    return self._fh
+            except FileNotFoundError:
+                pass
+            self._fh.close()
+            self._fh = None
+        self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
+        st = os.fstat(self._fh.fileno())
+        self._ino = st.st_ino
+        self._size = st.st_size
         return self._fh
 
     def _rotate(self) -> None:
@@ -81,9 +94,8 @@ class EventWriter:
                     if self._size and self._size + len(line) > self.max_bytes:
                         self._rotate()
                         fh = self._open()
-                    fh.write(line)
+                    fh.write(line)  # one write(2) per line in O_APPEND mode: lines never interleave
                     fh.flush()
-                    self._size += len(line.encode("utf-8"))
                 except OSError:
                     self.dropped += 1
                     ok = False

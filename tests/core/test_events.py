@@ -140,3 +140,19 @@ def test_stdout_is_json(capsys):
     w.write(_denial())
     out = capsys.readouterr().out
     assert json.loads(out)["event"]["action"] == "connection_decision"
+
+
+def test_two_writers_share_one_file_across_rotation(tmp_path):
+    """Gateway and broker append to one events file; neither loses events when the other
+    rotates it."""
+    path = tmp_path / "events.jsonl"
+    a = EventWriter(path, max_bytes=3000, backups=100)
+    b = EventWriter(path, max_bytes=3000, backups=100)
+    for i in range(40):
+        (a if i % 2 else b).write(_denial(task_id=f"t-{i}"))
+    a.close()
+    b.close()
+    files = list(tmp_path.glob("events.jsonl*"))
+    assert len(files) > 2
+    seen = [e["labels"]["task_id"] for f in files for e in read_events(f)]
+    assert sorted(seen) == sorted(f"t-{i}" for i in range(40))
