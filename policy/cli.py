@@ -1,0 +1,288 @@
+"""`stockade rules lint|explain|test|diff`: the security team's tools for rule files.
+
+Human-readable output by default, `--json` for scripts. Exit codes: 0 ok, 1 problems
+(lint errors, failed tests, a denied explain), 2 unusable input (bad rules dir, usage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+KINDS = ("profiles", "presets", "apis", "tests")
+
+
+def _date(text: str) -> date:
+    try:
+        return date.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a date (YYYY-MM-DD): {text!r}") from None
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    group = sub.add_parser(
+        "rules",
+        help="check, explain, test and compare rule files",
+        description="Tools for the rule files in rules/ (profiles, presets, apis, tests).",
+    )
+    group.set_defaults(group_parser=group)
+    rsub = group.add_subparsers(dest="rules_command", metavar="SUBCOMMAND")
+
+    today = argparse.ArgumentParser(add_help=False)
+    today.add_argument("--today", type=_date, metavar="YYYY-MM-DD",
+                       help="evaluate expiry as of this date (default: today, UTC)")  # fmt: skip
+    as_json = argparse.ArgumentParser(add_help=False)
+    as_json.add_argument("--json", action="store_true", help="machine-readable output")
+
+    lint = rsub.add_parser(
+        "lint", parents=[today, as_json],
+        help="validate rule files; list errors and warnings",
+        description="Validate rule directories. Prints one 'file:line:col: message' line per "
+        "problem. Exit 1 when there is an error; warnings (expired or shadowed entries, "
+        "upload hosts without an http block, unused presets) do not fail.",
+    )  # fmt: skip
+    lint.add_argument("paths", nargs="*", metavar="PATH",
+                      help="rules directory (or a file inside one); default ./rules")  # fmt: skip
+    lint.set_defaults(func=cmd_lint)
+
+    explain = rsub.add_parser(
+        "explain", parents=[today, as_json],
+        help="show the verdict for one request",
+        description="Decide one request the way the gateway would and show the verdict, rule "
+        "id, reason code and the entry's reason. A URL target implies method GET and its "
+        "path; a host:port target is a plain connection (no method/path) unless --method is "
+        "given. Exit 0 when allowed, 1 when denied.",
+    )  # fmt: skip
+    explain.add_argument("target", metavar="TARGET", help="URL or host:port")
+    explain.add_argument("--profile", "-p", required=True, help="profile name")
+    explain.add_argument("--method", "-X", help="HTTP method (default GET for URLs)")
+    explain.add_argument("--rules", default="rules", metavar="DIR",
+                         help="rules directory (default ./rules)")  # fmt: skip
+    explain.set_defaults(func=cmd_explain)
+
+    test = rsub.add_parser(
+        "test", parents=[today, as_json],
+        help="run the policy tests in rules/tests/",
+        description="Run policy tests (rules/tests/*.yaml). Prints each failure and closes "
+        "with 'N passed, N failed'. Exit 1 on any failure.",
+    )  # fmt: skip
+    test.add_argument("paths", nargs="*", metavar="PATH",
+                      help="rules directory, its tests/ folder or one test file; "
+                      "default ./rules")  # fmt: skip
+    test.add_argument("--verbose", "-v", action="store_true", help="print passing cases too")
+    test.set_defaults(func=cmd_test)
+
+    diff = rsub.add_parser(
+        "diff", parents=[today, as_json],
+        help="what a rule change opens and closes, per profile",
+        description="Compare two rules directories: per profile, what NEW allows that OLD "
+        "did not, what it no longer allows, deny entries added/removed and changed settings "
+        "(mode, isolation, limits, broker grants). Exit 0 (also when there are changes).",
+    )  # fmt: skip
+    diff.add_argument("old", metavar="OLD_DIR")
+    diff.add_argument("new", metavar="NEW_DIR")
+    diff.set_defaults(func=cmd_diff)
+
+
+def _resolve(path: Path) -> tuple[Path, Path | None]:
+    """(rules dir, restrict-to path or None) for a PATH argument."""
+    if path.is_file():
+        return path.parent.parent, path
+    if path.is_dir() and path.name in KINDS and not any((path / k).is_dir() for k in KINDS):
+        return path.parent, path
+    return path, None
+
+
+def _problem_json(p: Any) -> dict[str, Any]:
+    return {"file": p.file, "line": p.line, "column": p.column, "message": p.message,
+            "severity": p.severity}  # fmt: skip
+
+
+def cmd_lint(args: argparse.Namespace) -> int:
+    from .lint import lint_ruleset
+    from .loader import load_rules
+    from .problems import RulesError
+
+    problems = []
+    for raw in args.paths or ["rules"]:
+        root, _ = _resolve(Path(raw))
+        try:
+            rs = load_rules(root)
+        except RulesError as e:
+            problems.extend(e.problems)
+            continue
+        problems.extend(lint_ruleset(rs, args.today))
+    errors = sum(p.severity == "error" for p in problems)
+    warnings = len(problems) - errors
+    if args.json:
+        print(json.dumps({"errors": errors, "warnings": warnings,
+                          "problems": [_problem_json(p) for p in problems]}, indent=2))  # fmt: skip
+    else:
+        for p in problems:
+            print(p)
+        print(f"{errors} error(s), {warnings} warning(s)", file=sys.stderr)
+    return 1 if errors else 0
+
+
+def _load_or_report(root: str | Path) -> Any:
+    from .loader import load_rules
+    from .problems import RulesError
+
+    try:
+        return load_rules(root)
+    except RulesError as e:
+        for p in e.problems:
+            print(p, file=sys.stderr)
+        print(f"{root}: rules are invalid (run 'stockade rules lint')", file=sys.stderr)
+        return None
+
+
+def _entry_by_id(profile: Any, rule_id: str | None) -> Any:
+    if rule_id is None:
+        return None
+    for e in profile.allow + profile.deny:
+        if e.id == rule_id:
+            return e
+    return None
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from .decide import decide
+    from .hosts import HostError, normalize_host
+    from .targets import TargetError, parse_target
+
+    rs = _load_or_report(args.rules)
+    if rs is None:
+        return 2
+    try:
+        facts = parse_target(args.target, args.method)
+    except TargetError as e:
+        print(f"explain: {e}", file=sys.stderr)
+        return 2
+    v = decide(rs, args.profile, facts, today=args.today)
+    profile = rs.profiles.get(args.profile)
+    entry = _entry_by_id(profile, v.rule_id) if profile else None
+    try:
+        host = normalize_host(facts.host) if facts.host is not None else None
+    except HostError as e:
+        host = f"(invalid: {e})"
+    out = {
+        "profile": args.profile,
+        "target": args.target,
+        "host": host,
+        "port": facts.port,
+        "method": facts.method,
+        "path": facts.path,
+        "allowed": v.allowed,
+        "verdict": "allow" if v.allowed else "deny",
+        "reason": str(v.reason),
+        "rule_id": v.rule_id,
+        "entry_reason": v.entry_reason,
+        "rule_location": str(entry.location) if entry and entry.location else None,
+        "origin": entry.origin if entry else None,
+        "report_only": v.report_only,
+        "needs_inspection": v.needs_inspection,
+        "policy_version": v.policy_version,
+    }
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        verdict = out["verdict"] + (" (report mode: the rules deny this)" if v.report_only
+                                    else "")  # fmt: skip
+        print(f"verdict:  {verdict}")
+        print(f"reason:   {v.reason}")
+        if v.rule_id:
+            where = f"  ({out['rule_location']}, {out['origin']})" if entry else ""
+            print(f"rule:     {v.rule_id}{where}")
+            print(f"why:      {v.entry_reason}")
+        else:
+            print("rule:     (none)")
+        req = f"{host} port {facts.port}"
+        if facts.method:
+            req += f" {facts.method} {facts.path}"
+        print(f"request:  {req}")
+        if v.needs_inspection:
+            print("note:     the entry has an http block: the gateway inspects this flow (L7)")
+        print(f"policy:   {v.policy_version}")
+    return 0 if v.allowed else 1
+
+
+def cmd_test(args: argparse.Namespace) -> int:
+    from .policytests import run_tests
+
+    passed = failed = 0
+    report: list[dict[str, Any]] = []
+    for raw in args.paths or ["rules"]:
+        root, only = _resolve(Path(raw))
+        rs = _load_or_report(root)
+        if rs is None:
+            print(f"{raw}: cannot run tests on invalid rules", file=sys.stderr)
+            failed += 1
+            continue
+        cases = rs.tests
+        if only is not None:
+            target = only.resolve()
+            cases = tuple(
+                c for c in cases if c.location is not None
+                and (Path(c.location.file).resolve() == target
+                     or target in Path(c.location.file).resolve().parents)
+            )  # fmt: skip
+        for r in run_tests(rs, cases, args.today):
+            c = r.case
+            where = str(c.location) if c.location else "?"
+            label = f"{c.profile} {c.method or ''} {c.target}".replace("  ", " ")
+            if r.passed:
+                passed += 1
+                if args.verbose and not args.json:
+                    print(f"{where}: ok: {label}")
+            else:
+                failed += 1
+                if not args.json:
+                    print(f"{where}: FAIL: {label}: {'; '.join(r.failures)}")
+            v = r.verdict
+            report.append({"location": where, "profile": c.profile, "target": c.target,
+                           "method": c.method, "expect": c.expect, "passed": r.passed,
+                           "failures": list(r.failures),
+                           "verdict": None if v is None else {
+                               "allowed": v.allowed, "reason": str(v.reason),
+                               "rule_id": v.rule_id, "report_only": v.report_only}})  # fmt: skip
+    if args.json:
+        print(json.dumps({"passed": passed, "failed": failed, "results": report}, indent=2))
+    else:
+        print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from .diff import diff_rulesets
+
+    old = _load_or_report(args.old)
+    new = _load_or_report(args.new)
+    if old is None or new is None:
+        return 2
+    diffs = diff_rulesets(old, new, args.today)
+    if args.json:
+        print(json.dumps({"old_version": old.version, "new_version": new.version,
+                          "profiles": [d.as_json() for d in diffs]}, indent=2))  # fmt: skip
+        return 0
+    print(f"rules {old.version} -> {new.version}")
+    if not diffs:
+        print("no effective change in any profile")
+    for d in diffs:
+        print(f"\nprofile {d.name} ({d.status})")
+        for title, items, sign in (
+            ("newly allowed", d.newly_allowed, "+"),
+            ("no longer allowed", d.no_longer_allowed, "-"),
+            ("deny entries added", d.denies_added, "+"),
+            ("deny entries removed", d.denies_removed, "-"),
+            ("settings", d.settings, "~"),
+        ):
+            if items:
+                print(f"  {title}:")
+                for item in items:
+                    print(f"    {sign} {item}")
+    return 0

@@ -1,0 +1,132 @@
+"""Warnings about rule sets that load fine but are probably not what the author meant.
+
+Warnings never refuse a rule set: expired entries, allow entries a deny fully shadows,
+allow entries without an `http` block on hosts known to accept uploads, unused presets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import date
+
+from .decide import in_force, utc_today
+from .model import EgressEntry, Profile
+from .problems import Problem
+from .ruleset import RuleSet
+
+# Hosts that accept uploads/pushes/publishes. An allow entry reaching one of them without
+# an `http` block (methods/paths) lets a task push data out through it.
+UPLOAD_HOSTS = (
+    "upload.pypi.org",
+    "test.pypi.org",
+    "registry.npmjs.org",
+    "registry.yarnpkg.com",
+    "github.com",
+    "api.github.com",
+    "uploads.github.com",
+    "gist.github.com",
+    "gitlab.com",
+    "bitbucket.org",
+    "crates.io",
+    "rubygems.org",
+    "hub.docker.com",
+    "registry-1.docker.io",
+    "ghcr.io",
+    "quay.io",
+    "pastebin.com",
+    "transfer.sh",
+    "s3.amazonaws.com",
+    "storage.googleapis.com",
+)
+
+
+def pattern_covers(outer: str, inner: str) -> bool:
+    """Does host pattern `outer` match every name `inner` matches?"""
+    if outer == inner:
+        return True
+    if outer.startswith("*."):
+        suffix = outer[1:]  # ".example.com"
+        base = inner[2:] if inner.startswith("*.") else inner
+        return base.endswith(suffix)
+    return False
+
+
+def entry_covers(outer: EgressEntry, inner: EgressEntry) -> bool:
+    """Does `outer` match every destination and port `inner` matches?"""
+    ports_ok = not outer.ports or (bool(inner.ports) and inner.ports <= outer.ports)
+    if not ports_ok:
+        return False
+    if outer.host is not None and inner.host is not None:
+        return pattern_covers(outer.host, inner.host)
+    if outer.cidr is not None and inner.cidr is not None:
+        return outer.cidr.version == inner.cidr.version and inner.cidr.subnet_of(outer.cidr)  # type: ignore[arg-type]
+    return False
+
+
+def _where(e: EgressEntry) -> tuple[str, int, int]:
+    loc = e.location
+    return (loc.file, loc.line, loc.column) if loc else ("?", 1, 1)
+
+
+def _warn(e: EgressEntry, message: str) -> Problem:
+    f, line, col = _where(e)
+    return Problem(f, line, col, message, "warning")
+
+
+def _defined_entries(rs: RuleSet) -> Iterable[EgressEntry]:
+    for preset in rs.presets.values():
+        yield from preset.allow
+        yield from preset.deny
+    for p in rs.profiles.values():
+        origin = f"profile:{p.name}"
+        yield from (e for e in p.allow + p.deny if e.origin == origin)
+
+
+def shadowing_deny(profile: Profile, entry: EgressEntry, today: date) -> EgressEntry | None:
+    for d in profile.deny:
+        if in_force(d, today) and entry_covers(d, entry):
+            return d
+    return None
+
+
+def lint_ruleset(rs: RuleSet, today: date | None = None) -> list[Problem]:
+    today = today or utc_today()
+    out: dict[tuple[str, int, int, str], Problem] = {}
+
+    def add(p: Problem) -> None:
+        out.setdefault((p.file, p.line, p.column, p.message), p)
+
+    for e in _defined_entries(rs):
+        if not in_force(e, today):
+            add(_warn(e, f"entry {e.id!r} expired on {e.expires}; it is not in force "
+                         "(remove it or extend 'expires')"))  # fmt: skip
+    for p in rs.profiles.values():
+        for e in p.allow:
+            if not in_force(e, today):
+                continue
+            d = shadowing_deny(p, e, today)
+            if d is not None:
+                add(_warn(e, f"entry {e.id!r} is shadowed by deny {d.id!r} in profile "
+                             f"{p.name!r}; it never allows anything there"))  # fmt: skip
+                continue
+            if e.http is None and e.host is not None:
+                for u in UPLOAD_HOSTS:
+                    if pattern_covers(e.host, u) and not _denied(p, u, today):
+                        add(_warn(e, f"entry {e.id!r} reaches {u}, which accepts uploads, "
+                                     "without an 'http' block (limit methods/paths, e.g. "
+                                     "GET/HEAD)"))  # fmt: skip
+                        break
+    used = {name for p in rs.profiles.values() for name in p.presets}
+    for name, preset in rs.presets.items():
+        if name not in used and preset.location is not None:
+            loc = preset.location
+            add(Problem(loc.file, loc.line, loc.column,
+                        f"preset: {name!r} is not used by any profile", "warning"))  # fmt: skip
+    return sorted(out.values(), key=lambda p: (p.file, p.line, p.column, p.message))
+
+
+def _denied(profile: Profile, host: str, today: date) -> bool:
+    return any(
+        d.host is not None and not d.ports and in_force(d, today) and pattern_covers(d.host, host)
+        for d in profile.deny
+    )
