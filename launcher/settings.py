@@ -15,3 +15,18 @@ class LauncherSettings(BaseModel):
     nft_table: str = "stockade"
     nflog_group: int = Field(7413, ge=0, le=65535)
     default_ttl_s: int = Field(300, ge=1)
+    # names of host-side veths and of netns start with this; reconcile removes what carries it
+    name_prefix: str = Field("stk", min_length=1, max_length=5, pattern=r"^[a-z][a-z0-9]*$")
+    # cgroup parent (v1: /sys/fs/cgroup/<controller>/<parent>/<id>, v2: <root>/<parent>/<id>)
+    cgroup_parent: str = Field("stockade", pattern=r"^[A-Za-z0-9_.-]+$")
+    cgroup_root: str = "/sys/fs/cgroup"
+    sandbox_uid: int = Field(65534, ge=1)  # the command never runs as root
+    sandbox_gid: int = Field(65534, ge=1)
+    max_output_bytes: int = Field(4 * 2**20, ge=1024)  # per stream; the rest is dropped
+    # directories of the host bound read-only into the sandbox root (nothing else is visible)
+    ro_binds: list[str] = ["/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc"]
+    env_allowlist: list[str] = ["PATH", "LANG", "LC_ALL", "TERM", "TZ"]
+    # failed forks (pids limit hits) after which a sandbox is ended with ended_by=limit
+    pids_fail_kill: int = Field(32, ge=1)
+    log_rate_per_s: int = Field(20, ge=1)  # nft log limit rate (packets/s, burst 2x)
+    shm_size: int = Field(16 * 2**20, ge=4096)  # /dev/shm tmpfs (charged to the memory cgroup)

@@ -1,0 +1,164 @@
+"""Per-sandbox cgroups: v2 when the unified hierarchy is mounted at the root, else v1
+(memory, pids, cpu, freezer under `<root>/<controller>/<parent>/<id>`, as on hosts that
+only have v1). Plain file writes: no library covers both versions with freeze and kill.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+V1_CONTROLLERS = ("memory", "pids", "cpu", "freezer")
+CPU_PERIOD_US = 100_000
+
+
+def detect_version(root: str) -> int:
+    return 2 if Path(root, "cgroup.controllers").exists() else 1
+
+
+def _write(path: Path, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _read_kv(path: Path) -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        text = path.read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].lstrip("-").isdigit():
+            out[parts[0]] = int(parts[1])
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    memory: int
+    pids: int
+    cpus: float
+
+
+class CgroupSet:
+    """One sandbox's cgroup(s). Every method tolerates a half-created or gone cgroup."""
+
+    def __init__(self, root: str, parent: str, name: str) -> None:
+        self.version = detect_version(root)
+        self.root = Path(root)
+        self.parent = parent
+        self.name = name
+        if self.version == 2:
+            self.dirs = {c: self.root / parent / name for c in ("unified",)}
+        else:
+            self.dirs = {c: self.root / c / parent / name for c in V1_CONTROLLERS}
+
+    @property
+    def paths(self) -> list[str]:
+        return [str(p) for p in self.dirs.values()]
+
+    def procs_files(self) -> list[str]:
+        return [str(d / "cgroup.procs") for d in self.dirs.values()]
+
+    def create(self, limits: Limits) -> None:
+        if self.version == 2:
+            parent = self.root / self.parent
+            parent.mkdir(exist_ok=True)
+            with contextlib.suppress(OSError):  # may already be enabled
+                _write(parent / "cgroup.subtree_control", "+memory +pids +cpu")
+            d = self.dirs["unified"]
+            d.mkdir(exist_ok=True)
+            _write(d / "memory.max", str(limits.memory))
+            with contextlib.suppress(FileNotFoundError):
+                _write(d / "memory.swap.max", "0")
+            _write(d / "pids.max", str(limits.pids))
+            _write(d / "cpu.max", f"{int(limits.cpus * CPU_PERIOD_US)} {CPU_PERIOD_US}")
+            return
+        for d in self.dirs.values():
+            d.mkdir(parents=True, exist_ok=True)
+        m = self.dirs["memory"]
+        _write(m / "memory.limit_in_bytes", str(limits.memory))
+        with contextlib.suppress(OSError):  # absent without swap accounting
+            _write(m / "memory.memsw.limit_in_bytes", str(limits.memory))
+        _write(self.dirs["pids"] / "pids.max", str(limits.pids))
+        c = self.dirs["cpu"]
+        _write(c / "cpu.cfs_period_us", str(CPU_PERIOD_US))
+        _write(c / "cpu.cfs_quota_us", str(int(limits.cpus * CPU_PERIOD_US)))
+
+    def pids(self) -> list[int]:
+        d = self.dirs["unified" if self.version == 2 else "pids"]
+        try:
+            return [int(x) for x in (d / "cgroup.procs").read_text().split()]
+        except OSError:
+            return []
+
+    def oom_kills(self) -> int:
+        if self.version == 2:
+            return _read_kv(self.dirs["unified"] / "memory.events").get("oom_kill", 0)
+        return _read_kv(self.dirs["memory"] / "memory.oom_control").get("oom_kill", 0)
+
+    def pids_failures(self) -> int:
+        d = self.dirs["unified" if self.version == 2 else "pids"]
+        return _read_kv(d / "pids.events").get("max", 0)
+
+    def freeze(self, frozen: bool) -> None:
+        if self.version == 2:
+            _write(self.dirs["unified"] / "cgroup.freeze", "1" if frozen else "0")
+        else:
+            _write(self.dirs["freezer"] / "freezer.state", "FROZEN" if frozen else "THAWED")
+
+    def kill_all(self) -> None:
+        """SIGKILL every process; frozen first (v1) so a fork bomb cannot outrun the loop."""
+        if self.version == 2:
+            try:
+                _write(self.dirs["unified"] / "cgroup.kill", "1")
+                return
+            except OSError:
+                pass
+        for _ in range(100):
+            pids = self.pids()
+            if not pids:
+                return
+            with contextlib.suppress(OSError):
+                self.freeze(True)
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                self.freeze(False)  # killed tasks only die once thawed
+            time.sleep(0.005)
+
+    def remove(self) -> None:
+        """rmdir every directory; retries briefly while dying tasks leave."""
+        for d in self.dirs.values():
+            for _ in range(200):
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    self.kill_all()
+                    time.sleep(0.005)
+
+    def exists(self) -> bool:
+        return any(d.exists() for d in self.dirs.values())
+
+
+def leftover_names(root: str, parent: str) -> set[str]:
+    """Names of sandbox cgroups under `parent` (for reconcile)."""
+    names: set[str] = set()
+    bases = ([Path(root, parent)] if detect_version(root) == 2
+             else [Path(root, c, parent) for c in V1_CONTROLLERS])
+    for base in bases:
+        with contextlib.suppress(OSError):
+            names.update(p.name for p in base.iterdir() if p.is_dir())
+    return names

@@ -1,0 +1,115 @@
+"""`stockade run` and `stockade sandbox list|kill|suspend|resume` (thin shells over Launcher)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+
+def _parse_input(raw: str) -> tuple[str, str]:
+    host, sep, guest = raw.partition(":")
+    if not sep or not guest:
+        guest = "/inputs/" + os.path.basename(os.path.normpath(host))
+    return host, guest
+
+
+def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
+    run = sub.add_parser("run", help="run a command in a fresh sandbox and tear it down")
+    run.add_argument("--profile", required=True, help="profile name from the rules")
+    run.add_argument("--rules", help="rules directory (default: config rules_dir)")
+    run.add_argument("--config", help="stockade.yaml (default: embedded defaults)")
+    run.add_argument("--input", action="append", default=[], metavar="HOST_PATH[:GUEST_PATH]",
+                     help="mount read-only (default guest path /inputs/<name>); repeatable")
+    run.add_argument("--export", metavar="DIR", help="copy allowed files of scratch/out here")
+    run.add_argument("--ttl", type=int, metavar="SECONDS",
+                     help="wall-clock limit (capped by the profile's limits.ttl)")
+    run.add_argument("--json", action="store_true", help="print one JSON result object")
+    run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
+    run.set_defaults(func=_run)
+
+    sb = sub.add_parser("sandbox", help="list, kill, suspend, resume sandboxes")
+    sb.set_defaults(group_parser=sb)
+    sbsub = sb.add_subparsers(dest="sandbox_command", metavar="COMMAND")
+    lst = sbsub.add_parser("list", help="live sandboxes")
+    lst.add_argument("--config")
+    lst.add_argument("--json", action="store_true")
+    lst.set_defaults(func=_list)
+    for name, helptext in (("kill", "kill and remove a sandbox"),
+                           ("suspend", "freeze every process of a sandbox"),
+                           ("resume", "thaw a suspended sandbox")):
+        p = sbsub.add_parser(name, help=helptext)
+        p.add_argument("task_id")
+        p.add_argument("--config")
+        p.set_defaults(func=_op, op=name)
+
+
+def _launcher(config_path: str | None) -> Any:
+    from stockade.config import load_config
+
+    from .core import Launcher
+
+    return Launcher(load_config(config_path))
+
+
+def _run(args: argparse.Namespace) -> int:
+    from stockade.config import ConfigError, load_config
+
+    from .core import Launcher, LauncherError, SandboxSpec
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        print("stockade run: missing command after --", file=sys.stderr)
+        return 2
+    try:
+        config = load_config(args.config)
+        from stockade.policy import load_rules  # type: ignore[attr-defined]
+
+        ruleset = load_rules(args.rules or config.rules_dir)
+    except (ConfigError, Exception) as e:
+        print(f"stockade run: {e}", file=sys.stderr)
+        return 2
+    spec = SandboxSpec(profile=args.profile, argv=cmd,
+                       inputs=[_parse_input(i) for i in args.input],
+                       export_dir=args.export, ttl=args.ttl)
+    launcher = Launcher(config)
+    try:
+        result = launcher.run(spec, ruleset)
+    except LauncherError as e:
+        print(f"stockade run: {e}", file=sys.stderr)
+        return 2
+    finally:
+        launcher.close()
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        sys.stdout.write(result.stdout)
+        sys.stderr.write(result.stderr)
+        if result.ended_by != "exit":
+            print(f"stockade run: sandbox {result.task_id} ended by {result.ended_by}",
+                  file=sys.stderr)
+    return result.exit_code
+
+
+def _list(args: argparse.Namespace) -> int:
+    rows = _launcher(args.config).list()
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(f"{'TASK':<12} {'PROFILE':<20} {'ADDRESS':<16} STATE")
+    for r in rows:
+        print(f"{r['task_id']:<12} {r['profile']:<20} {r['address']:<16} {r['state']}")
+    return 0
+
+
+def _op(args: argparse.Namespace) -> int:
+    launcher = _launcher(args.config)
+    ok = getattr(launcher, args.op)(args.task_id)
+    if not ok:
+        print(f"stockade sandbox {args.op}: no sandbox {args.task_id}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,719 @@
+"""The launcher: ephemeral sandboxes wired to the gateway and the broker, and nothing else.
+
+`Launcher` is the Python API (the CLI and `stockade.stack` are thin callers). One sandbox =
+netns + veth (address from the pool) + nft set elements (one transaction) + cgroups +
+a size-capped scratch tmpfs + registrations with gateway and broker, then the command in
+its own mount/pid/ipc/uts namespaces as an unprivileged user. Teardown undoes each piece
+and tolerates pieces that are already gone, so kill, crash recovery and normal exit share it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any, Literal, Protocol
+
+from stockade.config import Config
+from stockade.events import EventWriter, make_event
+from stockade.tasks import ControlClient, Task
+
+from . import cgroups, exports, initscript, mounts, netns, nft, scrub
+from .addresses import free_slot, slot_addresses
+from .nflog import LogRecord, NflogSocket
+from .state import SandboxRecord, StateFile
+
+EndedBy = Literal["exit", "ttl", "killed", "limit"]
+TASK_ID_RE = re.compile(r"^[0-9a-f]{10}$")
+SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+
+
+class LauncherError(RuntimeError):
+    pass
+
+
+class _ProfileLike(Protocol):
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxSpec:
+    profile: str
+    argv: list[str]
+    inputs: list[tuple[str, str]] = field(default_factory=list)  # (host path, guest path)
+    export_dir: str | None = None
+    ttl: int | None = None  # seconds; capped by the profile's limits.ttl
+    env: dict[str, str] = field(default_factory=dict)
+    stdin: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ExportedFile:
+    name: str
+    size: int
+    type: str
+
+
+@dataclass(slots=True)
+class RunResult:
+    task_id: str
+    exit_code: int
+    stdout: str
+    stderr: str
+    duration_s: float
+    denials: list[dict[str, Any]]
+    exports: list[ExportedFile]
+    ended_by: EndedBy
+    timings: dict[str, float] = field(default_factory=dict)  # setup_s, run_s, teardown_s
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["exports"] = [asdict(e) for e in self.exports]
+        return d
+
+
+def _port(listen: str) -> int:
+    return int(listen.rsplit(":", 1)[1])
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _Capture(threading.Thread):
+    """Drains one pipe; keeps the first `cap` bytes, discards the rest (never blocks the child)."""
+
+    def __init__(self, stream: IO[bytes], cap: int) -> None:
+        super().__init__(daemon=True)
+        self.stream = stream
+        self.cap = cap
+        self.buf = bytearray()
+        self.truncated = False
+
+    def run(self) -> None:
+        while True:
+            chunk = self.stream.read1(65536) if hasattr(self.stream, "read1") else b""
+            if not chunk:
+                break
+            room = self.cap - len(self.buf)
+            if room > 0:
+                self.buf += chunk[:room]
+            if len(chunk) > max(room, 0):
+                self.truncated = True
+        self.stream.close()
+
+
+@dataclass
+class _Live:
+    record: SandboxRecord
+    cg: cgroups.CgroupSet
+    proc: subprocess.Popen[bytes] | None = None
+    killed: threading.Event = field(default_factory=threading.Event)
+
+
+class Launcher:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        events: EventWriter | None = None,
+        register: bool = True,
+        nflog: bool = True,
+    ) -> None:
+        self.config = config
+        self.s = config.launcher
+        self.events = events or EventWriter(
+            config.events_file, max_bytes=config.events.max_bytes, backups=config.events.backups
+        )
+        self.register_tasks = register
+        self.use_nflog = nflog
+        self.state = StateFile(Path(config.state_dir) / "launcher" / f"{self.s.nft_table}.json")
+        self.scratch_base = Path(self.s.scratch_dir)
+        self.params = nft.TableParams(
+            table=self.s.nft_table,
+            transparent_port=_port(config.gateway.transparent_listen[0]),
+            dns_port=_port(config.dns.listen[0]),
+            broker_port=_port(config.broker.listen),
+            nflog_group=self.s.nflog_group,
+            log_rate=self.s.log_rate_per_s,
+        )
+        self._started = False
+        self._start_lock = threading.Lock()
+        self._live: dict[str, _Live] = {}
+        self._ifindex: dict[int, tuple[str, str]] = {}  # ifindex -> (task_id, profile)
+        self._stop = threading.Event()
+        self._nflog_thread: threading.Thread | None = None
+        self._nflog_ticks = 0
+        self._nflog_cv = threading.Condition()
+        self.nflog_bound = False
+
+    # -- lifecycle of the launcher itself ----------------------------------------------
+    def start(self) -> None:
+        """Install the nft table, reconcile leftovers of crashed runs, start the NFLOG reader."""
+        with self._start_lock:
+            if self._started:
+                return
+            self.scratch_base.mkdir(parents=True, exist_ok=True, mode=0o700)
+            nft.run(nft.table_commands(self.params))
+            self.reconcile()
+            if self.use_nflog:
+                self._nflog_thread = threading.Thread(target=self._nflog_loop, daemon=True,
+                                                      name="stockade-nflog")
+                self._nflog_thread.start()
+            self._started = True
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._nflog_thread is not None:
+            self._nflog_thread.join(timeout=3)
+        for tid in list(self._live):
+            self.kill(tid)
+
+    def __enter__(self) -> Launcher:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the public API ----------------------------------------------------------------
+    def run(self, spec: SandboxSpec, ruleset: Any = None) -> RunResult:
+        """Run one command in a fresh sandbox and tear it down; never leaves pieces behind."""
+        self.start()
+        profile = self._profile(spec.profile, ruleset)
+        policy_version = getattr(ruleset, "version", None)
+        t0 = time.monotonic()
+        live = self._create(spec, profile, policy_version)
+        rec = live.record
+        t_setup = time.monotonic()
+        ttl = rec.expires_at - time.time() if rec.expires_at else float(self.s.default_ttl_s)
+        ended_by: EndedBy = "exit"
+        out_cap = err_cap = None
+        exit_code = -1
+        exported: list[ExportedFile] = []
+        try:
+            assert live.proc is not None
+            proc = live.proc
+            assert proc.stdout is not None and proc.stderr is not None
+            out_cap = _Capture(proc.stdout, self.s.max_output_bytes)  # type: ignore[arg-type]
+            err_cap = _Capture(proc.stderr, self.s.max_output_bytes)  # type: ignore[arg-type]
+            out_cap.start()
+            err_cap.start()
+            if proc.stdin is not None:
+                with contextlib.suppress(BrokenPipeError, OSError):
+                    proc.stdin.write(spec.stdin or b"")
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
+            deadline = time.monotonic() + max(ttl, 0.0)
+            limits_pids_fail = self.s.pids_fail_kill
+            while True:
+                try:
+                    proc.wait(timeout=0.05)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                if live.killed.is_set():
+                    ended_by = "killed"
+                    live.cg.kill_all()
+                elif time.monotonic() >= deadline:
+                    ended_by = "ttl"
+                    live.cg.kill_all()
+                    self._kill_proc(proc)
+                elif live.cg.pids_failures() >= limits_pids_fail:
+                    ended_by = "limit"
+                    live.cg.kill_all()
+                    self._kill_proc(proc)
+            # the namespace's init is gone: every process in it is gone with it
+            live.cg.kill_all()
+            out_cap.join(timeout=5)
+            err_cap.join(timeout=5)
+            rc = proc.returncode
+            exit_code = 128 - rc if rc < 0 else rc
+            if live.killed.is_set() or self._kill_marker(rec).exists():
+                ended_by = "killed"
+            elif ended_by == "exit" and (
+                live.cg.oom_kills() > 0 or (exit_code != 0 and self._scratch_full(rec))
+            ):
+                ended_by = "limit"  # OOM kill, or the command failed on a full scratch
+            if spec.export_dir is not None:
+                exported = self._export(rec, profile, spec.export_dir, policy_version)
+        finally:
+            t_run = time.monotonic()
+            self._wait_nflog_drain()
+            self._teardown(rec.task_id)
+            t_end = time.monotonic()
+        duration = t_end - t0
+        self._emit(make_event(
+            component="launcher", action="sandbox_lifecycle", task_id=rec.task_id,
+            profile=rec.profile, policy_version=policy_version, source_ip=rec.guest_ip,
+            reason=_lifecycle_reason(ended_by), message=f"sandbox ended ({ended_by})",
+            extra={"lifecycle": "end", "ended_by": ended_by, "exit_code": exit_code,
+                   "duration_s": round(duration, 6)},
+        ))
+        scrubber = self._scrubber(rec, spec)
+        stdout = scrub.scrub(bytes(out_cap.buf).decode("utf-8", "replace") if out_cap else "",
+                             scrubber)
+        stderr = scrub.scrub(bytes(err_cap.buf).decode("utf-8", "replace") if err_cap else "",
+                             scrubber)
+        return RunResult(
+            task_id=rec.task_id, exit_code=exit_code, stdout=stdout, stderr=stderr,
+            duration_s=round(duration, 6), denials=self.denials(rec.task_id),
+            exports=exported, ended_by=ended_by,
+            timings={"setup_s": t_setup - t0, "run_s": t_run - t_setup,
+                     "teardown_s": t_end - t_run},
+        )
+
+    def list(self) -> list[dict[str, Any]]:
+        return [
+            {"task_id": r.task_id, "profile": r.profile, "address": r.guest_ip,
+             "state": r.state, "started_at": r.started_at, "expires_at": r.expires_at,
+             "owner_pid": r.owner_pid}
+            for r in self.state.read().values()
+        ]
+
+    def kill(self, task_id: str) -> bool:
+        """Kill and remove a sandbox (from any launcher process); False when unknown."""
+        rec = self.state.read().get(task_id)
+        live = self._live.get(task_id)
+        if rec is None and live is None:
+            return False
+        if live is not None:
+            live.killed.set()
+            live.cg.kill_all()
+            if live.proc is not None:
+                self._kill_proc(live.proc)
+            return True
+        assert rec is not None
+        with contextlib.suppress(OSError):
+            self._kill_marker(rec).touch()
+        cgroups.CgroupSet(self.s.cgroup_root, self.s.cgroup_parent, task_id).kill_all()
+        if _alive(rec.owner_pid) and rec.owner_pid != os.getpid():
+            # the owner notices its command died and tears down; wait for that
+            for _ in range(200):
+                if task_id not in self.state.read():
+                    return True
+                time.sleep(0.01)
+        self._teardown(task_id)
+        return True
+
+    def suspend(self, task_id: str) -> bool:
+        return self._freeze(task_id, True)
+
+    def resume(self, task_id: str) -> bool:
+        return self._freeze(task_id, False)
+
+    def reconcile(self) -> dict[str, list[str]]:
+        """Remove everything of this launcher's naming that no live launcher owns."""
+        removed: dict[str, list[str]] = {"sandboxes": [], "netns": [], "links": [],
+                                         "elements": [], "cgroups": [], "scratch": []}
+        records = self.state.read()
+        for tid, rec in records.items():
+            if tid in self._live or (_alive(rec.owner_pid) and rec.owner_pid != os.getpid()):
+                continue
+            self._teardown(tid)
+            removed["sandboxes"].append(tid)
+        keep = {tid for tid, r in self.state.read().items()}
+        keep_if = {self._ifname(t) for t in keep}
+        p = self.s.name_prefix
+        for ns in netns.list_netns(p):
+            if ns[len(p) + 1:] not in keep and TASK_ID_RE.match(ns[len(p) + 1:]):
+                netns.destroy(ns, self._ifname(ns[len(p) + 1:]))
+                removed["netns"].append(ns)
+        for link in netns.list_links(p):
+            if link not in keep_if and TASK_ID_RE.match(link[len(p):]):
+                netns.destroy(self._netns(link[len(p):]), link)
+                removed["links"].append(link)
+        stale = []
+        for elems in nft.list_elements(self.s.nft_table).values():
+            for e in elems:
+                name = nft.element_ifname(e)
+                if name and name not in keep_if and name.startswith(p):
+                    stale.append(name)
+        for name in sorted(set(stale)):
+            self._delete_elements_by_name(name)
+            removed["elements"].append(name)
+        for name in cgroups.leftover_names(self.s.cgroup_root, self.s.cgroup_parent):
+            if name not in keep and TASK_ID_RE.match(name):
+                cg = cgroups.CgroupSet(self.s.cgroup_root, self.s.cgroup_parent, name)
+                cg.kill_all()
+                cg.remove()
+                removed["cgroups"].append(name)
+        if self.scratch_base.is_dir():
+            for d in self.scratch_base.iterdir():
+                if d.name not in keep and TASK_ID_RE.match(d.name):
+                    self._remove_scratch(d)
+                    removed["scratch"].append(d.name)
+        return removed
+
+    def denials(self, task_id: str) -> list[dict[str, Any]]:
+        """The task's denial events from every component (the shared events file)."""
+        from stockade.events import read_events
+
+        out = []
+        path = self.config.events_file
+        for p in (path.with_name(path.name + ".1"), path):
+            for ev in read_events(p):
+                if (ev.get("labels", {}).get("task_id") == task_id
+                        and ev.get("stockade", {}).get("decision") == "denied"):
+                    out.append(ev)
+        return out
+
+    # -- creation ------------------------------------------------------------------------
+    def _profile(self, name: str, ruleset: Any) -> Any:
+        if ruleset is None:
+            from stockade.policy import load_rules  # type: ignore[attr-defined]
+
+            ruleset = load_rules(self.config.rules_dir)
+        profile = ruleset.profiles.get(name)
+        if profile is None:
+            raise LauncherError(f"unknown profile {name!r}")
+        return profile
+
+    def _ifname(self, task_id: str) -> str:
+        return f"{self.s.name_prefix}{task_id}"
+
+    def _netns(self, task_id: str) -> str:
+        return f"{self.s.name_prefix}-{task_id}"
+
+    def _kill_marker(self, rec: SandboxRecord) -> Path:
+        return self.scratch_base / rec.task_id / "killed"
+
+    def _create(self, spec: SandboxSpec, profile: Any, policy_version: str | None) -> _Live:
+        if not spec.argv:
+            raise LauncherError("empty command")
+        for k in spec.env:
+            if not ENV_NAME_RE.match(k) or k.startswith("STOCKADE_"):
+                raise LauncherError(f"invalid environment name {k!r}")
+        inputs = self._check_inputs(spec.inputs)
+        limits = profile.limits
+        ttl = min(spec.ttl, limits.ttl) if spec.ttl else limits.ttl
+        now = time.time()
+        with self.state.locked() as records:
+            while True:
+                task_id = secrets.token_hex(5)
+                if task_id not in records:
+                    break
+            slot = free_slot(self.s.address_pool, (r.slot for r in records.values()))
+            a = slot_addresses(self.s.address_pool, slot)
+            cg = cgroups.CgroupSet(self.s.cgroup_root, self.s.cgroup_parent, task_id)
+            rec = SandboxRecord(
+                task_id=task_id, profile=profile.name, slot=slot, ifname=self._ifname(task_id),
+                netns=self._netns(task_id), host_ip=a.host_ip, guest_ip=a.guest_ip,
+                guest_mac=a.guest_mac, owner_pid=os.getpid(),
+                scratch=str(self.scratch_base / task_id), cgroups=cg.paths,
+                started_at=now, expires_at=now + ttl,
+            )
+            records[task_id] = rec
+        live = _Live(rec, cg)
+        self._live[task_id] = live
+        try:
+            cg.create(cgroups.Limits(memory=limits.memory, pids=limits.pids, cpus=limits.cpus))
+            base = self.scratch_base / task_id
+            root, scratch, etc = base / "root", base / "scratch", base / "etc"
+            for d in (root, scratch, etc):
+                d.mkdir(parents=True, exist_ok=True)
+            os.chmod(base, 0o711)  # noqa: S103 - traversable, not listable
+            mounts.mount_tmpfs(str(scratch), limits.disk, self.s.sandbox_uid, self.s.sandbox_gid)
+            for sub in ("out", "tmp", "home"):
+                (scratch / sub).mkdir()
+                os.chown(scratch / sub, self.s.sandbox_uid, self.s.sandbox_gid)
+            os.chmod(scratch / "tmp", 0o1777)  # noqa: S103 - sticky /tmp inside
+            (etc / "resolv.conf").write_text(f"nameserver {a.host_ip}\noptions timeout:2\n")
+            (etc / "hosts").write_text("127.0.0.1\tlocalhost\n127.0.1.1\tsandbox\n")
+            (etc / "hostname").write_text("sandbox\n")
+            for f in etc.iterdir():
+                os.chmod(f, 0o644)
+            rec.ifindex = netns.create(rec.netns, rec.ifname, a)
+            self._ifindex[rec.ifindex] = (task_id, profile.name)
+            nft.run(nft.element_commands(self.s.nft_table, "add", [self._wiring(rec)]))
+            if self.register_tasks:
+                task = Task(task_id, a.guest_ip, profile.name, expires_at=now + ttl + 5)
+                for path in self._control_sockets():
+                    try:
+                        ControlClient(path).register(task)
+                    except Exception as e:  # fail closed: never run unregistered
+                        raise LauncherError(f"cannot register task with {path}: "
+                                            f"{type(e).__name__}") from None
+            plan = initscript.InitPlan(
+                root=str(root), scratch=str(scratch), etc_dir=str(etc),
+                uid=self.s.sandbox_uid, gid=self.s.sandbox_gid,
+                system=tuple(self._system_binds()), inputs=tuple(inputs),
+                shm_size=self.s.shm_size, cgroup_procs=tuple(cg.procs_files()),
+            )
+            env = self._env(spec, a.host_ip)
+            argv = ["nsenter", f"--net={netns.NETNS_DIR}/{rec.netns}", "--",
+                    "unshare", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
+                    "--propagation", "private", "--",
+                    "/bin/sh", "-c", initscript.build(plan), "stockade-init", *spec.argv]
+            live.proc = subprocess.Popen(
+                argv, env=env, stdin=subprocess.PIPE if spec.stdin is not None
+                else subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                close_fds=True, start_new_session=True, cwd="/",
+            )
+            with self.state.locked() as records:
+                if task_id in records:
+                    records[task_id].pid = live.proc.pid
+                    records[task_id].ifindex = rec.ifindex
+                    records[task_id].state = "running"
+        except BaseException:
+            self._teardown(task_id)
+            raise
+        self._emit(make_event(
+            component="launcher", action="sandbox_lifecycle", task_id=task_id,
+            profile=profile.name, policy_version=policy_version, source_ip=a.guest_ip,
+            message="sandbox started", extra={"lifecycle": "start", "ttl_s": ttl},
+        ))
+        return live
+
+    def _check_inputs(self, inputs: list[tuple[str, str]]) -> list[initscript.Bind]:
+        out = []
+        for host, guest in inputs:
+            hp = os.path.realpath(host)
+            if not os.path.exists(hp):
+                raise LauncherError(f"input does not exist: {host}")
+            try:
+                initscript.check_input_target(guest)
+            except ValueError as e:
+                raise LauncherError(str(e)) from None
+            out.append(initscript.Bind(hp, guest, is_dir=os.path.isdir(hp)))
+        return out
+
+    def _system_binds(self) -> list[initscript.Bind]:
+        out = []
+        for p in self.s.ro_binds:
+            if os.path.islink(p):
+                out.append(initscript.Bind(p, p, symlink_to=os.readlink(p)))
+            elif os.path.exists(p):
+                out.append(initscript.Bind(p, p, is_dir=os.path.isdir(p)))
+        return out
+
+    def _env(self, spec: SandboxSpec, host_ip: str) -> dict[str, str]:
+        env = {k: os.environ[k] for k in self.s.env_allowlist if k in os.environ}
+        env.update(spec.env)
+        env.update({
+            "PATH": SANDBOX_PATH,
+            "HOME": f"{initscript.SCRATCH}/home",
+            "TMPDIR": "/tmp",  # noqa: S108 - the sandbox's own /tmp (in scratch)
+            "STOCKADE_BROKER": f"http://{host_ip}:{self.params.broker_port}",
+        })
+        for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY"):
+            env.pop(k, None)
+        return env
+
+    def _control_sockets(self) -> list[str]:
+        return [self.config.gateway.control_socket, self.config.broker.control_socket]
+
+    def _wiring(self, rec: SandboxRecord) -> nft.Wiring:
+        return nft.Wiring(rec.ifname, rec.guest_ip, rec.guest_mac, rec.host_ip)
+
+    # -- teardown ------------------------------------------------------------------------
+    @staticmethod
+    def _kill_proc(proc: subprocess.Popen[bytes]) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    def _teardown(self, task_id: str) -> None:
+        """Idempotent: each step tolerates its piece being gone already."""
+        rec = self.state.read().get(task_id)
+        live = self._live.get(task_id)
+        if rec is None and live is not None:
+            rec = live.record
+        cg = live.cg if live else cgroups.CgroupSet(self.s.cgroup_root, self.s.cgroup_parent,
+                                                    task_id)
+        cg.kill_all()
+        if live is not None and live.proc is not None:
+            self._kill_proc(live.proc)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                live.proc.wait(timeout=5)
+        if rec is not None:
+            if self.register_tasks:
+                for path in self._control_sockets():
+                    with contextlib.suppress(Exception):
+                        ControlClient(path, timeout=2.0).deregister(task_id)
+            with contextlib.suppress(nft.NftError):
+                nft.run(nft.element_commands(self.s.nft_table, "delete", [self._wiring(rec)]))
+            netns.destroy(rec.netns, rec.ifname)
+            self._ifindex.pop(rec.ifindex, None)
+        else:
+            netns.destroy(self._netns(task_id), self._ifname(task_id))
+        cg.remove()
+        self._remove_scratch(self.scratch_base / task_id)
+        with self.state.locked() as records:
+            records.pop(task_id, None)
+        self._live.pop(task_id, None)
+
+    def _delete_elements_by_name(self, ifname: str) -> None:
+        """Remove every element of an interface whose record is lost (reconcile)."""
+        for set_name, elems in nft.list_elements(self.s.nft_table).items():
+            for e in elems:
+                if nft.element_ifname(e) == ifname:
+                    payload = {"nftables": [{"delete": {"element": {
+                        "family": "inet", "table": self.s.nft_table, "name": set_name,
+                        "elem": [e]}}}]}
+                    with contextlib.suppress(nft.NftError):
+                        nft.run(payload)
+
+    def _remove_scratch(self, base: Path) -> None:
+        scratch = base / "scratch"
+        for _ in range(3):
+            if not mounts.umount(str(scratch)):
+                break
+        shutil.rmtree(base, ignore_errors=True)
+
+    def _scratch_full(self, rec: SandboxRecord) -> bool:
+        try:
+            st = os.statvfs(Path(rec.scratch) / "scratch")
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize < 64 * 1024
+
+    def _freeze(self, task_id: str, frozen: bool) -> bool:
+        if task_id not in self.state.read():
+            return False
+        cgroups.CgroupSet(self.s.cgroup_root, self.s.cgroup_parent, task_id).freeze(frozen)
+        with self.state.locked() as records:
+            if task_id in records:
+                records[task_id].state = "frozen" if frozen else "running"
+        return True
+
+    # -- exports -------------------------------------------------------------------------
+    def _export(self, rec: SandboxRecord, profile: Any, dest: str,
+                policy_version: str | None) -> list[ExportedFile]:
+        pol = profile.exports
+        out_dir = str(Path(rec.scratch) / "scratch" / "out")
+        cands, contents = exports.scan(out_dir, pol.max_file_bytes)
+        result = []
+        for d in exports.decide(cands, pol.max_file_bytes, pol.max_total_bytes, pol.types):
+            info = {"name": d.name, "size": d.size, "type": d.kind or "unknown"}
+            if d.allowed:
+                try:
+                    exports.write_export(dest, d.name, contents[d.name])
+                except (OSError, ValueError):
+                    d = exports.ExportDecision(d.name, d.size, d.kind, False, "write_failed")
+            if d.allowed:
+                result.append(ExportedFile(d.name, d.size, d.kind or "unknown"))
+                self._emit(make_event(
+                    component="launcher", action="export_decision", decision="allowed",
+                    reason="allowed_by_rule", task_id=rec.task_id, profile=rec.profile,
+                    policy_version=policy_version, message=f"exported {d.name}",
+                    extra={"export": info}))
+            else:
+                self._emit(make_event(
+                    component="launcher", action="export_decision", decision="denied",
+                    reason="export_refused", task_id=rec.task_id, profile=rec.profile,
+                    policy_version=policy_version,
+                    message=f"export of {d.name} refused: {d.why}",
+                    extra={"export": {**info, "why": d.why}}))
+        return result
+
+    # -- scrubbing -------------------------------------------------------------------------
+    def _scrubber(self, rec: SandboxRecord, spec: SandboxSpec) -> scrub.Scrubber:
+        paths = [str(self.scratch_base), self.config.state_dir, self.config.log_dir,
+                 self.config.run_dir, os.getcwd(), os.path.expanduser("~")]
+        paths += [os.path.realpath(h) for h, _ in spec.inputs]
+        addrs = [rec.host_ip]
+        for lst in (self.config.gateway.transparent_listen, self.config.dns.listen,
+                    [self.config.broker.listen], self.config.gateway.resolvers):
+            for item in lst:
+                addrs.append(item.rsplit(":", 1)[0] if item.count(":") == 1 else item)
+        if self.config.vault.address:
+            addrs.append(self.config.vault.address)
+        host_env = {k: v for k, v in os.environ.items() if k not in spec.env}
+        return scrub.build(host_paths=paths, host_env=host_env,
+                           hostnames=[socket.gethostname(), socket.getfqdn()], addresses=addrs)
+
+    # -- events and NFLOG --------------------------------------------------------------------
+    def _emit(self, event: dict[str, Any]) -> None:
+        self.events.write(event)
+
+    def _task_for_ifindex(self, ifindex: int | None) -> tuple[str, str] | None:
+        if ifindex is None:
+            return None
+        hit = self._ifindex.get(ifindex)
+        if hit is not None:
+            return hit
+        for r in self.state.read().values():  # a sandbox of another launcher process
+            if r.ifindex == ifindex:
+                return r.task_id, r.profile
+        return None
+
+    def _nflog_loop(self) -> None:
+        sock: NflogSocket | None = None
+        while not self._stop.is_set():
+            if sock is None:
+                try:
+                    sock = NflogSocket(self.s.nflog_group)
+                    self.nflog_bound = True
+                except OSError:
+                    # another launcher holds the group and reports for every sandbox
+                    self._tick()
+                    self._stop.wait(1.0)
+                    continue
+            try:
+                records = sock.recv(0.02)
+            except OSError:
+                sock.close()
+                sock = None
+                self.nflog_bound = False
+                continue
+            for r in records:
+                self.handle_log_record(r)
+            self._tick()
+        if sock is not None:
+            sock.close()
+
+    def _tick(self) -> None:
+        with self._nflog_cv:
+            self._nflog_ticks += 1
+            self._nflog_cv.notify_all()
+
+    def _wait_nflog_drain(self) -> None:
+        """Let records already queued in the kernel reach the events file (two polls)."""
+        if self._nflog_thread is None or not self.nflog_bound:
+            return
+        with self._nflog_cv:
+            target = self._nflog_ticks + 2
+            self._nflog_cv.wait_for(lambda: self._nflog_ticks >= target, timeout=0.5)
+
+    def handle_log_record(self, r: LogRecord) -> dict[str, Any] | None:
+        owner = self._task_for_ifindex(r.ifindex)
+        if owner is None:
+            return None
+        task_id, profile = owner
+        what = r.prefix.split(":", 1)[-1] or "blocked"
+        ev = make_event(
+            component="launcher", action="bypass_attempt", decision="denied",
+            reason="bypass_attempt", task_id=task_id, profile=profile,
+            rule_id=f"launcher:{what}", source_ip=r.src, source_port=r.sport,
+            destination_ip=r.dst, destination_port=r.dport, transport=r.transport,
+            message=f"sandbox traffic outside the gateway and broker blocked ({what})",
+            extra={"firewall": what},
+        )
+        self._emit(ev)
+        return ev
+
+
+def _lifecycle_reason(ended_by: str) -> str | None:
+    return {"ttl": "ttl_expired", "limit": "resource_limit"}.get(ended_by)
+
+
+Hook = Callable[[str], None]

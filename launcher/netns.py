@@ -1,0 +1,94 @@
+"""Network namespace + veth for one sandbox, through `ip -batch` (one process per side).
+
+The sandbox side is created directly inside the namespace (`peer ... netns`), so no
+host-visible temporary interface exists; IPv6 link-local generation is off on both ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from pathlib import Path
+
+from .addresses import SlotAddresses
+
+NETNS_DIR = "/run/netns"
+GUEST_IF = "eth0"
+
+
+class NetnsError(RuntimeError):
+    pass
+
+
+def _batch(lines: list[str], netns: str | None = None, force: bool = False) -> None:
+    argv = ["ip"]
+    if force:
+        argv.append("-force")
+    if netns is not None:
+        argv += ["-n", netns]
+    argv += ["-batch", "-"]
+    proc = subprocess.run(argv, input="\n".join(lines).encode() + b"\n", capture_output=True,
+                          check=False)
+    if proc.returncode != 0 and not force:
+        raise NetnsError(proc.stderr.decode("utf-8", "replace").strip()[:1000])
+
+
+def host_commands(netns: str, ifname: str, a: SlotAddresses) -> list[str]:
+    return [
+        f"netns add {netns}",
+        f"link add {ifname} address {a.host_mac} type veth peer name {GUEST_IF} "
+        f"address {a.guest_mac} netns {netns}",
+        f"link set {ifname} addrgenmode none",
+        f"addr add {a.host_ip}/{a.prefixlen} dev {ifname}",
+        f"link set {ifname} up",
+    ]
+
+
+def guest_commands(a: SlotAddresses) -> list[str]:
+    return [
+        "link set lo up",
+        f"link set {GUEST_IF} addrgenmode none",
+        f"addr add {a.guest_ip}/{a.prefixlen} dev {GUEST_IF}",
+        f"link set {GUEST_IF} up",
+        f"route add default via {a.host_ip} dev {GUEST_IF}",
+    ]
+
+
+def create(netns: str, ifname: str, a: SlotAddresses) -> int:
+    """Create both ends; returns the host-side ifindex (NFLOG records carry it)."""
+    _batch(host_commands(netns, ifname, a))
+    with contextlib.suppress(OSError):
+        Path(f"/proc/sys/net/ipv6/conf/{ifname}/disable_ipv6").write_text("1")
+    _batch(guest_commands(a), netns=netns)
+    return int(Path(f"/sys/class/net/{ifname}/ifindex").read_text())
+
+
+def destroy(netns: str, ifname: str) -> None:
+    """Idempotent: missing pieces are fine."""
+    _batch([f"link del {ifname}", f"netns del {netns}"], force=True)
+    # `netns del` fails silently if the bind mount is busy; remove the file when possible
+    p = os.path.join(NETNS_DIR, netns)
+    if os.path.exists(p):
+        subprocess.run(["umount", "-l", p], capture_output=True, check=False)
+        with contextlib.suppress(OSError):
+            os.unlink(p)
+
+
+def exists(netns: str) -> bool:
+    return os.path.exists(os.path.join(NETNS_DIR, netns))
+
+
+def list_netns(prefix: str) -> list[str]:
+    try:
+        return [n for n in os.listdir(NETNS_DIR) if n.startswith(prefix + "-")]
+    except FileNotFoundError:
+        return []
+
+
+def list_links(prefix: str) -> list[str]:
+    try:
+        names = os.listdir("/sys/class/net")
+    except FileNotFoundError:
+        return []
+    return [n for n in names if n.startswith(prefix) and len(n) > len(prefix)]

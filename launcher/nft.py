@@ -1,0 +1,207 @@
+"""The launcher's nftables table, built as `nft -j` JSON by pure functions.
+
+Hand-written because the table is small and fixed: one inet table, sets keyed by the
+host-side interface name, so the rule count never grows with the number of sandboxes and
+adding or removing a sandbox is one atomic transaction of set elements. The JSON form
+(not text) means no value is ever parsed as nft syntax.
+
+Chains (all traffic that enters from a sandbox interface):
+- `redirect_in` (nat, prerouting dstnat): broker address/port exempt; port 53 UDP/TCP to the
+  gateway's DNS firewall; every other TCP to the gateway's transparent listener.
+- `guard_in` (filter, prerouting dstnat+10, after the redirect): IPv6 logged and dropped;
+  a source that is not the interface's (name, IPv4, MAC) logged and dropped; traffic to the
+  interface's host-side address on the gateway/DNS/broker ports accepted; everything else
+  logged (NFLOG group, rate-limited) and rejected (TCP reset / ICMP admin-prohibited).
+- `forward_guard` (filter, forward): a backstop, nothing is forwarded to or from sandboxes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import dataclass
+from typing import Any
+
+Json = dict[str, Any]
+
+# NFLOG prefixes: the reader turns these into the event reason detail
+PREFIX_IPV6 = "stockade:ipv6"
+PREFIX_SPOOF = "stockade:spoof"
+PREFIX_BLOCKED = "stockade:blocked"
+PREFIX_FORWARD = "stockade:forward"
+
+SET_IFS = "sandbox_ifs"
+SET_SRC = "sandbox_src"
+SET_HOST = "sandbox_host"
+
+
+@dataclass(frozen=True, slots=True)
+class TableParams:
+    table: str
+    transparent_port: int
+    dns_port: int
+    broker_port: int
+    nflog_group: int
+    log_rate: int = 20
+
+
+@dataclass(frozen=True, slots=True)
+class Wiring:
+    """What the table needs to know about one sandbox."""
+
+    ifname: str  # host side of the veth
+    guest_ip: str
+    guest_mac: str
+    host_ip: str
+
+
+def _iif() -> Json:
+    return {"meta": {"key": "iifname"}}
+
+
+def _payload(proto: str, field: str) -> Json:
+    return {"payload": {"protocol": proto, "field": field}}
+
+
+def _match(left: Any, right: Any, op: str = "==") -> Json:
+    return {"match": {"op": op, "left": left, "right": right}}
+
+
+def _log(p: TableParams, prefix: str) -> list[Json]:
+    # every log is paired with a limit, so a flood cannot flood the log
+    return [
+        {"limit": {"rate": p.log_rate, "burst": p.log_rate * 2, "per": "second"}},
+        {"log": {"prefix": prefix, "group": p.nflog_group}},
+    ]
+
+
+def _rule(p: TableParams, chain: str, *expr: Json) -> Json:
+    return {"add": {"rule": {"family": "inet", "table": p.table, "chain": chain,
+                             "expr": list(expr)}}}
+
+
+def _chain(p: TableParams, name: str, **hook: Any) -> Json:
+    return {"add": {"chain": {"family": "inet", "table": p.table, "name": name, **hook}}}
+
+
+def _set(p: TableParams, name: str, type_: str | list[str]) -> Json:
+    return {"add": {"set": {"family": "inet", "table": p.table, "name": name, "type": type_}}}
+
+
+def table_commands(p: TableParams) -> Json:
+    """The whole table; idempotent: `add table` then `flush table`, then everything."""
+    src = {"concat": [_iif(), _payload("ip", "saddr"), _payload("ether", "saddr")]}
+    host_dst = {"concat": [_iif(), _payload("ip", "daddr")]}
+    l4 = {"meta": {"key": "l4proto"}}
+    th_dport = _payload("th", "dport")
+    cmds: list[Json] = [
+        {"add": {"table": {"family": "inet", "name": p.table}}},
+        # flush only *this* table's rules (sets keep their elements: sandboxes survive reload)
+        {"flush": {"table": {"family": "inet", "name": p.table}}},
+        _set(p, SET_IFS, "ifname"),
+        _set(p, SET_SRC, ["ifname", "ipv4_addr", "ether_addr"]),
+        _set(p, SET_HOST, ["ifname", "ipv4_addr"]),
+        _chain(p, "redirect_in", type="nat", hook="prerouting", prio=-100, policy="accept"),
+        _chain(p, "guard_in", type="filter", hook="prerouting", prio=-90, policy="accept"),
+        _chain(p, "from_sandbox"),
+        _chain(p, "forward_guard", type="filter", hook="forward", prio=0, policy="accept"),
+        # -- redirect_in
+        _rule(p, "redirect_in", _match(_iif(), "@" + SET_IFS, "!="), {"return": None}),
+        _rule(p, "redirect_in", _match(host_dst, "@" + SET_HOST),
+              _match(_payload("tcp", "dport"), p.broker_port), {"accept": None}),
+        _rule(p, "redirect_in", _match(l4, {"set": ["tcp", "udp"]}), _match(th_dport, 53),
+              {"redirect": {"port": p.dns_port}}),
+        _rule(p, "redirect_in", _match(l4, "tcp"), {"redirect": {"port": p.transparent_port}}),
+        # -- guard_in
+        _rule(p, "guard_in", _match(_iif(), "@" + SET_IFS), {"jump": {"target": "from_sandbox"}}),
+        # -- from_sandbox
+        _rule(p, "from_sandbox", _match({"meta": {"key": "nfproto"}}, "ipv6"),
+              *_log(p, PREFIX_IPV6)),
+        _rule(p, "from_sandbox", _match({"meta": {"key": "nfproto"}}, "ipv6"), {"drop": None}),
+        # spoofed: dropped without an answer (the answer would go to the forged address)
+        _rule(p, "from_sandbox", _match(src, "@" + SET_SRC, "!="), *_log(p, PREFIX_SPOOF)),
+        _rule(p, "from_sandbox", _match(src, "@" + SET_SRC, "!="), {"drop": None}),
+        _rule(p, "from_sandbox", _match(host_dst, "@" + SET_HOST),
+              _match(_payload("tcp", "dport"),
+                     {"set": sorted({p.transparent_port, p.dns_port, p.broker_port})}),
+              {"accept": None}),
+        _rule(p, "from_sandbox", _match(host_dst, "@" + SET_HOST),
+              _match(_payload("udp", "dport"), p.dns_port), {"accept": None}),
+        _rule(p, "from_sandbox", *_log(p, PREFIX_BLOCKED)),
+        _rule(p, "from_sandbox", _match(l4, "tcp"), {"reject": {"type": "tcp reset"}}),
+        _rule(p, "from_sandbox", {"reject": {"type": "icmpx", "expr": "admin-prohibited"}}),
+        # -- forward_guard: a backstop; guard_in already rejected all of it
+        _rule(p, "forward_guard", _match(_iif(), "@" + SET_IFS), *_log(p, PREFIX_FORWARD)),
+        _rule(p, "forward_guard", _match(_iif(), "@" + SET_IFS), {"drop": None}),
+        _rule(p, "forward_guard", _match({"meta": {"key": "oifname"}}, "@" + SET_IFS),
+              {"drop": None}),
+    ]
+    return {"nftables": cmds}
+
+
+def _elements(table: str, w: Wiring) -> list[tuple[str, list[Any]]]:
+    return [
+        (SET_IFS, [w.ifname]),
+        (SET_SRC, [{"concat": [w.ifname, w.guest_ip, w.guest_mac]}]),
+        (SET_HOST, [{"concat": [w.ifname, w.host_ip]}]),
+    ]
+
+
+def element_commands(table: str, verb: str, wirings: list[Wiring]) -> Json:
+    """One transaction adding (`add`) or removing (`delete`) sandboxes' set elements."""
+    if verb not in ("add", "delete"):
+        raise ValueError(verb)
+    cmds: list[Json] = []
+    for w in wirings:
+        for name, elem in _elements(table, w):
+            cmds.append({verb: {"element": {"family": "inet", "table": table, "name": name,
+                                            "elem": elem}}})
+    return {"nftables": cmds}
+
+
+def delete_table_command(table: str) -> Json:
+    return {"nftables": [{"delete": {"table": {"family": "inet", "name": table}}}]}
+
+
+class NftError(RuntimeError):
+    pass
+
+
+def run(payload: Json) -> None:
+    """Apply one JSON batch atomically (nft applies a whole batch or nothing)."""
+    proc = subprocess.run(["nft", "-j", "-f", "-"], input=json.dumps(payload).encode(),
+                          capture_output=True, check=False)
+    if proc.returncode != 0:
+        raise NftError(proc.stderr.decode("utf-8", "replace").strip()[:2000])
+
+
+def list_elements(table: str) -> dict[str, list[Any]]:
+    """Set name -> elements as nft reports them (for reconcile and tests)."""
+    proc = subprocess.run(["nft", "-j", "list", "table", "inet", table],
+                          capture_output=True, check=False)
+    if proc.returncode != 0:
+        return {}
+    out: dict[str, list[Any]] = {}
+    for item in json.loads(proc.stdout).get("nftables", []):
+        s = item.get("set")
+        if s is not None:
+            out[s["name"]] = s.get("elem", [])
+    return out
+
+
+def table_exists(table: str) -> bool:
+    return subprocess.run(["nft", "list", "table", "inet", table], capture_output=True,
+                          check=False).returncode == 0
+
+
+def element_ifname(elem: Any) -> str | None:
+    """The interface name of one listed element (plain or concatenation)."""
+    if isinstance(elem, str):
+        return elem
+    if isinstance(elem, dict):
+        if "concat" in elem:
+            first = elem["concat"][0]
+            return first if isinstance(first, str) else None
+        if "elem" in elem:
+            return element_ifname(elem["elem"].get("val"))
+    return None

@@ -1,0 +1,74 @@
+"""Output scrubbing (pure): host paths, host environment values, the host name and
+infrastructure addresses in a sandbox's stdout/stderr become placeholders before they
+leave the launcher. Longest secret first, so a path inside another is not half-replaced.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+MIN_ENV_VALUE = 6  # shorter values ("1", "yes", "C") would shred ordinary output
+# environment variables whose values are plain words also found in any output
+ENV_SKIP = frozenset({"PATH", "LANG", "LC_ALL", "TERM", "TZ", "SHELL", "SHLVL", "PWD",
+                      "OLDPWD", "_", "LOGNAME", "USER", "COLUMNS", "LINES"})
+
+
+@dataclass(frozen=True, slots=True)
+class Scrubber:
+    pairs: tuple[tuple[str, str], ...]  # (literal, placeholder), longest literal first
+    hostnames: tuple[str, ...] = ()
+
+    def __call__(self, text: str) -> str:
+        return scrub(text, self)
+
+
+def build(
+    *,
+    host_paths: Iterable[str] = (),
+    host_env: Mapping[str, str] | None = None,
+    hostnames: Iterable[str] = (),
+    addresses: Iterable[str] = (),
+) -> Scrubber:
+    pairs: dict[str, str] = {}
+    for name, value in (host_env or {}).items():
+        if name in ENV_SKIP or len(value) < MIN_ENV_VALUE:
+            continue
+        pairs.setdefault(value, f"<env:{name}>")
+    for p in host_paths:
+        p = p.rstrip("/")
+        if len(p) > 1:
+            pairs[p] = "<host-path>"
+    for a in addresses:
+        if a and a not in ("0.0.0.0", "::"):  # noqa: S104 - wildcard, not an address
+            pairs[a] = "<infra-address>"
+    ordered = tuple(sorted(pairs.items(), key=lambda kv: (-len(kv[0]), kv[0])))
+    names = tuple(sorted({h for h in hostnames if len(h) >= 2}, key=len, reverse=True))
+    return Scrubber(ordered, names)
+
+
+def scrub(text: str, s: Scrubber) -> str:
+    if not text:
+        return text
+    if s.pairs:
+        # one pass with an alternation keeps replacements from being re-scrubbed
+        pattern = re.compile("|".join(re.escape(k) for k, _ in s.pairs))
+        table = dict(s.pairs)
+        text = pattern.sub(lambda m: _addr_guard(m, text, table), text)
+    for h in s.hostnames:
+        text = re.sub(rf"(?<![\w.-]){re.escape(h)}(?![\w-])", "<hostname>", text,
+                      flags=re.IGNORECASE)
+    return text
+
+
+def _addr_guard(m: re.Match[str], text: str, table: dict[str, str]) -> str:
+    # an address must not match inside a longer number (10.0.0.1 inside 10.0.0.12)
+    lit = m.group(0)
+    ph = table[lit]
+    if ph == "<infra-address>":
+        end = m.end()
+        start = m.start()
+        if (end < len(text) and text[end].isdigit()) or (start > 0 and text[start - 1].isdigit()):
+            return lit
+    return ph

@@ -1,0 +1,90 @@
+"""The launcher's record of live sandboxes (JSON file + flock), shared by every launcher
+process on the host so `sandbox list/kill` from another process and crash recovery
+(`reconcile`) see the same truth. Written by rename so a crash never tears it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(slots=True)
+class SandboxRecord:
+    task_id: str
+    profile: str
+    slot: int
+    ifname: str
+    netns: str
+    host_ip: str
+    guest_ip: str
+    guest_mac: str
+    ifindex: int = 0
+    owner_pid: int = 0  # the launcher process that runs it
+    pid: int = 0  # the sandbox's outermost process on the host
+    scratch: str = ""
+    cgroups: list[str] = field(default_factory=list)
+    started_at: float = 0.0
+    expires_at: float | None = None
+    state: str = "starting"  # starting | running | frozen | ending
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> SandboxRecord:
+        return SandboxRecord(**d)
+
+
+class StateFile:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.lock_path = self.path.with_name(self.path.name + ".lock")
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[dict[str, SandboxRecord]]:
+        """Read-modify-write under an exclusive lock; changes to the dict are saved."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            records = self._read()
+            yield records
+            self._write(records)
+        finally:
+            os.close(fd)  # closing drops the flock
+
+    def read(self) -> dict[str, SandboxRecord]:
+        return self._read()
+
+    def _read(self) -> dict[str, SandboxRecord]:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError):
+            # unreadable state: start empty; reconcile finds leftovers by name prefix
+            return {}
+        out: dict[str, SandboxRecord] = {}
+        for d in data.get("sandboxes", []):
+            try:
+                rec = SandboxRecord.from_dict(d)
+            except TypeError:
+                continue
+            out[rec.task_id] = rec
+        return out
+
+    def _write(self, records: dict[str, SandboxRecord]) -> None:
+        body = json.dumps({"sandboxes": [asdict(r) for r in records.values()]})
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".launcher.")
+        try:
+            with os.fdopen(fd, "w") as fh:
+                fh.write(body)
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
