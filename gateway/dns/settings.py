@@ -19,3 +19,8 @@ class DnsSettings(BaseModel):
     unresolvable_names_per_minute: int = Field(20, ge=1)
     entropy_threshold_bits: float = Field(4.0, gt=0)
     entropy_min_label_length: int = Field(16, ge=1)
+    edns_udp_payload: int = Field(1232, ge=512, le=4096)  # buffer size we advertise in OPT
+    log_allowed: bool = True  # also emit an event for every answered query
+    tcp_idle_timeout_s: float = Field(10.0, gt=0)  # close idle DNS-over-TCP connections
+    max_tcp_connections: int = Field(256, ge=1)
+    max_pending: int = Field(1024, ge=1)  # upstream lookups in flight; beyond it: SERVFAIL

@@ -1,0 +1,277 @@
+"""The DNS firewall's decision core: parsed query + task + rules + guard state -> reply.
+
+Sans-IO: no sockets, no clock (callers pass `now`, monotonic seconds), no resolver calls.
+A query is decided in up to three pure steps so the shell can do the one I/O step
+(resolution) in between:
+
+    precheck(...)        -> Outcome (answer/deny now) | NeedResolve(name, verdict)
+    before_upstream(...) -> Outcome | None   (only on a cache miss: the name budget)
+    conclude(...)        -> Outcome          (CNAME chain policy, address check, TTLs)
+
+`outcome_event` turns an Outcome into the shared event shape.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+from datetime import date
+from typing import Any, Literal
+
+from dnslib import RCODE
+from stockade.policy import Reason, Verdict
+from stockade.policy.decide import decide_name
+from stockade.policy.hosts import HostError, normalize_host
+from stockade.policy.ruleset import RuleSet
+
+from stockade.events import make_event
+from stockade.tasks.registry import Task
+
+from ..resolver import Resolution
+from .guards import GuardState, shannon_entropy
+from .packet import CLASS_IN, OPCODE_QUERY, Query, Record, Reply, rcode_name
+from .settings import DnsSettings
+
+TYPE_A = 1
+TYPE_CNAME = 5
+TYPE_AAAA = 28
+TYPE_SVCB = 64
+TYPE_HTTPS = 65
+RESOLVED_TYPES = frozenset({TYPE_A, TYPE_AAAA, TYPE_CNAME})
+EMPTY_TYPES = frozenset({TYPE_SVCB, TYPE_HTTPS})  # answered empty: no ECH config leaks
+
+Decision = Literal["allowed", "denied"]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    decision: Decision
+    reason: Reason
+    reply: Reply | None  # None: send nothing
+    name: str | None = None  # the normalised question name, when it got that far
+    rule_id: str | None = None
+    report_only: bool = False
+    policy_version: str | None = None
+    message: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    log: bool = True  # False: counted in metrics, no event (see rate-event suppression)
+
+
+@dataclass(frozen=True, slots=True)
+class NeedResolve:
+    name: str
+    verdict: Verdict
+
+
+def deny_rcode(settings: DnsSettings) -> int:
+    return RCODE.NXDOMAIN if settings.deny_rcode == "NXDOMAIN" else RCODE.REFUSED
+
+
+def _deny(settings: DnsSettings, reason: Reason, **kw: Any) -> Outcome:
+    return Outcome("denied", reason, Reply(deny_rcode(settings)), **kw)
+
+
+def name_from_labels(labels: tuple[bytes, ...]) -> str | None:
+    """Presentation name of wire labels, or None when a label cannot be a host label
+    (non-ASCII bytes, an embedded dot): such names are refused, never re-interpreted."""
+    try:
+        parts = [label.decode("ascii") for label in labels]
+    except UnicodeDecodeError:
+        return None
+    if not parts or any(not p or "." in p or not p.isprintable() for p in parts):
+        return None
+    return ".".join(parts)
+
+
+def precheck(
+    q: Query,
+    task: Task | None,
+    ruleset: RuleSet | None,
+    settings: DnsSettings,
+    guards: GuardState,
+    now: float,
+    today: date | None = None,
+) -> Outcome | NeedResolve:
+    if q.opcode != OPCODE_QUERY:
+        return Outcome("denied", Reason.MALFORMED_QUERY, Reply(RCODE.NOTIMP), message="opcode")
+    if q.qdcount != 1:
+        return Outcome(
+            "denied", Reason.MALFORMED_QUERY, Reply(RCODE.FORMERR), message="qdcount != 1"
+        )
+    if task is None:
+        return _deny(settings, Reason.UNKNOWN_TASK)
+    version = ruleset.version if ruleset is not None else None
+    if not guards.allow_query(task.task_id, now):
+        suppressed = guards.rate_event_due(task.task_id, now)
+        return _deny(
+            settings,
+            Reason.QUERY_RATE_EXCEEDED,
+            policy_version=version,
+            log=suppressed is not None,
+            extra={"suppressed_events": suppressed} if suppressed else {},
+        )
+    if q.qclass != CLASS_IN:
+        return _deny(settings, Reason.QTYPE_REFUSED, policy_version=version, message="class")
+    if any(len(label) > settings.max_label_length for label in q.labels):
+        return _deny(settings, Reason.LABEL_TOO_LONG, policy_version=version)
+    if sum(len(label) for label in q.labels) + len(q.labels) - 1 > settings.max_name_length:
+        return _deny(settings, Reason.NAME_TOO_LONG, policy_version=version)
+    raw = name_from_labels(q.labels)
+    try:
+        if raw is None:
+            raise HostError("not a host name")
+        name = normalize_host(raw)
+    except HostError:
+        return _deny(settings, Reason.INVALID_HOST, policy_version=version)
+    if ruleset is None:  # no rules loaded: fail closed
+        return _deny(settings, Reason.UNKNOWN_PROFILE, name=name)
+    verdict = decide_name(ruleset, task.profile, name, today)
+    if not verdict.allowed:
+        return _deny(
+            settings, verdict.reason, name=name, rule_id=verdict.rule_id, policy_version=version
+        )
+    common: dict[str, Any] = {
+        "name": name,
+        "rule_id": verdict.rule_id,
+        "report_only": verdict.report_only,
+        "policy_version": version,
+    }
+    if q.qtype not in RESOLVED_TYPES and q.qtype not in EMPTY_TYPES:
+        return _deny(settings, Reason.QTYPE_REFUSED, **{**common, "report_only": False})
+    for label in q.labels:
+        if (
+            len(label) >= settings.entropy_min_label_length
+            and shannon_entropy(label) >= settings.entropy_threshold_bits
+        ):
+            return _deny(settings, Reason.HIGH_ENTROPY_LABEL, **{**common, "report_only": False})
+    if q.qtype in EMPTY_TYPES:
+        return Outcome("allowed", verdict.reason, Reply(RCODE.NOERROR), **common)
+    return NeedResolve(name, verdict)
+
+
+def before_upstream(
+    task: Task, need: NeedResolve, settings: DnsSettings, guards: GuardState, now: float
+) -> Outcome | None:
+    """On a cache miss, before asking upstream: the unresolvable-name budget. Refusing
+    here matters because the upstream query itself is the exfiltration channel."""
+    rule = need.verdict.rule_id or ""
+    if guards.unresolvable_exhausted(task.task_id, rule, need.name, now):
+        return _deny(
+            settings,
+            Reason.UNRESOLVABLE_NAME_BUDGET,
+            name=need.name,
+            rule_id=need.verdict.rule_id,
+            policy_version=need.verdict.policy_version,
+        )
+    return None
+
+
+def _family(addr: str) -> int:
+    return ipaddress.ip_address(addr).version
+
+
+def conclude(
+    q: Query,
+    task: Task,
+    ruleset: RuleSet,
+    need: NeedResolve,
+    res: Resolution,
+    settings: DnsSettings,
+    guards: GuardState,
+    now: float,
+    today: date | None = None,
+) -> Outcome:
+    version = ruleset.version
+    v = need.verdict
+    rule = v.rule_id or ""
+    if res.error is not None or (not res.addresses and not res.forbidden):
+        guards.record_unresolvable(task.task_id, rule, need.name, now)
+    report_only = v.report_only
+    for target in res.cnames:
+        cv = decide_name(ruleset, task.profile, target, today)
+        if not cv.allowed:
+            return _deny(
+                settings,
+                cv.reason,
+                name=need.name,
+                rule_id=cv.rule_id,
+                policy_version=version,
+                message=f"CNAME target {target} is not allowed",
+                extra={"cname": target},
+            )
+        report_only = report_only or cv.report_only
+    common: dict[str, Any] = {
+        "name": need.name,
+        "rule_id": v.rule_id,
+        "report_only": report_only,
+        "policy_version": version,
+    }
+    if res.error == "nxdomain":
+        return Outcome("allowed", v.reason, Reply(RCODE.NXDOMAIN), **common)
+    if res.error is not None:
+        return Outcome(
+            "denied",
+            Reason.RESOLVE_FAILED,
+            Reply(RCODE.SERVFAIL),
+            **{**common, "report_only": False},
+            extra={"resolve_error": res.error},
+        )
+    ttl = max(settings.ttl_min_s, min(settings.ttl_max_s, res.remaining_ttl(now)))
+    records: list[Record] = []
+    owner: str | None = None  # None: the question name as the client spelled it
+    for target in res.cnames:
+        records.append(Record(owner, "CNAME", ttl, target))
+        owner = target
+    if q.qtype == TYPE_CNAME:
+        return Outcome("allowed", v.reason, Reply(RCODE.NOERROR, tuple(records[:1])), **common)
+    family = 4 if q.qtype == TYPE_A else 6
+    rtype = "A" if family == 4 else "AAAA"
+    good = [a for a in res.addresses if _family(a) == family]
+    bad = [(a, c) for a, c in res.forbidden if _family(a) == family]
+    extra: dict[str, Any] = {}
+    if bad:
+        extra["forbidden_addresses"] = [f"{a} {c}" for a, c in bad]
+    if bad and not good:
+        return _deny(
+            settings,
+            Reason.ADDRESS_FORBIDDEN,
+            **{**common, "report_only": False},
+            message="every address of the name is forbidden: "
+            + ", ".join(sorted({c for _, c in bad})),
+            extra=extra,
+        )
+    records.extend(Record(owner, rtype, ttl, a) for a in good)
+    return Outcome("allowed", v.reason, Reply(RCODE.NOERROR, tuple(records)), **common, extra=extra)
+
+
+def outcome_event(
+    q: Query | None,
+    outcome: Outcome,
+    task: Task | None,
+    source_ip: str | None,
+    source_port: int | None,
+    transport: Literal["udp", "tcp"],
+) -> dict[str, Any]:
+    question = None
+    if q is not None:
+        question = {"name": outcome.name or q.display_name, "type": q.qtype_name}
+    return make_event(
+        component="dns",
+        action="dns_decision",
+        decision=outcome.decision,
+        reason=str(outcome.reason),
+        task_id=task.task_id if task else None,
+        profile=task.profile if task else None,
+        policy_version=outcome.policy_version,
+        rule_id=outcome.rule_id,
+        report_only=outcome.report_only,
+        source_ip=source_ip,
+        source_port=source_port,
+        destination_domain=outcome.name,
+        transport=transport,
+        protocol="dns",
+        dns_question=question,
+        dns_response_code=rcode_name(outcome.reply.rcode) if outcome.reply else None,
+        message=outcome.message,
+        extra=outcome.extra or None,
+    )

@@ -1,0 +1,292 @@
+"""The DNS firewall's asyncio shell: UDP and TCP listeners that only move bytes.
+
+Every decision is made by `decide.py`; this module parses, looks the task up by source
+address, consults the shared resolver, encodes, sends, emits the event and counts. A
+cached answer is computed synchronously inside `datagram_received` (no task per packet),
+which is what keeps the cached path fast; only cache misses spawn a task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+import time
+from collections.abc import Callable
+from typing import Any, Literal, cast
+
+from dnslib import RCODE
+from prometheus_client import CollectorRegistry, Counter
+from stockade.policy.ruleset import RuleSet
+
+from stockade.tasks.registry import Task, TaskRegistry
+
+from ..resolver import Resolver, parse_server
+from .decide import NeedResolve, Outcome, before_upstream, conclude, outcome_event, precheck
+from .guards import GuardState
+from .packet import MAX_TCP_SIZE, Malformed, Query, Reply, build_response, parse_query
+from .settings import DnsSettings
+
+log = logging.getLogger("stockade.dns")
+
+Transport = Literal["udp", "tcp"]
+Emit = Callable[[dict[str, Any]], None]
+RulesSource = RuleSet | Callable[[], RuleSet | None] | None
+
+
+class DnsMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.queries = Counter(
+            "stockade_dns_queries",
+            "DNS queries by outcome and reason",
+            ["outcome", "reason", "transport"],
+            registry=registry,
+        )
+        self.malformed = Counter(
+            "stockade_dns_malformed_packets", "DNS packets dropped as malformed", registry=registry
+        )
+        self.cache_hits = Counter(
+            "stockade_dns_cache_hits",
+            "DNS answers served from the resolver cache",
+            registry=registry,
+        )
+        self.cache_misses = Counter(
+            "stockade_dns_cache_misses",
+            "DNS answers that needed an upstream lookup",
+            registry=registry,
+        )
+        self.truncated = Counter(
+            "stockade_dns_truncated", "UDP answers sent with TC set", registry=registry
+        )
+
+
+class DnsFirewall:
+    def __init__(
+        self,
+        settings: DnsSettings,
+        resolver: Resolver,
+        registry: TaskRegistry,
+        rules: RulesSource,
+        emit: Emit,
+        metrics_registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.settings = settings
+        self.resolver = resolver
+        self.registry = registry
+        self._rules = rules
+        self.emit = emit
+        self.metrics_registry = metrics_registry or CollectorRegistry()
+        self.metrics = DnsMetrics(self.metrics_registry)
+        self.guards = GuardState(
+            settings.queries_per_second,
+            settings.query_burst,
+            settings.unresolvable_names_per_minute,
+        )
+        self._udp: list[asyncio.DatagramTransport] = []
+        self._tcp: list[asyncio.Server] = []
+        self._tcp_count = 0
+        self._pending: set[asyncio.Task[None]] = set()
+        registry.on_removed(lambda task: self.guards.forget(task.task_id))
+
+    # -- rules ---------------------------------------------------------------------
+    @property
+    def rules(self) -> RuleSet | None:
+        r = self._rules
+        if r is None or isinstance(r, RuleSet):
+            return r
+        return r()
+
+    def set_rules(self, rules: RulesSource) -> None:
+        self._rules = rules
+
+    # -- lifecycle -----------------------------------------------------------------
+    @property
+    def addresses(self) -> list[tuple[str, int]]:
+        """(host, port) actually bound, UDP first (ports may have been 0 in settings)."""
+        out = []
+        for t in self._udp:
+            h, p = t.get_extra_info("sockname")[:2]
+            out.append((h, p))
+        return out
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            for spec in self.settings.listen:
+                host, port = parse_server(spec)
+                transport, _ = await loop.create_datagram_endpoint(
+                    lambda: _UdpProtocol(self), local_addr=(host, port)
+                )
+                self._udp.append(transport)
+                bound = transport.get_extra_info("sockname")[1]
+                server = await asyncio.start_server(self._serve_tcp, host, bound)
+                self._tcp.append(server)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        for t in self._udp:
+            t.close()
+        for s in self._tcp:
+            s.close()
+        for s in self._tcp:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(s.wait_closed(), 1.0)
+        for task in list(self._pending):
+            task.cancel()
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
+        self._udp, self._tcp = [], []
+
+    # -- the query path ------------------------------------------------------------
+    def answer_now(
+        self, data: bytes, source: tuple[str, int], transport: Transport
+    ) -> tuple[bytes | None, tuple[Query, Task, RuleSet, NeedResolve] | None]:
+        """Decide synchronously when possible. Returns (reply bytes, None) when done, or
+        (None, pending) when the name must be resolved upstream first."""
+        now = time.monotonic()
+        try:
+            q = parse_query(data)
+        except Malformed:
+            self.metrics.malformed.inc()
+            return None, None  # dropped and counted: never answer what we cannot parse
+        task = self.registry.by_address(source[0])
+        rules = self.rules
+        step = precheck(q, task, rules, self.settings, self.guards, now)
+        if isinstance(step, Outcome):
+            return self._finish(q, task, step, source, transport), None
+        assert task is not None and rules is not None
+        res = self.resolver.cached(step.name, now)
+        if res is None:
+            blocked = before_upstream(task, step, self.settings, self.guards, now)
+            if blocked is not None:
+                return self._finish(q, task, blocked, source, transport), None
+            return None, (q, task, rules, step)
+        self.metrics.cache_hits.inc()
+        self.resolver.hits += 1
+        out = conclude(q, task, rules, step, res, self.settings, self.guards, now)
+        return self._finish(q, task, out, source, transport), None
+
+    async def answer_later(
+        self,
+        pending: tuple[Query, Task, RuleSet, NeedResolve],
+        source: tuple[str, int],
+        transport: Transport,
+    ) -> bytes | None:
+        q, task, rules, step = pending
+        self.metrics.cache_misses.inc()
+        res = await self.resolver.resolve(step.name)
+        out = conclude(q, task, rules, step, res, self.settings, self.guards, time.monotonic())
+        return self._finish(q, task, out, source, transport)
+
+    def _finish(
+        self,
+        q: Query,
+        task: Task | None,
+        out: Outcome,
+        source: tuple[str, int],
+        transport: Transport,
+    ) -> bytes | None:
+        self.metrics.queries.labels(out.decision, str(out.reason), transport).inc()
+        if out.log and (out.decision == "denied" or self.settings.log_allowed or out.report_only):
+            try:
+                self.emit(outcome_event(q, out, task, source[0], source[1], transport))
+            except Exception:  # an event sink failure must not take DNS down
+                log.exception("dns: emitting an event failed")
+        if out.reply is None:
+            return None
+        limit = q.udp_size if transport == "udp" else MAX_TCP_SIZE
+        data, truncated = build_response(q, out.reply, limit, self.settings.edns_udp_payload)
+        if truncated:
+            self.metrics.truncated.inc()
+        return data
+
+    def _overloaded(self, q_data: bytes) -> bytes | None:
+        # too many upstream lookups in flight: SERVFAIL now rather than queue without bound
+        try:
+            q = parse_query(q_data)
+        except Malformed:
+            return None
+        self.metrics.queries.labels("denied", "upstream_unreachable", "udp").inc()
+        return build_response(q, Reply(RCODE.SERVFAIL), q.udp_size)[0]
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    # -- TCP -----------------------------------------------------------------------
+    async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        source = (str(peer[0]), int(peer[1])) if peer else ("", 0)
+        if self._tcp_count >= self.settings.max_tcp_connections:
+            writer.close()
+            return
+        self._tcp_count += 1
+        try:
+            while True:
+                try:
+                    head = await asyncio.wait_for(
+                        reader.readexactly(2), self.settings.tcp_idle_timeout_s
+                    )
+                    (length,) = struct.unpack("!H", head)
+                    data = await asyncio.wait_for(
+                        reader.readexactly(length), self.settings.tcp_idle_timeout_s
+                    )
+                except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
+                    return
+                reply, pending = self.answer_now(data, source, "tcp")
+                if pending is not None:
+                    reply = await self.answer_later(pending, source, "tcp")
+                if reply is None:
+                    if length < 12:
+                        return  # not DNS at all: drop the connection
+                    continue
+                writer.write(struct.pack("!H", len(reply)) + reply)
+                await writer.drain()
+        except Exception:
+            log.exception("dns: tcp connection failed")
+        finally:
+            self._tcp_count -= 1
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+
+class _UdpProtocol(asyncio.DatagramProtocol):
+    def __init__(self, fw: DnsFirewall) -> None:
+        self.fw = fw
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.DatagramTransport, transport)
+
+    def datagram_received(self, data: bytes, addr: tuple[str | Any, int]) -> None:
+        source = (str(addr[0]), int(addr[1]))
+        try:
+            reply, pending = self.fw.answer_now(data, source, "udp")
+        except Exception:  # never let one packet take the listener down
+            log.exception("dns: udp query failed")
+            self.fw.metrics.malformed.inc()
+            return
+        if pending is not None:
+            if len(self.fw._pending) >= self.fw.settings.max_pending:
+                reply = self.fw._overloaded(data)
+            else:
+                self.fw.spawn(self._later(pending, source))
+                return
+        if reply is not None and self.transport is not None:
+            self.transport.sendto(reply, addr)
+
+    async def _later(
+        self, pending: tuple[Query, Task, RuleSet, NeedResolve], source: tuple[str, int]
+    ) -> None:
+        try:
+            reply = await self.fw.answer_later(pending, source, "udp")
+        except Exception:
+            log.exception("dns: udp resolution failed")
+            return
+        if reply is not None and self.transport is not None and not self.transport.is_closing():
+            self.transport.sendto(reply, source)

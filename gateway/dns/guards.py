@@ -1,0 +1,118 @@
+"""DNS tunnelling guards and their per-task state. Pure: every call takes `now`.
+
+Hand-written because each guard is a few lines of arithmetic tied to our per-task,
+per-rule bookkeeping; no library models "distinct unresolvable names per minute under
+one allow entry". Memory per task is bounded by the configured caps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+WINDOW_S = 60.0  # the "per minute" of the unresolvable-name budget
+
+
+def shannon_entropy(label: bytes) -> float:
+    """Bits per character of `label` (0 for empty)."""
+    n = len(label)
+    if n == 0:
+        return 0.0
+    return -sum((c / n) * math.log2(c / n) for c in Counter(label.lower()).values())
+
+
+@dataclass(slots=True)
+class TokenBucket:
+    rate: float  # tokens per second
+    burst: float
+    tokens: float
+    stamp: float
+
+    @classmethod
+    def full(cls, rate: float, burst: int, now: float) -> TokenBucket:
+        return cls(rate, float(burst), float(burst), now)
+
+    def take(self, now: float) -> bool:
+        elapsed = max(0.0, now - self.stamp)
+        self.tokens = min(self.burst, self.tokens + elapsed * self.rate)
+        self.stamp = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+
+@dataclass(slots=True)
+class UnresolvableWindow:
+    """Distinct unresolvable names seen under one allow entry in the last minute."""
+
+    seen: dict[str, float] = field(default_factory=dict)  # name -> last seen
+
+    def prune(self, now: float) -> None:
+        if self.seen:
+            cutoff = now - WINDOW_S
+            for name in [n for n, t in self.seen.items() if t <= cutoff]:
+                del self.seen[name]
+
+    def exhausted(self, name: str, cap: int, now: float) -> bool:
+        """True when `name` would be one distinct name too many."""
+        self.prune(now)
+        return name not in self.seen and len(self.seen) >= cap
+
+    def record(self, name: str, cap: int, now: float) -> None:
+        self.prune(now)
+        if name in self.seen or len(self.seen) < cap:
+            self.seen[name] = now
+
+
+@dataclass(slots=True)
+class TaskGuards:
+    bucket: TokenBucket
+    unresolvable: dict[str, UnresolvableWindow] = field(default_factory=dict)  # per rule id
+    suppressed_rate_events: int = 0
+    last_rate_event: float = -math.inf
+
+
+class GuardState:
+    """Per-task guard state, created on first query and dropped when the task ends."""
+
+    def __init__(self, rate: float, burst: int, unresolvable_cap: int) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.unresolvable_cap = unresolvable_cap
+        self._tasks: dict[str, TaskGuards] = {}
+
+    def task(self, task_id: str, now: float) -> TaskGuards:
+        g = self._tasks.get(task_id)
+        if g is None:
+            g = TaskGuards(TokenBucket.full(self.rate, self.burst, now))
+            self._tasks[task_id] = g
+        return g
+
+    def forget(self, task_id: str) -> None:
+        self._tasks.pop(task_id, None)
+
+    def allow_query(self, task_id: str, now: float) -> bool:
+        return self.task(task_id, now).bucket.take(now)
+
+    def unresolvable_exhausted(self, task_id: str, rule: str, name: str, now: float) -> bool:
+        w = self.task(task_id, now).unresolvable.get(rule)
+        return w is not None and w.exhausted(name, self.unresolvable_cap, now)
+
+    def record_unresolvable(self, task_id: str, rule: str, name: str, now: float) -> None:
+        g = self.task(task_id, now)
+        w = g.unresolvable.setdefault(rule, UnresolvableWindow())
+        w.record(name, self.unresolvable_cap, now)
+
+    def rate_event_due(self, task_id: str, now: float) -> int | None:
+        """Denials for rate are logged at most once a second per task; returns the count
+        of suppressed ones to report, or None when this one is suppressed."""
+        g = self.task(task_id, now)
+        if now - g.last_rate_event >= 1.0:
+            n = g.suppressed_rate_events
+            g.suppressed_rate_events = 0
+            g.last_rate_event = now
+            return n
+        g.suppressed_rate_events += 1
+        return None

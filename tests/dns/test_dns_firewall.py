@@ -1,0 +1,331 @@
+"""The DNS firewall over real UDP/TCP sockets on loopback, real dnslib upstream,
+dnspython and dig as clients."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+
+import dns.asyncquery
+import dns.edns
+import dns.flags
+import dns.message
+import dns.rcode
+import dns.rdatatype
+import pytest
+from conftest import Harness, start_harness
+from dns_upstream import Upstream
+from prometheus_client import generate_latest
+from stockade.policy.ruleset import RuleSet
+
+
+async def ask(
+    h: Harness,
+    name: str,
+    qtype: str = "A",
+    *,
+    tcp: bool = False,
+    payload: int | None = None,
+    source: str | None = None,
+) -> dns.message.Message:
+    q = dns.message.make_query(name, qtype, use_edns=payload is not None, payload=payload or 512)
+    src = source or h.client_ip
+    if tcp:
+        return await dns.asyncquery.tcp(q, h.host, port=h.port, source=src, timeout=3)
+    return await dns.asyncquery.udp(q, h.host, port=h.port, source=src, timeout=3)
+
+
+def addrs(resp: dns.message.Message) -> set[str]:
+    return {rd.address for rrset in resp.answer for rd in rrset if hasattr(rd, "address")}
+
+
+async def test_allowed_name_answered(harness: Harness) -> None:
+    r = await ask(harness, "allowed.test")
+    assert r.rcode() == dns.rcode.NOERROR
+    assert addrs(r) == {"93.184.216.34"}
+    r6 = await ask(harness, "ALLOWED.test.", "AAAA")
+    assert addrs(r6) == {"2606:2800:220:1:248:1893:25c8:1946"}
+    ev = harness.events[-1]
+    assert ev["event"]["action"] == "dns_decision"
+    assert ev["dns"]["question"] == {"name": "allowed.test", "type": "AAAA"}
+    assert ev["labels"]["task_id"] == "task-1"
+
+
+async def test_case_echoed_for_0x20(harness: Harness) -> None:
+    r = await ask(harness, "AlLoWeD.TeSt")
+    assert r.question[0].name.to_text() == "AlLoWeD.TeSt."
+
+
+async def test_unlisted_name_refused_with_event(harness: Harness) -> None:
+    r = await ask(harness, "other.test")
+    assert r.rcode() == dns.rcode.REFUSED
+    assert not r.answer
+    ev = harness.denials("no_matching_rule")[-1]
+    assert ev["dns"]["question"] == {"name": "other.test", "type": "A"}
+    assert ev["event"]["category"] == ["network"]
+    assert ev["dns"]["response_code"] == "REFUSED"
+
+
+async def test_deny_entry_wins(harness: Harness) -> None:
+    r = await ask(harness, "denied.allowed.test")
+    assert r.rcode() == dns.rcode.REFUSED
+    assert harness.denials("denied_by_rule")[-1]["rule"]["id"] == "carve-out"
+
+
+async def test_nxdomain_deny_rcode(upstream: Upstream, ruleset: RuleSet) -> None:
+    h = await start_harness(upstream, ruleset, deny_rcode="NXDOMAIN")
+    try:
+        r = await ask(h, "other.test")
+        assert r.rcode() == dns.rcode.NXDOMAIN
+        assert h.denials("no_matching_rule")
+    finally:
+        await h.fw.stop()
+
+
+async def test_unknown_task_refused(harness: Harness) -> None:
+    r = await ask(harness, "allowed.test", source="127.0.0.1")
+    assert r.rcode() == dns.rcode.REFUSED
+    assert harness.denials("unknown_task")
+
+
+async def test_cname_chain_allowed_and_escaping(harness: Harness) -> None:
+    r = await ask(harness, "alias.allowed.test")
+    assert r.rcode() == dns.rcode.NOERROR
+    kinds = [rrset.rdtype for rrset in r.answer]
+    assert kinds.count(dns.rdatatype.CNAME) == 2
+    assert addrs(r) == {"93.184.216.34"}
+    # a CNAME leading outside the allowed names is refused: the chain is checked too
+    r2 = await ask(harness, "escape.allowed.test")
+    assert r2.rcode() == dns.rcode.REFUSED
+    assert not r2.answer
+    ev = harness.denials("no_matching_rule")[-1]
+    assert ev["stockade"]["cname"] == "other.test"
+    r3 = await ask(harness, "alias.allowed.test", "CNAME")
+    assert [rd.target.to_text() for rrset in r3.answer for rd in rrset] == ["mid.allowed.test."]
+
+
+async def test_forbidden_addresses_never_answered(harness: Harness) -> None:
+    r = await ask(harness, "private.allowed.test")
+    assert addrs(r) == {"93.184.216.40"}
+    assert harness.events[-1]["stockade"]["forbidden_addresses"] == ["10.0.0.1 private"]
+    for qtype in ("A", "AAAA"):
+        r = await ask(harness, "metadata.allowed.test", qtype)
+        assert r.rcode() == dns.rcode.REFUSED
+        assert not r.answer
+    assert len(harness.denials("address_forbidden")) == 2
+
+
+@pytest.mark.parametrize("qtype", ["TXT", "NULL", "ANY", "MX", "SRV", "PTR", "AXFR"])
+async def test_qtypes_refused(harness: Harness, qtype: str) -> None:
+    r = await ask(harness, "allowed.test", qtype, tcp=qtype == "AXFR")
+    assert r.rcode() == dns.rcode.REFUSED
+    ev = harness.denials("qtype_refused")[-1]
+    assert ev["dns"]["question"]["type"] == qtype
+
+
+@pytest.mark.parametrize("qtype", ["HTTPS", "SVCB"])
+async def test_https_svcb_answered_empty(harness: Harness, qtype: str) -> None:
+    r = await ask(harness, "allowed.test", qtype)
+    assert r.rcode() == dns.rcode.NOERROR
+    assert not r.answer
+    assert upstream_not_asked(harness, qtype)
+
+
+def upstream_not_asked(h: Harness, qtype: str) -> bool:
+    return h.fw.resolver.upstream_queries == 0
+
+
+async def test_servfail_on_upstream_failure(harness: Harness) -> None:
+    r = await ask(harness, "broken.allowed.test")
+    assert r.rcode() == dns.rcode.SERVFAIL
+    r2 = await ask(harness, "slow.allowed.test")
+    assert r2.rcode() == dns.rcode.SERVFAIL
+    evs = harness.denials("resolve_failed")
+    assert {e["stockade"]["resolve_error"] for e in evs} == {"servfail", "timeout"}
+    assert all(e["dns"]["response_code"] == "SERVFAIL" for e in evs)
+
+
+async def test_stopped_upstream_servfail(upstream: Upstream, ruleset: RuleSet) -> None:
+    h = await start_harness(upstream, ruleset)
+    try:
+        upstream.stop()
+        r = await ask(h, "www.allowed.test")
+        assert r.rcode() == dns.rcode.SERVFAIL
+    finally:
+        await h.fw.stop()
+
+
+async def test_nxdomain_passed_through(harness: Harness) -> None:
+    r = await ask(harness, "missing.allowed.test")
+    assert r.rcode() == dns.rcode.NXDOMAIN
+
+
+async def test_ttl_clamped(upstream: Upstream, ruleset: RuleSet) -> None:
+    h = await start_harness(upstream, ruleset, ttl_min_s=7, ttl_max_s=100)
+    try:
+        r = await ask(h, "rebind.allowed.test")  # upstream TTL 0
+        assert r.answer[0].ttl == 7
+        upstream.zone.a["rebind.allowed.test"] = ["10.1.1.1"]
+        again = await ask(h, "rebind.allowed.test")
+        assert addrs(again) == {"93.184.216.41"}  # no rebinding within the clamp
+        r2 = await ask(h, "long-ttl.allowed.test")  # upstream TTL 86400
+        assert 7 <= r2.answer[0].ttl <= 100
+        assert upstream.queries("rebind.allowed.test", "A") == 1
+    finally:
+        await h.fw.stop()
+
+
+async def test_truncation_and_tcp_fallback(harness: Harness) -> None:
+    small = await ask(harness, "big.allowed.test")  # no EDNS: 512-byte buffer
+    assert small.flags & dns.flags.TC
+    assert not small.answer
+    edns = await ask(harness, "big.allowed.test", payload=4096)
+    assert not edns.flags & dns.flags.TC
+    assert len(addrs(edns)) == 60
+    assert edns.edns == 0
+    over_tcp = await ask(harness, "big.allowed.test", tcp=True)
+    assert len(addrs(over_tcp)) == 60
+    # dnspython's udp_with_fallback retries over TCP exactly as a stub resolver does
+    q = dns.message.make_query("big.allowed.test", "A")
+    resp, used_tcp = await dns.asyncquery.udp_with_fallback(
+        q, harness.host, port=harness.port, source=harness.client_ip, timeout=3
+    )
+    assert used_tcp and len(addrs(resp)) == 60
+
+
+async def test_label_and_name_caps(upstream: Upstream, ruleset: RuleSet) -> None:
+    h = await start_harness(upstream, ruleset, max_label_length=20, max_name_length=60)
+    try:
+        r = await ask(h, "a" * 21 + ".allowed.test")
+        assert r.rcode() == dns.rcode.REFUSED
+        assert h.denials("label_too_long")
+        r = await ask(h, ".".join(["abcdefghij"] * 6) + ".allowed.test")
+        assert r.rcode() == dns.rcode.REFUSED
+        assert h.denials("name_too_long")
+        assert h.fw.resolver.upstream_queries == 0  # never forwarded
+    finally:
+        await h.fw.stop()
+
+
+async def test_high_entropy_label(harness: Harness) -> None:
+    rng = random.Random(7)
+    label = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz234567") for _ in range(40))
+    r = await ask(harness, f"{label}.allowed.test")
+    assert r.rcode() == dns.rcode.REFUSED
+    assert harness.denials("high_entropy_label")
+    assert harness.fw.resolver.upstream_queries == 0
+    ok = await ask(harness, "www.allowed.test")
+    assert ok.rcode() == dns.rcode.NOERROR
+
+
+async def test_query_rate_budget(upstream: Upstream, ruleset: RuleSet) -> None:
+    h = await start_harness(upstream, ruleset, queries_per_second=0.001, query_burst=5)
+    try:
+        codes = [(await ask(h, "allowed.test")).rcode() for _ in range(12)]
+        assert codes[:5] == [dns.rcode.NOERROR] * 5
+        assert set(codes[5:]) == {dns.rcode.REFUSED}
+        # a flood is logged, but not one event per packet
+        assert 1 <= len(h.denials("query_rate_exceeded")) < 7
+    finally:
+        await h.fw.stop()
+
+
+async def test_unresolvable_name_budget(upstream: Upstream, ruleset: RuleSet) -> None:
+    h = await start_harness(upstream, ruleset, unresolvable_names_per_minute=5)
+    try:
+        for i in range(5):
+            r = await ask(h, f"chunk{i}.allowed.test")
+            assert r.rcode() == dns.rcode.NXDOMAIN
+        r = await ask(h, "chunk5.allowed.test")
+        assert r.rcode() == dns.rcode.REFUSED
+        ev = h.denials("unresolvable_name_budget")[-1]
+        assert ev["rule"]["id"] == "allowed-subdomains"
+        assert upstream.queries("chunk5.allowed.test", "A") == 0  # refused before upstream
+        # names already answered (cached) still resolve; the apex rule has its own budget
+        assert (await ask(h, "chunk1.allowed.test")).rcode() == dns.rcode.NXDOMAIN
+        assert (await ask(h, "allowed.test")).rcode() == dns.rcode.NOERROR
+    finally:
+        await h.fw.stop()
+
+
+async def test_report_mode_answers_and_flags(upstream: Upstream, ruleset: RuleSet) -> None:
+    h = await start_harness(upstream, ruleset, profile="dns-report")
+    try:
+        r = await ask(h, "other.test")
+        assert r.rcode() == dns.rcode.NOERROR
+        assert addrs(r) == {"93.184.216.35"}
+        ev = h.events[-1]
+        assert ev["stockade"]["report_only"] is True
+        assert ev["event"]["reason"] == "no_matching_rule"
+        # report mode never relaxes the firewall's own guards
+        assert (await ask(h, "other.test", "TXT")).rcode() == dns.rcode.REFUSED
+    finally:
+        await h.fw.stop()
+
+
+async def test_malformed_dropped_and_counted(harness: Harness) -> None:
+    loop = asyncio.get_running_loop()
+    received: list[bytes] = []
+
+    class Proto(asyncio.DatagramProtocol):
+        def datagram_received(self, data: bytes, addr: object) -> None:
+            received.append(data)
+
+    transport, _ = await loop.create_datagram_endpoint(
+        Proto, local_addr=(harness.client_ip, 0), remote_addr=(harness.host, harness.port)
+    )
+    try:
+        for junk in (b"", b"\x00", b"\xff" * 11, b"\x12\x34" + b"\xff" * 40, b"\x00" * 12):
+            transport.sendto(junk)
+        ok = await ask(harness, "allowed.test")  # the server is alive afterwards
+        assert ok.rcode() == dns.rcode.NOERROR
+    finally:
+        transport.close()
+    # (an empty datagram is not sent by asyncio, so four of the five reach the server)
+    reg = harness.fw.metrics_registry
+    assert reg.get_sample_value("stockade_dns_malformed_packets_total") == 4
+    assert received == []
+
+
+async def test_metrics(harness: Harness) -> None:
+    await ask(harness, "allowed.test")
+    await ask(harness, "allowed.test")
+    await ask(harness, "other.test")
+    reg = harness.fw.metrics_registry
+    assert reg.get_sample_value("stockade_dns_cache_hits_total") == 1
+    assert reg.get_sample_value("stockade_dns_cache_misses_total") == 1
+    labels = {"outcome": "denied", "reason": "no_matching_rule", "transport": "udp"}
+    assert reg.get_sample_value("stockade_dns_queries_total", labels) == 1
+    assert "stockade_dns_queries_total" in generate_latest(reg).decode()
+
+
+async def test_dig_client(harness: Harness) -> None:
+    def dig(*args: str) -> str:
+        out = subprocess.run(
+            [
+                "dig",
+                "+tries=1",
+                "+time=3",
+                "-b",
+                harness.client_ip,
+                "-p",
+                str(harness.port),
+                f"@{harness.host}",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=20,
+        )
+        return out.stdout
+
+    out = await asyncio.to_thread(dig, "+short", "allowed.test", "A")
+    assert out.split() == ["93.184.216.34"]
+    refused = await asyncio.to_thread(dig, "allowed.test", "TXT")
+    assert "status: REFUSED" in refused
+    big = await asyncio.to_thread(dig, "+short", "+bufsize=512", "big.allowed.test")
+    assert len(big.split()) == 60  # dig retried over TCP after TC
+    tcp = await asyncio.to_thread(dig, "+tcp", "+short", "www.allowed.test")
+    assert tcp.split() == ["93.184.216.36"]
