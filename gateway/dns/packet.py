@@ -151,16 +151,16 @@ def build_response(
         msg.add_answer(RR(owner, rtype, rdata=_RDATA[r.rtype](r.value), ttl=r.ttl))
     if q.edns:
         msg.add_ar(EDNS0(udp_len=edns_payload))
-    data = msg.pack()
+    data = bytes(msg.pack())
     if len(data) <= max_size:
         return data, False
     msg.rr = []
     msg.header.tc = 1
-    data = msg.pack()
+    data = bytes(msg.pack())
     if len(data) > max_size:  # a question that alone exceeds the buffer: header only
         msg.questions = []
         msg.ar = []
-        data = msg.pack()
+        data = bytes(msg.pack())
     return data, True
 
 
@@ -176,7 +176,7 @@ def build_error(data: bytes, rcode: int) -> bytes | None:
     if h.qr:
         return None
     out = DNSHeader(id=h.id, qr=1, opcode=h.opcode, rd=h.rd, ra=1, rcode=rcode)
-    return DNSRecord(out).pack()
+    return bytes(DNSRecord(out).pack())
 
 
 def rcode_name(rcode: int) -> str:
