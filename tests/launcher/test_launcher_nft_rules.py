@@ -1,0 +1,105 @@
+"""The nft table builder (pure) and, with real nftables, atomic per-sandbox elements."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from stockade.launcher import nft
+
+P = nft.TableParams("stockade_unit", 15001, 15053, 8081, 7413, log_rate=20)
+
+
+def _rules(cmds: dict) -> list[dict]:
+    return [c["add"]["rule"] for c in cmds["nftables"] if "rule" in c.get("add", {})]
+
+
+def test_every_log_is_rate_limited_and_in_the_group() -> None:
+    rules = _rules(nft.table_commands(P))
+    logs = [r for r in rules if any("log" in e for e in r["expr"])]
+    assert len(logs) == 4
+    for r in logs:
+        kinds = [next(iter(e)) for e in r["expr"]]
+        i = kinds.index("log")
+        assert kinds[i - 1] == "limit"
+        assert r["expr"][i]["log"]["group"] == 7413
+        assert r["expr"][i]["log"]["prefix"].startswith("stockade:")
+
+
+def test_chain_names_avoid_nft_keywords_and_only_own_table() -> None:
+    cmds = nft.table_commands(P)["nftables"]
+    chains = [c["add"]["chain"]["name"] for c in cmds if "chain" in c.get("add", {})]
+    assert "fwd" not in chains and "dnat" not in chains
+    for c in cmds:
+        body = next(iter(c.values()))
+        obj = next(iter(body.values()))
+        assert obj.get("table", obj.get("name")) == "stockade_unit"
+
+
+def test_redirects_and_reject_order() -> None:
+    rules = _rules(nft.table_commands(P))
+    red = [r for r in rules if r["chain"] == "redirect_in"]
+    # broker exemption comes before the catch-all TCP redirect
+    assert red[1]["expr"][-1] == {"accept": None}
+    assert red[2]["expr"][-1] == {"redirect": {"port": 15053}}
+    assert red[3]["expr"][-1] == {"redirect": {"port": 15001}}
+    guard = [r for r in rules if r["chain"] == "from_sandbox"]
+    assert guard[-2]["expr"][-1] == {"reject": {"type": "tcp reset"}}
+    assert guard[-1]["expr"][-1] == {"reject": {"type": "icmpx", "expr": "admin-prohibited"}}
+
+
+def test_rule_count_is_independent_of_sandboxes() -> None:
+    w = [nft.Wiring(f"stk{i:010x}", f"10.0.{i // 64}.{(i % 64) * 4 + 2}", "02:00:00:00:00:01",
+                    "10.0.0.1") for i in range(50)]
+    add = nft.element_commands("t", "add", w)["nftables"]
+    # one transaction: three elements per sandbox, no rules
+    assert len(add) == 150
+    assert all("element" in c["add"] for c in add)
+    with pytest.raises(ValueError):
+        nft.element_commands("t", "replace", w)
+
+
+@given(st.text(min_size=1, max_size=15))
+def test_element_ifname_roundtrip(name: str) -> None:
+    assert nft.element_ifname(name) == name
+    assert nft.element_ifname({"concat": [name, "10.0.0.2"]}) == name
+    assert nft.element_ifname({"elem": {"val": {"concat": [name, "x"]}}}) == name
+    assert nft.element_ifname(42) is None
+
+
+@pytest.fixture
+def table() -> Iterator[str]:
+    name = f"stockade_lt{secrets.token_hex(4)}"
+    yield name
+    subprocess.run(["nft", "delete", "table", "inet", name], capture_output=True, check=False)
+
+
+@pytest.mark.netns
+def test_real_table_elements_are_atomic(table: str) -> None:
+    p = nft.TableParams(table, 15001, 15053, 8081, 7413)
+    nft.run(nft.table_commands(p))
+    a = nft.Wiring("stkaaaaaaaaaa", "10.213.0.2", "02:00:0a:d5:00:02", "10.213.0.1")
+    b = nft.Wiring("stkbbbbbbbbbb", "10.213.0.6", "02:00:0a:d5:00:06", "10.213.0.5")
+    nft.run(nft.element_commands(table, "add", [a, b]))
+    # re-applying the table (restart) keeps the sandboxes' elements
+    nft.run(nft.table_commands(p))
+    els = nft.list_elements(table)
+    assert sorted(els[nft.SET_IFS]) == ["stkaaaaaaaaaa", "stkbbbbbbbbbb"]
+    # a batch with one bad element changes nothing (all or nothing)
+    bad = nft.element_commands(table, "delete", [a, nft.Wiring("stkcccccccccc", "10.213.0.10",
+                                                                "02:00:0a:d5:00:0a", "10.213.0.9")])
+    with pytest.raises(nft.NftError):
+        nft.run(bad)
+    assert len(nft.list_elements(table)[nft.SET_SRC]) == 2
+    nft.run(nft.element_commands(table, "delete", [a]))
+    els = nft.list_elements(table)
+    assert [nft.element_ifname(e) for e in els[nft.SET_SRC]] == ["stkbbbbbbbbbb"]
+    out = subprocess.run(["nft", "-j", "list", "table", "inet", table], capture_output=True,
+                         check=True)
+    n_rules = sum(1 for i in json.loads(out.stdout)["nftables"] if "rule" in i)
+    assert n_rules == len(_rules(nft.table_commands(p)))

@@ -1,0 +1,197 @@
+"""Pure parts of the launcher: address plan, exports decision, scrubbing, init script, state."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import shlex
+import threading
+from pathlib import Path
+
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+from stockade.launcher import exports, initscript, scrub
+from stockade.launcher.addresses import free_slot, pool_size, slot_addresses
+from stockade.launcher.state import SandboxRecord, StateFile
+
+# -- addresses ------------------------------------------------------------------------
+
+
+def test_slots_are_disjoint_30s() -> None:
+    a = slot_addresses("10.213.0.0/16", 0)
+    b = slot_addresses("10.213.0.0/16", 1)
+    assert (a.host_ip, a.guest_ip, b.host_ip, b.guest_ip) == (
+        "10.213.0.1", "10.213.0.2", "10.213.0.5", "10.213.0.6")
+    assert a.guest_mac == "02:00:0a:d5:00:02" and a.host_mac.startswith("02:01:")
+    assert pool_size("10.213.0.0/16") == 16384
+    with pytest.raises(ValueError):
+        slot_addresses("10.213.0.0/30", 1)
+    with pytest.raises(ValueError):
+        pool_size("10.0.0.0/31")
+
+
+@given(st.sets(st.integers(0, 63), max_size=63))
+def test_free_slot_is_lowest_unused(used: set[int]) -> None:
+    s = free_slot("10.1.0.0/24", used)
+    assert s not in used and all(i in used for i in range(s))
+
+
+def test_pool_exhaustion_fails_closed() -> None:
+    with pytest.raises(RuntimeError, match="exhausted"):
+        free_slot("10.1.0.0/29", [0, 1])
+
+
+@given(st.integers(0, 1023), st.integers(0, 1023))
+def test_distinct_slots_never_share_addresses(i: int, j: int) -> None:
+    a, b = slot_addresses("10.8.0.0/20", i), slot_addresses("10.8.0.0/20", j)
+    if i != j:
+        assert {a.host_ip, a.guest_ip}.isdisjoint({b.host_ip, b.guest_ip})
+        assert a.guest_mac != b.guest_mac
+    assert ipaddress.ip_address(a.guest_ip) in ipaddress.ip_network("10.8.0.0/20")
+
+
+# -- exports --------------------------------------------------------------------------
+
+
+def test_sniff_by_content_not_name() -> None:
+    assert exports.sniff(b'{"a": 1}') == "json"
+    assert exports.sniff(b"[1, 2]\n") == "json"
+    assert exports.sniff(b"{not json") == "text"
+    assert exports.sniff("héllo\n".encode()) == "text"
+    assert exports.sniff(b"\x7fELF\x02\x01\x01\x00\xff\xfe") is None
+    assert exports.sniff(b"a\0b") is None
+    assert exports.sniff(b"\x89PNG\r\n\x1a\n....") == "png"
+    assert exports.sniff(bytes(257) + b"ustar\x0000") == "tar"
+
+
+def test_decide_caps_and_types() -> None:
+    c = [
+        exports.Candidate("a.txt", 10, True, "text"),
+        exports.Candidate("b.json", 20, True, "json"),
+        exports.Candidate("big.txt", 2000, True, "text"),
+        exports.Candidate("bin", 5, True, None),
+        exports.Candidate("c.txt", 80, True, "text"),
+        exports.Candidate("link", 5, False, None),
+        exports.Candidate("img", 5, True, "png"),
+    ]
+    d = {x.name: x.why for x in exports.decide(c, 1000, 100, ("text",))}
+    assert d == {"a.txt": "ok", "b.json": "ok", "big.txt": "too_large", "bin": "type_not_allowed",
+                 "c.txt": "total_exceeded", "link": "not_regular", "img": "type_not_allowed"}
+    d2 = {x.name: x.allowed for x in exports.decide(c, 1000, 10**6, ("json",))}
+    assert d2["b.json"] and not d2["a.txt"]
+
+
+@given(st.binary(max_size=300))
+def test_sniff_never_raises(data: bytes) -> None:
+    kind = exports.sniff(data)
+    if kind == "json":
+        json.loads(data)
+
+
+def test_scan_refuses_links_and_write_stays_inside(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    (out / "sub" / "r.json").write_text('{"ok": true}')
+    (out / "link").symlink_to("/etc/passwd")
+    (out / "dirlink").symlink_to("/etc")
+    cands, contents = exports.scan(str(out), 1000)
+    by = {c.name: c for c in cands}
+    assert by["sub/r.json"].kind == "json" and by["sub/r.json"].regular
+    assert not by["link"].regular and not by["dirlink"].regular
+    assert "link" not in contents
+    dest = tmp_path / "dest"
+    exports.write_export(str(dest), "sub/r.json", contents["sub/r.json"])
+    assert (dest / "sub" / "r.json").read_text() == '{"ok": true}'
+    with pytest.raises(ValueError):
+        exports.write_export(str(dest), "../escape", b"x")
+
+
+# -- scrubbing ------------------------------------------------------------------------
+
+
+def test_scrub_replaces_everything_host_specific() -> None:
+    s = scrub.build(
+        host_paths=["/var/lib/stockade/sandboxes", "/home/alice"],
+        host_env={"API_TOKEN": "s3cr3t-value-123", "SHORT": "ab", "PATH": "/usr/bin"},
+        hostnames=["buildhost-7"],
+        addresses=["10.213.0.1", "127.0.0.53", "0.0.0.0"],
+    )
+    text = ("at /var/lib/stockade/sandboxes/x and /home/alice/.ssh; token s3cr3t-value-123; "
+            "host buildhost-7 (BUILDHOST-7.example); dns 127.0.0.53 gw 10.213.0.1 "
+            "not 10.213.0.15; ab stays; /usr/bin stays")
+    out = s(text)
+    for secret in ("/var/lib/stockade", "/home/alice", "s3cr3t", "buildhost-7", "BUILDHOST-7",
+                   "127.0.0.53", "10.213.0.1 "):
+        assert secret not in out
+    assert "<env:API_TOKEN>" in out and "<hostname>" in out and "<infra-address>" in out
+    assert "10.213.0.15" in out and "ab stays" in out and "/usr/bin stays" in out
+
+
+@given(st.text(min_size=6, max_size=30), st.text(max_size=40), st.text(max_size=40))
+def test_scrubbed_output_never_contains_an_env_value(value: str, a: str, b: str) -> None:
+    # a value that is part of its own placeholder could be rebuilt by it; skip those
+    assume("<" not in value and value not in "<env:SECRET>")
+    s = scrub.build(host_env={"SECRET": value})
+    assert value not in s(a + value + b)
+
+
+# -- init script ----------------------------------------------------------------------
+
+
+def test_init_script_quotes_every_value() -> None:
+    evil = "/in/$(touch /pwned);`id`'\""
+    plan = initscript.InitPlan(
+        root="/r", scratch="/s", etc_dir="/e", uid=65534, gid=65534,
+        system=(initscript.Bind("/usr", "/usr"), initscript.Bind("/bin", "/bin",
+                                                                 symlink_to="usr/bin")),
+        inputs=(initscript.Bind(evil, "/inputs/x y"),),
+        cgroup_procs=("/sys/fs/cgroup/pids/stockade/abc/cgroup.procs",),
+    )
+    text = initscript.build(plan)
+    line = next(x for x in text.splitlines() if "mount --bind -o ro,nosuid,nodev /in" in x
+                or (evil in x and "mount" in x))
+    assert shlex.split(line)[-2:] == [evil, "/r/inputs/x y"]
+    assert text.splitlines()[2].startswith("echo 0 > ")
+    assert "ln -s usr/bin /r/bin" in text
+    assert text.rstrip().endswith('--no-new-privs -- "$@"')
+    assert "--reuid=65534" in text and "--bounding-set=-all" in text
+
+
+@pytest.mark.parametrize("bad", ["relative", "/scratch", "/scratch/x", "/proc", "/dev/x",
+                                 "/a/../b", "/", "/tmp/x"])
+def test_input_targets_cannot_shadow_sandbox_mounts(bad: str) -> None:
+    with pytest.raises(ValueError):
+        initscript.check_input_target(bad)
+
+
+def test_input_target_ok() -> None:
+    assert initscript.check_input_target("/inputs/data/") == "/inputs/data"
+
+
+# -- state ----------------------------------------------------------------------------
+
+
+def _rec(tid: str, slot: int) -> SandboxRecord:
+    return SandboxRecord(tid, "p", slot, f"stk{tid}", f"stk-{tid}", "10.0.0.1", "10.0.0.2",
+                         "02:00:00:00:00:02")
+
+
+def test_state_roundtrip_and_concurrent_updates(tmp_path: Path) -> None:
+    sf = StateFile(tmp_path / "s.json")
+
+    def add(i: int) -> None:
+        with sf.locked() as recs:
+            recs[f"{i:010x}"] = _rec(f"{i:010x}", i)
+
+    threads = [threading.Thread(target=add, args=(i,)) for i in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    got = sf.read()
+    assert sorted(r.slot for r in got.values()) == list(range(20))
+    (tmp_path / "s.json").write_text("{torn")
+    assert sf.read() == {}
+    assert not any(n.startswith(".launcher.") for n in os.listdir(tmp_path))
