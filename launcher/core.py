@@ -22,9 +22,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any, Literal, Protocol
+from typing import IO, TYPE_CHECKING, Any, Literal, Protocol
 
-from stockade.config import Config
 from stockade.events import EventWriter, make_event
 from stockade.tasks import ControlClient, Task
 
@@ -32,6 +31,9 @@ from . import cgroups, exports, initscript, mounts, netns, nft, scrub
 from .addresses import free_slot, slot_addresses
 from .nflog import LogRecord, NflogSocket
 from .state import SandboxRecord, StateFile
+
+if TYPE_CHECKING:  # stockade.config imports launcher.settings: no runtime cycle
+    from stockade.config import Config
 
 EndedBy = Literal["exit", "ttl", "killed", "limit"]
 TASK_ID_RE = re.compile(r"^[0-9a-f]{10}$")

@@ -9,7 +9,7 @@ APT_PACKAGES=(
     nftables iproute2 procps psmisc util-linux kmod
     qemu-system-x86 busybox-static cpio
     curl git dnsutils ca-certificates
-    python3-venv
+    python3-venv python3-pip   # the demo agent runs Debian's python3 + pip inside the sandbox
     squid tinyproxy   # side-by-side comparisons in bench/
 )
 

@@ -1,0 +1,215 @@
+"""Run the stack (gateway, broker, and a dev OpenBao when no Vault is configured) as child
+processes: `stockade up` in the foreground, or around one `stockade run` on embedded
+defaults. Readiness is each service's control socket answering /v1/health.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import yaml
+
+from stockade.config import Config
+from stockade.tasks import ControlClient
+
+
+class StackError(RuntimeError):
+    pass
+
+
+@dataclass
+class Service:
+    name: str
+    argv: list[str]
+    control_socket: str
+    log_path: Path | None  # None: inherit the terminal (stockade up)
+    proc: subprocess.Popen[bytes] | None = None
+    _log: IO[bytes] | None = field(default=None, repr=False)
+
+    def start(self) -> None:
+        out: IO[bytes] | None = None
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = out = open(self.log_path, "ab")  # noqa: SIM115 - child owns it
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            start_new_session=True,  # Ctrl-C reaches us; we stop the children in order
+        )
+
+    def healthy(self) -> bool:
+        try:
+            return bool(ControlClient(self.control_socket, timeout=1.0).health().get("ok"))
+        except (OSError, ValueError, RuntimeError):
+            return False
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=timeout)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def log_tail(self, n: int = 1500) -> str:
+        if self.log_path is None:
+            return ""
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+
+def stack_running(config: Config) -> bool:
+    """True when a gateway and a broker already answer on the configured control sockets."""
+    for sock in (config.gateway.control_socket, config.broker.control_socket):
+        try:
+            if not ControlClient(sock, timeout=1.0).health().get("ok"):
+                return False
+        except (OSError, ValueError, RuntimeError):
+            return False
+    return True
+
+
+class Stack:
+    """Starts gateway + broker (+ dev OpenBao) for one config; `stop()` leaves nothing behind."""
+
+    def __init__(
+        self, config: Config, *, foreground: bool = False, startup_timeout: float = 60.0
+    ) -> None:
+        self.base = config
+        self.config = config  # the effective config, with the dev Vault filled in
+        self.foreground = foreground
+        self.startup_timeout = startup_timeout
+        self.services: list[Service] = []
+        self.dev_vault: object | None = None
+        self.run_dir = Path(config.run_dir)
+        self._files: list[Path] = []
+
+    def _write_private(self, path: Path, text: str) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        self._files.append(path)
+        return path
+
+    def start(self) -> Config:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self.config
+
+    def _start(self) -> None:
+        cfg = self.base
+        if cfg.vault.address is None:
+            from stockade.broker.devvault import DevOpenBao
+
+            bao = DevOpenBao().start()
+            self.dev_vault = bao
+            token_file = self._write_private(self.run_dir / "dev-vault-token", bao.root_token)
+            vault = cfg.vault.model_copy(
+                update={"address": bao.address, "token_file": str(token_file)}
+            )
+            cfg = cfg.model_copy(update={"vault": vault})
+        self.config = cfg
+        cfg_path = self._write_private(
+            self.run_dir / "stack-config.yaml",
+            yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False),
+        )
+        logs = Path(cfg.log_dir)
+        for name, sock in (
+            ("gateway", cfg.gateway.control_socket),
+            ("broker", cfg.broker.control_socket),
+        ):
+            svc = Service(
+                name=name,
+                argv=[sys.executable, "-m", "stockade", name, "serve", "--config", str(cfg_path)],
+                control_socket=sock,
+                log_path=None if self.foreground else logs / f"{name}.log",
+            )
+            svc.start()
+            self.services.append(svc)
+        deadline = time.monotonic() + self.startup_timeout
+        pending = list(self.services)
+        while pending:
+            for svc in list(pending):
+                if not svc.alive():
+                    raise StackError(f"{svc.name} exited during start-up:\n{svc.log_tail()}")
+                if svc.healthy():
+                    pending.remove(svc)
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(s.name for s in pending)
+                raise StackError(f"not ready after {self.startup_timeout:.0f}s: {names}")
+            if pending:
+                time.sleep(0.05)
+
+    def status(self) -> list[tuple[str, int | None, str]]:
+        rows: list[tuple[str, int | None, str]] = []
+        bao = self.dev_vault
+        if bao is not None:
+            proc = getattr(bao, "proc", None)
+            rows.append(
+                (
+                    "openbao (dev)",
+                    proc.pid if proc else None,
+                    "running" if getattr(bao, "running", False) else "stopped",
+                )
+            )
+        for svc in self.services:
+            state = (
+                "ready"
+                if svc.alive() and svc.healthy()
+                else ("running" if svc.alive() else "stopped")
+            )
+            rows.append((svc.name, svc.proc.pid if svc.proc else None, state))
+        return rows
+
+    def stop(self) -> None:
+        for svc in reversed(self.services):
+            svc.stop()
+        self.services.clear()
+        bao, self.dev_vault = self.dev_vault, None
+        if bao is not None:
+            bao.stop()  # type: ignore[attr-defined]
+        for f in self._files:
+            f.unlink(missing_ok=True)
+        self._files.clear()
+        for sock in (self.config.gateway.control_socket, self.config.broker.control_socket):
+            Path(sock).unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def ensure_stack(config: Config) -> Iterator[Config]:
+    """Use a running stack (`stockade up`) when there is one, else run one for the block."""
+    if stack_running(config):
+        yield config
+        return
+    stack = Stack(config)
+    try:
+        yield stack.start()
+    finally:
+        stack.stop()
