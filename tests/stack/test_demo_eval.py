@@ -8,6 +8,7 @@ from stockade.events import make_event
 from stockade.stack.demo import STEPS, evaluate, parse_observations, render
 
 SECRET = "demo-key-0123456789abcdef"
+SUBST = {"denied_ip": "10.250.0.11", "udp_ip": "10.250.0.20"}
 
 
 def _good_stdout(extra_env=None):
@@ -68,7 +69,7 @@ def _denials():
 
 def test_all_expected_passes():
     out = _good_stdout()
-    rows = evaluate(parse_observations(out), _denials(), SECRET, out)
+    rows = evaluate(parse_observations(out), _denials(), SECRET, out, SUBST)
     assert [r["step"] for r in rows] == [s.key for s in STEPS] + ["no_leak"]
     assert all(r["ok"] for r in rows), rows
     assert "ok" in render(rows, colour=False)
@@ -77,7 +78,7 @@ def test_all_expected_passes():
 def test_blocked_but_not_reported_fails():
     out = _good_stdout()
     denials = [d for d in _denials() if d["stockade"]["component"] != "launcher"]
-    rows = {r["step"]: r for r in evaluate(parse_observations(out), denials, SECRET, out)}
+    rows = {r["step"]: r for r in evaluate(parse_observations(out), denials, SECRET, out, SUBST)}
     assert rows["exfil_udp"]["ok"] is False
     assert rows["exfil_udp"]["reported"] == "NO"
 
@@ -85,7 +86,9 @@ def test_blocked_but_not_reported_fails():
 def test_key_in_env_in_any_form_fails():
     for form in (SECRET, base64.b64encode(SECRET.encode()).decode(), SECRET.encode().hex()):
         out = _good_stdout({"LEAK": form})
-        rows = {r["step"]: r for r in evaluate(parse_observations(out), _denials(), SECRET, out)}
+        rows = {
+            r["step"]: r for r in evaluate(parse_observations(out), _denials(), SECRET, out, SUBST)
+        }
         assert rows["key_in_env"]["observed"] == "FOUND"
         assert rows["no_leak"]["ok"] is False
 
@@ -95,7 +98,7 @@ def test_missing_or_wrong_observation_fails():
         '"exfil_https", "observed": "blocked"', '"exfil_https", "observed": "reached"'
     )
     out = "\n".join(x for x in out.splitlines() if "broker_call" not in x)
-    rows = {r["step"]: r for r in evaluate(parse_observations(out), _denials(), SECRET, out)}
+    rows = {r["step"]: r for r in evaluate(parse_observations(out), _denials(), SECRET, out, SUBST)}
     assert rows["exfil_https"]["ok"] is False
     assert rows["broker_call"]["observed"] == "no report"
     assert rows["broker_call"]["ok"] is False
