@@ -1,0 +1,159 @@
+"""`stockade gateway serve`: wires one process from the config file.
+
+One event writer, one task registry (persisted in the state dir), one rules holder, one
+Resolver and one AddressPolicy are shared by the TCP listeners (`server.Gateway`) and the
+DNS firewall (`gateway.dns.DnsFirewall`); plus the control API (Unix socket, 0600) and
+Prometheus metrics on a host-only address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import resource
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from stockade.config import Config
+from stockade.events import EventWriter
+from stockade.tasks import TaskRegistry, make_control_app, start_control_server
+
+from .addresses import AddressPolicy
+from .metrics import GatewayMetrics
+from .resolver import Resolver
+from .rulesource import RulesHolder
+from .server import Gateway, parse_listen
+
+log = logging.getLogger("stockade.gateway")
+
+
+def host_addresses() -> list[str]:
+    """Every non-loopback address on this host's interfaces (the gateway's own addresses)."""
+    try:
+        out = subprocess.run(["ip", "-j", "addr", "show"], capture_output=True, text=True,
+                             check=True, timeout=5).stdout
+        links = json.loads(out)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return []
+    addrs: list[str] = []
+    for link in links:
+        for a in link.get("addr_info", []):
+            local = a.get("local")
+            if local and a.get("scope") != "host":
+                addrs.append(local)
+    return addrs
+
+
+def raise_nofile(target: int) -> int:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    for want in (max(target, hard), hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, want) if want > hard else
+                               (want, hard))
+            return want
+        except (ValueError, OSError):
+            continue
+    return soft
+
+
+class GatewayService:
+    """Everything `gateway serve` runs, startable in-process (tests) or from the CLI."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        gs = config.gateway
+        ev = config.events
+        self.writer = EventWriter(config.events_file, max_bytes=ev.max_bytes,
+                                  backups=ev.backups, stdout=ev.stdout)
+        self.metrics = GatewayMetrics()
+        self.metrics.track_dropped(lambda: self.writer.dropped)
+        self.rules = RulesHolder(config.rules_dir, self.writer.write, self.metrics)
+        registry_file = gs.registry_file or str(Path(config.state_dir) / "gateway-tasks.json")
+        self.registry = TaskRegistry(registry_file)
+        own = list(gs.own_addresses)
+        if gs.detect_own_addresses:
+            own += host_addresses()
+        self.address_policy = AddressPolicy(allow=gs.allow_addresses, own=own)
+        self.resolver = Resolver(gs.resolvers, self.address_policy,
+                                 ttl_min=config.dns.ttl_min_s, ttl_max=config.dns.ttl_max_s)
+        self.gateway = Gateway(gs, rules=self.rules, registry=self.registry,
+                               resolver=self.resolver, address_policy=self.address_policy,
+                               emit=self.writer.write, metrics=self.metrics)
+        self.dns: Any = None
+        self._control: web.AppRunner | None = None
+        self._metrics_runner: web.AppRunner | None = None
+        self.metrics_port: int | None = None
+
+    async def start(self, *, dns: bool = True) -> None:
+        self.rules.load_initial()  # RulesError: refuse to start rather than run without rules
+        raise_nofile(self.config.gateway.max_open_files)
+        await self.gateway.start()
+        if dns:
+            await self._start_dns()
+        app = make_control_app(self.registry, reload=self.reload, status=self.gateway.status)
+        self._control = await start_control_server(app, self.config.gateway.control_socket)
+        await self._start_metrics()
+
+    async def _start_dns(self) -> None:
+        try:
+            from .dns.firewall import DnsFirewall
+        except ImportError:
+            log.warning("gateway.dns.DnsFirewall is not available: DNS firewall not started")
+            return
+        self.dns = DnsFirewall(self.config.dns, self.resolver, self.registry, self.rules,
+                               self.writer.write, self.metrics.registry)
+        await self.dns.start()
+
+    async def _start_metrics(self) -> None:
+        host, port = parse_listen(self.config.gateway.metrics_listen)
+
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(body=self.metrics.render(),
+                                headers={"Content-Type": "text/plain; version=0.0.4"})
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        self._metrics_runner = web.AppRunner(app, access_log=None)
+        await self._metrics_runner.setup()
+        site = web.TCPSite(self._metrics_runner, host, port)
+        await site.start()
+        server = getattr(site, "_server", None)
+        sockets = getattr(server, "sockets", None) or []
+        self.metrics_port = sockets[0].getsockname()[1] if sockets else port
+
+    async def reload(self) -> dict[str, Any]:
+        return self.rules.reload("control_api")
+
+    async def stop(self) -> None:
+        await self.gateway.stop()
+        if self.dns is not None:
+            with contextlib.suppress(Exception):
+                await self.dns.stop()
+        for runner in (self._control, self._metrics_runner):
+            if runner is not None:
+                await runner.cleanup()
+        self.writer.close()
+
+
+async def serve(config: Config, *, dns: bool = True) -> int:
+    svc = GatewayService(config)
+    await svc.start(dns=dns)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGHUP, lambda: svc.rules.reload("sighup"))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    bound = {k: [f"{h}:{p}" for h, p in v] for k, v in svc.gateway.bound.items()}
+    log.warning("gateway serving: %s, metrics port %s, rules %s", bound, svc.metrics_port,
+                svc.rules.current.version)
+    try:
+        await stop.wait()
+    finally:
+        await svc.stop()
+    return 0

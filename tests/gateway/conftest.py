@@ -1,0 +1,60 @@
+"""Gateway fixtures: a real gateway (in-process, own loop thread) in front of the fake
+internet, and a client namespace whose TCP nftables redirects to it."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from gw_harness import GatewayHarness, free_port, write_config
+from gw_rules import write_rules
+
+from stockade.testnet import ClientNamespace, FakeInternet
+
+
+@pytest.fixture(scope="module")
+def gw(fake_internet: FakeInternet, tmp_path_factory: pytest.TempPathFactory
+       ) -> Iterator[GatewayHarness]:
+    tmp = tmp_path_factory.mktemp("gw")
+    rules = write_rules(tmp / "rules", cidr=fake_internet.subnet)
+    cfg = write_config(
+        tmp, rules,
+        transparent_listen=["0.0.0.0:0"],
+        proxy_listen=["0.0.0.0:0"],
+        resolvers=[fake_internet.dns_server],
+        allow_addresses=[fake_internet.subnet],
+        sniff_timeout_s=1.5,
+        sniff_max_bytes=8192,
+        rules_poll_interval_s=0.5,
+        max_connections_per_task=64,
+    )
+    h = GatewayHarness(cfg).start()
+    try:
+        yield h
+    finally:
+        h.stop()
+
+
+@pytest.fixture(scope="module")
+def sandbox(gw: GatewayHarness) -> Iterator[ClientNamespace]:
+    """A client namespace registered as task `t-web` (profile `web`)."""
+    ns = ClientNamespace(
+        name_suffix=f"gw{secrets.token_hex(3)}",
+        redirect_tcp_port=gw.port("transparent"),
+        redirect_dns_port=free_port(),
+        exempt_tcp_ports=(gw.port("proxy"),),
+    )
+    ns.start()
+    try:
+        gw.register("t-web", ns.address, "web")
+        yield ns
+    finally:
+        gw.control.deregister("t-web")
+        ns.stop()
+
+
+@pytest.fixture
+def rules_dir(gw: GatewayHarness) -> Path:
+    return Path(gw.config.rules_dir)

@@ -1,0 +1,92 @@
+"""Runs a real GatewayService on its own event loop thread, so tests can drive it with
+blocking clients (curl, urllib, pip) and the real control socket."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import yaml
+from stockade.gateway.service import GatewayService
+
+from stockade.config import load_config
+from stockade.events import read_events, validate
+from stockade.tasks import ControlClient, Task
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_config(tmp: Path, rules_dir: Path, **gateway: Any) -> Path:
+    cfg = {
+        "rules_dir": str(rules_dir),
+        "state_dir": str(tmp / "state"),
+        "log_dir": str(tmp / "log"),
+        "run_dir": str(tmp / "run"),
+        "gateway": {
+            "control_socket": str(tmp / "run" / "gateway.sock"),
+            "metrics_listen": f"127.0.0.1:{free_port()}",
+            **gateway,
+        },
+    }
+    path = tmp / "stockade.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+class GatewayHarness:
+    def __init__(self, config_path: Path) -> None:
+        self.config = load_config(config_path)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.svc: GatewayService | None = None
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 30) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> GatewayHarness:
+        self.thread.start()
+
+        async def make() -> GatewayService:
+            svc = GatewayService(self.config)
+            await svc.start(dns=False)
+            return svc
+
+        self.svc = self.run(make())
+        return self
+
+    def stop(self) -> None:
+        if self.svc is not None:
+            self.run(self.svc.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+    @property
+    def control(self) -> ControlClient:
+        return ControlClient(self.config.gateway.control_socket)
+
+    def port(self, kind: str) -> int:
+        assert self.svc is not None
+        return int(self.svc.gateway.bound[kind][0][1])  # type: ignore[index]
+
+    def register(self, task_id: str, address: str, profile: str, **kw: Any) -> None:
+        self.control.register(Task(task_id, address, profile, **kw))
+
+    def events(self) -> list[dict[str, Any]]:
+        evs = read_events(self.config.events_file)
+        for ev in evs:
+            validate(ev)
+        return evs
+
+    def decisions(self, task_id: str | None = None) -> list[dict[str, Any]]:
+        return [e for e in self.events()
+                if e["event"]["action"] == "connection_decision"
+                and (task_id is None or e.get("labels", {}).get("task_id") == task_id)]
