@@ -47,6 +47,11 @@ class Budget:
     def bytes_left(self) -> int | None:
         return None if self.bytes is None else max(0, self.bytes - self.used_bytes)
 
+    def exhaust(self) -> None:
+        """A response was cut at the byte budget: nothing more for this task and API."""
+        if self.bytes is not None:
+            self.used_bytes = max(self.used_bytes, self.bytes)
+
     def charge_call(self) -> None:
         self.used_calls += 1
 

@@ -28,7 +28,7 @@ class BrokerMetrics:
             ["result"], buckets=LATENCY_BUCKETS, registry=r,
         )
         self.cache = Counter(
-            "stockade_broker_secret_cache", "Secret cache lookups (hit, miss, stale)",
+            "stockade_broker_secret_cache", "Secret cache lookups (hit, miss, coalesced, stale)",
             ["result"], registry=r,
         )
         self.scrubs = Counter(

@@ -96,6 +96,7 @@ class CallLog:
     reason: str = Reason.BAD_REQUEST
     scrubs: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    response: web.StreamResponse | None = None  # pass-through: the prepared stream
 
 
 class Broker:
@@ -232,10 +233,8 @@ class Broker:
             call = CallRequest(call.api, call.method, call.path, call.match_path, call.query,
                                call.headers, body)
             await self._forward(cl, task, api, grant, call, request)
-            # _forward wrote the streamed response into request's transport
-            resp = request["stockade.response"]
-            assert isinstance(resp, web.StreamResponse)
-            return resp
+            assert cl.response is not None  # _forward streamed the answer into it
+            return cl.response
         except Denied as d:
             return self._deny(cl, d)
         finally:
@@ -418,7 +417,12 @@ class Broker:
                                             scrubber, left, budget)
                     result: dict[str, Any] = {}
                 else:
-                    body = await self._read_all(resp, decoder, scrubber, cap, left)
+                    try:
+                        body = await self._read_all(resp, decoder, scrubber, cap, left)
+                    except Denied as d:
+                        if d.reason == Reason.BUDGET_EXHAUSTED:
+                            budget.exhaust()
+                        raise
                     result = self._call_result(resp.status, out_headers, body)
                     budget.charge_bytes(len(body))
                     cl.bytes_down = len(body)
@@ -427,7 +431,7 @@ class Broker:
             raise
         except (aiohttp.ClientError, TimeoutError, OSError, EncodingRefused, DecodeLimit) as e:
             cl.extra["error"] = type(e).__name__
-            if passthrough is not None and "stockade.response" in passthrough:
+            if passthrough is not None and cl.response is not None:
                 # headers are already sent: cut the connection so the caller sees a
                 # truncated body, never one that looks complete
                 cl.decision, cl.reason = "denied", UPSTREAM_ERROR
@@ -508,13 +512,14 @@ class Broker:
         for n, v in headers:
             out.headers.add(n, v)
         await out.prepare(request)
-        request["stockade.response"] = out
+        cl.response = out
         sent = 0
         try:
             async for chunk in resp.content.iter_chunked(CHUNK):
                 data = scrubber.feed(decoder.feed(chunk))
                 if budget_left is not None and sent + len(data) > budget_left:
                     cl.extra["cut"] = "budget"
+                    budget.exhaust()
                     raise DecodeLimit("byte budget exhausted mid-response")
                 if data:
                     await out.write(data)

@@ -260,7 +260,10 @@ class VaultClient:
             self._count("hit")
             return entry
         fut = self._inflight.get(key)
-        if fut is None:
+        leader = fut is None
+        if fut is not None:
+            self._count("coalesced")  # joined a read already in flight (single-flight)
+        else:
             fut = asyncio.ensure_future(self._fetch(key))
             self._inflight[key] = fut
             fut.add_done_callback(lambda _f, k=key: self._inflight.pop(k, None))
@@ -278,7 +281,8 @@ class VaultClient:
                 return entry
             raise VaultUnavailable(cause) from None
         self._set_up(True)
-        self._count("miss")
+        if leader:
+            self._count("miss")
         self._cache[key] = sv
         return sv
 
