@@ -24,17 +24,17 @@ class Strict(BaseModel):
 
 
 class EventSettings(Strict):
-    file: str | None = None  # default: <log_dir>/events.jsonl
-    stdout: bool = False
-    max_bytes: int = Field(50 * 2**20, gt=0)
-    backups: int = Field(5, ge=0)
+    file: str | None = None  # JSON-lines events file; default: <log_dir>/events.jsonl
+    stdout: bool = False  # also write every event to standard output
+    max_bytes: int = Field(50 * 2**20, gt=0)  # rotate the events file at this size
+    backups: int = Field(5, ge=0)  # rotated files kept (events.jsonl.1 ...)
 
 
 class Config(Strict):
-    rules_dir: str = "rules"
-    state_dir: str = "/var/lib/stockade"
-    log_dir: str = "/var/log/stockade"
-    run_dir: str = "/run/stockade"
+    rules_dir: str = "rules"  # profiles/, apis/, presets/, tests/ (relative to the cwd)
+    state_dir: str = "/var/lib/stockade"  # task registries, launcher state (survive restarts)
+    log_dir: str = "/var/log/stockade"  # events file and service logs
+    run_dir: str = "/run/stockade"  # sockets and per-run files (dev Vault token)
     events: EventSettings = EventSettings()
     gateway: GatewaySettings = GatewaySettings()
     dns: DnsSettings = DnsSettings()
