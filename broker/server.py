@@ -190,6 +190,15 @@ class Broker:
         ))
         return {"ok": True, "version": new.version, "previous": old}
 
+    def vault_status(self, state: str, cause: str) -> None:
+        """VaultClient's on_status hook: a gauge and a `vault_status` event per transition."""
+        self.metrics.vault_up.set(1 if state == "up" else 0)
+        self.events.write(make_event(
+            component="broker", action="vault_status",
+            reason="vault_up" if state == "up" else Reason.VAULT_UNAVAILABLE,
+            message=f"vault {state}" + (f" ({cause})" if cause else ""),
+        ))
+
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"rules_version": self.rules.version}
         st = getattr(self.secrets, "status", None)

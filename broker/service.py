@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from stockade.config import Config
-from stockade.events import EventWriter, make_event
+from stockade.events import EventWriter
 from stockade.tasks import TaskRegistry, make_control_app, start_control_server
 
 from .devvault import DevOpenBao
@@ -118,13 +118,8 @@ class BrokerService:
         self._tasks.append(asyncio.create_task(self._expire_loop()))
 
     def _vault_status(self, state: str, cause: str) -> None:
-        self.metrics.vault_up.set(1 if state == "up" else 0)
-        if self.events is not None:
-            self.events.write(make_event(
-                component="broker", action="vault_status",
-                reason="vault_up" if state == "up" else "vault_unavailable",
-                message=f"vault {state}" + (f" ({cause})" if cause else ""),
-            ))
+        if self.broker is not None:
+            self.broker.vault_status(state, cause)
 
     async def _expire_loop(self) -> None:
         assert self.registry is not None

@@ -227,9 +227,11 @@ async def start_harness(
     metrics = BrokerMetrics()
     vs = vault_settings or VaultSettings(address=bao.address)
     kw: dict[str, Any] = {"clock": clock} if clock else {}
+    holder: list[Broker] = []
     vault = VaultClient(vs, cache_ttl_s=ttl, serve_stale_s=stale,
                         token=token if vault_settings else (token or bao.root_token),
-                        on_read=metrics.vault_read, on_cache=metrics.cache_result, **kw)
+                        on_read=metrics.vault_read, on_cache=metrics.cache_result,
+                        on_status=lambda st, cause: holder[0].vault_status(st, cause), **kw)
     events_path = tmp_path / "events.jsonl"
     events = EventWriter(events_path)
     registry = TaskRegistry(None)
@@ -237,6 +239,7 @@ async def start_harness(
     registry.register(Task("t2", "127.0.0.3", "tight"))
     broker = Broker(settings, rules, vault, registry, events, metrics,
                     load_rules=lambda: load_rules(rules_dir))
+    holder.append(broker)
     runner = web.AppRunner(broker.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
