@@ -1,1 +1,25 @@
-"""stockade/testnet"""
+"""The fake internet: test hosts in network namespaces, for every test suite and the demo.
+
+`FakeInternet` builds a namespace with DNS, HTTP/HTTPS sites, a PEP 503 index, a demo
+API and TCP/UDP echo; `ClientNamespace` builds a sandbox stand-in whose traffic nft
+redirects to host ports. See docs/testnet.md.
+"""
+
+from stockade.testnet.client import ClientNamespace, nft_ruleset
+from stockade.testnet.host import TestnetError, available, reap_stale
+from stockade.testnet.internet import DEFAULT_API_KEY, FakeInternet
+from stockade.testnet.layout import Layout, plan
+from stockade.testnet.zone import Record
+
+__all__ = [
+    "DEFAULT_API_KEY",
+    "ClientNamespace",
+    "FakeInternet",
+    "Layout",
+    "Record",
+    "TestnetError",
+    "available",
+    "nft_ruleset",
+    "plan",
+    "reap_stale",
+]
