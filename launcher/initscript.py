@@ -86,6 +86,8 @@ def build(plan: InitPlan) -> str:
         "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6 2>/dev/null || true",
         "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6 2>/dev/null || true",
         f"echo {_q(plan.hostname)} > /proc/sys/kernel/hostname",
+        # unprivileged ICMP sockets: a ping gets a legible "prohibited" (nft still rejects it)
+        "echo '0 2147483647' > /proc/sys/net/ipv4/ping_group_range 2>/dev/null || true",
     ]
     for b in plan.system:
         t = r + _guest(b.target)

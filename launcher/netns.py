@@ -6,7 +6,6 @@ host-visible temporary interface exists; IPv6 link-local generation is off on bo
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 from pathlib import Path
@@ -57,9 +56,9 @@ def guest_commands(a: SlotAddresses) -> list[str]:
 
 def create(netns: str, ifname: str, a: SlotAddresses) -> int:
     """Create both ends; returns the host-side ifindex (NFLOG records carry it)."""
+    # IPv6 stays enabled (without any address) on the host side on purpose: with it
+    # disabled the kernel drops IPv6 before netfilter and the attempt would go unreported
     _batch(host_commands(netns, ifname, a))
-    with contextlib.suppress(OSError):
-        Path(f"/proc/sys/net/ipv6/conf/{ifname}/disable_ipv6").write_text("1")
     _batch(guest_commands(a), netns=netns)
     return int(Path(f"/sys/class/net/{ifname}/ifindex").read_text())
 

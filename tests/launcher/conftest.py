@@ -1,0 +1,223 @@
+"""Fixtures for launcher tests with real namespaces, nftables and cgroups.
+
+`lab` gives a started Launcher on unique names (nft table, interface prefix, cgroup parent,
+address pool, state and scratch dirs), control servers of gateway and broker registries
+(real `make_control_app` on temp Unix sockets), and host-side observers on the ports the
+sandbox traffic is redirected to: a TCP listener on the transparent port that records the
+original destination (SO_ORIGINAL_DST), a DNS-port listener (UDP and TCP) and a broker-port
+HTTP listener that answers with the task id its registry maps the caller's address to.
+Everything is removed at teardown, also on failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import socket
+import struct
+import subprocess
+import threading
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from stockade.launcher import Launcher, RunResult, SandboxSpec
+from stockade.policy.model import ExportPolicy, Limits, Profile
+
+from stockade.config import Config
+from stockade.events import read_events, validate
+from stockade.tasks import TaskRegistry, make_control_app, start_control_server
+
+SO_ORIGINAL_DST = 80
+
+
+def _free_port(kind: int = socket.SOCK_STREAM) -> int:
+    with socket.socket(socket.AF_INET, kind) as s:
+        s.bind(("0.0.0.0", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Observed:
+    tcp: list[tuple[str, str, int]] = field(default_factory=list)  # (peer, orig dst, port)
+    dns: list[tuple[str, str]] = field(default_factory=list)  # (peer, "udp"|"tcp")
+    broker: list[str] = field(default_factory=list)  # peers
+    trap: list[str] = field(default_factory=list)  # peers that reached a "host service"
+
+
+class _Servers:
+    """Blocking listener threads; each closes when `stop` is set."""
+
+    def __init__(self, obs: Observed, broker_registry: TaskRegistry) -> None:
+        self.obs = obs
+        self.reg = broker_registry
+        self.stop = threading.Event()
+        self.socks: list[socket.socket] = []
+        self.threads: list[threading.Thread] = []
+
+    def _listen(self, port: int, kind: int) -> socket.socket:
+        s = socket.socket(socket.AF_INET, kind)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", port))
+        if kind == socket.SOCK_STREAM:
+            s.listen(64)
+        s.settimeout(0.2)
+        self.socks.append(s)
+        return s
+
+    def _loop(self, s: socket.socket, handle: Any) -> None:
+        while not self.stop.is_set():
+            try:
+                if s.type == socket.SOCK_STREAM:
+                    c, peer = s.accept()
+                    with c:
+                        c.settimeout(2)
+                        handle(c, peer)
+                else:
+                    data, peer = s.recvfrom(4096)
+                    handle(s, peer, data)
+            except (TimeoutError, OSError):
+                continue
+
+    def start(self, port: int, kind: int, handle: Any) -> None:
+        s = self._listen(port, kind)
+        t = threading.Thread(target=self._loop, args=(s, handle), daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=2)
+        for s in self.socks:
+            s.close()
+
+
+@dataclass
+class Lab:
+    launcher: Launcher
+    config: Config
+    ruleset: Any
+    obs: Observed
+    gateway_registry: TaskRegistry
+    broker_registry: TaskRegistry
+    tmp: Path
+    trap_port: int
+
+    def run(self, argv: list[str], profile: str = "test", **kw: Any) -> RunResult:
+        return self.launcher.run(SandboxSpec(profile=profile, argv=argv, **kw), self.ruleset)
+
+    def py(self, code: str, profile: str = "test", **kw: Any) -> RunResult:
+        return self.run(["python3", "-c", code], profile=profile, **kw)
+
+    def events(self, task_id: str) -> list[dict[str, Any]]:
+        evs = [e for e in read_events(self.config.events_file)
+               if e.get("labels", {}).get("task_id") == task_id]
+        for e in evs:
+            validate(e)
+        return evs
+
+    def bypass(self, task_id: str) -> list[dict[str, Any]]:
+        return [e for e in self.events(task_id) if e["event"]["action"] == "bypass_attempt"]
+
+
+def profiles() -> dict[str, Profile]:
+    small = Limits(cpus=1.0, memory=64 * 2**20, disk=8 * 2**20, pids=64, ttl=30)
+    return {
+        "test": Profile("test", "launcher tests", limits=small,
+                        exports=ExportPolicy(max_file_bytes=4096, max_total_bytes=6000,
+                                             types=("text", "json"))),
+        "short": Profile("short", "short ttl", limits=Limits(memory=64 * 2**20, disk=8 * 2**20,
+                                                             pids=64, ttl=2)),
+    }
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    asyncio.set_event_loop(loop)
+    loop.run_forever()
+
+
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    if subprocess.run(["nft", "list", "tables"], capture_output=True).returncode != 0:
+        pytest.skip("nftables unavailable")
+    tmp = tmp_path_factory.mktemp("launcher")
+    sfx = secrets.token_hex(3)
+    octet = 100 + secrets.randbelow(100)
+    ports = {"tp": _free_port(), "dns": _free_port(socket.SOCK_DGRAM), "broker": _free_port(),
+             "trap": _free_port()}
+    cfg = Config.model_validate({
+        "rules_dir": str(tmp / "rules"),
+        "state_dir": str(tmp / "state"), "log_dir": str(tmp / "log"), "run_dir": str(tmp / "run"),
+        "events": {"file": str(tmp / "log" / "events.jsonl")},
+        "gateway": {"transparent_listen": [f"0.0.0.0:{ports['tp']}"],
+                    "control_socket": str(tmp / "run" / "gateway.sock")},
+        "dns": {"listen": [f"0.0.0.0:{ports['dns']}"]},
+        "broker": {"listen": f"0.0.0.0:{ports['broker']}",
+                   "control_socket": str(tmp / "run" / "broker.sock")},
+        "launcher": {"nft_table": f"stockade_lt{sfx}", "name_prefix": f"l{sfx[:3]}",
+                     "cgroup_parent": f"stockade_lt{sfx}", "scratch_dir": str(tmp / "sbx"),
+                     "address_pool": f"10.213.{octet}.0/24",
+                     "nflog_group": 7300 + secrets.randbelow(99)},
+    })
+    obs = Observed()
+    greg, breg = TaskRegistry(), TaskRegistry()
+    loop = asyncio.new_event_loop()
+    lt = threading.Thread(target=_run_loop, args=(loop,), daemon=True)
+    lt.start()
+    runners = [
+        asyncio.run_coroutine_threadsafe(
+            start_control_server(make_control_app(reg), path), loop).result(10)
+        for reg, path in ((greg, cfg.gateway.control_socket), (breg, cfg.broker.control_socket))
+    ]
+    srv = _Servers(obs, breg)
+
+    def on_tcp(c: socket.socket, peer: tuple[str, int]) -> None:
+        raw = c.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
+        port, ip = struct.unpack_from("!H4s", raw, 2)
+        obs.tcp.append((peer[0], socket.inet_ntoa(ip), port))
+        c.sendall(b"GW\n")
+
+    def on_dns_udp(s: socket.socket, peer: tuple[str, int], data: bytes) -> None:
+        obs.dns.append((peer[0], "udp"))
+        s.sendto(data[:2] + b"LAB-DNS", peer)
+
+    def on_dns_tcp(c: socket.socket, peer: tuple[str, int]) -> None:
+        obs.dns.append((peer[0], "tcp"))
+        c.sendall(b"\x00\x09LAB-DNS!!")
+
+    def on_broker(c: socket.socket, peer: tuple[str, int]) -> None:
+        obs.broker.append(peer[0])
+        with contextlib.suppress(OSError):
+            c.recv(4096)
+        task = breg.by_address(peer[0])
+        body = (task.task_id if task else "unknown").encode()
+        c.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    def on_trap(c: socket.socket, peer: tuple[str, int]) -> None:
+        obs.trap.append(peer[0])
+
+    srv.start(ports["tp"], socket.SOCK_STREAM, on_tcp)
+    srv.start(ports["dns"], socket.SOCK_DGRAM, on_dns_udp)
+    srv.start(ports["dns"], socket.SOCK_STREAM, on_dns_tcp)
+    srv.start(ports["broker"], socket.SOCK_STREAM, on_broker)
+    srv.start(ports["trap"], socket.SOCK_STREAM, on_trap)
+    launcher = Launcher(cfg)
+    ruleset = types.SimpleNamespace(profiles=profiles(), version="lab-1")
+    try:
+        launcher.start()
+        yield Lab(launcher, cfg, ruleset, obs, greg, breg, tmp, ports["trap"])
+    finally:
+        launcher.close()
+        launcher.reconcile()
+        subprocess.run(["nft", "delete", "table", "inet", cfg.launcher.nft_table],
+                       capture_output=True, check=False)
+        srv.close()
+        for r in runners:
+            asyncio.run_coroutine_threadsafe(r.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        lt.join(timeout=5)
