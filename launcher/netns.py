@@ -6,6 +6,7 @@ host-visible temporary interface exists; IPv6 link-local generation is off on bo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from pathlib import Path

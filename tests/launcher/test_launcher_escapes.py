@@ -49,7 +49,8 @@ def icmp(h):
     try:
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP)
         s.settimeout(3); s.connect((h, 0))
-        s.send(b"\x08\x00\x00\x00\x00\x01\x00\x01xxxxxxxx"); s.send(b"\x08\x00\x00\x00\x00\x01\x00\x02xxxxxxxx")
+        for seq in (1, 2):
+            s.send(b"\x08\x00\x00\x00\x00\x01\x00" + bytes([seq]) + b"xxxxxxxx")
         return s.recv(100).hex()
     except OSError as e:
         return err(e)
