@@ -28,6 +28,7 @@ from stockade.events import EventWriter, make_event
 from stockade.tasks import Task, TaskRegistry
 
 from .decode import BodyDecoder, DecodeLimit, EncodingRefused
+from .hosts import PinnedResolver
 from .inject import inject, strip_injected_query
 from .limits import Limiter
 from .metrics import BrokerMetrics
@@ -136,7 +137,8 @@ class Broker:
     async def start(self) -> None:
         if self._session is None:
             connector = aiohttp.TCPConnector(
-                ssl=self.ssl_context(), limit=self.settings.max_upstream_connections
+                ssl=self.ssl_context(), limit=self.settings.max_upstream_connections,
+                resolver=PinnedResolver(self.settings.hosts) if self.settings.hosts else None,
             )
             self._session = aiohttp.ClientSession(
                 connector=connector,

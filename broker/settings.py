@@ -20,6 +20,8 @@ class BrokerSettings(BaseModel):
     # a gzip/deflate upstream body is decoded (for scrubbing) up to this many bytes
     max_decoded_bytes: int = Field(256 * 2**20, gt=0)
     max_upstream_connections: int = Field(256, ge=1)  # pooled connections to all upstreams
+    # pinned upstream addresses {name: ip} (fake internet, private APIs); others use DNS
+    hosts: dict[str, str] = {}
     state_file: str | None = None  # task registry state; default <state_dir>/broker-tasks.json
 
 
