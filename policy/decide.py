@@ -9,25 +9,14 @@ from __future__ import annotations
 
 import ipaddress
 from datetime import UTC, date, datetime
+from functools import lru_cache
 
 from .globs import compile_glob, path_matches, request_path
-from .hosts import HostError, is_ip_literal, normalize_host
+from .hosts import HostError, classify_host
 from .index import CompiledProfile, IPAddress
 from .model import BrokerGrant, EgressEntry, RequestFacts, Verdict
 from .reasons import Reason
 from .ruleset import RuleSet
-
-# denials report mode may let through; malformed input stays denied in any mode
-_REPORTABLE = frozenset(
-    {
-        Reason.NO_MATCHING_RULE,
-        Reason.DENIED_BY_RULE,
-        Reason.PORT_NOT_ALLOWED,
-        Reason.METHOD_NOT_ALLOWED,
-        Reason.PATH_NOT_ALLOWED,
-        Reason.INSPECTION_UNAVAILABLE,
-    }
-)
 
 
 def utc_today() -> date:
@@ -41,77 +30,56 @@ def in_force(entry: EgressEntry, today: date | None) -> bool:
     return (today or utc_today()) <= entry.expires
 
 
-def _verdict(
-    cp: CompiledProfile,
-    version: str,
-    allowed: bool,
-    reason: Reason,
-    entry: EgressEntry | None = None,
-    needs_inspection: bool = False,
-) -> Verdict:
-    report = not allowed and cp.profile.mode == "report" and reason in _REPORTABLE
-    return Verdict(
-        allowed=allowed or report,
-        reason=reason,
-        policy_version=version,
-        rule_id=entry.id if entry else None,
-        entry_reason=entry.reason if entry else None,
-        report_only=report,
-        needs_inspection=needs_inspection,
-    )
-
-
 def decide(
     ruleset: RuleSet, profile_name: str, facts: RequestFacts, today: date | None = None
 ) -> Verdict:
     """May this request/flow go out? Name entries match `facts.host`; cidr entries match
     `facts.ip` (or an IP-literal host). Entries with an `http` block need method and path."""
-    version = ruleset.version
     cp = ruleset.compiled.get(profile_name)
     if cp is None:
-        return Verdict(False, Reason.UNKNOWN_PROFILE, version)
+        return Verdict(False, Reason.UNKNOWN_PROFILE, ruleset.version)
     name: str | None = None
     addr: IPAddress | None = None
     if facts.host is not None:
         try:
-            host = normalize_host(facts.host)
-        except HostError:
-            return _verdict(cp, version, False, Reason.INVALID_HOST)
-        if is_ip_literal(host):
-            addr = ipaddress.ip_address(host)
-        else:
-            name = host
+            name, addr = classify_host(facts.host)
+        except (HostError, TypeError):
+            return cp.verdict(False, Reason.INVALID_HOST)
     if facts.ip is not None:
         try:
-            ip = ipaddress.ip_address(facts.ip)
-        except ValueError:
-            return _verdict(cp, version, False, Reason.INVALID_HOST)
+            ip = _parse_ip(facts.ip)
+        except (ValueError, TypeError):
+            return cp.verdict(False, Reason.INVALID_HOST)
         if addr is not None and addr != ip:
-            return _verdict(cp, version, False, Reason.DESTINATION_MISMATCH)
+            return cp.verdict(False, Reason.DESTINATION_MISMATCH)
         addr = ip
     if name is None and addr is None:
-        return _verdict(cp, version, False, Reason.INVALID_HOST)
+        return cp.verdict(False, Reason.INVALID_HOST)
     port = facts.port
-    if not isinstance(port, int) or not 1 <= port <= 65535:
-        return _verdict(cp, version, False, Reason.PORT_NOT_ALLOWED)
+    if type(port) is not int or not 1 <= port <= 65535:
+        return cp.verdict(False, Reason.PORT_NOT_ALLOWED)
 
     for e in _matches(cp, name, addr, deny=True):
-        if (not e.ports or port in e.ports) and in_force(e, today):
-            return _verdict(cp, version, False, Reason.DENIED_BY_RULE, e)
+        if (not e.ports or port in e.ports) and (e.expires is None or in_force(e, today)):
+            return cp.verdict(False, Reason.DENIED_BY_RULE, e)
 
-    candidates = [e for e in _matches(cp, name, addr, deny=False) if in_force(e, today)]
+    candidates = [
+        e
+        for e in _matches(cp, name, addr, deny=False)
+        if e.expires is None or in_force(e, today)
+    ]
     if not candidates:
-        return _verdict(cp, version, False, Reason.NO_MATCHING_RULE)
+        return cp.verdict(False, Reason.NO_MATCHING_RULE)
     on_port = [e for e in candidates if port in e.ports]
     if not on_port:
-        return _verdict(cp, version, False, Reason.PORT_NOT_ALLOWED, candidates[0])
+        return cp.verdict(False, Reason.PORT_NOT_ALLOWED, candidates[0])
     for e in on_port:
         if e.http is None:
-            return _verdict(cp, version, True, Reason.ALLOWED_BY_RULE, e)
+            return cp.verdict(True, Reason.ALLOWED_BY_RULE, e)
 
     # every entry that matched wants L7 facts
     if facts.method is None or facts.path is None:
-        return _verdict(cp, version, False, Reason.INSPECTION_UNAVAILABLE, on_port[0], True)
+        return cp.verdict(False, Reason.INSPECTION_UNAVAILABLE, on_port[0], True)
     method = facts.method.upper()
     path_fail: EgressEntry | None = None
     for e in on_port:
@@ -120,12 +88,17 @@ def decide(
         method_ok = not http.methods or method in http.methods
         path_ok = not http.paths or path_matches(http.paths, facts.path)
         if method_ok and path_ok:
-            return _verdict(cp, version, True, Reason.ALLOWED_BY_RULE, e, True)
+            return cp.verdict(True, Reason.ALLOWED_BY_RULE, e, True)
         if method_ok and path_fail is None:
             path_fail = e
     if path_fail is not None:
-        return _verdict(cp, version, False, Reason.PATH_NOT_ALLOWED, path_fail, True)
-    return _verdict(cp, version, False, Reason.METHOD_NOT_ALLOWED, on_port[0], True)
+        return cp.verdict(False, Reason.PATH_NOT_ALLOWED, path_fail, True)
+    return cp.verdict(False, Reason.METHOD_NOT_ALLOWED, on_port[0], True)
+
+
+@lru_cache(maxsize=8192)
+def _parse_ip(text: str) -> IPAddress:
+    return ipaddress.ip_address(text)
 
 
 def _matches(
@@ -147,23 +120,22 @@ def decide_name(
     that covers every port matches. A port-limited deny does not block resolution, since
     the name stays reachable on the other ports.
     """
-    version = ruleset.version
     cp = ruleset.compiled.get(profile_name)
     if cp is None:
-        return Verdict(False, Reason.UNKNOWN_PROFILE, version)
+        return Verdict(False, Reason.UNKNOWN_PROFILE, ruleset.version)
     try:
-        host = normalize_host(name)
-    except HostError:
-        return _verdict(cp, version, False, Reason.INVALID_HOST)
-    if is_ip_literal(host):
-        return _verdict(cp, version, False, Reason.NO_MATCHING_RULE)
+        host, _addr = classify_host(name)
+    except (HostError, TypeError):
+        return cp.verdict(False, Reason.INVALID_HOST)
+    if host is None:
+        return cp.verdict(False, Reason.NO_MATCHING_RULE)
     for e in cp.deny.by_name(host):
         if not e.ports and in_force(e, today):
-            return _verdict(cp, version, False, Reason.DENIED_BY_RULE, e)
+            return cp.verdict(False, Reason.DENIED_BY_RULE, e)
     for e in cp.allow.by_name(host):
         if in_force(e, today):
-            return _verdict(cp, version, True, Reason.ALLOWED_BY_RULE, e)
-    return _verdict(cp, version, False, Reason.NO_MATCHING_RULE)
+            return cp.verdict(True, Reason.ALLOWED_BY_RULE, e)
+    return cp.verdict(False, Reason.NO_MATCHING_RULE)
 
 
 def match_operation(grant: BrokerGrant, method: str, path: str) -> bool:

@@ -15,16 +15,15 @@ from functools import lru_cache
 
 import idna
 
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 MAX_NAME = 253  # RFC 1035 limit on the presentation form without the trailing dot
 MAX_LABEL = 63
 MAX_RAW = 1024  # anything longer is refused before any parsing work
 
 # characters that are never part of a host and signal an authority/userinfo/URL trick
 _FORBIDDEN = re.compile(r"[\[\]@\s\x00-\x1f\x7f-\x9f/\\?#%\u200b-\u200f\u2028\u2029\ufeff]")
-# letters, digits, hyphen and underscore (seen in real CDN names); no leading/trailing hyphen
-_LABEL = r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?"
-_NAME = re.compile(rf"(?:{_LABEL}\.)*{_LABEL}")
-_NUMERIC_LABEL = re.compile(r"[0-9]+|0x[0-9a-f]*")
+# after lower-casing: letters, digits, hyphen, underscore (seen in real CDN names), dots
+_NOT_LDH = re.compile(r"[^a-z0-9_.-]")
 
 
 class HostError(ValueError):
@@ -50,25 +49,40 @@ def _normalize(raw: str) -> str:
         raise HostError("empty host")
     if len(raw) > MAX_RAW:
         raise HostError("host name too long")
-    bad = _FORBIDDEN.search(raw)
-    if bad:
-        raise HostError(f"host contains forbidden character {bad.group()!r}")
     if ":" in raw:
+        bad = _FORBIDDEN.search(raw)
+        if bad:
+            raise HostError(f"host contains forbidden character {bad.group()!r}")
         try:
             return str(ipaddress.ip_address(raw))
         except ValueError:
             raise HostError("host contains ':' but is not an IP address") from None
-    name = raw.lower() if raw.isascii() else _to_ascii(raw)
+    if raw.isascii():
+        name = raw.lower()
+    else:
+        bad = _FORBIDDEN.search(raw)
+        if bad:
+            raise HostError(f"host contains forbidden character {bad.group()!r}")
+        name = _to_ascii(raw)
+    # one character-class scan instead of a full-name regex: this runs per request
+    bad = _NOT_LDH.search(name)
+    if bad:
+        raise HostError(f"host contains forbidden character {bad.group()!r}")
     if name.endswith("."):
         name = name[:-1]
     if not name:
         raise HostError("empty host")
     if len(name) > MAX_NAME:
         raise HostError(f"host name longer than {MAX_NAME} characters")
-    if not _NAME.fullmatch(name):
-        raise HostError(_explain_bad_name(name))
-    last = name.rpartition(".")[2]
-    if _NUMERIC_LABEL.fullmatch(last):
+    for label in name.split("."):
+        if not label:
+            raise HostError("empty label in host name")
+        if len(label) > MAX_LABEL:
+            raise HostError(f"label longer than {MAX_LABEL} characters")
+        if label[0] == "-" or label[-1] == "-":
+            raise HostError("a label must not start or end with '-'")
+    last = label
+    if last.isdigit() or (last.startswith("0x") and _is_hex(last[2:])):
         try:
             return str(ipaddress.IPv4Address(name))
         except ValueError:
@@ -76,6 +90,10 @@ def _normalize(raw: str) -> str:
     if "xn--" in name:
         _check_alabels(name)
     return name
+
+
+def _is_hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text)
 
 
 def _to_ascii(raw: str) -> str:
@@ -112,20 +130,25 @@ def _check_alabels(name: str) -> None:
                 raise HostError(f"invalid punycode label {label!r}") from None
 
 
-def _explain_bad_name(name: str) -> str:
-    labels = name.split(".")
-    if any(not label for label in labels):
-        return "empty label in host name"
-    if any(len(label) > MAX_LABEL for label in labels):
-        return f"label longer than {MAX_LABEL} characters"
-    if "*" in name:
-        return "'*' is only allowed as the whole first label of a pattern ('*.example.com')"
-    return "host name may hold only letters, digits, '-', '_' and '.'"
+@lru_cache(maxsize=8192)
+def classify_host(raw: str) -> tuple[str | None, IPAddress | None]:
+    """(name, None) for a host name or (None, address) for an IP literal; HostError else.
+
+    Cached: the gateway asks about the same few hosts over and over."""
+    if not isinstance(raw, str):
+        raise HostError("host must be a string")
+    host = _normalize(raw)
+    if is_ip_literal(host):
+        return None, ipaddress.ip_address(host)
+    return host, None
 
 
 def is_ip_literal(host: str) -> bool:
     """True when a normalised host is an IP address (so name rules never apply)."""
-    return ":" in host or _NUMERIC_LABEL.fullmatch(host.rpartition(".")[2]) is not None
+    if ":" in host:
+        return True
+    last = host.rpartition(".")[2]
+    return last.isdigit() or (last.startswith("0x") and _is_hex(last[2:]))
 
 
 def normalize_pattern(raw: str) -> str:

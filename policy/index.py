@@ -11,7 +11,8 @@ import ipaddress
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .model import EgressEntry, Profile
+from .model import EgressEntry, Profile, Verdict
+from .reasons import Reason
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -69,12 +70,57 @@ class EntryIndex:
         return out
 
 
+# denials report mode may let through; malformed input stays denied in any mode
+REPORTABLE = frozenset(
+    {
+        Reason.NO_MATCHING_RULE,
+        Reason.DENIED_BY_RULE,
+        Reason.PORT_NOT_ALLOWED,
+        Reason.METHOD_NOT_ALLOWED,
+        Reason.PATH_NOT_ALLOWED,
+        Reason.INSPECTION_UNAVAILABLE,
+    }
+)
+
+
 @dataclass(slots=True)
 class CompiledProfile:
     profile: Profile
     allow: EntryIndex
     deny: EntryIndex
+    version: str = ""
+    # Verdicts are immutable and few per profile (reason x entry); building a frozen
+    # dataclass costs more than the whole lookup, so each is built once and reused.
+    _verdicts: dict[tuple[bool, Reason, str | None, bool], Verdict] = field(
+        default_factory=dict, repr=False
+    )
 
     @classmethod
-    def build(cls, profile: Profile) -> CompiledProfile:
-        return cls(profile, EntryIndex.build(profile.allow), EntryIndex.build(profile.deny))
+    def build(cls, profile: Profile, version: str = "") -> CompiledProfile:
+        return cls(
+            profile, EntryIndex.build(profile.allow), EntryIndex.build(profile.deny), version
+        )
+
+    def verdict(
+        self,
+        allowed: bool,
+        reason: Reason,
+        entry: EgressEntry | None = None,
+        needs_inspection: bool = False,
+    ) -> Verdict:
+        key = (allowed, reason, entry.id if entry is not None else None, needs_inspection)
+        v = self._verdicts.get(key)
+        if v is None:
+            report = not allowed and self.profile.mode == "report" and reason in REPORTABLE
+            v = Verdict(
+                allowed=allowed or report,
+                reason=reason,
+                policy_version=self.version,
+                rule_id=entry.id if entry else None,
+                entry_reason=entry.reason if entry else None,
+                report_only=report,
+                needs_inspection=needs_inspection,
+            )
+            if len(self._verdicts) < 100_000:  # bounded: keys come from the rule set
+                self._verdicts[key] = v
+        return v

@@ -297,12 +297,13 @@ def load_rules(rules_dir: str | Path) -> RuleSet:
     if any(p.severity == "error" for p in problems):
         raise RulesError(problems)
     blob = json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()
+    version = hashlib.sha256(blob).hexdigest()[:16]
     return RuleSet(
         root=str(root),
-        version=hashlib.sha256(blob).hexdigest()[:16],
+        version=version,
         profiles=profiles,
         apis=apis,
         presets=presets,
         tests=tuple(tests),
-        compiled={n: CompiledProfile.build(p) for n, p in profiles.items()},
+        compiled={n: CompiledProfile.build(p, version) for n, p in profiles.items()},
     )

@@ -48,14 +48,17 @@ def _mark(node: yaml.Node) -> Mark:
     return Mark(node.start_mark.line + 1, node.start_mark.column + 1)
 
 
-class _Loader(yaml.SafeLoader):
+# libyaml's parser when present (about 10x faster on large profiles); same nodes and marks
+_Base: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _Loader(_Base):  # type: ignore[misc]
     pass
 
 
 def read_yaml(text: str, name: str) -> Document:
     """Parse one document; raises YamlProblem for syntax errors and duplicate keys."""
     loader = _Loader(text)
-    loader.name = name
     try:
         node = loader.get_single_node()
         marks: dict[Path_, Mark] = {}
