@@ -138,7 +138,10 @@ def build(plan: InitPlan) -> str:
         "mount -o remount,ro,nosuid,nodev /",
         f"cd {SCRATCH}",
         "unset OLDPWD",
-        f"exec setpriv --reuid={plan.uid} --regid={plan.gid} --clear-groups "
+        # not exec'd: as pid 1 this shell outlives a command killed by a signal and turns
+        # it into the usual 128+N status (unshare cannot re-raise SIGKILL on itself)
+        f"setpriv --reuid={plan.uid} --regid={plan.gid} --clear-groups "
         "--inh-caps=-all --bounding-set=-all --no-new-privs -- \"$@\"",
+        "exit $?",
     ]
     return "\n".join(lines) + "\n"

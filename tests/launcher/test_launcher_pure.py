@@ -155,7 +155,7 @@ def test_init_script_quotes_every_value() -> None:
     assert shlex.split(line)[-2:] == [evil, "/r/inputs/x y"]
     assert text.splitlines()[2].startswith("echo 0 > ")
     assert "ln -s usr/bin /r/bin" in text
-    assert text.rstrip().endswith('--no-new-privs -- "$@"')
+    assert text.rstrip().endswith('--no-new-privs -- "$@"\nexit $?')
     assert "--reuid=65534" in text and "--bounding-set=-all" in text
 
 
