@@ -176,6 +176,8 @@ class ClientNamespace:
         host.run([*n, "addr", "add", f"{self.address}/{plen}", "dev", self.ns_if])
         host.run([*n, "link", "set", self.ns_if, "up"])
         host.run([*n, "route", "add", "default", "via", self.host_ip])
+        # any port-53 destination is redirected anyway; this just gives getaddrinfo one
+        host.write_resolv_conf(ns, self.host_ip)
 
     def stop(self) -> None:
         """Remove the nft table, namespace and veth. Idempotent."""

@@ -98,8 +98,21 @@ def nft_table_exists(family: str, table: str) -> bool:
     return subprocess.run(argv, capture_output=True, check=False).returncode == 0
 
 
+NETNS_ETC = Path("/etc/netns")
+
+
+def write_resolv_conf(netns: str, nameserver: str) -> None:
+    """`ip netns exec` bind-mounts /etc/netns/<ns>/resolv.conf over /etc/resolv.conf, so
+    ordinary clients (pip, curl, getaddrinfo) in the namespace ask the fake DNS."""
+    d = NETNS_ETC / netns
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "resolv.conf").write_text(f"nameserver {nameserver}\noptions timeout:2 attempts:2\n")
+
+
 def remove_resources(netns: str | None, links: Sequence[str], nft_tables: Sequence[str]) -> None:
     """Delete what one object created; every step tolerates 'already gone'."""
+    if netns:
+        shutil.rmtree(NETNS_ETC / netns, ignore_errors=True)
     for table in nft_tables:
         if nft_table_exists("inet", table):
             run(["nft", "delete", "table", "inet", table], check=False)

@@ -19,9 +19,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from stockade.testnet import host
 from stockade.testnet.layout import (
@@ -186,6 +187,7 @@ class FakeInternet:
         for ip6 in (lay.ns_ip6, lay.ipv6_address):
             host.run([*n, "-6", "addr", "add", f"{ip6}/64", "dev", self.ns_if, "nodad"])
         host.run([*n, "link", "set", self.ns_if, "up"])
+        host.write_resolv_conf(ns, lay.dns_server)
 
     def _write_certs(self) -> None:
         import trustme  # test-CA library; imported here so `import stockade.testnet` stays light
@@ -271,6 +273,20 @@ class FakeInternet:
         with contextlib.suppress(OSError):
             return (self.workdir / "serve.log").read_text()[-2000:]
         return "(no log)"
+
+    def _argv(self, argv: Sequence[str]) -> list[str]:
+        if not self.alive():
+            raise RuntimeError("FakeInternet not running")
+        return ["ip", "netns", "exec", self.namespace, *argv]
+
+    def run(self, argv: Sequence[str], **kw: Any) -> subprocess.CompletedProcess[Any]:
+        """`subprocess.run` inside the fake internet's namespace: the "direct" vantage point,
+        where names resolve through the fake DNS (resolv.conf) and no gateway is in the way."""
+        kw.setdefault("check", False)
+        return subprocess.run(self._argv(argv), **kw)
+
+    def popen(self, argv: Sequence[str], **kw: Any) -> subprocess.Popen[Any]:
+        return subprocess.Popen(self._argv(argv), **kw)
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None

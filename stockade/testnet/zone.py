@@ -43,7 +43,8 @@ class Record:
         if self.rtype == "A":
             return A(self.value)
         if self.rtype == "AAAA":
-            return AAAA(self.value)
+            # packed: dnslib's text parser cannot read dotted-quad forms like ::ffff:a.b.c.d
+            return AAAA(tuple(ipaddress.IPv6Address(self.value).packed))
         if self.rtype == "CNAME":
             return CNAME(self.value)
         return TXT(self.value)
@@ -204,7 +205,7 @@ class Zone:
         reply.header.rcode = getattr(RCODE, ans.rcode)
         for owner, rec in ans.records:
             reply.add_answer(RR(owner, getattr(QTYPE, rec.rtype), rdata=rec.rdata(), ttl=rec.ttl))
-        return reply.pack(), ans.delay
+        return bytes(reply.pack()), ans.delay
 
 
 def records_from(items: Sequence[tuple[str, str]]) -> list[Record]:
