@@ -233,3 +233,21 @@ def test_match_operation():
     assert not match_operation(grant, "GET", "/repos/o%2fx/r/issues")
     assert match_operation(grant, "DELETE", "/rate_limit")
     assert not match_operation(grant, "GET", "rate_limit")
+
+
+def test_idn_rules_and_requests_meet_in_punycode(load_profile):
+    rs = load_profile(
+        """
+        profile: p
+        egress:
+          allow:
+            - {host: "bücher.example", reason: idn exact}
+            - {host: "*.xn--mnchen-3ya.example", reason: idn wildcard}
+        """
+    )
+    assert rs.profiles["p"].allow[0].host == "xn--bcher-kva.example"
+    assert decide(rs, "p", facts("xn--bcher-kva.example")).allowed
+    assert decide(rs, "p", facts("BÜCHER.example.")).allowed
+    assert decide(rs, "p", facts("a.münchen.example")).allowed
+    assert not decide(rs, "p", facts("münchen.example")).allowed  # apex
+    assert not decide(rs, "p", facts("bucher.example")).allowed
