@@ -13,7 +13,6 @@ A query is decided in up to three pure steps so the shell can do the one I/O ste
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass, field
 from datetime import date
 from typing import Any, Literal
@@ -167,7 +166,8 @@ def before_upstream(
 
 
 def _family(addr: str) -> int:
-    return ipaddress.ip_address(addr).version
+    # resolver addresses are canonical text: IPv6 has a colon, IPv4 never does
+    return 6 if ":" in addr else 4
 
 
 def conclude(
