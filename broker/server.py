@@ -52,6 +52,7 @@ from .vault import SecretValue, VaultUnavailable
 log = logging.getLogger("stockade.broker")
 
 CHUNK = 64 * 1024
+SMALL_BODY = 256 * 1024  # pass-through answers up to this size are buffered, not streamed
 UPSTREAM_ERROR = "upstream_error"  # reason for an upstream that failed mid-call (502)
 
 
@@ -407,6 +408,8 @@ class Broker:
         self.metrics.bytes.labels(api.name, "up").inc(len(call.body))
         assert self._session is not None
         t_up = time.perf_counter()
+        cut = False  # a streamed answer was cut after its headers were sent
+        result: dict[str, Any] = {}
         left = budget.bytes_left()
         cap = self.settings.max_call_response_bytes if passthrough is None else None
         try:
@@ -423,10 +426,12 @@ class Broker:
                                  "content coding") from None
                 out_headers, n_h = self._scrub_headers(resp.headers.items(), patterns)
                 scrubber = StreamScrubber(patterns)
-                if passthrough is not None:
+                small = (resp.content_length is not None
+                         and resp.content_length <= SMALL_BODY
+                         and decoder.coding == "identity")
+                if passthrough is not None and not small:
                     await self._stream_back(cl, passthrough, resp, out_headers, decoder,
                                             scrubber, left, budget)
-                    result: dict[str, Any] = {}
                 else:
                     try:
                         body = await self._read_all(resp, decoder, scrubber, cap, left)
@@ -434,7 +439,12 @@ class Broker:
                         if d.reason == Reason.BUDGET_EXHAUSTED:
                             budget.exhaust()
                         raise
-                    result = self._call_result(resp.status, out_headers, body)
+                    if passthrough is not None:
+                        # small known-length answer: one buffered response, no chunking
+                        cl.response = web.Response(status=resp.status, reason=resp.reason,
+                                                   body=body, headers=out_headers)
+                    else:
+                        result = self._call_result(resp.status, out_headers, body)
                     budget.charge_bytes(len(body))
                     cl.bytes_down = len(body)
                 cl.scrubs = n_h + scrubber.count
@@ -445,19 +455,22 @@ class Broker:
             if passthrough is not None and cl.response is not None:
                 # headers are already sent: cut the connection so the caller sees a
                 # truncated body, never one that looks complete
-                cl.decision, cl.reason = "denied", UPSTREAM_ERROR
+                cut_budget = cl.extra.get("cut") == "budget"
+                cl.decision = "denied"
+                cl.reason = Reason.BUDGET_EXHAUSTED if cut_budget else UPSTREAM_ERROR
                 if passthrough.transport is not None:
                     passthrough.transport.abort()
-                return {}
-            if isinstance(e, TimeoutError | asyncio.TimeoutError):
+                cut = True
+            elif isinstance(e, TimeoutError | asyncio.TimeoutError):
                 raise Denied(504, Reason.UPSTREAM_UNREACHABLE, "upstream timed out") from None
-            raise Denied(502, Reason.UPSTREAM_UNREACHABLE, "upstream call failed") from None
+            else:
+                raise Denied(502, Reason.UPSTREAM_UNREACHABLE, "upstream call failed") from None
         finally:
             self.metrics.upstream_seconds.labels(api.name).observe(time.perf_counter() - t_up)
             self.metrics.bytes.labels(api.name, "down").inc(cl.bytes_down)
         if cl.scrubs:
             self._secret_echo(cl, api.name)
-        if cl.reason != UPSTREAM_ERROR:
+        if not cut:
             cl.decision, cl.reason = "allowed", Reason.ALLOWED_BY_RULE
         return result
 
@@ -488,8 +501,10 @@ class Broker:
             data = scrubber.feed(decoder.feed(chunk))
             size += len(data)
             if limit is not None and size > limit:
-                raise Denied(502, UPSTREAM_ERROR if (cap is not None and size > cap)
-                             else Reason.BUDGET_EXHAUSTED, "upstream response too large")
+                if cap is not None and size > cap:
+                    raise Denied(502, UPSTREAM_ERROR, "upstream response too large")
+                raise Denied(403, Reason.BUDGET_EXHAUSTED,
+                             "the task's byte budget for this API is spent")
             parts.append(data)
         tail = scrubber.feed(decoder.flush()) + scrubber.flush()
         parts.append(tail)

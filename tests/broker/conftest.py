@@ -99,7 +99,15 @@ async def upstream(tls: tuple[ssl.SSLContext, str]) -> AsyncIterator[Upstream]:
             await resp.write_eof()
             return resp
         if kind == "big":
-            return web.Response(body=b"z" * int(request.query.get("n", "1000")))
+            n = int(request.query.get("n", "1000"))
+            if request.query.get("chunked"):  # no Content-Length: the broker streams it
+                resp = web.StreamResponse()
+                await resp.prepare(request)
+                for _ in range(0, n, 100):
+                    await resp.write(b"z" * 100)
+                await resp.write_eof()
+                return resp
+            return web.Response(body=b"z" * n)
         return web.Response(body=raw, content_type="application/json")
 
     app = web.Application(client_max_size=64 * 2**20)

@@ -7,6 +7,7 @@ import base64
 import json
 from typing import Any
 
+import aiohttp
 import pytest
 
 from .conftest import Harness
@@ -203,12 +204,20 @@ async def test_call_and_byte_budgets(harness: Harness) -> None:
              for _ in range(4)]
     assert [c for c, _ in codes] == [200, 200, 200, 403]
     assert codes[3][1]["reason"] == "budget_exhausted"
-    # byte budget 2 KiB: a 1500-byte answer fits, the next one is cut / refused
-    status, _h, body = await h.call("GET", "/echob/big?n=1500", local="127.0.0.3")
+    # byte budget 2 KiB: a 1500-byte answer fits; a streamed one is cut where it runs out
+    status, _h, body = await h.call("GET", "/echob/big?n=1500&chunked=1", local="127.0.0.3")
     assert status == 200 and len(body) == 1500
-    with pytest.raises(Exception):  # noqa: B017 - the stream is cut (truncated payload)
-        await h.call("GET", "/echob/big?n=1500", local="127.0.0.3")
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await h.call("GET", "/echob/big?n=1500&chunked=1", local="127.0.0.3")
     status, _h, body = await h.call("GET", "/echob/big?n=10", local="127.0.0.3")
+    assert (status, json.loads(body)["reason"]) == (403, "budget_exhausted")
+    cut = [e for e in broker_calls(h) if e["stockade"].get("cut") == "budget"]
+    assert len(cut) == 1 and cut[0]["event"]["reason"] == "budget_exhausted"
+
+
+async def test_buffered_answer_over_byte_budget_refused(harness: Harness) -> None:
+    h = harness
+    status, _h, body = await h.call("GET", "/echob/big?n=3000", local="127.0.0.3")
     assert (status, json.loads(body)["reason"]) == (403, "budget_exhausted")
 
 

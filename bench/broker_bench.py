@@ -1,0 +1,178 @@
+"""Broker overhead and throughput, side by side with calling the same upstream directly.
+
+Starts (all on 127.0.0.1): a dev OpenBao holding the key, a plain-HTTP aiohttp upstream in
+its own process, and the real `stockade broker serve` process pinned to one CPU core
+(taskset). Then, from this process:
+  1. sequential calls, direct vs through the broker (pass-through style): p50/p90/p99 ms;
+  2. concurrent calls for a few seconds, direct vs through the broker: calls/s.
+The credential is cached after the first call, so this measures the broker's own path.
+
+    .venv/bin/python bench/broker_bench.py [--requests 2000] [--seconds 5] [--concurrency 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from stockade.broker.devvault import DevOpenBao, free_port
+from stockade.tasks import ControlClient, Task
+
+
+def serve_upstream(port: int) -> None:
+    async def handler(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"ok": True, "path": request.path})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+async def wait_port(port: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            _r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.close()
+            return
+        except OSError:
+            await asyncio.sleep(0.05)
+    raise RuntimeError(f"port {port} did not open")
+
+
+async def sequential(url: str, n: int) -> list[float]:
+    out: list[float] = []
+    async with aiohttp.ClientSession() as s:
+        for _ in range(50):  # warm-up: connection, credential cache
+            async with s.get(url) as r:
+                await r.read()
+        for _ in range(n):
+            t0 = time.perf_counter()
+            async with s.get(url) as r:
+                await r.read()
+                assert r.status == 200, r.status
+            out.append((time.perf_counter() - t0) * 1000)
+    return out
+
+
+async def throughput(url: str, seconds: float, concurrency: int) -> float:
+    done = 0
+    stop = time.monotonic() + seconds
+    conn = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=conn) as s:
+
+        async def worker() -> None:
+            nonlocal done
+            while time.monotonic() < stop:
+                async with s.get(url) as r:
+                    await r.read()
+                    assert r.status == 200, r.status
+                done += 1
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return done / (time.monotonic() - t0)
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(len(xs) * p))]
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    tmp = Path(tempfile.mkdtemp(prefix="stockade-broker-bench-"))
+    up_port, br_port = free_port(), free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+    bao = DevOpenBao().start()
+    try:
+        bao.put_secret("stockade/bench", "token", "sk-bench-" + os.urandom(8).hex())
+        (tmp / "rules" / "apis").mkdir(parents=True)
+        (tmp / "rules" / "profiles").mkdir()
+        (tmp / "rules" / "apis" / "bench.yaml").write_text(
+            f"api: bench\nbase_url: http://127.0.0.1:{up_port}\nallow_plain_http: true\n"
+            "credential: {mount: secret, path: stockade/bench, field: token}\n"
+            "inject: {style: bearer}\n")
+        (tmp / "rules" / "profiles" / "bench.yaml").write_text(
+            "profile: bench\nbroker:\n  apis:\n    bench:\n"
+            "      operations: [{method: GET, path: '/**'}]\n      rate: 1000000/s\n"
+            "      burst: 1000000\n")
+        (tmp / "token").write_text(bao.root_token)
+        sock = tmp / "broker.sock"
+        (tmp / "stockade.yaml").write_text(json.dumps({
+            "rules_dir": str(tmp / "rules"), "state_dir": str(tmp / "state"),
+            "log_dir": str(tmp / "log"), "run_dir": str(tmp),
+            "broker": {"listen": f"127.0.0.1:{br_port}", "control_socket": str(sock),
+                       "metrics_listen": f"127.0.0.1:{free_port()}"},
+            "vault": {"address": bao.address, "token_file": str(tmp / "token")},
+        }))
+        pin = ["taskset", "-c", "0"] if shutil.which("taskset") and os.cpu_count() != 1 else []
+        procs.append(subprocess.Popen(
+            [sys.executable, __file__, "--serve-upstream", str(up_port)]))
+        procs.append(subprocess.Popen(
+            [*pin, sys.executable, "-m", "stockade", "broker", "serve", "--config",
+             str(tmp / "stockade.yaml")], stderr=subprocess.DEVNULL))
+        await wait_port(up_port)
+        await wait_port(br_port)
+        ControlClient(sock).register(Task("bench", "127.0.0.1", "bench"))
+        direct = f"http://127.0.0.1:{up_port}/items/1"
+        broker = f"http://127.0.0.1:{br_port}/bench/items/1"
+
+        lat_d = await sequential(direct, args.requests)
+        lat_b = await sequential(broker, args.requests)
+        tp_d = await throughput(direct, args.seconds, args.concurrency)
+        tp_b = await throughput(broker, args.seconds, args.concurrency)
+
+        print(f"\nbroker bench: {args.requests} sequential calls, then {args.seconds:.0f} s at "
+              f"concurrency {args.concurrency}; broker pinned to one core: {bool(pin)}\n")
+        print(f"{'path':<26}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'calls/s':>11}")
+        for name, lat, tp in (("direct to upstream", lat_d, tp_d),
+                              ("through broker", lat_b, tp_b)):
+            print(f"{name:<26}{statistics.median(lat):>9.3f}{pct(lat, 0.9):>9.3f}"
+                  f"{pct(lat, 0.99):>9.3f}{tp:>11.0f}")
+        over = statistics.median(lat_b) - statistics.median(lat_d)
+        print(f"\nbroker overhead p50: {over:.3f} ms (target <= 1 ms): "
+              f"{'OK' if over <= 1.0 else 'MISSED'}")
+        print(f"broker calls/s with a cached credential: {tp_b:.0f} (target >= 1000): "
+              f"{'OK' if tp_b >= 1000 else 'MISSED'}")
+        return 0
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        bao.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_upstream:
+        serve_upstream(args.serve_upstream)
+        return 0
+    return asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
