@@ -96,7 +96,7 @@ def _convert(
         for key_node, value_node in node.value:
             if not isinstance(key_node, yaml.ScalarNode):
                 raise YamlProblem("mapping keys must be plain scalars", _mark(key_node))
-            key = loader.construct_object(key_node)
+            key = _construct(loader, key_node, path)
             if not isinstance(key, str):
                 key = str(key)
             if key in out:
@@ -108,7 +108,17 @@ def _convert(
         return [
             _convert(loader, v, (*path, i), marks, key_marks) for i, v in enumerate(node.value)
         ]
-    return loader.construct_object(node)
+    return _construct(loader, node, path)
+
+
+def _construct(loader: _Loader, node: yaml.Node, path: Path_) -> Any:
+    try:
+        return loader.construct_object(node)
+    except yaml.MarkedYAMLError:
+        raise
+    except (yaml.YAMLError, ValueError, TypeError, OverflowError) as e:
+        # e.g. `2020-13-45` resolves to a timestamp the constructor cannot build
+        raise YamlProblem(f"{_dotted(path)}: invalid value: {e}", _mark(node)) from None
 
 
 def _dotted(path: Path_) -> str:
