@@ -30,6 +30,12 @@ def _require_netns() -> None:
         pytest.skip(f"fake internet unavailable: {reason}")
 
 
+@pytest.fixture
+def netns_available() -> None:
+    """Skips the test (with the reason) where namespaces cannot be made."""
+    _require_netns()
+
+
 @pytest.fixture(scope="session")
 def fake_internet() -> Iterator[FakeInternet]:
     """One fake internet for the whole session (DNS, HTTP/HTTPS sites, echo, pypi, api)."""

@@ -31,6 +31,8 @@ _LOCK_FILE = "alloc.lock"
 class TestnetError(RuntimeError):
     """Setting up the fake internet or a client namespace failed."""
 
+    __test__ = False  # not a pytest test class despite the name
+
 
 def run(argv: Sequence[str], *, check: bool = True, input: str | None = None) -> str:
     """Run a host command; raise TestnetError with its stderr when `check` and it fails."""

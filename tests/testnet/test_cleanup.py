@@ -1,0 +1,102 @@
+"""Nothing is left behind: normal stop, failed start, SIGTERM, SIGKILL (+ reaping)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from stockade.testnet import ClientNamespace, FakeInternet, TestnetError, reap_stale
+from stockade.testnet.host import NETNS_ETC, STATE_DIR, link_exists, netns_exists, nft_table_exists
+
+pytestmark = [pytest.mark.netns, pytest.mark.usefixtures("netns_available")]
+
+
+def assert_gone(netns: str, link: str, table: str | None = None) -> None:
+    assert not netns_exists(netns)
+    assert not link_exists(link)
+    assert not (NETNS_ETC / netns).exists()
+    assert not (STATE_DIR / f"{netns}.json").exists()
+    if table:
+        assert not nft_table_exists("inet", table)
+
+
+def test_stop_removes_everything_and_is_idempotent(fake_internet: FakeInternet) -> None:
+    fi = FakeInternet(fake_internet.subnet)  # taken: must move to a free subnet
+    with fi:
+        assert fi.subnet != fake_internet.subnet
+        assert netns_exists(fi.namespace) and link_exists(fi.host_if)
+        workdir = fi.workdir
+    assert_gone(fi.namespace, fi.host_if)
+    assert not workdir.exists()
+    fi.stop()
+    assert_gone(fi.namespace, fi.host_if)
+
+
+def test_failed_start_cleans_up() -> None:
+    fi = FakeInternet(python="/bin/false", ready_timeout=10)
+    with pytest.raises(TestnetError, match="exited"):
+        fi.start()
+    assert_gone(fi.namespace, fi.host_if)
+
+
+def test_client_namespace_stop() -> None:
+    c = ClientNamespace("cleanup_t", None, 15001, 15053)
+    with c:
+        assert nft_table_exists("inet", c.nft_table)
+        assert c.run(["true"]).returncode == 0
+    assert_gone(c.namespace, c.host_if, c.nft_table)
+    c.stop()
+    with pytest.raises(RuntimeError):
+        c.run(["true"])
+
+
+_CHILD = textwrap.dedent(
+    """
+    import sys, time
+    from stockade.testnet import ClientNamespace, FakeInternet
+    fi = FakeInternet().start()
+    c = ClientNamespace(sys.argv[1], None, 15001, 15053).start()
+    print(fi.namespace, fi.host_if, c.namespace, c.host_if, c.nft_table, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _start_child(suffix: str) -> tuple[subprocess.Popen[str], list[str]]:
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, suffix], stdout=subprocess.PIPE,
+                             text=True)
+    assert child.stdout is not None
+    names = child.stdout.readline().split()
+    assert len(names) == 5, "child did not start"
+    return child, names
+
+
+def test_sigterm_runs_cleanup() -> None:
+    child, (ns, hif, cns, chif, table) = _start_child(f"term{os.getpid()}")
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=60) == -signal.SIGTERM
+    assert_gone(ns, hif)
+    assert_gone(cns, chif, table)
+
+
+def test_sigkill_leftovers_are_reaped() -> None:
+    child, (ns, hif, cns, chif, table) = _start_child(f"kill{os.getpid()}")
+    child.kill()
+    child.wait(timeout=60)
+    assert netns_exists(ns) and nft_table_exists("inet", table)  # nothing could run on SIGKILL
+    reaped = reap_stale()
+    assert {ns, cns} <= set(reaped)
+    assert_gone(ns, hif)
+    assert_gone(cns, chif, table)
+
+
+def test_reap_ignores_live_owners(fake_internet: FakeInternet) -> None:
+    reap_stale()
+    assert netns_exists(fake_internet.namespace)
+    assert Path(fake_internet.ca_pem).exists()
