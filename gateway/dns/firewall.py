@@ -59,6 +59,15 @@ class DnsMetrics:
         self.truncated = Counter(
             "stockade_dns_truncated", "UDP answers sent with TC set", registry=registry
         )
+        self._children: dict[tuple[str, str, str], Any] = {}
+
+    def count(self, outcome: str, reason: str, transport: str) -> None:
+        # labels() costs a lock and a tuple build per call; the label space is small
+        key = (outcome, reason, transport)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.queries.labels(outcome, reason, transport)
+        child.inc()
 
 
 class DnsFirewall:
@@ -189,7 +198,7 @@ class DnsFirewall:
         source: tuple[str, int],
         transport: Transport,
     ) -> bytes | None:
-        self.metrics.queries.labels(out.decision, str(out.reason), transport).inc()
+        self.metrics.count(out.decision, str(out.reason), transport)
         if out.log and (out.decision == "denied" or self.settings.log_allowed or out.report_only):
             try:
                 self.emit(outcome_event(q, out, task, source[0], source[1], transport))
@@ -209,7 +218,7 @@ class DnsFirewall:
             q = parse_query(q_data)
         except Malformed:
             return None
-        self.metrics.queries.labels("denied", "upstream_unreachable", "udp").inc()
+        self.metrics.count("denied", "upstream_unreachable", "udp")
         return build_response(q, Reply(RCODE.SERVFAIL), q.udp_size)[0]
 
     def spawn(self, coro: Any) -> None:
