@@ -18,6 +18,7 @@ from typing import Any, Literal, cast
 
 from dnslib import RCODE
 from prometheus_client import CollectorRegistry, Counter
+from stockade.policy import Reason
 from stockade.policy.ruleset import RuleSet
 
 from stockade.tasks.registry import Task, TaskRegistry
@@ -96,6 +97,7 @@ class DnsFirewall:
         self._tcp: list[asyncio.Server] = []
         self._tcp_count = 0
         self._pending: set[asyncio.Task[None]] = set()
+        self._malformed_seen: dict[str, tuple[float, int]] = {}
         registry.on_removed(lambda task: self.guards.forget(task.task_id))
 
     # -- rules ---------------------------------------------------------------------
@@ -160,6 +162,7 @@ class DnsFirewall:
             q = parse_query(data)
         except Malformed:
             self.metrics.malformed.inc()
+            self._malformed_event(source, transport, now)
             return None, None  # dropped and counted: never answer what we cannot parse
         task = self.registry.by_address(source[0])
         rules = self.rules
@@ -211,6 +214,28 @@ class DnsFirewall:
         if truncated:
             self.metrics.truncated.inc()
         return data
+
+    def _malformed_event(self, source: tuple[str, int], transport: Transport, now: float) -> None:
+        """One event per source per second at most: a junk flood must not flood the log."""
+        last, suppressed = self._malformed_seen.get(source[0], (-1e9, 0))
+        if now - last < 1.0:
+            self._malformed_seen[source[0]] = (last, suppressed + 1)
+            return
+        if len(self._malformed_seen) > 4096:
+            self._malformed_seen.clear()
+        self._malformed_seen[source[0]] = (now, 0)
+        task = self.registry.by_address(source[0])
+        out = Outcome(
+            "denied",
+            Reason.MALFORMED_QUERY,
+            None,
+            message="malformed DNS packet dropped",
+            extra={"suppressed_events": suppressed} if suppressed else {},
+        )
+        try:
+            self.emit(outcome_event(None, out, task, source[0], source[1], transport))
+        except Exception:
+            log.exception("dns: emitting an event failed")
 
     def _overloaded(self, q_data: bytes) -> bytes | None:
         # too many upstream lookups in flight: SERVFAIL now rather than queue without bound

@@ -286,6 +286,10 @@ async def test_malformed_dropped_and_counted(harness: Harness) -> None:
     reg = harness.fw.metrics_registry
     assert reg.get_sample_value("stockade_dns_malformed_packets_total") == 4
     assert received == []
+    ev = harness.denials("malformed_query")
+    assert len(ev) == 1  # one event per source per second, not one per packet
+    assert ev[0]["source"]["ip"] == harness.client_ip
+    assert ev[0]["labels"]["task_id"] == "task-1"
 
 
 async def test_metrics(harness: Harness) -> None:
