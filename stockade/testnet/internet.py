@@ -9,11 +9,10 @@ The namespace has no default route: nothing in it can reach anything but the hos
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import os
 import secrets
 import selectors
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -40,13 +39,6 @@ READY_TIMEOUT = 30.0
 DEFAULT_API_KEY = "sk-demo-0123456789abcdef"
 
 ExtraRecords = Mapping[str, Iterable[Record | tuple[str, str] | tuple[str, str, int]]]
-
-
-def _die_with_parent() -> None:
-    # PR_SET_PDEATHSIG survives exec (ip is not setuid): the server dies with us even on
-    # SIGKILL, so the namespace is never kept alive by an orphan.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
 
 
 class FakeInternet:
@@ -236,12 +228,13 @@ class FakeInternet:
                     "stockade.testnet.serve",
                     "--spec",
                     str(spec_path),
+                    "--parent-pid",
+                    str(os.getpid()),
                 ],
                 stdout=subprocess.PIPE,
                 stderr=log,
                 stdin=subprocess.DEVNULL,
                 text=True,
-                preexec_fn=_die_with_parent,
             )
         finally:
             log.close()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
+import os
 import signal
 import ssl
 import struct
@@ -26,6 +28,7 @@ from stockade.testnet.wheel import build_wheel
 from stockade.testnet.zone import Zone
 
 _DNS_TCP_MAX = 65535
+_PR_SET_PDEATHSIG = 1
 
 
 class _DnsUdp(asyncio.DatagramProtocol):
@@ -152,12 +155,25 @@ async def serve(spec: ServeSpec, ready: asyncio.Event | None = None) -> None:
             await r.cleanup()
 
 
+def die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to SIGTERM us when the parent dies (even by SIGKILL), so an orphan
+    server never keeps a fake internet's namespace alive. Set here rather than in a
+    preexec_fn, which is unsafe in the threaded processes that start us."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        sys.exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stockade.testnet.serve")
     parser.add_argument(
         "--spec", required=True, type=Path, help="JSON spec written by FakeInternet"
     )
+    parser.add_argument("--parent-pid", type=int, help="exit when this process dies")
     args = parser.parse_args(argv)
+    if args.parent_pid:
+        die_with_parent(args.parent_pid)
     try:
         spec = ServeSpec.read(args.spec)
         asyncio.run(serve(spec))
