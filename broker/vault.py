@@ -168,7 +168,11 @@ class VaultClient:
 
     async def start(self) -> None:
         """Log in (fails when Vault is down: the caller decides whether to retry)."""
+        self._start_renewal()
         await self._run(self._login_sync)
+
+    def _start_renewal(self) -> None:
+        # also when the first login failed: a later lazy login gets renewed too
         if self._renew_task is None:
             self._renew_task = asyncio.create_task(self._renew_loop())
 
@@ -189,7 +193,7 @@ class VaultClient:
 
     async def _renew_loop(self) -> None:
         while True:
-            interval = 30.0 if self._lease_s <= 0 else max(0.5, min(30.0, self._lease_s / 6))
+            interval = 5.0 if self._lease_s <= 0 else max(0.5, min(30.0, self._lease_s / 6))
             await asyncio.sleep(interval)
             try:
                 await self._run(self._renew_sync)

@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from stockade.broker.devvault import DevOpenBao
+from stockade.broker.devvault import DevOpenBao, free_port
 from stockade.broker.settings import AppRoleSettings, VaultSettings
 from stockade.broker.vault import VaultClient, VaultUnavailable
 from stockade.policy.model import CredentialSource
@@ -189,3 +189,21 @@ async def test_vault_stopped_serves_stale_then_503(
     finally:
         own.stop()
     assert not own.running
+
+
+async def test_vault_down_at_start_then_up() -> None:
+    later = DevOpenBao(port=free_port())
+    settings = VaultSettings(address=f"http://127.0.0.1:{later.port}", timeout_s=2)
+    v = VaultClient(settings, token=later.root_token)
+    try:
+        assert await v.ensure_login() is False
+        with pytest.raises(VaultUnavailable) as ei:
+            await v.get(cred("stockade/late"))
+        assert str(ei.value) == "credential store unavailable"
+        assert str(later.port) not in repr(ei.value) + str(ei.value)
+        with later:
+            later.put_secret("stockade/late", "token", "late-value")
+            assert (await v.get(cred("stockade/late"))).value == "late-value"
+            assert v.logins == 1 and v.status()["vault_up"] is True
+    finally:
+        await v.close()
