@@ -78,6 +78,7 @@ async def test_broker_serve_cli(
                 produced.append(body)
                 assert r.status == 200 and json.loads(body)["status"] == 200
             # invalid rules + SIGHUP: refused, the old rules keep serving
+            good = (rules / "profiles" / "agent.yaml").read_text()
             (rules / "profiles" / "agent.yaml").write_text("profile: [broken\n")
             proc.send_signal(signal.SIGHUP)
             for _ in range(200):
@@ -87,6 +88,12 @@ async def test_broker_serve_cli(
             async with s.get(f"{base}/echo/json/y") as r:
                 produced.append(await r.read())
                 assert r.status == 200
+            # fixed rules through the control API: accepted
+            (rules / "profiles" / "agent.yaml").write_text(good.split("    echoh:")[0])
+            result = await loop.run_in_executor(None, ctl.reload)
+            assert result["ok"] is True
+            async with s.post(f"{base}/v1/call", json={"api": "echoh", "path": "/json"}) as r:
+                assert r.status == 403 and (await r.json())["reason"] == "api_not_allowed"
             async with s.get(f"http://127.0.0.1:{mport}/metrics") as r:
                 metrics = await r.read()
                 produced.append(metrics)
@@ -110,8 +117,8 @@ async def test_broker_serve_cli(
     for ev in evs:
         validate(ev)
     actions = [e["event"]["action"] for e in evs]
-    assert actions.count("broker_call") == 4 and "secret_echo" in actions
+    assert actions.count("broker_call") == 5 and "secret_echo" in actions
     assert [e["event"]["outcome"] for e in evs if e["event"]["action"] == "rules_reload"] == [
-        "failure"]
+        "failure", "success"]
     assert_no_secret(secret, [*produced, events.read_bytes()])
     assert token.encode() not in b"".join(produced) + events.read_bytes()
