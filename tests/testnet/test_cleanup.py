@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -100,3 +101,12 @@ def test_reap_ignores_live_owners(fake_internet: FakeInternet) -> None:
     reap_stale()
     assert netns_exists(fake_internet.namespace)
     assert Path(fake_internet.ca_pem).exists()
+
+
+def test_command_line_print_only() -> None:
+    out = subprocess.run([sys.executable, "-m", "stockade.testnet", "--print-only"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["addresses"]["allowed.test"].endswith(".10")
+    assert_gone(doc["namespace"], doc["namespace"])
