@@ -157,3 +157,17 @@ def test_console_script_runs():
                        text=True, check=False, timeout=60)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1].endswith(" passed, 0 failed")
+
+
+def test_lint_missing_dir_fails(capsys, tmp_path):
+    rc, out, _ = run(capsys, "lint", str(tmp_path / "nope"))
+    assert rc == 1 and "rules directory not found" in out
+
+
+def test_explain_honours_today(capsys, write_rules):
+    text = "profile: p\negress:\n  allow:\n    - {host: t.test, reason: r, expires: 2026-03-01}\n"
+    root = write_rules(profiles={"p": text})
+    args = ("explain", "--rules", str(root), "-p", "p", "t.test:443", "--today")
+    assert run(capsys, *args, "2026-03-01")[0] == 0
+    rc, out, _ = run(capsys, *args, "2026-03-02")
+    assert rc == 1 and "no_matching_rule" in out
