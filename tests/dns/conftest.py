@@ -101,6 +101,7 @@ async def start_harness(
     registry = TaskRegistry()
     client_ip = loopback()
     registry.register(Task("task-1", client_ip, profile))
+    settings.setdefault("log_allowed", True)  # the tests look at allowed events too
     s = DnsSettings(listen=[f"{loopback()}:0"], **settings)
     resolver = Resolver(
         [upstream.server], AddressPolicy(), ttl_min=s.ttl_min_s, ttl_max=s.ttl_max_s, timeout=0.5

@@ -333,3 +333,13 @@ async def test_dig_client(harness: Harness) -> None:
     assert len(big.split()) == 60  # dig retried over TCP after TC
     tcp = await asyncio.to_thread(dig, "+tcp", "+short", "www.allowed.test")
     assert tcp.split() == ["93.184.216.36"]
+
+
+async def test_log_allowed_off_logs_only_denials(upstream: Upstream, ruleset: RuleSet) -> None:
+    h = await start_harness(upstream, ruleset, log_allowed=False)
+    try:
+        assert (await ask(h, "allowed.test")).rcode() == dns.rcode.NOERROR
+        assert (await ask(h, "other.test")).rcode() == dns.rcode.REFUSED
+        assert [e["stockade"]["decision"] for e in h.events] == ["denied"]
+    finally:
+        await h.fw.stop()
