@@ -104,7 +104,7 @@ class ClientNamespace:
         self.network = ""
         self._started = False
         self._stopped = False
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: stop() may rerun from a signal handler
 
     def __enter__(self) -> ClientNamespace:
         self.start()

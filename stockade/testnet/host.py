@@ -175,7 +175,7 @@ def reap_stale() -> list[str]:
 # --- cleanup registry -----------------------------------------------------------------
 
 _cleanups: dict[int, Callable[[], None]] = {}
-_reg_lock = threading.Lock()
+_reg_lock = threading.RLock()  # reentrant: _run_all runs from signal handlers too
 _installed = False
 
 

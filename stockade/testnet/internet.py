@@ -68,7 +68,9 @@ class FakeInternet:
         self._proc: subprocess.Popen[str] | None = None
         self._tmp: Path | None = None
         self._started = False
-        self._stop_lock = threading.Lock()
+        # reentrant: stop() may run again from the SIGTERM handler while stop() holds it
+        self._stop_lock = threading.RLock()
+        self.ipv6_enabled = False
         self._stopped = False
 
     # -- attributes (valid after start) ----------------------------------------------
@@ -170,13 +172,16 @@ class FakeInternet:
                 ["ip", "link", "add", hif, "type", "veth", "peer", "name", self.ns_if, "netns", ns]
             )
             host.run(["ip", "addr", "add", f"{lay.host_ip}/{lay.prefixlen}", "dev", hif])
-            host.run(["ip", "-6", "addr", "add", f"{lay.host_ip6}/64", "dev", hif, "nodad"])
+            # IPv6 is optional: a host booted with ipv6.disable=1 still gets an IPv4 internet
+            self.ipv6_enabled = Path("/proc/sys/net/ipv6").is_dir()
+            if self.ipv6_enabled:
+                host.run(["ip", "-6", "addr", "add", f"{lay.host_ip6}/64", "dev", hif, "nodad"])
             host.run(["ip", "link", "set", hif, "up"])
         n = ["ip", "-n", ns]
         host.run([*n, "link", "set", "lo", "up"])
         for ip in lay.ns_ips:
             host.run([*n, "addr", "add", f"{ip}/{lay.prefixlen}", "dev", self.ns_if])
-        for ip6 in (lay.ns_ip6, lay.ipv6_address):
+        for ip6 in (lay.ns_ip6, lay.ipv6_address) if self.ipv6_enabled else ():
             host.run([*n, "-6", "addr", "add", f"{ip6}/64", "dev", self.ns_if, "nodad"])
         host.run([*n, "link", "set", self.ns_if, "up"])
         host.write_resolv_conf(ns, lay.dns_server)
@@ -189,10 +194,11 @@ class FakeInternet:
         ca.cert_pem.write_to_path(str(self._tmp / "ca.pem"))
         for name in [*self.layout.addresses, "ipv6.test"]:
             cert = ca.issue_cert(name)
-            cert.private_key_pem.write_to_path(str(self._tmp / f"{name}.key"))
+            fd = os.open(self._tmp / f"{name}.key", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(cert.private_key_pem.bytes())
             chain = b"".join(b.bytes() for b in cert.cert_chain_pems)
             (self._tmp / f"{name}.pem").write_bytes(chain)
-            (self._tmp / f"{name}.key").chmod(0o600)
 
     def _spec(self) -> ServeSpec:
         lay, tmp = self.layout, self.workdir
@@ -200,8 +206,11 @@ class FakeInternet:
             Site(name, ip, str(tmp / f"{name}.pem"), str(tmp / f"{name}.key"))
             for name, ip in lay.addresses.items()
         ]
-        v6 = "ipv6.test"
-        sites.append(Site(v6, lay.ipv6_address, str(tmp / f"{v6}.pem"), str(tmp / f"{v6}.key")))
+        if self.ipv6_enabled:
+            v6 = "ipv6.test"
+            sites.append(
+                Site(v6, lay.ipv6_address, str(tmp / f"{v6}.pem"), str(tmp / f"{v6}.key"))
+            )
         return ServeSpec(
             sites=sites,
             dns_address=lay.dns_server,

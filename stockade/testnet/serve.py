@@ -66,7 +66,9 @@ async def _dns_tcp(zone: Zone, reader: asyncio.StreamReader, writer: asyncio.Str
                 break
             if delay > 0:
                 await asyncio.sleep(delay)
-            writer.write(struct.pack("!H", len(reply)) + reply[:_DNS_TCP_MAX])
+            if len(reply) > _DNS_TCP_MAX:
+                break
+            writer.write(struct.pack("!H", len(reply)) + reply)
             await writer.drain()
     except (asyncio.IncompleteReadError, ConnectionError):
         pass
