@@ -106,7 +106,10 @@ class DnsFirewall:
         r = self._rules
         if r is None or isinstance(r, RuleSet):
             return r
-        return r()
+        try:
+            return r()
+        except Exception:  # no rules loaded yet: every query is refused (fail closed)
+            return None
 
     def set_rules(self, rules: RulesSource) -> None:
         self._rules = rules

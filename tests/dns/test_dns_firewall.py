@@ -343,3 +343,21 @@ async def test_log_allowed_off_logs_only_denials(upstream: Upstream, ruleset: Ru
         assert [e["stockade"]["decision"] for e in h.events] == ["denied"]
     finally:
         await h.fw.stop()
+
+
+async def test_rules_source_callable_and_reload(upstream: Upstream, ruleset: RuleSet) -> None:
+    h = await start_harness(upstream, ruleset)
+    try:
+        current: list[RuleSet] = [ruleset]
+        h.fw.set_rules(lambda: current[0])
+        assert (await ask(h, "allowed.test")).rcode() == dns.rcode.NOERROR
+
+        def not_loaded() -> RuleSet:
+            raise RuntimeError("rules not loaded")
+
+        h.fw.set_rules(not_loaded)  # no rules in force: refuse, never answer
+        assert (await ask(h, "allowed.test")).rcode() == dns.rcode.REFUSED
+        h.fw.set_rules(None)
+        assert (await ask(h, "allowed.test")).rcode() == dns.rcode.REFUSED
+    finally:
+        await h.fw.stop()
