@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 from stockade.policy.model import Injection
 
-from .request import RequestError, check_header
+from .request import RequestError, check_header, query_name
 
 
 @dataclass(frozen=True, slots=True)
 class Injected:
     headers: tuple[tuple[str, str], ...]
-    query: tuple[tuple[str, str], ...]
+    query: tuple[tuple[str, str], ...]  # decoded (name, value); encode_query() them
     rendered_values: tuple[str, ...]  # the exact strings sent (header values / query values)
 
 
@@ -47,11 +47,9 @@ def inject(injection: Injection, secret: str) -> Injected:
     raise RequestError(f"unknown injection style {injection.style!r}")
 
 
-def strip_injected_query(
-    query: tuple[tuple[str, str], ...], injection: Injection
-) -> tuple[tuple[str, str], ...]:
+def strip_injected_query(query: tuple[str, ...], injection: Injection) -> tuple[str, ...]:
     """A caller must not supply (or duplicate) the query parameter that carries the key."""
     if injection.style != "query":
         return query
     param = injection.query_param or "key"
-    return tuple((k, v) for k, v in query if k != param)
+    return tuple(part for part in query if query_name(part) != param)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import quote, unquote, unquote_plus, urlsplit
 
 from stockade.policy.model import ApiDefinition, Injection
 
@@ -75,7 +75,7 @@ class CallRequest:
     method: str
     path: str  # as sent upstream (percent-encoded), always starts with "/"
     match_path: str  # percent-decoded, for operation globs
-    query: tuple[tuple[str, str], ...]
+    query: tuple[str, ...]  # percent-encoded "name=value" parts
     headers: tuple[tuple[str, str], ...]  # already filtered
     body: bytes
 
@@ -183,33 +183,39 @@ def filter_response_headers(
     ]
 
 
-def parse_query(raw: str) -> tuple[tuple[str, str], ...]:
-    """Split a raw query string into (name, value) pairs, keeping the caller's encoding."""
+def parse_query(raw: str) -> tuple[str, ...]:
+    """Split a raw query string into its `name=value` parts, keeping the caller's encoding.
+
+    Kept verbatim (not decoded and re-encoded) so "+" and escapes mean to the upstream
+    exactly what the SDK meant; only controls, spaces, "#" and broken escapes are refused.
+    """
     if not raw:
         return ()
-    if _BAD_VALUE.search(raw) or "#" in raw or " " in raw:
+    if _BAD_VALUE.search(raw) or "#" in raw or " " in raw or "\t" in raw:
         raise RequestError("control character, space or fragment in query")
-    pairs: list[tuple[str, str]] = []
-    for part in raw.split("&"):
-        if not part:
-            continue
-        name, _, value = part.partition("=")
-        pairs.append((unquote(name), unquote(value)))
-    return tuple(pairs)
+    if _BAD_PCT.search(raw):
+        raise RequestError("malformed percent-escape in query")
+    return tuple(part for part in raw.split("&") if part)
 
 
-def check_query(query: Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+def encode_query(pairs: Iterable[tuple[str, str]]) -> tuple[str, ...]:
+    """Encode decoded (name, value) pairs as query parts."""
     out = []
-    for name, value in query:
+    for name, value in pairs:
         if _BAD_VALUE.search(name) or _BAD_VALUE.search(value):
             raise RequestError("control character in query")
-        out.append((name, value))
+        out.append(f"{quote(name, safe='')}={quote(value, safe='')}")
     return tuple(out)
+
+
+def query_name(part: str) -> str:
+    """The decoded name of one query part (for dropping a caller's copy of the key param)."""
+    return unquote_plus(part.partition("=")[0])
 
 
 def normalize_query(
     query: Mapping[str, object] | Iterable[object] | None,
-) -> tuple[tuple[str, str], ...]:
+) -> tuple[str, ...]:
     """Accept the JSON call style's query: {"a": "1", "b": ["2", "3"]} or [["a", "1"]]."""
     if query is None:
         return ()
@@ -221,12 +227,16 @@ def normalize_query(
                 if not isinstance(item, str | int | float | bool):
                     raise RequestError("query values must be scalars")
                 pairs.append((str(k), _scalar(item)))
+    elif isinstance(query, str | bytes):
+        raise RequestError("query must be an object or a list of [name, value]")
     else:
         for pair in query:
             if not (isinstance(pair, list | tuple) and len(pair) == 2):
                 raise RequestError("query must be an object or a list of [name, value]")
+            if not isinstance(pair[1], str | int | float | bool):
+                raise RequestError("query values must be scalars")
             pairs.append((str(pair[0]), _scalar(pair[1])))
-    return check_query(pairs)
+    return encode_query(pairs)
 
 
 def _scalar(v: object) -> str:
@@ -255,11 +265,11 @@ def parse_base_url(api: ApiDefinition) -> Upstream:
     return Upstream(parts.scheme, parts.hostname, port, parts.path.rstrip("/"))
 
 
-def build_url(up: Upstream, path: str, query: Iterable[tuple[str, str]]) -> str:
+def build_url(up: Upstream, path: str, query: Iterable[str]) -> str:
     """The upstream URL: scheme, host and port only ever come from the definition."""
     host = f"[{up.host}]" if ":" in up.host else up.host
     default = 443 if up.scheme == "https" else 80
     authority = host if up.port == default else f"{host}:{up.port}"
     url = f"{up.scheme}://{authority}{up.prefix}{path}"
-    q = "&".join(f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in query)
+    q = "&".join(query)
     return f"{url}?{q}" if q else url

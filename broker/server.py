@@ -39,6 +39,7 @@ from .request import (
     build_url,
     check_method,
     check_path,
+    encode_query,
     filter_headers,
     filter_response_headers,
     normalize_query,
@@ -399,7 +400,7 @@ class Broker:
         except RequestError:
             raise Denied(503, Reason.VAULT_UNAVAILABLE, "credential unusable") from None
         patterns = self._patterns_for(api, sv, inj.rendered_values)
-        query = strip_injected_query(call.query, api.injection) + inj.query
+        query = strip_injected_query(call.query, api.injection) + encode_query(inj.query)
         url = build_url(up, call.path, query)
         headers = [*call.headers, *inj.headers, ("Accept-Encoding", "identity")]
         budget.charge_call()

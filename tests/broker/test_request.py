@@ -52,8 +52,11 @@ def test_good_paths(path: str, decoded: str) -> None:
 
 def test_build_url_keeps_host_port_and_prefix() -> None:
     up = parse_base_url(API)
-    url = build_url(up, "/repos/a", (("q", "x y&z=1"),))
+    url = build_url(up, "/repos/a", normalize_query({"q": "x y&z=1"}))
     assert url == "https://api.example.test:8443/v3/repos/a?q=x%20y%26z%3D1"
+    # a pass-through query is kept verbatim: "+" still means what the SDK meant
+    url = build_url(up, "/search", parse_query("q=foo+bar&x=%2B1"))
+    assert url == "https://api.example.test:8443/v3/search?q=foo+bar&x=%2B1"
 
 
 def test_plain_http_needs_opt_in() -> None:
@@ -95,10 +98,15 @@ def test_response_headers_filtered() -> None:
 
 
 def test_query_forms() -> None:
-    assert normalize_query({"a": "1", "b": ["2", 3], "c": True}) == (
-        ("a", "1"), ("b", "2"), ("b", "3"), ("c", "true"))
-    assert normalize_query([["a", "1"]]) == (("a", "1"),)
-    assert parse_query("a=1&b=x%20y&&c") == (("a", "1"), ("b", "x y"), ("c", ""))
+    assert normalize_query({"a": "1", "b": ["2", 3], "c": True, "d e": "/"}) == (
+        "a=1", "b=2", "b=3", "c=true", "d%20e=%2F")
+    assert normalize_query([["a", "1"]]) == ("a=1",)
+    assert parse_query("a=1&b=x%20y&&c") == ("a=1", "b=x%20y", "c")
+    for bad in ("a=1#f", "a=%zz", "a=b c", "a=\r\n"):
+        with pytest.raises(RequestError):
+            parse_query(bad)
+    with pytest.raises(RequestError):
+        normalize_query("a=1")
     with pytest.raises(RequestError):
         normalize_query({"a": {"x": 1}})
     with pytest.raises(RequestError):
@@ -109,11 +117,14 @@ def test_query_forms() -> None:
 @given(
     path=st.text(alphabet=st.sampled_from(list("/.%2fFeE5cC0aAdD\\:@?#ab \r\n")), max_size=40),
     q=st.lists(st.tuples(st.text(max_size=8), st.text(max_size=8)), max_size=3),
+    raw_q=st.text(alphabet=st.sampled_from(list("ab=&%2fF#?/+ \r\n")), max_size=20),
 )
-def test_property_accepted_path_stays_on_host(path: str, q: list[tuple[str, str]]) -> None:
+def test_property_accepted_path_stays_on_host(
+    path: str, q: list[tuple[str, str]], raw_q: str
+) -> None:
     try:
         enc, dec = check_path(path)
-        query = normalize_query(q)
+        query = normalize_query(q) + parse_query(raw_q)
     except RequestError:
         return
     assert "\\" not in dec and "\r" not in dec and "\n" not in dec
