@@ -42,11 +42,16 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
         "lint", parents=[today, as_json],
         help="validate rule files; list errors and warnings",
         description="Validate rule directories. Prints one 'file:line:col: message' line per "
-        "problem. Exit 1 when there is an error; warnings (expired or shadowed entries, "
-        "upload hosts without an http block, unused presets) do not fail.",
+        "problem. Exit 1 when there is an error; warnings (expired, soon expiring or "
+        "shadowed entries, upload hosts without an http block, unused presets, report-mode "
+        "profiles) do not fail.",
     )  # fmt: skip
     lint.add_argument("paths", nargs="*", metavar="PATH",
                       help="rules directory (or a file inside one); default ./rules")  # fmt: skip
+    lint.add_argument(
+        "--expiring-within", type=int, default=14, metavar="DAYS",
+        help="warn about entries that expire within DAYS (default 14; 0: off)",
+    )  # fmt: skip
     lint.set_defaults(func=cmd_lint)
 
     explain = rsub.add_parser(
@@ -115,7 +120,7 @@ def cmd_lint(args: argparse.Namespace) -> int:
         except RulesError as e:
             problems.extend(e.problems)
             continue
-        problems.extend(lint_ruleset(rs, args.today))
+        problems.extend(lint_ruleset(rs, args.today, args.expiring_within))
     errors = sum(p.severity == "error" for p in problems)
     warnings = len(problems) - errors
     if args.json:

@@ -89,7 +89,11 @@ def shadowing_deny(profile: Profile, entry: EgressEntry, today: date) -> EgressE
     return None
 
 
-def lint_ruleset(rs: RuleSet, today: date | None = None) -> list[Problem]:
+def lint_ruleset(
+    rs: RuleSet, today: date | None = None, expiring_within: int = 14
+) -> list[Problem]:
+    """Warnings for a loaded rule set; `expiring_within` days ahead flags entries about to
+    lapse (0 turns that off)."""
     today = today or utc_today()
     out: dict[tuple[str, int, int, str], Problem] = {}
 
@@ -100,7 +104,16 @@ def lint_ruleset(rs: RuleSet, today: date | None = None) -> list[Problem]:
         if not in_force(e, today):
             add(_warn(e, f"entry {e.id!r} expired on {e.expires}; it is not in force "
                          "(remove it or extend 'expires')"))  # fmt: skip
+        elif e.expires is not None and (e.expires - today).days < expiring_within:
+            days = (e.expires - today).days
+            add(_warn(e, f"entry {e.id!r} expires on {e.expires} (in {days} day(s)); "
+                         "review whether it is still needed"))  # fmt: skip
     for p in rs.profiles.values():
+        if p.mode == "report" and p.location is not None:
+            loc = p.location
+            msg = (f"egress.mode: profile {p.name!r} is in report mode: denials are logged "
+                   "but not enforced")  # fmt: skip
+            add(Problem(loc.file, loc.line, loc.column, msg, "warning"))
         for e in p.allow:
             if not in_force(e, today):
                 continue

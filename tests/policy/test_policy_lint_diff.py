@@ -109,3 +109,19 @@ def test_diff_reports_effective_changes(tmp_path, write_rules):
 def test_diff_of_identical_rules_is_empty(write_rules):
     rs = load_rules(write_rules(profiles={"p": OLD}))
     assert diff_rulesets(rs, rs) == []
+
+
+def test_soon_expiring_and_report_mode_warnings(write_rules):
+    text = """
+    profile: p
+    egress:
+      mode: report
+      allow: [{host: soon.test, reason: r, expires: 2026-06-10}]
+    """
+    rs = load_rules(write_rules(profiles={"p": text}))
+    msgs = "\n".join(str(w) for w in lint_ruleset(rs, date(2026, 6, 1)))
+    assert "'p:allow:soon.test' expires on 2026-06-10 (in 9 day(s))" in msgs
+    assert "p.yaml:1:1: warning: egress.mode: profile 'p' is in report mode" in msgs
+    quiet = "\n".join(str(w) for w in lint_ruleset(rs, date(2026, 6, 1), expiring_within=0))
+    assert "expires on" not in quiet
+    assert "expires on" not in "\n".join(str(w) for w in lint_ruleset(rs, date(2026, 5, 1)))
