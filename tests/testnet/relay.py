@@ -84,9 +84,17 @@ async def _serve(relay: Relay, ready: threading.Event, stop: asyncio.Event) -> N
     relay.tcp_port = tcp.sockets[0].getsockname()[1]
     udp, _ = await loop.create_datagram_endpoint(DnsForward, local_addr=("0.0.0.0", relay.dns_port))
     relay.dns_port = udp.get_extra_info("sockname")[1]
+
+    async def on_dns_tcp(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        relay.seen.append(("dns-tcp", writer.get_extra_info("peername")))
+        up_r, up_w = await asyncio.open_connection(relay.dns_server, 53)
+        await asyncio.gather(_pipe(reader, up_w), _pipe(up_r, writer))
+
+    dns_tcp = await asyncio.start_server(on_dns_tcp, "0.0.0.0", relay.dns_port)
     ready.set()
     await stop.wait()
-    tcp.close()
+    for server in (tcp, dns_tcp):
+        server.close()
     udp.close()
 
 

@@ -44,8 +44,10 @@ def test_wiring(client_ns: MakeClient, relay: Relay) -> None:
     assert [r["gateway"] for r in default] == [c.host_ip]
 
 
+@pytest.mark.parametrize("transport", ["udp", "tcp"])
+@pytest.mark.parametrize("server", ["dns_server", "unused"])
 def test_dns_to_any_server_is_redirected(
-    fake_internet: FakeInternet, client_ns: MakeClient, relay: Relay
+    fake_internet: FakeInternet, client_ns: MakeClient, relay: Relay, server: str, transport: str
 ) -> None:
     c = client_ns(redirect_tcp_port=relay.tcp_port, redirect_dns_port=relay.dns_port)
     code = (
@@ -53,14 +55,18 @@ def test_dns_to_any_server_is_redirected(
         "r = dns.resolver.Resolver(configure=False)\n"
         "r.nameservers = [sys.argv[1]]\n"
         "r.lifetime = 10\n"
-        "print(r.resolve('allowed.test', 'A')[0].to_text())\n"
+        "ans = r.resolve('cname.test', 'A', tcp=sys.argv[2] == 'tcp')\n"
+        "print(ans[0].to_text())\n"
     )
-    # asked of an address nothing listens on: only the redirect can answer
-    unused = str(fake_internet.layout.host_ip).rsplit(".", 1)[0] + ".99"
-    out = py(c, code, unused)
+    # an address nothing listens on can only be answered through the redirect
+    unused = fake_internet.host_ip.rsplit(".", 1)[0] + ".99"
+    target = fake_internet.dns_server if server == "dns_server" else unused
+    out = py(c, code, target, transport)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == fake_internet.addresses["allowed.test"]
-    assert any(kind == "dns" for kind, _ in relay.seen)
+    kind = "dns" if transport == "udp" else "dns-tcp"
+    assert any(k == kind for k, _ in relay.seen)
+    assert not [d for k, d in relay.seen if k == "tcp"]
 
 
 def test_https_through_the_redirect(
