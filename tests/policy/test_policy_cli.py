@@ -171,3 +171,20 @@ def test_explain_honours_today(capsys, write_rules):
     assert run(capsys, *args, "2026-03-01")[0] == 0
     rc, out, _ = run(capsys, *args, "2026-03-02")
     assert rc == 1 and "no_matching_rule" in out
+
+
+def test_shipped_github_grant_is_read_only():
+    from stockade.policy import load_rules, match_operation
+
+    grant = load_rules(SHIPPED).profiles["github-readonly"].broker["github"]
+    assert match_operation(grant, "GET", "/repos/octo/hello/issues?state=open")
+    assert match_operation(grant, "GET", "/repos/octo/hello/contents/src/main.py")
+    for method, path in [
+        ("POST", "/repos/octo/hello/issues"),
+        ("PATCH", "/repos/octo/hello"),
+        ("DELETE", "/repos/octo/hello"),
+        ("PUT", "/repos/octo/hello/contents/x"),
+        ("GET", "/user"),
+        ("GET", "/repos/octo/hello/../../user"),
+    ]:
+        assert not match_operation(grant, method, path), (method, path)
