@@ -48,6 +48,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     )  # fmt: skip
     lint.add_argument("paths", nargs="*", metavar="PATH",
                       help="rules directory (or a file inside one); default ./rules")  # fmt: skip
+    lint.add_argument("--rules", metavar="DIR", help="rules directory (same as PATH)")
     lint.add_argument(
         "--expiring-within", type=int, default=14, metavar="DAYS",
         help="warn about entries that expire within DAYS (default 14; 0: off)",
@@ -78,6 +79,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     test.add_argument("paths", nargs="*", metavar="PATH",
                       help="rules directory, its tests/ folder or one test file; "
                       "default ./rules")  # fmt: skip
+    test.add_argument("--rules", metavar="DIR", help="rules directory (same as PATH)")
     test.add_argument("--verbose", "-v", action="store_true", help="print passing cases too")
     test.set_defaults(func=cmd_test)
 
@@ -102,6 +104,11 @@ def _resolve(path: Path) -> tuple[Path, Path | None]:
     return path, None
 
 
+def _paths(args: argparse.Namespace) -> list[str]:
+    paths = list(args.paths) + ([args.rules] if args.rules else [])
+    return paths or ["rules"]
+
+
 def _problem_json(p: Any) -> dict[str, Any]:
     return {"file": p.file, "line": p.line, "column": p.column, "message": p.message,
             "severity": p.severity}  # fmt: skip
@@ -113,7 +120,7 @@ def cmd_lint(args: argparse.Namespace) -> int:
     from .problems import RulesError
 
     problems = []
-    for raw in args.paths or ["rules"]:
+    for raw in _paths(args):
         root, _ = _resolve(Path(raw))
         try:
             rs = load_rules(root)
@@ -221,7 +228,7 @@ def cmd_test(args: argparse.Namespace) -> int:
 
     passed = failed = 0
     report: list[dict[str, Any]] = []
-    for raw in args.paths or ["rules"]:
+    for raw in _paths(args):
         root, only = _resolve(Path(raw))
         rs = _load_or_report(root)
         if rs is None:

@@ -188,3 +188,9 @@ def test_shipped_github_grant_is_read_only():
         ("GET", "/repos/octo/hello/../../user"),
     ]:
         assert not match_operation(grant, method, path), (method, path)
+
+
+def test_rules_option_is_accepted_by_lint_and_test(capsys):
+    assert run(capsys, "lint", "--rules", str(SHIPPED))[0] == 0
+    rc, out, _ = run(capsys, "test", "--rules", str(SHIPPED))
+    assert rc == 0 and out.strip().endswith(" passed, 0 failed")
