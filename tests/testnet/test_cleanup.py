@@ -90,9 +90,9 @@ def test_sigkill_leftovers_are_reaped() -> None:
     child, (ns, hif, cns, chif, table) = _start_child(f"kill{os.getpid()}")
     child.kill()
     child.wait(timeout=60)
-    assert netns_exists(ns) and nft_table_exists("inet", table)  # nothing could run on SIGKILL
-    reaped = reap_stale()
-    assert {ns, cns} <= set(reaped)
+    # nothing could run on SIGKILL; the reaper (ours, or a concurrent run's start()) removes
+    # what the dead owner recorded
+    reap_stale()
     assert_gone(ns, hif)
     assert_gone(cns, chif, table)
 
