@@ -10,13 +10,17 @@ and tolerates pieces that are already gone, so kill, crash recovery and normal e
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -167,6 +171,7 @@ class Launcher:
         self._nflog_ticks = 0
         self._nflog_cv = threading.Condition()
         self.nflog_bound = False
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
 
     # -- lifecycle of the launcher itself ----------------------------------------------
     def start(self) -> None:
@@ -204,6 +209,7 @@ class Launcher:
         profile = self._profile(spec.profile, ruleset)
         policy_version = getattr(ruleset, "version", None)
         t0 = time.monotonic()
+        mark = self.events_mark()
         live = self._create(spec, profile, policy_version)
         rec = live.record
         t_setup = time.monotonic()
@@ -227,15 +233,19 @@ class Launcher:
                     proc.stdin.close()
             deadline = time.monotonic() + max(ttl, 0.0)
             limits_pids_fail = self.s.pids_fail_kill
+            # a pidfd wakes the loop the moment the sandbox ends (no polling delay)
+            pidfd = os.pidfd_open(proc.pid)
+            poller = select.poll()
+            poller.register(pidfd, select.POLLIN)
             while True:
-                try:
-                    proc.wait(timeout=0.05)
+                if poller.poll(50) and proc.poll() is not None:
                     break
-                except subprocess.TimeoutExpired:
-                    pass
-                if live.killed.is_set():
+                if proc.poll() is not None:
+                    break
+                if live.killed.is_set():  # also when kill() came before the process existed
                     ended_by = "killed"
                     live.cg.kill_all()
+                    self._kill_proc(proc)
                 elif time.monotonic() >= deadline:
                     ended_by = "ttl"
                     live.cg.kill_all()
@@ -244,6 +254,7 @@ class Launcher:
                     ended_by = "limit"
                     live.cg.kill_all()
                     self._kill_proc(proc)
+            os.close(pidfd)
             # the namespace's init is gone: every process in it is gone with it
             live.cg.kill_all()
             out_cap.join(timeout=5)
@@ -278,7 +289,7 @@ class Launcher:
                              scrubber)
         return RunResult(
             task_id=rec.task_id, exit_code=exit_code, stdout=stdout, stderr=stderr,
-            duration_s=round(duration, 6), denials=self.denials(rec.task_id),
+            duration_s=round(duration, 6), denials=self.denials(rec.task_id, since=mark),
             exports=exported, ended_by=ended_by,
             timings={"setup_s": t_setup - t0, "run_s": t_run - t_setup,
                      "teardown_s": t_end - t_run},
@@ -366,14 +377,37 @@ class Launcher:
                     removed["scratch"].append(d.name)
         return removed
 
-    def denials(self, task_id: str) -> list[dict[str, Any]]:
-        """The task's denial events from every component (the shared events file)."""
-        from stockade.events import read_events
+    def events_mark(self) -> tuple[int, int]:
+        """(inode, size) of the events file now: `denials(since=...)` reads only what follows."""
+        try:
+            st = os.stat(self.config.events_file)
+        except OSError:
+            return (0, 0)
+        return (st.st_ino, st.st_size)
 
-        out = []
+    def denials(self, task_id: str, since: tuple[int, int] | None = None) -> list[dict[str, Any]]:
+        """The task's denial events from every component (the shared events file).
+
+        With `since` (from `events_mark`) only the part written after the mark is read, and
+        the rotated file too when the file was rotated in between.
+        """
         path = self.config.events_file
-        for p in (path.with_name(path.name + ".1"), path):
-            for ev in read_events(p):
+        parts: list[tuple[Path, int]] = []
+        if since is None:
+            parts = [(path.with_name(path.name + ".1"), 0), (path, 0)]
+        else:
+            ino, off = since
+            try:
+                cur = os.stat(path).st_ino
+            except OSError:
+                cur = -1
+            if cur == ino:
+                parts = [(path, off)]
+            else:
+                parts = [(path.with_name(path.name + ".1"), off if ino else 0), (path, 0)]
+        out = []
+        for p, off in parts:
+            for ev in _read_events_from(p, off):
                 if (ev.get("labels", {}).get("task_id") == task_id
                         and ev.get("stockade", {}).get("decision") == "denied"):
                     out.append(ev)
@@ -424,9 +458,10 @@ class Launcher:
                 scratch=str(self.scratch_base / task_id), cgroups=cg.paths,
                 started_at=now, expires_at=now + ttl,
             )
+            # known as live before the record is visible: a concurrent kill() finds it
+            live = _Live(rec, cg)
+            self._live[task_id] = live
             records[task_id] = rec
-        live = _Live(rec, cg)
-        self._live[task_id] = live
         try:
             cg.create(cgroups.Limits(memory=limits.memory, pids=limits.pids, cpus=limits.cpus))
             base = self.scratch_base / task_id
@@ -462,15 +497,23 @@ class Launcher:
                 shm_size=self.s.shm_size, cgroup_procs=tuple(cg.procs_files()),
             )
             env = self._env(spec, a.host_ip)
-            argv = ["nsenter", f"--net={netns.NETNS_DIR}/{rec.netns}", "--",
-                    "unshare", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
-                    "--propagation", "private", "--",
-                    "/bin/sh", "-c", initscript.build(plan), "stockade-init", *spec.argv]
-            live.proc = subprocess.Popen(
-                argv, env=env, stdin=subprocess.PIPE if spec.stdin is not None
-                else subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                close_fds=True, start_new_session=True, cwd="/",
-            )
+            # the plan travels in a memfd, not argv: /proc/1/cmdline shows no host paths
+            plan_fd = os.memfd_create("stockade-init-plan", 0)
+            try:
+                os.write(plan_fd, json.dumps(initscript.build(plan)).encode())
+                os.lseek(plan_fd, 0, os.SEEK_SET)
+                argv = ["nsenter", f"--net={netns.NETNS_DIR}/{rec.netns}", "--",
+                        "unshare", "--mount", "--pid", "--ipc", "--uts", "--fork",
+                        "--kill-child", "--propagation", "private", "--",
+                        sys.executable, "-I", "-S", "-c", _init_source(), str(plan_fd),
+                        *spec.argv]
+                live.proc = subprocess.Popen(
+                    argv, env=env, stdin=subprocess.PIPE if spec.stdin is not None
+                    else subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    close_fds=True, pass_fds=(plan_fd,), start_new_session=True, cwd="/",
+                )
+            finally:
+                os.close(plan_fd)
             with self.state.locked() as records:
                 if task_id in records:
                     records[task_id].pid = live.proc.pid
@@ -667,33 +710,39 @@ class Launcher:
                     self.nflog_bound = True
                 except OSError:
                     # another launcher holds the group and reports for every sandbox
-                    self._tick()
                     self._stop.wait(1.0)
                     continue
             try:
-                records = sock.recv(0.02)
+                ready, _, _ = select.select([sock, self._wake_r], [], [], 0.5)
+                # records first, then the drain request: all queued before it are handled
+                for r in sock.recv_ready():
+                    self.handle_log_record(r)
+            except Exception:  # the reader must survive anything: reopen and go on
+                sock.close()
+                sock = None
+                self.nflog_bound = False
+                continue
             except OSError:
                 sock.close()
                 sock = None
                 self.nflog_bound = False
                 continue
-            for r in records:
-                self.handle_log_record(r)
-            self._tick()
+            if self._wake_r in ready:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 4096)
+                with self._nflog_cv:
+                    self._nflog_ticks += 1
+                    self._nflog_cv.notify_all()
         if sock is not None:
             sock.close()
 
-    def _tick(self) -> None:
-        with self._nflog_cv:
-            self._nflog_ticks += 1
-            self._nflog_cv.notify_all()
-
     def _wait_nflog_drain(self) -> None:
-        """Let records already queued in the kernel reach the events file (two polls)."""
+        """Let records the kernel already queued reach the events file before reading it."""
         if self._nflog_thread is None or not self.nflog_bound:
             return
         with self._nflog_cv:
-            target = self._nflog_ticks + 2
+            target = self._nflog_ticks + 1
+            os.write(self._wake_w, b"x")
             self._nflog_cv.wait_for(lambda: self._nflog_ticks >= target, timeout=0.5)
 
     def handle_log_record(self, r: LogRecord) -> dict[str, Any] | None:
@@ -712,6 +761,29 @@ class Launcher:
         )
         self._emit(ev)
         return ev
+
+
+def _read_events_from(path: Path, offset: int) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    try:
+        fh = open(path, "rb")  # noqa: SIM115 - closed below
+    except OSError:
+        return out
+    with fh:
+        fh.seek(offset)
+        for line in fh:
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue  # a torn line (another writer mid-write) or rotated garbage
+            if isinstance(ev, dict):
+                out.append(ev)
+    return out
+
+
+@functools.cache
+def _init_source() -> str:
+    return (Path(__file__).with_name("sandbox_init.py")).read_text()
 
 
 def _lifecycle_reason(ended_by: str) -> str | None:

@@ -1,28 +1,28 @@
-"""The sandbox's init: a POSIX sh script, built here by a pure function, that runs as root
-inside the new mount/pid/ipc/uts namespaces (already in the sandbox's netns and cgroups)
-and then becomes the command as an unprivileged user with no capabilities.
-
-Hand-written because it is a short fixed sequence of mount(8) calls; a container runtime
-would add an image format and a daemon that the netns floor does not need. Every value
-is passed through `shlex.quote`, so no path or argument is ever parsed as shell.
+"""The sandbox's init plan: a pure function turns what the launcher decided (binds, scratch,
+inputs, ids) into a JSON list of operations that `sandbox_init.py` performs as pid 1 inside
+the new mount/pid/ipc/uts namespaces (already in the sandbox's netns).
 
 Filesystem it builds (under a fresh tmpfs that becomes `/` through pivot_root):
 - read-only binds of the host's system directories (`ro_binds`; symlinks copied as symlinks)
 - `/etc/resolv.conf`, `/etc/hosts`, `/etc/hostname` replaced by the launcher's files
 - `/scratch` (the size-capped tmpfs, the only writable place; `/tmp` and `HOME` live in it)
 - inputs bound read-only at their guest paths
-- a new `/proc` (pid namespace), a minimal `/dev`, a small `/dev/shm`
-then the root tmpfs is remounted read-only.
+- a new `/proc` (pid namespace), a minimal read-only `/dev`, a small `/dev/shm`
+then the root tmpfs is remounted read-only. The values are data, never parsed as shell.
 """
 
 from __future__ import annotations
 
-import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 SCRATCH = "/scratch"
 TMP = "/tmp"  # noqa: S108 - a path inside the sandbox
+RESERVED = (SCRATCH, TMP, "/proc", "/dev", "/.oldroot")
+OLDROOT = ".oldroot"
+
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,16 +44,8 @@ class InitPlan:
     system: tuple[Bind, ...] = ()
     inputs: tuple[Bind, ...] = ()
     shm_size: int = 16 * 2**20
-    cgroup_procs: tuple[str, ...] = ()  # joined first, before anything else runs
     etc_files: tuple[str, ...] = ("resolv.conf", "hosts", "hostname")
-    extra: dict[str, str] = field(default_factory=dict)
-
-
-def _q(s: str) -> str:
-    return shlex.quote(s)
-
-
-RESERVED = ("/scratch", "/tmp", "/proc", "/dev", "/.oldroot")  # noqa: S108
+    cgroup_procs: tuple[str, ...] = ()  # joined first, before anything else runs
 
 
 def _guest(path: str) -> str:
@@ -72,76 +64,61 @@ def check_input_target(path: str) -> str:
     return p
 
 
-def build(plan: InitPlan) -> str:
-    r = plan.root
-    lines = [
-        "set -eu",
-        "umask 022",
-        # "0" is the writer itself: everything from here on is counted and killable
-        *(f"echo 0 > {_q(p)}" for p in plan.cgroup_procs),
-        f"mount -t tmpfs -o size=4m,mode=0755,nosuid,nodev stockade-root {_q(r)}",
-    ]
-    # /proc/sys/net here still reflects this process's netns: IPv6 off before anything runs
-    lines += [
-        "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6 2>/dev/null || true",
-        "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6 2>/dev/null || true",
-        f"echo {_q(plan.hostname)} > /proc/sys/kernel/hostname",
+def _bind(b: Bind, r: str, target: str) -> list[list[Any]]:
+    t = r + target
+    if b.symlink_to is not None:
+        return [["symlink", b.symlink_to, t]]
+    return [["mkdir", t, 0o755] if b.is_dir else ["touch", t],
+            ["bind", b.source, t, True, False]]
+
+
+def build(plan: InitPlan) -> dict[str, Any]:
+    r = plan.root.rstrip("/")
+    ops: list[list[Any]] = [
+        ["cgroup", list(plan.cgroup_procs)],
+        # /proc/sys/net still reflects this process's netns: IPv6 off before anything runs
+        ["write", "/proc/sys/net/ipv6/conf/all/disable_ipv6", "1", True],
+        ["write", "/proc/sys/net/ipv6/conf/default/disable_ipv6", "1", True],
         # unprivileged ICMP sockets: a ping gets a legible "prohibited" (nft still rejects it)
-        "echo '0 2147483647' > /proc/sys/net/ipv4/ping_group_range 2>/dev/null || true",
+        ["write", "/proc/sys/net/ipv4/ping_group_range", "0 2147483647", True],
+        ["write", "/proc/sys/kernel/hostname", plan.hostname, False],
+        ["mount", "stockade-root", r, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=0755"],
     ]
     for b in plan.system:
-        t = r + _guest(b.target)
-        if b.symlink_to is not None:
-            lines.append(f"ln -s {_q(b.symlink_to)} {_q(t)}")
-            continue
-        lines.append(f"mkdir -p {_q(t)}" if b.is_dir else
-                     f"mkdir -p {_q(t.rsplit('/', 1)[0])} && : > {_q(t)}")
-        lines.append(f"mount --bind -o ro,nosuid,nodev {_q(b.source)} {_q(t)}")
+        ops += _bind(b, r, _guest(b.target))
     for name in plan.etc_files:
-        t = f"{r}/etc/{name}"
-        src = f"{plan.etc_dir}/{name}"
-        # the host /etc is bound read-only: a missing file cannot be created, so skip it
-        lines.append(f"if [ -f {_q(t)} ]; then mount --bind -o ro {_q(src)} {_q(t)}; fi")
-    s = r + SCRATCH
-    lines += [
+        # the host /etc is read-only: a file it lacks cannot be created, so it is skipped
+        ops.append(["bind", f"{plan.etc_dir}/{name}", f"{r}/etc/{name}", True, True])
+    ops += [
+        ["mkdir", r + SCRATCH, 0o755],
+        ["mkdir", r + TMP, 0o755],
+        ["bind", plan.scratch, r + SCRATCH, False, False],
         # the sandbox's /tmp is a directory of the scratch tmpfs (size-capped with it)
-        f"mkdir -p {_q(s)} {_q(r + TMP)}",
-        f"mount --bind {_q(plan.scratch)} {_q(s)}",
-        f"mount --bind {_q(plan.scratch + TMP)} {_q(r + TMP)}",
+        ["bind", plan.scratch + TMP, r + TMP, False, False],
     ]
     for b in plan.inputs:
-        t = r + check_input_target(b.target)
-        lines.append(f"mkdir -p {_q(t)}" if b.is_dir else
-                     f"mkdir -p {_q(t.rsplit('/', 1)[0])} && : > {_q(t)}")
-        lines.append(f"mount --bind -o ro,nosuid,nodev {_q(b.source)} {_q(t)}")
+        ops += _bind(b, r, check_input_target(b.target))
     d = r + "/dev"
-    lines += [
-        f"mkdir -p {_q(r + '/proc')} {_q(d)}",
-        f"mount -t proc -o nosuid,nodev,noexec proc {_q(r + '/proc')}",
-        f"mount -t tmpfs -o size=64k,mode=0755,nosuid stockade-dev {_q(d)}",
+    ops += [
+        ["mkdir", r + "/proc", 0o555],
+        ["mount", "proc", r + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None],
+        ["mkdir", d, 0o755],
+        ["mount", "stockade-dev", d, "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=0755"],
     ]
     for dev in DEVICES:
-        lines.append(f": > {_q(d + '/' + dev)} && mount --bind /dev/{dev} {_q(d + '/' + dev)}")
-    lines += [
-        f"ln -s /proc/self/fd {_q(d + '/fd')}",
-        f"ln -s /proc/self/fd/0 {_q(d + '/stdin')}",
-        f"ln -s /proc/self/fd/1 {_q(d + '/stdout')}",
-        f"ln -s /proc/self/fd/2 {_q(d + '/stderr')}",
-        f"mkdir {_q(d + '/shm')}",
-        f"mount -t tmpfs -o size={plan.shm_size},mode=1777,nosuid,nodev stockade-shm "
-        f"{_q(d + '/shm')}",
-        f"mkdir {_q(r + '/.oldroot')}",
-        f"mount -o remount,ro,bind {_q(d)}",
-        f"cd {_q(r)}",
-        "pivot_root . .oldroot",
-        "umount -l /.oldroot",
-        "mount -o remount,ro,nosuid,nodev /",
-        f"cd {SCRATCH}",
-        "unset OLDPWD",
-        # not exec'd: as pid 1 this shell outlives a command killed by a signal and turns
-        # it into the usual 128+N status (unshare cannot re-raise SIGKILL on itself)
-        f"setpriv --reuid={plan.uid} --regid={plan.gid} --clear-groups "
-        "--inh-caps=-all --bounding-set=-all --no-new-privs -- \"$@\"",
-        "exit $?",
+        ops += [["touch", f"{d}/{dev}"], ["bind", f"/dev/{dev}", f"{d}/{dev}", False, False]]
+    ops += [
+        ["symlink", "/proc/self/fd", d + "/fd"],
+        ["symlink", "/proc/self/fd/0", d + "/stdin"],
+        ["symlink", "/proc/self/fd/1", d + "/stdout"],
+        ["symlink", "/proc/self/fd/2", d + "/stderr"],
+        ["mkdir", d + "/shm", 0o1777],
+        ["mount", "stockade-shm", d + "/shm", "tmpfs", MS_NOSUID | MS_NODEV,
+         f"size={plan.shm_size},mode=1777"],
+        ["remount_ro", d, MS_NOSUID | MS_NOEXEC],
+        ["mkdir", f"{r}/{OLDROOT}", 0o700],
+        ["pivot", r, OLDROOT],
+        ["remount_ro", "/", MS_NOSUID | MS_NODEV],
+        ["chdir", SCRATCH],
     ]
-    return "\n".join(lines) + "\n"
+    return {"ops": ops, "uid": plan.uid, "gid": plan.gid}

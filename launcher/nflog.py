@@ -197,6 +197,24 @@ class NflogSocket:
             raise
         return parse_messages(data)
 
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def recv_ready(self) -> list[LogRecord]:
+        """Every record already queued, without waiting."""
+        out: list[LogRecord] = []
+        self.sock.setblocking(False)  # a socket timeout would make recv wait for it first
+        while True:
+            try:
+                data = self.sock.recv(1 << 17, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError, TimeoutError):
+                return out
+            except OSError as e:
+                if e.errno == 105:  # ENOBUFS: the kernel dropped records; keep reading
+                    continue
+                raise
+            out += parse_messages(data)
+
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.send(config_message(self.group,

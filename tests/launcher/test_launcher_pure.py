@@ -5,7 +5,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-import shlex
 import threading
 from pathlib import Path
 
@@ -140,7 +139,7 @@ def test_scrubbed_output_never_contains_an_env_value(value: str, a: str, b: str)
 # -- init script ----------------------------------------------------------------------
 
 
-def test_init_script_quotes_every_value() -> None:
+def test_init_plan_is_data_in_a_safe_order() -> None:
     evil = "/in/$(touch /pwned);`id`'\""
     plan = initscript.InitPlan(
         root="/r", scratch="/s", etc_dir="/e", uid=65534, gid=65534,
@@ -149,14 +148,25 @@ def test_init_script_quotes_every_value() -> None:
         inputs=(initscript.Bind(evil, "/inputs/x y"),),
         cgroup_procs=("/sys/fs/cgroup/pids/stockade/abc/cgroup.procs",),
     )
-    text = initscript.build(plan)
-    line = next(x for x in text.splitlines() if "mount --bind -o ro,nosuid,nodev /in" in x
-                or (evil in x and "mount" in x))
-    assert shlex.split(line)[-2:] == [evil, "/r/inputs/x y"]
-    assert text.splitlines()[2].startswith("echo 0 > ")
-    assert "ln -s usr/bin /r/bin" in text
-    assert text.rstrip().endswith('--no-new-privs -- "$@"\nexit $?')
-    assert "--reuid=65534" in text and "--bounding-set=-all" in text
+    built = initscript.build(plan)
+    assert json.loads(json.dumps(built)) == built  # plain JSON for the init's memfd
+    ops = built["ops"]
+    kinds = [op[0] for op in ops]
+    # cgroups first (everything after is counted), IPv6 off before any mount
+    assert ops[0] == ["cgroup", ["/sys/fs/cgroup/pids/stockade/abc/cgroup.procs"]]
+    assert kinds.index("write") < kinds.index("mount")
+    # values stay values: the evil path is one argument of one read-only bind
+    binds = [op for op in ops if op[0] == "bind" and op[1] == evil]
+    assert binds == [["bind", evil, "/r/inputs/x y", True, False]]
+    assert ["symlink", "usr/bin", "/r/bin"] in ops
+    assert ["bind", "/usr", "/r/usr", True, False] in ops
+    # scratch and /tmp are the only writable binds of host directories
+    rw = [op[1] for op in ops if op[0] == "bind" and not op[3] and not op[1].startswith("/dev/")]
+    assert rw == ["/s", "/s/tmp"]
+    # pivot, then the root read-only, and nothing mounted after that
+    assert kinds[-3:] == ["pivot", "remount_ro", "chdir"]
+    assert ops[-2] == ["remount_ro", "/", initscript.MS_NOSUID | initscript.MS_NODEV]
+    assert (built["uid"], built["gid"]) == (65534, 65534)
 
 
 @pytest.mark.parametrize("bad", ["relative", "/scratch", "/scratch/x", "/proc", "/dev/x",

@@ -1,0 +1,129 @@
+"""Leak test and crash recovery: create/kill cycles and a SIGKILLed launcher leave nothing.
+
+STOCKADE_LEAK_CYCLES sets the cycle count (default 200; each cycle is a full sandbox)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from stockade.launcher import SandboxSpec, netns, nft
+from stockade.launcher.cgroups import CgroupSet, Limits, leftover_names
+
+from .conftest import Lab
+
+pytestmark = pytest.mark.netns
+
+CYCLES = int(os.environ.get("STOCKADE_LEAK_CYCLES", "200"))
+
+
+def leftovers(lab: Lab) -> dict[str, Any]:
+    s = lab.config.launcher
+    elements = {k: v for k, v in nft.list_elements(s.nft_table).items() if v}
+    mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
+              if line.split()[1].startswith(s.scratch_dir)]
+    return {
+        "netns": netns.list_netns(s.name_prefix),
+        "links": netns.list_links(s.name_prefix),
+        "elements": elements,
+        "cgroups": sorted(leftover_names(s.cgroup_root, s.cgroup_parent)),
+        "scratch": sorted(os.listdir(s.scratch_dir)) if os.path.isdir(s.scratch_dir) else [],
+        "mounts": mounts,
+        "state": lab.launcher.list(),
+        "gateway": [t.task_id for t in lab.gateway_registry.tasks()],
+        "broker": [t.task_id for t in lab.broker_registry.tasks()],
+    }
+
+
+EMPTY = {"netns": [], "links": [], "elements": {}, "cgroups": [], "scratch": [], "mounts": [],
+         "state": [], "gateway": [], "broker": []}
+
+
+def _start_and_kill(lab: Lab) -> dict[str, Any]:
+    box: dict[str, Any] = {}
+
+    def go() -> None:
+        box["r"] = lab.launcher.run(SandboxSpec("test", ["sleep", "60"]), lab.ruleset)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    while not lab.launcher.list():
+        time.sleep(0.002)
+    lab.launcher.kill(lab.launcher.list()[0]["task_id"])
+    t.join(timeout=20)
+    return box
+
+
+def test_create_kill_cycles_leave_nothing(lab: Lab) -> None:
+    assert leftovers(lab) == EMPTY
+    for i in range(CYCLES):
+        if i % 2 == 0:
+            res = lab.run(["true"])
+            assert res.exit_code == 0
+            continue
+        box = _start_and_kill(lab)
+        assert box["r"].ended_by == "killed"
+    assert leftovers(lab) == EMPTY
+
+
+CRASHER = r"""
+import json, sys, types
+from stockade.config import Config
+from stockade.launcher import Launcher, SandboxSpec
+from stockade.policy.model import Limits, Profile
+cfg = Config.model_validate(json.loads(sys.argv[1]))
+rs = types.SimpleNamespace(profiles={"test": Profile("test", "t", limits=Limits(ttl=60))},
+                           version="x")
+Launcher(cfg, nflog=False).run(SandboxSpec("test", ["sleep", "60"]), rs)
+"""
+
+
+def test_reconcile_after_launcher_crash(lab: Lab) -> None:
+    cfg = lab.config.model_dump()
+    proc = subprocess.Popen([sys.executable, "-c", CRASHER, json.dumps(cfg)])
+    try:
+        for _ in range(1000):
+            rows = lab.launcher.list()
+            if rows and rows[0]["state"] == "running":
+                break
+            time.sleep(0.01)
+        assert lab.launcher.list(), "crasher did not start its sandbox"
+        time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    left = leftovers(lab)
+    assert left["netns"] and left["cgroups"] and left["state"]  # the crash left pieces
+    # and its sandbox's processes still run (unshare is in its own session)
+    s = lab.config.launcher
+    assert CgroupSet(s.cgroup_root, s.cgroup_parent, left["cgroups"][0]).pids()
+    removed = lab.launcher.reconcile()
+    assert removed["sandboxes"] == [left["state"][0]["task_id"]]
+    after = leftovers(lab)
+    # the crashed launcher registered its task with gateway and broker; reconcile deregisters
+    assert after == EMPTY
+
+
+def test_reconcile_removes_unrecorded_pieces(lab: Lab) -> None:
+    s = lab.config.launcher
+    tid = "abcdef0123"
+    from stockade.launcher.addresses import slot_addresses
+
+    a = slot_addresses(s.address_pool, 60)
+    netns.create(f"{s.name_prefix}-{tid}", f"{s.name_prefix}{tid}", a)
+    nft.run(nft.element_commands(s.nft_table, "add", [
+        nft.Wiring(f"{s.name_prefix}{tid}", a.guest_ip, a.guest_mac, a.host_ip)]))
+    CgroupSet(s.cgroup_root, s.cgroup_parent, tid).create(Limits(2**26, 16, 0.5))
+    Path(s.scratch_dir, tid, "scratch").mkdir(parents=True)
+    removed = lab.launcher.reconcile()
+    assert removed["netns"] == [f"{s.name_prefix}-{tid}"]
+    assert removed["cgroups"] == [tid] and removed["scratch"] == [tid]
+    assert leftovers(lab) == EMPTY
