@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import dns.message
+import dns.query
 import pytest
 
 from stockade.testnet import ClientNamespace, FakeInternet, TestnetError, reap_stale
@@ -28,9 +30,13 @@ def assert_gone(netns: str, link: str, table: str | None = None) -> None:
 
 
 def test_stop_removes_everything_and_is_idempotent(fake_internet: FakeInternet) -> None:
-    fi = FakeInternet(fake_internet.subnet)  # taken: must move to a free subnet
+    # taken: must move to a free subnet
+    fi = FakeInternet(fake_internet.subnet, extra_records={"extra.test": [("TXT", "x1")]})
     with fi:
         assert fi.subnet != fake_internet.subnet
+        reply = dns.query.udp(dns.message.make_query("extra.test", "TXT"), fi.dns_server,
+                              timeout=10)
+        assert [rd.to_text() for rrset in reply.answer for rd in rrset] == ['"x1"']
         assert netns_exists(fi.namespace) and link_exists(fi.host_if)
         workdir = fi.workdir
     assert_gone(fi.namespace, fi.host_if)
