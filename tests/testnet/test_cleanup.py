@@ -53,7 +53,7 @@ def test_failed_start_cleans_up() -> None:
 
 
 def test_client_namespace_stop() -> None:
-    c = ClientNamespace("cleanup_t", None, 15001, 15053)
+    c = ClientNamespace(f"cleanup{os.getpid()}", None, 15001, 15053)
     with c:
         assert nft_table_exists("inet", c.nft_table)
         assert c.run(["true"]).returncode == 0

@@ -28,6 +28,7 @@ def test_ruleset_without_exemptions_has_no_return() -> None:
 
 
 @pytest.mark.netns
+@pytest.mark.usefixtures("netns_available")
 def test_ruleset_parses_with_real_nft() -> None:
     if shutil.which("nft") is None:
         pytest.skip("nft not installed")
