@@ -276,4 +276,5 @@ async def harness(
         h.events.close()
         # every byte this test produced: responses, events, logs
         ev_bytes = h.events_path.read_bytes() if h.events_path.exists() else b""
-        assert_no_secret(h.secret, [*h.produced, ev_bytes, caplog.text.encode()])
+        assert_no_secret(h.secret, [*h.produced, ev_bytes, caplog.text.encode(),
+                                    h.broker.metrics.render()])
