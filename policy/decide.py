@@ -57,7 +57,8 @@ def decide(
         return cp.verdict(False, Reason.INVALID_HOST)
     port = facts.port
     if type(port) is not int or not 1 <= port <= 65535:
-        return cp.verdict(False, Reason.PORT_NOT_ALLOWED)
+        # malformed, so not eligible for report mode (built directly, not via the cache)
+        return Verdict(False, Reason.PORT_NOT_ALLOWED, ruleset.version)
 
     for e in _matches(cp, name, addr, deny=True):
         if (not e.ports or port in e.ports) and (e.expires is None or in_force(e, today)):

@@ -117,6 +117,12 @@ def lint_ruleset(
         for e in p.allow:
             if not in_force(e, today):
                 continue
+            if e.http is not None:
+                wider = _uninspected_cover(p, e, today)
+                if wider is not None:
+                    add(_warn(e, f"the http block of {e.id!r} has no effect in profile "
+                                 f"{p.name!r}: {wider.id!r} allows the same hosts and ports "
+                                 "without one"))  # fmt: skip
             d = shadowing_deny(p, e, today)
             if d is not None:
                 add(_warn(e, f"entry {e.id!r} is shadowed by deny {d.id!r} in profile "
@@ -136,6 +142,13 @@ def lint_ruleset(
             add(Problem(loc.file, loc.line, loc.column,
                         f"preset: {name!r} is not used by any profile", "warning"))  # fmt: skip
     return sorted(out.values(), key=lambda p: (p.file, p.line, p.column, p.message))
+
+
+def _uninspected_cover(profile: Profile, entry: EgressEntry, today: date) -> EgressEntry | None:
+    for other in profile.allow:
+        if other.http is None and in_force(other, today) and entry_covers(other, entry):
+            return other
+    return None
 
 
 def _denied(profile: Profile, host: str, today: date) -> bool:

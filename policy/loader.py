@@ -282,6 +282,9 @@ def load_rules(rules_dir: str | Path) -> RuleSet:
             if t.profile not in profiles:
                 src.error(("tests", i, "profile"), f"unknown profile {t.profile!r}")
                 continue
+            if t.rule is not None and t.rule not in ids:
+                src.error(("tests", i, "rule"), f"unknown rule id {t.rule!r}")
+                continue
             tests.append(
                 PolicyTestCase(
                     profile=t.profile,

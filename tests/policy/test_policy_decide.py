@@ -251,3 +251,10 @@ def test_idn_rules_and_requests_meet_in_punycode(load_profile):
     assert decide(rs, "p", facts("a.münchen.example")).allowed
     assert not decide(rs, "p", facts("münchen.example")).allowed  # apex
     assert not decide(rs, "p", facts("bucher.example")).allowed
+
+
+def test_malformed_port_is_denied_even_in_report_mode(load_profile):
+    rs = load_profile(BASE.replace("egress:\n", "egress:\n  mode: report\n"))
+    for port in (0, -1, 65536):
+        v = decide(rs, "p", facts("pypi.org", port))
+        assert not v.allowed and not v.report_only and v.reason == Reason.PORT_NOT_ALLOWED

@@ -125,3 +125,18 @@ def test_soon_expiring_and_report_mode_warnings(write_rules):
     quiet = "\n".join(str(w) for w in lint_ruleset(rs, date(2026, 6, 1), expiring_within=0))
     assert "expires on" not in quiet
     assert "expires on" not in "\n".join(str(w) for w in lint_ruleset(rs, date(2026, 5, 1)))
+
+
+def test_http_block_bypassed_by_wider_uninspected_entry(write_rules):
+    text = """
+    profile: p
+    egress:
+      presets: [ro]
+      allow: [{host: "*.npmjs.org", reason: convenience}]
+    """
+    ro = "preset: ro\nallow: [{host: registry.npmjs.org, reason: r, http: {methods: [GET]}}]\n"
+    rs = load_rules(write_rules(profiles={"p": text}, presets={"ro": ro}))
+    msgs = "\n".join(str(w) for w in lint_ruleset(rs, date(2026, 1, 1)))
+    assert "ro.yaml:2:9: warning: the http block of 'ro:allow:registry.npmjs.org' has no " \
+           "effect in profile 'p': 'p:allow:*.npmjs.org'" in msgs
+    assert "'p:allow:*.npmjs.org' reaches registry.npmjs.org" in msgs

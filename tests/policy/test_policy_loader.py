@@ -222,3 +222,9 @@ def test_missing_dir_and_empty_file(write_rules, tmp_path):
 def test_alias_loop_is_refused(write_rules):
     (p,) = errors(write_rules, profiles={"p": "profile: p\ndescription: &a [*a]\n"})
     assert "invalid YAML" in p or "nested too deeply" in p
+
+
+def test_policy_test_with_unknown_rule_id(write_rules):
+    tests = "tests:\n  - {profile: p, target: a.test, expect: deny, rule: typo}\n"
+    problems = errors(write_rules, profiles={"p": "profile: p\n"}, tests={"t": tests})
+    assert any("t.yaml:2:54: tests[0].rule: unknown rule id 'typo'" in p for p in problems)
