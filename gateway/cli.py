@@ -18,11 +18,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
         "`gateway:` and `dns:` sections of stockade.yaml. SIGHUP reloads the rules.",
     )
     serve.add_argument("--config", help="stockade.yaml (default: built-in defaults)")
-    serve.add_argument("--no-dns", action="store_true",
-                       help="do not start the DNS firewall (TCP listeners only)")
-    serve.add_argument("--log-level", default="WARNING",
-                       choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-                       help="diagnostic log level on stderr (events go to the events file)")
+    serve.add_argument(
+        "--no-dns", action="store_true", help="do not start the DNS firewall (TCP listeners only)"
+    )
+    serve.add_argument(
+        "--log-level",
+        default="WARNING",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="diagnostic log level on stderr (events go to the events file)",
+    )
     serve.set_defaults(func=run_serve)
 
 
@@ -36,8 +40,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from .service import serve
 
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     try:
         config = load_config(args.config)
     except ConfigError as e:

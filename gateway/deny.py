@@ -15,9 +15,7 @@ TLS_ALERT_ACCESS_DENIED = b"\x15\x03\x03\x00\x02\x02\x31"
 _STATUS_TEXT = {403: "Forbidden", 502: "Bad Gateway"}
 
 
-def http_denial(
-    reason: str, rule: str | None, task: str | None, status: int = 403
-) -> bytes:
+def http_denial(reason: str, rule: str | None, task: str | None, status: int = 403) -> bytes:
     body = json.dumps(
         {"error": "denied by stockade gateway", "reason": reason, "rule": rule, "task": task},
         separators=(",", ":"),

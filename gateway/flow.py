@@ -10,7 +10,7 @@ No I/O: the asyncio shell (`server.py`) resolves and dials what this returns.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import date
 from typing import Literal
 
@@ -36,6 +36,7 @@ class FlowInput:
     tls: ClientHello | None = None
     http: RequestHead | None = None  # the first plain-HTTP request head
     sniff_error: SniffError | None = None  # what the sniffer refused, if it did
+    hint: Protocol | None = None  # which sniffer the first byte chose (for the deny reply)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +56,9 @@ class FlowDecision:
 def _deny(
     reason: Reason, protocol: Protocol, port: int, version: str, detail: str, host: str | None
 ) -> FlowDecision:
-    return FlowDecision(False, reason, protocol, port, host=host, policy_version=version,
-                        detail=detail)
+    return FlowDecision(
+        False, reason, protocol, port, host=host, policy_version=version, detail=detail
+    )
 
 
 def _protocol(inp: FlowInput) -> Protocol:
@@ -64,7 +66,7 @@ def _protocol(inp: FlowInput) -> Protocol:
         return "tls"
     if inp.http is not None:
         return "http"
-    return "tcp"
+    return inp.hint or "tcp"
 
 
 def _effective_port(inp: FlowInput) -> int | None:
@@ -120,8 +122,16 @@ def _by_cidr(
         return None
     v = decide(ruleset, profile, RequestFacts(host=None, port=port, ip=canonical), today=today)
     if v.allowed and not v.report_only:
-        return FlowDecision(True, v.reason, "tcp", port, ip=canonical, rule_id=v.rule_id,
-                            policy_version=ruleset.version, detail="raw TCP by cidr rule")
+        return FlowDecision(
+            True,
+            v.reason,
+            "tcp",
+            port,
+            ip=canonical,
+            rule_id=v.rule_id,
+            policy_version=ruleset.version,
+            detail="raw TCP by cidr rule",
+        )
     return None
 
 
@@ -139,6 +149,8 @@ def decide_flow(
     def refuse(reason: Reason, detail: str, host: str | None = None) -> FlowDecision:
         # anything the gateway cannot name is still fine as raw TCP where a cidr rule says so
         raw = _by_cidr(ruleset, profile, fallback_ip, port, today)
+        if raw is not None and inp.hint is not None:
+            raw = replace(raw, protocol=inp.hint)
         return raw if raw is not None else _deny(reason, proto, port, version, detail, host)
 
     if inp.sniff_error is not None:
@@ -157,21 +169,42 @@ def decide_flow(
         except HostError as e:
             return _deny(Reason.INVALID_HOST, proto, port, version, f"{source}: {e}", None)
         if explicit_port is not None and explicit_port != port:
-            return _deny(Reason.DESTINATION_MISMATCH, proto, port, version,
-                         f"{source} names port {explicit_port}, flow port is {port}", None)
+            return _deny(
+                Reason.DESTINATION_MISMATCH,
+                proto,
+                port,
+                version,
+                f"{source} names port {explicit_port}, flow port is {port}",
+                None,
+            )
     if len(hosts) != 1:
         sources = ", ".join(s for s, _, _ in named)
-        return _deny(Reason.DESTINATION_MISMATCH, proto, port, version,
-                     f"{sources} name different hosts", None)
+        return _deny(
+            Reason.DESTINATION_MISMATCH,
+            proto,
+            port,
+            version,
+            f"{sources} name different hosts",
+            None,
+        )
     host = hosts.pop()
     if is_ip_literal(host):
         # an address is a destination only through a cidr rule (RFC 6066 forbids IP SNI)
         raw_ok = _by_cidr(ruleset, profile, host, port, today)
         if raw_ok is not None:
-            return FlowDecision(True, raw_ok.reason, proto, port, ip=host, rule_id=raw_ok.rule_id,
-                                policy_version=version, detail="IP literal by cidr rule")
-        return _deny(Reason.NO_MATCHING_RULE, proto, port, version,
-                     "IP literal without a cidr rule", host)
+            return FlowDecision(
+                True,
+                raw_ok.reason,
+                proto,
+                port,
+                ip=host,
+                rule_id=raw_ok.rule_id,
+                policy_version=version,
+                detail="IP literal by cidr rule",
+            )
+        return _deny(
+            Reason.NO_MATCHING_RULE, proto, port, version, "IP literal without a cidr rule", host
+        )
     v = decide(ruleset, profile, RequestFacts(host=host, port=port), today=today)
     return FlowDecision(
         allowed=v.allowed,

@@ -13,25 +13,30 @@ class GatewayMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.decisions = Counter(
-            "stockade_gateway_decisions", "Connection decisions",
-            ["outcome", "reason", "profile"], registry=r,
+            "stockade_gateway_decisions",
+            "Connection decisions",
+            ["outcome", "reason", "profile"],
+            registry=r,
         )
-        self.live = Gauge("stockade_gateway_connections_live", "Relayed connections open",
-                          registry=r)
-        self.bytes = Counter("stockade_gateway_bytes", "Bytes relayed", ["direction"],
-                             registry=r)
+        self.live = Gauge(
+            "stockade_gateway_connections_live", "Relayed connections open", registry=r
+        )
+        self.bytes = Counter("stockade_gateway_bytes", "Bytes relayed", ["direction"], registry=r)
         self.decision_seconds = Histogram(
             "stockade_gateway_decision_seconds",
             "Accept to decision (sniff, policy, resolve, dial)",
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 2.5, 10),
             registry=r,
         )
-        self.registry_size = Gauge("stockade_gateway_registry_tasks", "Registered tasks",
-                                   registry=r)
-        self.reloads = Counter("stockade_gateway_rule_reloads", "Rule reloads", ["result"],
-                               registry=r)
-        self.events_dropped = Gauge("stockade_gateway_events_dropped",
-                                    "Events that could not be written", registry=r)
+        self.registry_size = Gauge(
+            "stockade_gateway_registry_tasks", "Registered tasks", registry=r
+        )
+        self.reloads = Counter(
+            "stockade_gateway_rule_reloads", "Rule reloads", ["result"], registry=r
+        )
+        self.events_dropped = Gauge(
+            "stockade_gateway_events_dropped", "Events that could not be written", registry=r
+        )
 
     def track_registry(self, size: Callable[[], int]) -> None:
         self.registry_size.set_function(lambda: float(size()))

@@ -60,8 +60,9 @@ class PipePool:
 
 async def _wait(loop: asyncio.AbstractEventLoop, fd: int, write: bool) -> None:
     fut = loop.create_future()
-    add, remove = (loop.add_writer, loop.remove_writer) if write else (
-        loop.add_reader, loop.remove_reader)
+    add, remove = (
+        (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
+    )
     add(fd, fut.set_result, None)
     try:
         await fut

@@ -86,21 +86,31 @@ class RulesHolder:
             problems = [str(p) for p in getattr(e, "problems", [])][:20]
             if self.metrics:
                 self.metrics.reloads.labels("failure").inc()
-            self.emit(make_event(
-                component="rules", action="rules_reload", decision="denied",
-                reason="rules_invalid", policy_version=old,
-                message=f"rule reload ({trigger}) refused; previous rules stay in force",
-                extra={"problems": problems, "trigger": trigger},
-            ))
+            self.emit(
+                make_event(
+                    component="rules",
+                    action="rules_reload",
+                    decision="denied",
+                    reason="rules_invalid",
+                    policy_version=old,
+                    message=f"rule reload ({trigger}) refused; previous rules stay in force",
+                    extra={"problems": problems, "trigger": trigger},
+                )
+            )
             return {"ok": False, "version": old, "problems": problems}
         self._current = new  # a single reference swap: readers see old or new, never a mix
         self._snapshot = snap
         if self.metrics:
             self.metrics.reloads.labels("success").inc()
-        self.emit(make_event(
-            component="rules", action="rules_reload", decision="allowed",
-            reason="rules_loaded", policy_version=new.version,
-            message=f"rules reloaded ({trigger}): {old} -> {new.version}",
-            extra={"trigger": trigger, "previous_version": old},
-        ))
+        self.emit(
+            make_event(
+                component="rules",
+                action="rules_reload",
+                decision="allowed",
+                reason="rules_loaded",
+                policy_version=new.version,
+                message=f"rules reloaded ({trigger}): {old} -> {new.version}",
+                extra={"trigger": trigger, "previous_version": old},
+            )
+        )
         return {"ok": True, "version": new.version, "previous": old}

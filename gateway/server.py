@@ -30,7 +30,7 @@ from stockade.tasks import Task, TaskRegistry
 
 from .addresses import AddressPolicy
 from .deny import CONNECT_ESTABLISHED, TLS_ALERT_ACCESS_DENIED, http_denial
-from .flow import FlowDecision, FlowInput, Listener, decide_flow
+from .flow import FlowDecision, FlowInput, Listener, Protocol, decide_flow
 from .metrics import GatewayMetrics
 from .original_dst import original_destination
 from .relay import PipePool, Relay, UploadLimit, splice_works
@@ -60,6 +60,7 @@ class Sniffed:
     tls: ClientHello | None = None
     http: RequestHead | None = None
     error: SniffError | None = None
+    kind: Protocol | None = None  # the sniffer the first byte chose
 
 
 @dataclass(eq=False)
@@ -116,8 +117,10 @@ class Gateway:
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
-        for kind, addrs in (("transparent", self.settings.transparent_listen),
-                            ("proxy", self.settings.proxy_listen)):
+        for kind, addrs in (
+            ("transparent", self.settings.transparent_listen),
+            ("proxy", self.settings.proxy_listen),
+        ):
             for addr in addrs:
                 await self._listen(kind, addr)  # type: ignore[arg-type]
         self._sweeper = asyncio.ensure_future(self._sweep())
@@ -265,23 +268,32 @@ class Gateway:
             head = head_sniff.http
             if head.method == "CONNECT":
                 connect_head = head
-                pending = head_sniff.data[head.head_len:]
+                pending = head_sniff.data[head.head_len :]
             elif head.form == "absolute":
                 pending = b""
                 inner = head_sniff
             else:
-                await self._deny_early(conn, Reason.PROTOCOL_UNRECOGNISED,
-                                       "proxy request without an absolute URI", "http")
+                await self._deny_early(
+                    conn,
+                    Reason.PROTOCOL_UNRECOGNISED,
+                    "proxy request without an absolute URI",
+                    "http",
+                )
                 return None, None, None
         if task is None:
-            await self._deny_after_sniff(conn, Reason.UNKNOWN_TASK, "unknown source address",
-                                         deadline, connect_head)
+            await self._deny_after_sniff(
+                conn, Reason.UNKNOWN_TASK, "unknown source address", deadline, connect_head
+            )
             return None, None, None
         group = self.by_task.setdefault(task.task_id, set())
         if len(group) >= self.settings.max_connections_per_task:
-            await self._deny_after_sniff(conn, Reason.CONNECTION_LIMIT,
-                                         "too many concurrent connections", deadline,
-                                         connect_head)
+            await self._deny_after_sniff(
+                conn,
+                Reason.CONNECTION_LIMIT,
+                "too many concurrent connections",
+                deadline,
+                connect_head,
+            )
             return None, None, None
         group.add(conn)
         ruleset = self.rules.current
@@ -291,8 +303,7 @@ class Gateway:
             pre = decide_flow(FlowInput("proxy", connect=connect_head), ruleset, task.profile)
             if not pre.allowed:
                 self._decision_event(conn, pre, None)
-                await self._send_and_close(conn, http_denial(pre.reason, pre.rule_id,
-                                                             task.task_id))
+                await self._send_and_close(conn, http_denial(pre.reason, pre.rule_id, task.task_id))
                 return None, None, None
             await loop.sock_sendall(conn.client, CONNECT_ESTABLISHED)
             inner = await self._sniff(conn, deadline, initial=pending)
@@ -306,6 +317,7 @@ class Gateway:
             tls=inner.tls,
             http=inner.http,
             sniff_error=inner.error,
+            hint=inner.kind,
         )
         decision = decide_flow(inp, ruleset, task.profile)
         protocol = decision.protocol
@@ -319,8 +331,9 @@ class Gateway:
         if decision.ip is not None:
             category = self.address_policy.check(decision.ip)
             if category is not None:
-                return await self._deny_resolved(conn, decision, Reason.ADDRESS_FORBIDDEN,
-                                                 f"address category {category}")
+                return await self._deny_resolved(
+                    conn, decision, Reason.ADDRESS_FORBIDDEN, f"address category {category}"
+                )
             candidates = [decision.ip]
         else:
             assert decision.host is not None
@@ -329,16 +342,27 @@ class Gateway:
                 if res.forbidden:
                     cats = sorted({c for _, c in res.forbidden})
                     return await self._deny_resolved(
-                        conn, decision, Reason.ADDRESS_FORBIDDEN,
-                        f"name resolves only to forbidden addresses ({', '.join(cats)})")
-                return await self._deny_resolved(conn, decision, Reason.RESOLVE_FAILED,
-                                                 f"resolution failed: {res.error or 'no address'}")
+                        conn,
+                        decision,
+                        Reason.ADDRESS_FORBIDDEN,
+                        f"name resolves only to forbidden addresses ({', '.join(cats)})",
+                    )
+                return await self._deny_resolved(
+                    conn,
+                    decision,
+                    Reason.RESOLVE_FAILED,
+                    f"resolution failed: {res.error or 'no address'}",
+                )
             candidates = list(res.addresses)
         upstream, dialled = await self._dial(candidates, decision.port)
         if upstream is None:
-            return await self._deny_resolved(conn, decision, Reason.UPSTREAM_UNREACHABLE,
-                                             "no checked address accepted the connection",
-                                             status=502)
+            return await self._deny_resolved(
+                conn,
+                decision,
+                Reason.UPSTREAM_UNREACHABLE,
+                "no checked address accepted the connection",
+                status=502,
+            )
         ev = self._decision_event(conn, decision, dialled)
         self.metrics.decision_seconds.observe(time.monotonic() - conn.started)
         try:
@@ -350,8 +374,11 @@ class Gateway:
             upstream.close()
             raise
         relay = Relay(
-            conn.client, upstream, count_up=lambda n: self._count_up(task, n),
-            pool=self.pool, on_activity=lambda: _touch(conn),
+            conn.client,
+            upstream,
+            count_up=lambda n: self._count_up(task, n),
+            pool=self.pool,
+            on_activity=lambda: _touch(conn),
         )
         relay.bytes_up = len(inner.data)
         return upstream, relay, ev
@@ -373,8 +400,9 @@ class Gateway:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
-                await asyncio.wait_for(loop.sock_connect(sock, (ip, port)),
-                                       self.settings.connect_timeout_s)
+                await asyncio.wait_for(
+                    loop.sock_connect(sock, (ip, port)), self.settings.connect_timeout_s
+                )
             except (OSError, TimeoutError):
                 sock.close()
                 continue
@@ -398,11 +426,12 @@ class Gateway:
             if buf and sniffer is None:
                 if looks_like_tls(buf) and not http_only:
                     sniffer = TlsSniffer(cap)
+                    out.kind = "tls"
                 elif looks_like_http(buf):
                     sniffer = HttpSniffer(cap)
+                    out.kind = "http"
                 else:
-                    out.error = SniffError(Reason.PROTOCOL_UNRECOGNISED,
-                                           "neither TLS nor HTTP")
+                    out.error = SniffError(Reason.PROTOCOL_UNRECOGNISED, "neither TLS nor HTTP")
                     break
             if sniffer is not None and pending_feed:
                 r = sniffer.feed(pending_feed)
@@ -417,20 +446,26 @@ class Gateway:
                     break
             remaining = deadline - loop.time()
             if remaining <= 0:
-                out.error = SniffError(Reason.SNIFF_TIMEOUT, "no complete ClientHello or "
-                                       "request head before the deadline")
+                out.error = SniffError(
+                    Reason.SNIFF_TIMEOUT,
+                    "no complete ClientHello or request head before the deadline",
+                )
                 break
             try:
                 chunk = await asyncio.wait_for(loop.sock_recv(conn.client, 16384), remaining)
             except TimeoutError:
-                out.error = SniffError(Reason.SNIFF_TIMEOUT, "no complete ClientHello or "
-                                       "request head before the deadline")
+                out.error = SniffError(
+                    Reason.SNIFF_TIMEOUT,
+                    "no complete ClientHello or request head before the deadline",
+                )
                 break
             except OSError:
                 chunk = b""
             if not chunk:
-                out.error = SniffError(Reason.PROTOCOL_UNRECOGNISED,
-                                       "client closed before the first message was complete")
+                out.error = SniffError(
+                    Reason.PROTOCOL_UNRECOGNISED,
+                    "client closed before the first message was complete",
+                )
                 break
             buf += chunk
             pending_feed = chunk
@@ -443,24 +478,39 @@ class Gateway:
     # -- denials -------------------------------------------------------------------------
     async def _deny_early(self, conn: Conn, reason: Reason, detail: str, protocol: str) -> None:
         ruleset = self.rules.current
-        d = FlowDecision(False, reason, "http" if protocol == "http" else "tcp", 0,
-                         policy_version=ruleset.version, detail=detail)
+        d = FlowDecision(
+            False,
+            reason,
+            "http" if protocol == "http" else "tcp",
+            0,
+            policy_version=ruleset.version,
+            detail=detail,
+        )
         self._decision_event(conn, d, None)
         tid = conn.task.task_id if conn.task else None
         await self._send_and_close(conn, http_denial(reason, None, tid))
 
     async def _deny_after_sniff(
-        self, conn: Conn, reason: Reason, detail: str, deadline: float,
+        self,
+        conn: Conn,
+        reason: Reason,
+        detail: str,
+        deadline: float,
         connect_head: RequestHead | None,
     ) -> None:
         """Deny before any policy work, in the client's own protocol where it can be told."""
-        protocol = "http"
+        protocol: Protocol = "http"
         if connect_head is None and conn.listener == "transparent":
             sniffed = await self._sniff(conn, deadline)
-            protocol = "tls" if sniffed.tls or looks_like_tls(sniffed.data) else (
-                "http" if sniffed.http else "tcp")
-        d = FlowDecision(False, reason, protocol, conn.meta["orig"][1] if conn.meta.get("orig")
-                         else 0, policy_version=self.rules.current.version, detail=detail)
+            protocol = sniffed.kind or "tcp"
+        d = FlowDecision(
+            False,
+            reason,
+            protocol,
+            conn.meta["orig"][1] if conn.meta.get("orig") else 0,
+            policy_version=self.rules.current.version,
+            detail=detail,
+        )
         self._decision_event(conn, d, None)
         tid = conn.task.task_id if conn.task else None
         await self._refuse(conn, reason, None, protocol, task_id=tid)
@@ -468,16 +518,29 @@ class Gateway:
     async def _deny_resolved(
         self, conn: Conn, decision: FlowDecision, reason: Reason, detail: str, status: int = 403
     ) -> tuple[None, None, None]:
-        d = FlowDecision(False, reason, decision.protocol, decision.port, host=decision.host,
-                         ip=decision.ip, rule_id=decision.rule_id,
-                         policy_version=decision.policy_version, detail=detail)
+        d = FlowDecision(
+            False,
+            reason,
+            decision.protocol,
+            decision.port,
+            host=decision.host,
+            ip=decision.ip,
+            rule_id=decision.rule_id,
+            policy_version=decision.policy_version,
+            detail=detail,
+        )
         self._decision_event(conn, d, None)
         await self._refuse(conn, reason, decision.rule_id, decision.protocol, status=status)
         return None, None, None
 
     async def _refuse(
-        self, conn: Conn, reason: Reason, rule: str | None, protocol: str,
-        status: int = 403, task_id: str | None = None,
+        self,
+        conn: Conn,
+        reason: Reason,
+        rule: str | None,
+        protocol: str,
+        status: int = 403,
+        task_id: str | None = None,
     ) -> None:
         tid = task_id or (conn.task.task_id if conn.task else None)
         if protocol == "tls":
@@ -497,9 +560,7 @@ class Gateway:
             conn.client.shutdown(socket.SHUT_WR)
 
     # -- events ----------------------------------------------------------------------
-    def _decision_event(
-        self, conn: Conn, d: FlowDecision, dialled: str | None
-    ) -> dict[str, Any]:
+    def _decision_event(self, conn: Conn, d: FlowDecision, dialled: str | None) -> dict[str, Any]:
         task = conn.task
         profile = task.profile if task else None
         orig = conn.meta.get("orig")
@@ -537,29 +598,31 @@ class Gateway:
         reason = conn.close_reason
         task = conn.task
         dest = decision_ev.get("destination", {})
-        self.emit(make_event(
-            component="gateway",
-            action="connection_close",
-            decision="denied" if reason in (Reason.UPLOAD_LIMIT, Reason.TASK_ENDED) else None,
-            reason=reason or "closed",
-            task_id=task.task_id if task else None,
-            profile=task.profile if task else None,
-            policy_version=decision_ev.get("rule", {}).get("ruleset"),
-            rule_id=decision_ev.get("rule", {}).get("id"),
-            source_ip=conn.peer[0],
-            source_port=conn.peer[1],
-            destination_domain=dest.get("domain"),
-            destination_ip=dest.get("ip"),
-            destination_port=dest.get("port"),
-            transport="tcp",
-            protocol=decision_ev.get("network", {}).get("protocol"),
-            extra={
-                "bytes_up": relay.bytes_up,
-                "bytes_down": relay.bytes_down,
-                "duration_s": round(time.monotonic() - conn.started, 6),
-                "connection_id": conn.id,
-            },
-        ))
+        self.emit(
+            make_event(
+                component="gateway",
+                action="connection_close",
+                decision="denied" if reason in (Reason.UPLOAD_LIMIT, Reason.TASK_ENDED) else None,
+                reason=reason or "closed",
+                task_id=task.task_id if task else None,
+                profile=task.profile if task else None,
+                policy_version=decision_ev.get("rule", {}).get("ruleset"),
+                rule_id=decision_ev.get("rule", {}).get("id"),
+                source_ip=conn.peer[0],
+                source_port=conn.peer[1],
+                destination_domain=dest.get("domain"),
+                destination_ip=dest.get("ip"),
+                destination_port=dest.get("port"),
+                transport="tcp",
+                protocol=decision_ev.get("network", {}).get("protocol"),
+                extra={
+                    "bytes_up": relay.bytes_up,
+                    "bytes_down": relay.bytes_down,
+                    "duration_s": round(time.monotonic() - conn.started, 6),
+                    "connection_id": conn.id,
+                },
+            )
+        )
 
 
 IDLE_TIMEOUT = "idle_timeout"  # close reason only (not a decision), so not a Reason code
@@ -590,4 +653,3 @@ class _Listening:
     def close(self) -> None:
         self.task.cancel()
         self.sock.close()
-

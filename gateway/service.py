@@ -36,8 +36,9 @@ log = logging.getLogger("stockade.gateway")
 def host_addresses() -> list[str]:
     """Every non-loopback address on this host's interfaces (the gateway's own addresses)."""
     try:
-        out = subprocess.run(["ip", "-j", "addr", "show"], capture_output=True, text=True,
-                             check=True, timeout=5).stdout
+        out = subprocess.run(
+            ["ip", "-j", "addr", "show"], capture_output=True, text=True, check=True, timeout=5
+        ).stdout
         links = json.loads(out)
     except (OSError, subprocess.SubprocessError, ValueError):
         return []
@@ -54,8 +55,9 @@ def raise_nofile(target: int) -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     for want in (max(target, hard), hard):
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, want) if want > hard else
-                               (want, hard))
+            resource.setrlimit(
+                resource.RLIMIT_NOFILE, (want, want) if want > hard else (want, hard)
+            )
             return want
         except (ValueError, OSError):
             continue
@@ -69,8 +71,9 @@ class GatewayService:
         self.config = config
         gs = config.gateway
         ev = config.events
-        self.writer = EventWriter(config.events_file, max_bytes=ev.max_bytes,
-                                  backups=ev.backups, stdout=ev.stdout)
+        self.writer = EventWriter(
+            config.events_file, max_bytes=ev.max_bytes, backups=ev.backups, stdout=ev.stdout
+        )
         self.metrics = GatewayMetrics()
         self.metrics.track_dropped(lambda: self.writer.dropped)
         self.rules = RulesHolder(config.rules_dir, self.writer.write, self.metrics)
@@ -80,11 +83,21 @@ class GatewayService:
         if gs.detect_own_addresses:
             own += host_addresses()
         self.address_policy = AddressPolicy(allow=gs.allow_addresses, own=own)
-        self.resolver = Resolver(gs.resolvers, self.address_policy,
-                                 ttl_min=config.dns.ttl_min_s, ttl_max=config.dns.ttl_max_s)
-        self.gateway = Gateway(gs, rules=self.rules, registry=self.registry,
-                               resolver=self.resolver, address_policy=self.address_policy,
-                               emit=self.writer.write, metrics=self.metrics)
+        self.resolver = Resolver(
+            gs.resolvers,
+            self.address_policy,
+            ttl_min=config.dns.ttl_min_s,
+            ttl_max=config.dns.ttl_max_s,
+        )
+        self.gateway = Gateway(
+            gs,
+            rules=self.rules,
+            registry=self.registry,
+            resolver=self.resolver,
+            address_policy=self.address_policy,
+            emit=self.writer.write,
+            metrics=self.metrics,
+        )
         self.dns: Any = None
         self._control: web.AppRunner | None = None
         self._metrics_runner: web.AppRunner | None = None
@@ -106,16 +119,23 @@ class GatewayService:
         except ImportError:
             log.warning("gateway.dns.DnsFirewall is not available: DNS firewall not started")
             return
-        self.dns = DnsFirewall(self.config.dns, self.resolver, self.registry, self.rules,
-                               self.writer.write, self.metrics.registry)
+        self.dns = DnsFirewall(
+            self.config.dns,
+            self.resolver,
+            self.registry,
+            self.rules,
+            self.writer.write,
+            self.metrics.registry,
+        )
         await self.dns.start()
 
     async def _start_metrics(self) -> None:
         host, port = parse_listen(self.config.gateway.metrics_listen)
 
         async def metrics(_: web.Request) -> web.Response:
-            return web.Response(body=self.metrics.render(),
-                                headers={"Content-Type": "text/plain; version=0.0.4"})
+            return web.Response(
+                body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"}
+            )
 
         app = web.Application()
         app.router.add_get("/metrics", metrics)
@@ -150,8 +170,12 @@ async def serve(config: Config, *, dns: bool = True) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     bound = {k: [f"{h}:{p}" for h, p in v] for k, v in svc.gateway.bound.items()}
-    log.warning("gateway serving: %s, metrics port %s, rules %s", bound, svc.metrics_port,
-                svc.rules.current.version)
+    log.warning(
+        "gateway serving: %s, metrics port %s, rules %s",
+        bound,
+        svc.metrics_port,
+        svc.rules.current.version,
+    )
     try:
         await stop.wait()
     finally:

@@ -15,12 +15,14 @@ from stockade.testnet import ClientNamespace, FakeInternet
 
 
 @pytest.fixture(scope="module")
-def gw(fake_internet: FakeInternet, tmp_path_factory: pytest.TempPathFactory
-       ) -> Iterator[GatewayHarness]:
+def gw(
+    fake_internet: FakeInternet, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayHarness]:
     tmp = tmp_path_factory.mktemp("gw")
     rules = write_rules(tmp / "rules", cidr=fake_internet.subnet)
     cfg = write_config(
-        tmp, rules,
+        tmp,
+        rules,
         transparent_listen=["0.0.0.0:0"],
         proxy_listen=["0.0.0.0:0"],
         resolvers=[fake_internet.dns_server],
@@ -28,7 +30,8 @@ def gw(fake_internet: FakeInternet, tmp_path_factory: pytest.TempPathFactory
         sniff_timeout_s=1.5,
         sniff_max_bytes=8192,
         rules_poll_interval_s=0.5,
-        max_connections_per_task=64,
+        max_connections_per_task=8,
+        dns={"ttl_min_s": 0},  # every connection re-resolves: rebinding is visible
     )
     h = GatewayHarness(cfg).start()
     try:

@@ -24,7 +24,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def write_config(tmp: Path, rules_dir: Path, **gateway: Any) -> Path:
+def write_config(
+    tmp: Path, rules_dir: Path, dns: dict[str, Any] | None = None, **gateway: Any
+) -> Path:
     cfg = {
         "rules_dir": str(rules_dir),
         "state_dir": str(tmp / "state"),
@@ -35,6 +37,7 @@ def write_config(tmp: Path, rules_dir: Path, **gateway: Any) -> Path:
             "metrics_listen": f"127.0.0.1:{free_port()}",
             **gateway,
         },
+        "dns": dns or {},
     }
     path = tmp / "stockade.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -47,6 +50,7 @@ class GatewayHarness:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.svc: GatewayService | None = None
+        self._validated = 0
 
     def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 30) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -81,12 +85,17 @@ class GatewayHarness:
         self.control.register(Task(task_id, address, profile, **kw))
 
     def events(self) -> list[dict[str, Any]]:
+        """Every event so far, each validated against the schema (once)."""
         evs = read_events(self.config.events_file)
-        for ev in evs:
+        for ev in evs[self._validated :]:
             validate(ev)
+        self._validated = len(evs)
         return evs
 
     def decisions(self, task_id: str | None = None) -> list[dict[str, Any]]:
-        return [e for e in self.events()
-                if e["event"]["action"] == "connection_decision"
-                and (task_id is None or e.get("labels", {}).get("task_id") == task_id)]
+        return [
+            e
+            for e in self.events()
+            if e["event"]["action"] == "connection_decision"
+            and (task_id is None or e.get("labels", {}).get("task_id") == task_id)
+        ]

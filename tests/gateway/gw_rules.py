@@ -37,6 +37,12 @@ egress:
     - host: mapped.test
       ports: [443, 80]
       reason: resolves to an IPv4-mapped address (trap)
+    - host: nat64.test
+      ports: [443, 80]
+      reason: resolves to a NAT64 address embedding an allowed IPv4 (trap)
+    - host: cgnat.test
+      ports: [443, 80]
+      reason: resolves to a CGNAT address (trap)
     - host: rebind.test
       ports: [443, 80]
       reason: rebinding trap
@@ -44,7 +50,7 @@ egress:
       ports: [443]
       reason: IDN name
     - cidr: {cidr}
-      ports: [5432]
+      ports: [5432, 7000]
       reason: raw TCP to the fake internet database port
   deny:
     - host: bad.wild.test

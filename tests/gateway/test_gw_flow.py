@@ -120,8 +120,9 @@ def test_raw_tcp_by_cidr(rules: RuleSet) -> None:
 
 
 def test_host_mismatch_in_plain_http(rules: RuleSet) -> None:
-    d = transparent(rules, port=80, http=head(
-        b"GET http://allowed.test/ HTTP/1.1\r\nHost: denied.test\r\n\r\n"))
+    d = transparent(
+        rules, port=80, http=head(b"GET http://allowed.test/ HTTP/1.1\r\nHost: denied.test\r\n\r\n")
+    )
     assert not d.allowed and d.reason == Reason.DESTINATION_MISMATCH
 
 
@@ -173,20 +174,23 @@ def test_inspection_unavailable(rules: RuleSet) -> None:
 
 
 def test_report_mode(rules: RuleSet) -> None:
-    d = decide_flow(FlowInput("transparent", "10.250.0.9", 443, tls=tls("denied.test")),
-                    rules, "watch")
+    d = decide_flow(
+        FlowInput("transparent", "10.250.0.9", 443, tls=tls("denied.test")), rules, "watch"
+    )
     assert d.allowed and d.report_only and d.reason == Reason.NO_MATCHING_RULE
     assert d.host == "denied.test"
 
 
 def test_unknown_profile(rules: RuleSet) -> None:
-    d = decide_flow(FlowInput("transparent", "10.250.0.9", 443, tls=tls("allowed.test")),
-                    rules, "nope")
+    d = decide_flow(
+        FlowInput("transparent", "10.250.0.9", 443, tls=tls("allowed.test")), rules, "nope"
+    )
     assert not d.allowed and d.reason == Reason.UNKNOWN_PROFILE
 
 
-@settings(max_examples=300, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.binary(max_size=1024), port=st.sampled_from([80, 443, 8080]))
 def test_arbitrary_bytes_never_allowed(rules: RuleSet, data: bytes, port: int) -> None:
     """Whatever the sniffers make of random bytes, the flow decision never allows it."""

@@ -110,8 +110,12 @@ def test_not_http_is_refused_early() -> None:
 
 @pytest.mark.parametrize(
     ("raw", "host", "port"),
-    [("a.test", "a.test", None), ("a.test:81", "a.test", 81), ("[::1]:5", "::1", 5),
-     ("10.0.0.1", "10.0.0.1", None)],
+    [
+        ("a.test", "a.test", None),
+        ("a.test:81", "a.test", 81),
+        ("[::1]:5", "::1", 5),
+        ("10.0.0.1", "10.0.0.1", None),
+    ],
 )
 def test_parse_authority(raw: str, host: str, port: int | None) -> None:
     a = parse_authority(raw)

@@ -1,0 +1,188 @@
+"""Client behaviours run *inside* a client namespace (`python gw_client.py CMD ...`).
+
+Each prints one JSON line with what it observed, so tests assert on facts, not timing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import ssl
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import contextlib
+
+from gw_tlsgen import long_alpn, refragment
+
+
+def _ctx(cafile: str | None, alpn: list[str] | None = None) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=cafile) if cafile else ssl.create_default_context()
+    if not cafile:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    if alpn:
+        ctx.set_alpn_protocols(alpn)
+    return ctx
+
+
+def _recv_all(sock: socket.socket, limit: int = 1 << 20) -> bytes:
+    out = bytearray()
+    while len(out) < limit:
+        try:
+            chunk = sock.recv(65536)
+        except (ConnectionResetError, TimeoutError):
+            break
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)
+
+
+def _handshake_over(
+    sock: socket.socket, obj: ssl.SSLObject, inc: ssl.MemoryBIO, out: ssl.MemoryBIO
+) -> None:
+    """Drive a memory-BIO TLS handshake over `sock` (the first flight is already sent)."""
+    while True:
+        try:
+            obj.do_handshake()
+            pending = out.read()
+            if pending:
+                sock.sendall(pending)
+            return
+        except ssl.SSLWantReadError:
+            pending = out.read()
+            if pending:
+                sock.sendall(pending)
+            data = sock.recv(65536)
+            if not data:
+                raise ConnectionError("closed during handshake") from None
+            inc.write(data)
+
+
+def _tls_request(
+    sock: socket.socket,
+    sni: str,
+    cafile: str | None,
+    request: bytes,
+    split_records: int = 0,
+    seg: int = 0,
+) -> dict[str, object]:
+    alpn = [*long_alpn(1600), "http/1.1"] if split_records else None
+    ctx = _ctx(cafile, alpn)
+    inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = ctx.wrap_bio(inc, out, server_hostname=sni)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        obj.do_handshake()
+    hello = out.read()
+    info: dict[str, object] = {"hello_len": len(hello)}
+    flight = refragment(hello, split_records) if split_records else hello
+    if seg:
+        for i in range(0, len(flight), seg):
+            sock.sendall(flight[i : i + seg])
+            time.sleep(0.002)  # separate TCP segments (TCP_NODELAY is set)
+    else:
+        sock.sendall(flight)
+    try:
+        _handshake_over(sock, obj, inc, out)
+    except (ssl.SSLError, ConnectionError, OSError) as e:
+        info["error"] = type(e).__name__ + ": " + str(e)[:200]
+        return info
+    obj.write(request)
+    sock.sendall(out.read())
+    body = bytearray()
+    while True:
+        try:
+            chunk = obj.read(65536)
+            if not chunk:
+                break  # close_notify
+            body += chunk
+            continue
+        except ssl.SSLWantReadError:
+            pass
+        except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+            break
+        data = sock.recv(65536)
+        if not data:
+            break
+        inc.write(data)
+    info["response"] = bytes(body).decode("latin-1")
+    return info
+
+
+def main(argv: list[str]) -> dict[str, object]:
+    cmd = argv[0]
+    if cmd == "tls":  # tls IP PORT SNI CAFILE|- [split_records] [segment]
+        ip, port, sni, ca = argv[1], int(argv[2]), argv[3], argv[4]
+        split = int(argv[5]) if len(argv) > 5 else 0
+        seg = int(argv[6]) if len(argv) > 6 else 0
+        sock = socket.create_connection((ip, port), timeout=10)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        host = sni.rstrip(".")
+        req = f"GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
+        return _tls_request(sock, sni, None if ca == "-" else ca, req, split, seg)
+    if cmd == "connect-tls":  # connect-tls PROXY_IP PROXY_PORT AUTHORITY SNI
+        ip, port, authority, sni = argv[1], int(argv[2]), argv[3], argv[4]
+        sock = socket.create_connection((ip, port), timeout=10)
+        sock.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            head += chunk
+        status = head.split(b"\r\n", 1)[0].decode("latin-1")
+        if " 200 " not in status + " ":
+            return {"connect": status, "body": head.decode("latin-1")}
+        req = f"GET / HTTP/1.1\r\nHost: {sni}\r\nConnection: close\r\n\r\n".encode()
+        info = _tls_request(sock, sni, None, req)
+        info["connect"] = status
+        return info
+    if cmd == "raw":  # raw IP PORT PAYLOAD -> send, half-close, read to EOF
+        ip, port, payload = argv[1], int(argv[2]), argv[3].encode()
+        sock = socket.create_connection((ip, port), timeout=10)
+        sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)
+        return {"received": _recv_all(sock).decode("latin-1")}
+    if cmd == "slow":  # slow IP PORT HEX -> send a prefix, then wait for the gateway
+        ip, port, prefix = argv[1], int(argv[2]), bytes.fromhex(argv[3])
+        sock = socket.create_connection((ip, port), timeout=20)
+        sock.sendall(prefix)
+        return {"received": _recv_all(sock).hex(), "closed": True}
+    if cmd == "hold":  # hold IP PORT SNI -> open a TLS tunnel, report, wait for close
+        ip, port, sni = argv[1], int(argv[2]), argv[3]
+        sock = socket.create_connection((ip, port), timeout=10)
+        tls = _ctx(None).wrap_socket(sock, server_hostname=sni)
+        print(json.dumps({"ready": True}), flush=True)
+        tls.settimeout(30)
+        try:
+            data = tls.recv(1)
+        except (ssl.SSLError, OSError) as e:
+            return {"closed": True, "how": type(e).__name__}
+        return {"closed": data == b"", "how": "eof"}
+    if cmd == "upload":  # upload IP PORT SNI NBYTES
+        ip, port, sni, n = argv[1], int(argv[2]), argv[3], int(argv[4])
+        sock = socket.create_connection((ip, port), timeout=10)
+        tls = _ctx(None).wrap_socket(sock, server_hostname=sni)
+        head = (
+            f"POST /upload HTTP/1.1\r\nHost: {sni}\r\nContent-Length: {n}\r\n"
+            "Connection: close\r\n\r\n"
+        ).encode()
+        sent = 0
+        try:
+            tls.sendall(head)
+            block = b"u" * 16384
+            while sent < n:
+                sent += tls.send(block[: n - sent])
+            resp = _recv_all(tls)
+        except (ssl.SSLError, OSError) as e:
+            return {"sent": sent, "error": type(e).__name__}
+        return {"sent": sent, "response": resp.decode("latin-1")}
+    raise SystemExit(f"unknown command {cmd}")
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1:])), flush=True)
