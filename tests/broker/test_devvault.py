@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import hvac
 import pytest
@@ -23,7 +24,7 @@ def test_start_put_read_stop_leaves_nothing() -> None:
         assert bao.proc is not None
         pid = bao.proc.pid
         # the root token is not on the command line (visible to every local user in ps)
-        assert bao.root_token.encode() not in open(f"/proc/{pid}/cmdline", "rb").read()
+        assert bao.root_token.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
     assert not bao.running
     assert not os.path.exists(f"/proc/{pid}")
     with pytest.raises(Exception):  # noqa: B017 - connection refused: the server is gone
