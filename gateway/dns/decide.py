@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import date
+from functools import lru_cache
 from typing import Any, Literal
 
 from dnslib import RCODE
@@ -82,6 +83,19 @@ def name_from_labels(labels: tuple[bytes, ...]) -> str | None:
     return ".".join(parts)
 
 
+@lru_cache(maxsize=8192)
+def host_of(labels: tuple[bytes, ...]) -> str | None:
+    """The normalised host name of wire labels, or None when it is not one (cached: the
+    same few names make up nearly every query)."""
+    raw = name_from_labels(labels)
+    if raw is None:
+        return None
+    try:
+        return normalize_host(raw)
+    except HostError:
+        return None
+
+
 def precheck(
     q: Query,
     task: Task | None,
@@ -115,12 +129,8 @@ def precheck(
         return _deny(settings, Reason.LABEL_TOO_LONG, policy_version=version)
     if sum(len(label) for label in q.labels) + len(q.labels) - 1 > settings.max_name_length:
         return _deny(settings, Reason.NAME_TOO_LONG, policy_version=version)
-    raw = name_from_labels(q.labels)
-    try:
-        if raw is None:
-            raise HostError("not a host name")
-        name = normalize_host(raw)
-    except HostError:
+    name = host_of(q.labels)
+    if name is None:
         return _deny(settings, Reason.INVALID_HOST, policy_version=version)
     if ruleset is None:  # no rules loaded: fail closed
         return _deny(settings, Reason.UNKNOWN_PROFILE, name=name)
