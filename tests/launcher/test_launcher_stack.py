@@ -1,0 +1,183 @@
+"""The launcher with the real gateway and broker (`stockade gateway serve`, `stockade broker
+serve` as subprocesses) and the fake internet: the allowed path works end to end through
+the transparent redirect and the DNS firewall, and what the gateway, DNS firewall and broker
+deny shows up in the run's `denials` under the task id."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from stockade.launcher import Launcher, RunResult, SandboxSpec
+
+from stockade.config import Config, load_config
+from stockade.events import validate
+from stockade.tasks import ControlClient
+
+pytestmark = [pytest.mark.netns, pytest.mark.slow]
+
+PROFILE = """\
+profile: agent
+description: launcher stack test
+isolation: container
+limits: {cpus: 1, memory: 256MiB, disk: 64MiB, pids: 128, ttl: 60s}
+egress:
+  mode: enforce
+  allow:
+    - host: allowed.test
+      ports: [443, 80]
+      reason: the stack test's allowed site
+exports: {max_file: 1MiB, max_total: 2MiB, types: [text, json]}
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        return int(s.getsockname()[1])
+
+
+class Stack:
+    def __init__(self, config: Config, launcher: Launcher, ruleset: Any, ca: str) -> None:
+        self.config = config
+        self.launcher = launcher
+        self.ruleset = ruleset
+        self.ca = ca
+
+    def run(self, argv: list[str]) -> RunResult:
+        res = self.launcher.run(SandboxSpec("agent", argv, inputs=[(self.ca, "/inputs/ca.pem")]),
+                                self.ruleset)
+        for ev in res.denials:
+            validate(ev)
+        return res
+
+
+def _wait_healthy(path: str, proc: subprocess.Popen[bytes], name: str) -> None:
+    for _ in range(600):
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode() if proc.stderr else ""
+            raise RuntimeError(f"{name} exited: {err}")
+        try:
+            ControlClient(path, timeout=1).health()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{name} did not become healthy")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, fake_internet: Any) -> Iterator[Stack]:
+    from stockade.policy import load_rules
+
+    tmp = tmp_path_factory.mktemp("stack")
+    rules = tmp / "rules"
+    for d in ("profiles", "apis", "presets", "tests"):
+        (rules / d).mkdir(parents=True)
+    (rules / "profiles" / "agent.yaml").write_text(PROFILE)
+    (tmp / "token").write_text("not-a-real-token")
+    sfx = secrets.token_hex(3)
+    octet = 100 + secrets.randbelow(100)
+    cfg_data = {
+        "rules_dir": str(rules), "state_dir": str(tmp / "state"), "log_dir": str(tmp / "log"),
+        "run_dir": str(tmp / "run"), "events": {"file": str(tmp / "log" / "events.jsonl")},
+        "gateway": {"transparent_listen": [f"0.0.0.0:{_free_port()}"],
+                    "proxy_listen": [f"127.0.0.1:{_free_port()}"],
+                    "control_socket": str(tmp / "run" / "gateway.sock"),
+                    "metrics_listen": f"127.0.0.1:{_free_port()}",
+                    "resolvers": [fake_internet.dns_server],
+                    "allow_addresses": [fake_internet.subnet]},
+        "dns": {"listen": [f"0.0.0.0:{_free_port()}"]},
+        "broker": {"listen": f"0.0.0.0:{_free_port()}",
+                   "control_socket": str(tmp / "run" / "broker.sock"),
+                   "metrics_listen": f"127.0.0.1:{_free_port()}"},
+        # the broker needs a Vault to be configured; none is needed for what is tested here
+        "vault": {"address": "http://127.0.0.1:9", "token_file": str(tmp / "token")},
+        "launcher": {"nft_table": f"stockade_ls{sfx}", "name_prefix": f"s{sfx[:3]}",
+                     "cgroup_parent": f"stockade_ls{sfx}", "scratch_dir": str(tmp / "sbx"),
+                     "address_pool": f"10.214.{octet}.0/24",
+                     "nflog_group": 7200 + secrets.randbelow(99)},
+    }
+    cfg_path = tmp / "stockade.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg_data))
+    config = load_config(cfg_path)
+    procs = []
+    launcher = None
+    try:
+        for name in ("gateway", "broker"):
+            p = subprocess.Popen([sys.executable, "-m", "stockade", name, "serve", "--config",
+                                  str(cfg_path)], stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE)
+            procs.append(p)
+            sock = config.gateway.control_socket if name == "gateway" \
+                else config.broker.control_socket
+            _wait_healthy(sock, p, name)
+        launcher = Launcher(config)
+        launcher.start()
+        yield Stack(config, launcher, load_rules(rules), fake_internet.ca_pem)
+    finally:
+        if launcher is not None:
+            launcher.close()
+            launcher.reconcile()
+        subprocess.run(["nft", "delete", "table", "inet", config.launcher.nft_table],
+                       capture_output=True, check=False)
+        for p in procs:
+            p.terminate()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def test_allowed_site_through_gateway(stack: Stack) -> None:
+    res = stack.run(["curl", "-sS", "--max-time", "10", "--cacert", "/inputs/ca.pem",
+                     "https://allowed.test/"])
+    assert res.exit_code == 0, res.stderr
+    assert res.stdout
+    assert res.denials == []
+
+
+def test_gateway_and_dns_denials_carry_the_task(stack: Stack, fake_internet: Any) -> None:
+    ip = fake_internet.addresses["denied.test"]
+    res = stack.run(["sh", "-c",
+                     "curl -sS --max-time 5 --cacert /inputs/ca.pem https://denied.test/; "
+                     f"curl -sS --max-time 5 -k https://{ip}/; "
+                     f"curl -sS --max-time 5 http://{fake_internet.dns_server}:853/; true"])
+    comps = {(e["stockade"]["component"], e["event"]["action"]) for e in res.denials}
+    assert ("dns", "dns_decision") in comps, res.denials
+    assert ("gateway", "connection_decision") in comps, res.denials
+    assert all(e["labels"]["task_id"] == res.task_id for e in res.denials)
+
+
+def test_broker_denial_in_result(stack: Stack) -> None:
+    code = ("import json, os, urllib.request, urllib.error\n"
+            "req = urllib.request.Request(os.environ['STOCKADE_BROKER'] + '/v1/call',"
+            " data=json.dumps({'api': 'github', 'path': '/user'}).encode(),"
+            " headers={'Content-Type': 'application/json'})\n"
+            "try:\n    urllib.request.urlopen(req, timeout=10)\n"
+            "except urllib.error.HTTPError as e:\n    print(e.code, e.read().decode())\n")
+    res = stack.run(["python3", "-c", code])
+    assert res.stdout.startswith("403"), res.stdout + res.stderr
+    assert json.loads(res.stdout.split(" ", 1)[1])["reason"] == "api_not_allowed"
+    assert any(e["stockade"]["component"] == "broker" for e in res.denials), res.denials
+
+
+def test_udp_bypass_next_to_gateway(stack: Stack, fake_internet: Any) -> None:
+    ip, port = fake_internet.udp_echo
+    code = ("import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+            f"s.settimeout(3)\ns.connect(({ip!r}, {port}))\ns.send(b'x')\n"
+            "try:\n    print(s.recv(10))\nexcept OSError as e:\n    print(type(e).__name__)\n")
+    res = stack.run(["python3", "-c", code])
+    assert "TimeoutError" not in res.stdout and "b'" not in res.stdout
+    assert any(e["event"]["action"] == "bypass_attempt" for e in res.denials)
+    assert Path(stack.config.events_file).exists()
