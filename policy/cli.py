@@ -66,6 +66,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     explain.add_argument("target", metavar="TARGET", help="URL or host:port")
     explain.add_argument("--profile", "-p", required=True, help="profile name")
     explain.add_argument("--method", "-X", help="HTTP method (default GET for URLs)")
+    explain.add_argument("--dns", action="store_true",
+                         help="TARGET is a DNS name: may the DNS firewall resolve it?")  # fmt: skip
     explain.add_argument("--rules", default="rules", metavar="DIR",
                          help="rules directory (default ./rules)")  # fmt: skip
     explain.set_defaults(func=cmd_explain)
@@ -165,6 +167,7 @@ def _entry_by_id(profile: Any, rule_id: str | None) -> Any:
 def cmd_explain(args: argparse.Namespace) -> int:
     from .decide import decide
     from .hosts import HostError, normalize_host
+    from .model import RequestFacts
     from .targets import TargetError, parse_target
 
     rs = _load_or_report(args.rules)
@@ -175,7 +178,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
     except TargetError as e:
         print(f"explain: {e}", file=sys.stderr)
         return 2
-    v = decide(rs, args.profile, facts, today=args.today)
+    if args.dns:
+        from .decide import decide_name
+
+        facts = RequestFacts(host=args.target, port=53)
+        v = decide_name(rs, args.profile, args.target, today=args.today)
+    else:
+        v = decide(rs, args.profile, facts, today=args.today)
     profile = rs.profiles.get(args.profile)
     entry = _entry_by_id(profile, v.rule_id) if profile else None
     try:
@@ -183,6 +192,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     except HostError as e:
         host = f"(invalid: {e})"
     out = {
+        "kind": "dns" if args.dns else "connection",
         "profile": args.profile,
         "target": args.target,
         "host": host,
@@ -213,8 +223,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
             print(f"why:      {v.entry_reason}")
         else:
             print("rule:     (none)")
-        req = f"{host} port {facts.port}"
-        if facts.method:
+        req = f"DNS lookup of {host}" if args.dns else f"{host} port {facts.port}"
+        if facts.method and not args.dns:
             req += f" {facts.method} {facts.path}"
         print(f"request:  {req}")
         if v.needs_inspection:

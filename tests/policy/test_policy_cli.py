@@ -194,3 +194,12 @@ def test_rules_option_is_accepted_by_lint_and_test(capsys):
     assert run(capsys, "lint", "--rules", str(SHIPPED))[0] == 0
     rc, out, _ = run(capsys, "test", "--rules", str(SHIPPED))
     assert rc == 0 and out.strip().endswith(" passed, 0 failed")
+
+
+def test_explain_dns(capsys):
+    base = ("explain", "--rules", str(SHIPPED), "--dns", "-p")
+    rc, out, _ = run(capsys, *base, "pypi-build", "PyPI.org.")
+    assert rc == 0 and "DNS lookup of pypi.org" in out and "rule:     pypi-index" in out
+    rc, out, _ = run(capsys, *base, "no-network", "--json", "mozilla.cloudflare-dns.com")
+    data = json.loads(out)
+    assert rc == 1 and data["kind"] == "dns" and data["rule_id"] == "doh-cloudflare-sub"
