@@ -1,0 +1,95 @@
+"""The relay on real connected sockets (loopback): splice and copy modes behave the same,
+half-close propagates, the upload cap is exact."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import pytest
+from stockade.gateway.relay import PipePool, Relay, UploadLimit, splice_works
+
+
+def tcp_pair() -> tuple[socket.socket, socket.socket]:
+    lst = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(lst.getsockname())
+    b, _ = lst.accept()
+    lst.close()
+    for s in (a, b):
+        s.setblocking(False)
+    return a, b
+
+
+MODES = [
+    "copy",
+    pytest.param(
+        "splice", marks=pytest.mark.skipif(not splice_works(), reason="splice unavailable")
+    ),
+]
+
+
+async def _read_all(loop: asyncio.AbstractEventLoop, s: socket.socket) -> bytes:
+    out = bytearray()
+    while chunk := await loop.sock_recv(s, 65536):
+        out += chunk
+    return bytes(out)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_both_directions_and_half_close(mode: str) -> None:
+    loop = asyncio.get_running_loop()
+    client_app, client_gw = tcp_pair()  # the sandbox side
+    up_gw, up_srv = tcp_pair()  # the upstream side
+    pool = PipePool() if mode == "splice" else None
+    relay = Relay(client_gw, up_gw, count_up=lambda n: True, pool=pool, on_activity=lambda: None)
+    task = asyncio.ensure_future(relay.run())
+    payload_up = os.urandom(300_000)
+    payload_down = os.urandom(500_000)
+
+    async def upstream() -> bytes:
+        got = await _read_all(loop, up_srv)  # ends at the client's half-close
+        await loop.sock_sendall(up_srv, payload_down)  # still possible after it
+        up_srv.shutdown(socket.SHUT_WR)
+        return got
+
+    async def client() -> bytes:
+        await loop.sock_sendall(client_app, payload_up)
+        client_app.shutdown(socket.SHUT_WR)
+        return await _read_all(loop, client_app)
+
+    got_up, got_down = await asyncio.gather(upstream(), client())
+    await asyncio.wait_for(task, 30)
+    assert got_up == payload_up and got_down == payload_down
+    assert (relay.bytes_up, relay.bytes_down) == (len(payload_up), len(payload_down))
+    for s in (client_app, client_gw, up_gw, up_srv):
+        s.close()
+    if pool:
+        pool.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_upload_cap_is_exact(mode: str) -> None:
+    loop = asyncio.get_running_loop()
+    client_app, client_gw = tcp_pair()
+    up_gw, up_srv = tcp_pair()
+    cap = 100_000
+    used = 0
+
+    def count(n: int) -> bool:
+        nonlocal used
+        used += n
+        return used <= cap
+
+    pool = PipePool() if mode == "splice" else None
+    relay = Relay(client_gw, up_gw, count_up=count, pool=pool, on_activity=lambda: None)
+    task = asyncio.ensure_future(relay.run())
+    sender = asyncio.ensure_future(loop.sock_sendall(client_app, b"x" * 1_000_000))
+    with pytest.raises(UploadLimit):
+        await asyncio.wait_for(task, 30)
+    sender.cancel()
+    up_gw.close()  # what the gateway does on UploadLimit
+    received = await _read_all(loop, up_srv)
+    assert len(received) <= cap
+    for s in (client_app, client_gw, up_srv):
+        s.close()
