@@ -15,6 +15,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Literal
 
 from dnslib import RCODE
@@ -98,7 +99,7 @@ class DnsFirewall:
         self._tcp: list[asyncio.Server] = []
         self._tcp_count = 0
         self._pending: set[asyncio.Task[None]] = set()
-        self._malformed_seen: dict[str, tuple[float, int]] = {}
+        self._throttled: dict[tuple[str, str], tuple[float, int]] = {}
         registry.on_removed(lambda task: self.guards.forget(task.task_id))
 
     # -- rules ---------------------------------------------------------------------
@@ -200,10 +201,15 @@ class DnsFirewall:
     ) -> bytes | None:
         self.metrics.count(out.decision, str(out.reason), transport)
         if out.log and (out.decision == "denied" or self.settings.log_allowed or out.report_only):
-            try:
-                self.emit(outcome_event(q, out, task, source[0], source[1], transport))
-            except Exception:  # an event sink failure must not take DNS down
-                log.exception("dns: emitting an event failed")
+            if task is None:
+                # no task, no per-task rate budget: throttle per source instead
+                suppressed = self._throttle((source[0], str(out.reason)), time.monotonic())
+                if suppressed is not None:
+                    if suppressed:
+                        out = replace(out, extra={**out.extra, "suppressed_events": suppressed})
+                    self._emit(outcome_event(q, out, task, source[0], source[1], transport))
+            else:
+                self._emit(outcome_event(q, out, task, source[0], source[1], transport))
         if out.reply is None:
             return None
         limit = q.udp_size if transport == "udp" else MAX_TCP_SIZE
@@ -212,15 +218,23 @@ class DnsFirewall:
             self.metrics.truncated.inc()
         return data
 
-    def _malformed_event(self, source: tuple[str, int], transport: Transport, now: float) -> None:
-        """One event per source per second at most: a junk flood must not flood the log."""
-        last, suppressed = self._malformed_seen.get(source[0], (-1e9, 0))
+    def _throttle(self, key: tuple[str, str], now: float) -> int | None:
+        """Events keyed by (source, kind) at most once a second: a flood from an
+        unregistered or misbehaving source must not flood the log. Returns the number
+        suppressed since the last one, or None when this one is suppressed."""
+        last, suppressed = self._throttled.get(key, (-1e9, 0))
         if now - last < 1.0:
-            self._malformed_seen[source[0]] = (last, suppressed + 1)
+            self._throttled[key] = (last, suppressed + 1)
+            return None
+        if len(self._throttled) > 4096:
+            self._throttled.clear()
+        self._throttled[key] = (now, 0)
+        return suppressed
+
+    def _malformed_event(self, source: tuple[str, int], transport: Transport, now: float) -> None:
+        suppressed = self._throttle((source[0], "malformed"), now)
+        if suppressed is None:
             return
-        if len(self._malformed_seen) > 4096:
-            self._malformed_seen.clear()
-        self._malformed_seen[source[0]] = (now, 0)
         task = self.registry.by_address(source[0])
         out = Outcome(
             "denied",
@@ -229,9 +243,12 @@ class DnsFirewall:
             message="malformed DNS packet dropped",
             extra={"suppressed_events": suppressed} if suppressed else {},
         )
+        self._emit(outcome_event(None, out, task, source[0], source[1], transport))
+
+    def _emit(self, event: dict[str, Any]) -> None:
         try:
-            self.emit(outcome_event(None, out, task, source[0], source[1], transport))
-        except Exception:
+            self.emit(event)
+        except Exception:  # an event sink failure must not take DNS down
             log.exception("dns: emitting an event failed")
 
     def _overloaded(self, q_data: bytes) -> bytes | None:
