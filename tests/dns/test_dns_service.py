@@ -1,0 +1,84 @@
+"""The DNS firewall as `stockade gateway serve` runs it: inside GatewayService, sharing
+the gateway's Resolver, task registry, rule holder (reloads) and metrics registry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import dns.asyncquery
+import dns.message
+import dns.rcode
+import yaml
+from conftest import PROFILE, loopback
+from dns_upstream import Upstream
+
+from stockade.config import load_config
+from stockade.events import read_events, validate
+from stockade.tasks.registry import Task
+
+
+def _config(tmp: Path, rules: Path, upstream: Upstream, dns_listen: str) -> Path:
+    cfg: dict[str, Any] = {
+        "rules_dir": str(rules),
+        "state_dir": str(tmp / "state"),
+        "log_dir": str(tmp / "log"),
+        "run_dir": str(tmp / "run"),
+        "gateway": {
+            "control_socket": str(tmp / "run" / "gateway.sock"),
+            "metrics_listen": f"{loopback()}:0",
+            "transparent_listen": [f"{loopback()}:0"],
+            "proxy_listen": [f"{loopback()}:0"],
+            "resolvers": [upstream.server],
+        },
+        "dns": {"listen": [dns_listen], "ttl_min_s": 9},
+    }
+    path = tmp / "stockade.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+async def test_dns_inside_gateway_service(tmp_path: Path, upstream: Upstream) -> None:
+    from stockade.gateway.service import GatewayService
+
+    rules = tmp_path / "rules"
+    for d in ("profiles", "apis", "presets", "tests"):
+        (rules / d).mkdir(parents=True)
+    (rules / "profiles" / "dns-test.yaml").write_text(PROFILE)
+    config = load_config(_config(tmp_path, rules, upstream, f"{loopback()}:0"))
+    svc = GatewayService(config)
+    await svc.start()
+    try:
+        assert svc.dns is not None
+        host, port = svc.dns.addresses[0]
+        client = loopback()
+        svc.registry.register(Task("svc-task", client, "dns-test"))
+
+        async def ask(name: str) -> dns.message.Message:
+            q = dns.message.make_query(name, "A")
+            return await dns.asyncquery.udp(q, host, port=port, source=client, timeout=3)
+
+        r = await ask("www.allowed.test")
+        assert r.rcode() == dns.rcode.NOERROR
+        assert r.answer[0].ttl >= 9  # the dns: section reaches the shared resolver
+        # the TCP path's resolver is the same object: the name is already cached there
+        assert svc.resolver.cached("www.allowed.test") is not None
+        assert (await ask("other.test")).rcode() == dns.rcode.REFUSED
+        # a rule reload through the gateway reaches the DNS firewall
+        (rules / "profiles" / "dns-test.yaml").write_text(
+            PROFILE.replace("  deny:\n", "    - host: other.test\n      reason: now\n  deny:\n")
+        )
+        await svc.reload()
+        assert (await ask("other.test")).rcode() == dns.rcode.NOERROR
+        text = (
+            svc.metrics.render().decode()
+            if isinstance(svc.metrics.render(), bytes)
+            else str(svc.metrics.render())
+        )
+        assert "stockade_dns_queries_total" in text
+    finally:
+        await svc.stop()
+    events = [e for e in read_events(config.events_file) if e["event"]["action"] == "dns_decision"]
+    for e in events:
+        validate(e)
+    assert any(e["event"].get("reason") == "no_matching_rule" for e in events)
