@@ -344,7 +344,13 @@ class Launcher:
                 continue
             self._teardown(tid)
             removed["sandboxes"].append(tid)
-        keep = {tid for tid, r in self.state.read().items()}
+        # under the state lock: a sandbox another launcher is creating has its record
+        # written before any of its pieces exist, so nothing of a live sandbox is removed
+        with self.state.locked() as records:
+            self._reconcile_names(set(records), removed)
+        return removed
+
+    def _reconcile_names(self, keep: set[str], removed: dict[str, list[str]]) -> None:
         keep_if = {self._ifname(t) for t in keep}
         p = self.s.name_prefix
         for ns in netns.list_netns(p):
@@ -375,7 +381,6 @@ class Launcher:
                 if d.name not in keep and TASK_ID_RE.match(d.name):
                     self._remove_scratch(d)
                     removed["scratch"].append(d.name)
-        return removed
 
     def events_mark(self) -> tuple[int, int]:
         """(inode, size) of the events file now: `denials(since=...)` reads only what follows."""

@@ -81,3 +81,19 @@ def test_stdin_and_unknown_profile(lab: Lab) -> None:
         lab.launcher.run(SandboxSpec("test", ["true"], inputs=[("/etc", "/scratch/x")]),
                          lab.ruleset)
     assert lab.launcher.list() == []
+
+
+def test_registration_failure_fails_closed(lab: Lab) -> None:
+    from stockade.launcher import Launcher, LauncherError, SandboxSpec
+
+    broken = lab.config.model_copy(update={"broker": lab.config.broker.model_copy(
+        update={"control_socket": str(lab.tmp / "missing.sock")})})
+    other = Launcher(broken, nflog=False)
+    with pytest.raises(LauncherError, match="cannot register"):
+        other.run(SandboxSpec("test", ["touch", "/scratch/ran"]), lab.ruleset)
+    assert other.list() == []
+    assert lab.gateway_registry.tasks() == []  # the half-done registration was undone
+    s = lab.config.launcher
+    import os
+
+    assert os.listdir(s.scratch_dir) == []

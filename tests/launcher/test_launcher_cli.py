@@ -1,0 +1,114 @@
+"""`stockade run` and `stockade sandbox list|suspend|resume|kill` as real processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from stockade.launcher import SandboxSpec
+from stockade.launcher.cli import _parse_input
+
+from stockade.events import validate
+
+from .conftest import Lab
+
+pytestmark = pytest.mark.netns
+
+PROFILE = """\
+profile: cli
+description: launcher CLI test
+limits: {cpus: 1, memory: 128MiB, disk: 16MiB, pids: 64, ttl: 30s}
+egress:
+  mode: enforce
+exports: {max_file: 1KiB, max_total: 4KiB, types: [text]}
+"""
+
+
+def _config_file(lab: Lab, tmp: Path) -> Path:
+    p = tmp / "stockade.yaml"
+    p.write_text(yaml.safe_dump(lab.config.model_dump()))
+    return p
+
+
+def _stockade(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "stockade", *args], capture_output=True,
+                          text=True, timeout=60, check=False)
+
+
+def test_parse_input() -> None:
+    assert _parse_input("/data/x") == ("/data/x", "/inputs/x")
+    assert _parse_input("/data/x/:/in") == ("/data/x/", "/in")
+
+
+def test_run_json(lab: Lab, tmp_path: Path) -> None:
+    rules = tmp_path / "rules"
+    (rules / "profiles").mkdir(parents=True)
+    (rules / "profiles" / "cli.yaml").write_text(PROFILE)
+    data = tmp_path / "data.txt"
+    data.write_text("input-data")
+    cfg = _config_file(lab, tmp_path)
+    out = tmp_path / "exported"
+    p = _stockade("run", "--profile", "cli", "--rules", str(rules), "--config", str(cfg),
+                  "--input", f"{data}:/in/data.txt", "--export", str(out), "--ttl", "20",
+                  "--json", "--", "sh", "-c",
+                  "cat /in/data.txt; echo note > /scratch/out/n.txt; echo warn >&2; exit 3")
+    assert p.returncode == 3, p.stderr
+    res = json.loads(p.stdout)
+    assert set(res) >= {"task_id", "exit_code", "stdout", "stderr", "duration_s", "denials",
+                        "exports", "ended_by"}
+    assert (res["stdout"], res["stderr"], res["exit_code"], res["ended_by"]) == (
+        "input-data", "warn\n", 3, "exit")
+    assert res["exports"] == [{"name": "n.txt", "size": 5, "type": "text"}]
+    assert (out / "n.txt").read_text() == "note\n"
+    for ev in res["denials"]:
+        validate(ev)
+
+
+def test_run_plain_and_errors(lab: Lab, tmp_path: Path) -> None:
+    rules = tmp_path / "rules"
+    (rules / "profiles").mkdir(parents=True)
+    (rules / "profiles" / "cli.yaml").write_text(PROFILE)
+    cfg = _config_file(lab, tmp_path)
+    p = _stockade("run", "--profile", "cli", "--rules", str(rules), "--config", str(cfg),
+                  "--", "echo", "hello")
+    assert (p.returncode, p.stdout) == (0, "hello\n")
+    p = _stockade("run", "--profile", "nope", "--rules", str(rules), "--config", str(cfg),
+                  "--", "true")
+    assert p.returncode == 2 and "unknown profile" in p.stderr
+    p = _stockade("run", "--profile", "cli", "--rules", str(rules), "--config", str(cfg))
+    assert p.returncode == 2 and "missing command" in p.stderr
+
+
+def test_sandbox_commands_from_another_process(lab: Lab, tmp_path: Path) -> None:
+    cfg = _config_file(lab, tmp_path)
+    box: dict[str, Any] = {}
+
+    def go() -> None:
+        box["r"] = lab.launcher.run(SandboxSpec("test", ["sleep", "60"]), lab.ruleset)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    for _ in range(500):
+        if [r for r in lab.launcher.list() if r["state"] == "running"]:
+            break
+        time.sleep(0.01)
+    rows = json.loads(_stockade("sandbox", "list", "--json", "--config", str(cfg)).stdout)
+    assert len(rows) == 1 and rows[0]["profile"] == "test"
+    tid = rows[0]["task_id"]
+    table = _stockade("sandbox", "list", "--config", str(cfg)).stdout
+    assert tid in table and "running" in table
+    assert _stockade("sandbox", "suspend", tid, "--config", str(cfg)).returncode == 0
+    assert lab.launcher.list()[0]["state"] == "frozen"
+    assert _stockade("sandbox", "resume", tid, "--config", str(cfg)).returncode == 0
+    assert _stockade("sandbox", "kill", tid, "--config", str(cfg)).returncode == 0
+    t.join(timeout=20)
+    assert box["r"].ended_by == "killed"
+    p = _stockade("sandbox", "kill", tid, "--config", str(cfg))
+    assert p.returncode == 1 and "no sandbox" in p.stderr
