@@ -37,6 +37,7 @@ TYPE_CNAME = 5
 TYPE_AAAA = 28
 TYPE_SVCB = 64
 TYPE_HTTPS = 65
+RCODE_BADVERS = 16
 RESOLVED_TYPES = frozenset({TYPE_A, TYPE_AAAA, TYPE_CNAME})
 EMPTY_TYPES = frozenset({TYPE_SVCB, TYPE_HTTPS})  # answered empty: no ECH config leaks
 
@@ -110,6 +111,11 @@ def precheck(
     if q.qdcount != 1:
         return Outcome(
             "denied", Reason.MALFORMED_QUERY, Reply(RCODE.FORMERR), message="qdcount != 1"
+        )
+    if q.edns and q.edns_version != 0:
+        # RFC 6891: an EDNS version we do not speak gets BADVERS (extended rcode 16)
+        return Outcome(
+            "denied", Reason.MALFORMED_QUERY, Reply(RCODE_BADVERS), message="EDNS version"
         )
     if task is None:
         return _deny(settings, Reason.UNKNOWN_TASK)

@@ -253,7 +253,9 @@ def build_response_fast(
     """Address-only answers owned by the question name (compression pointer 0xC00C)."""
     flags = 0x8000 | (q.opcode & 0xF) << 11 | (0x0100 if q.rd else 0) | 0x0080 | reply.rcode & 0xF
     question = _question_wire(q)
-    opt = b"\x00" + _RR_FIXED.pack(TYPE_OPT, edns_payload, 0, 0) if q.edns else b""
+    # extended rcodes (BADVERS) keep their upper bits in the OPT record's TTL field
+    ext = (reply.rcode >> 4) << 24
+    opt = b"\x00" + _RR_FIXED.pack(TYPE_OPT, edns_payload, ext, 0) if q.edns else b""
     records = []
     for r in reply.answers:
         rtype, size = _ADDR_TYPES[r.rtype]
@@ -311,6 +313,8 @@ def build_error(data: bytes, rcode: int) -> bytes | None:
 
 
 def rcode_name(rcode: int) -> str:
+    if rcode == 16:
+        return "BADVERS"  # extended rcode, unknown to dnslib's 4-bit table
     try:
         return str(RCODE[rcode])
     except Exception:

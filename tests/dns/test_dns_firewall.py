@@ -363,3 +363,12 @@ async def test_rules_source_callable_and_reload(upstream: Upstream, ruleset: Rul
         assert (await ask(h, "allowed.test")).rcode() == dns.rcode.REFUSED
     finally:
         await h.fw.stop()
+
+
+async def test_unknown_edns_version_badvers(harness: Harness) -> None:
+    q = dns.message.make_query("allowed.test", "A", use_edns=1)
+    r = await dns.asyncquery.udp(
+        q, harness.host, port=harness.port, source=harness.client_ip, timeout=3
+    )
+    assert r.rcode() == dns.rcode.BADVERS
+    assert not r.answer
