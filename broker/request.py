@@ -183,6 +183,24 @@ def filter_response_headers(
     ]
 
 
+LINK_HEADERS = frozenset({"location", "content-location", "link"})
+
+
+def rewrite_links(
+    headers: Iterable[tuple[str, str]], base_url: str, broker_prefix: str
+) -> list[tuple[str, str]]:
+    """Point upstream self-links (redirects, `Link: <...>; rel="next"` pagination) back at
+    the broker, so a pass-through SDK keeps calling through it instead of the API host
+    (which the gateway would refuse). Only the exact base URL prefix is rewritten."""
+    base = base_url.rstrip("/")
+    out = []
+    for name, value in headers:
+        if name.lower() in LINK_HEADERS and base in value:
+            value = re.sub(re.escape(base) + r"(?=[/?#>;,\s]|$)", broker_prefix, value)
+        out.append((name, value))
+    return out
+
+
 def parse_query(raw: str) -> tuple[str, ...]:
     """Split a raw query string into its `name=value` parts, keeping the caller's encoding.
 

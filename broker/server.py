@@ -45,6 +45,7 @@ from .request import (
     normalize_query,
     parse_base_url,
     parse_query,
+    rewrite_links,
 )
 from .scrub import Patterns, StreamScrubber
 from .settings import BrokerSettings
@@ -426,6 +427,9 @@ class Broker:
                     raise Denied(502, UPSTREAM_ERROR, "upstream used an unsupported "
                                  "content coding") from None
                 out_headers, n_h = self._scrub_headers(resp.headers.items(), patterns)
+                if passthrough is not None:
+                    prefix = f"{passthrough.scheme}://{passthrough.host}/{api.name}"
+                    out_headers = rewrite_links(out_headers, api.base_url, prefix)
                 scrubber = StreamScrubber(patterns)
                 small = (resp.content_length is not None
                          and resp.content_length <= SMALL_BODY

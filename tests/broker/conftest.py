@@ -98,6 +98,10 @@ async def upstream(tls: tuple[ssl.SSLContext, str]) -> AsyncIterator[Upstream]:
                 await resp.write(raw[i:i + 3])
             await resp.write_eof()
             return resp
+        if kind == "redirect":
+            return web.Response(status=302, headers={
+                "Location": f"{up.url}/json/next?page=2",
+                "Link": f'<{up.url}/json/items?page=3>; rel="next"'})
         if kind == "big":
             n = int(request.query.get("n", "1000"))
             if request.query.get("chunked"):  # no Content-Length: the broker streams it

@@ -263,3 +263,14 @@ async def test_reload_keeps_old_rules_when_invalid(harness: Harness) -> None:
     assert (status, doc["reason"]) == (403, "api_not_allowed")
     reloads = [e for e in h.event_list() if e["event"]["action"] == "rules_reload"]
     assert [e["event"]["outcome"] for e in reloads] == ["failure", "success"]
+
+
+async def test_redirect_and_pagination_links_point_back_at_the_broker(harness: Harness) -> None:
+    h = harness
+    status, headers, _b = await h.call("GET", "/echo/redirect", allow_redirects=False)
+    assert status == 302
+    assert headers["Location"] == f"{h.url}/echo/json/next?page=2"
+    assert headers["Link"] == f'<{h.url}/echo/json/items?page=3>; rel="next"'
+    status, doc = await h.v1({"api": "echo", "path": "/redirect"})
+    assert doc["status"] == 302
+    assert doc["headers"]["location"] == f"{h.upstream.url}/json/next?page=2"  # JSON style: as is

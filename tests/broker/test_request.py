@@ -16,6 +16,7 @@ from stockade.broker.request import (
     normalize_query,
     parse_base_url,
     parse_query,
+    rewrite_links,
 )
 from stockade.policy.model import ApiDefinition, CredentialSource, Injection
 
@@ -136,3 +137,21 @@ def test_property_accepted_path_stays_on_host(
     assert (parts.scheme, parts.hostname, parts.port) == ("https", "api.example.test", 8443)
     assert parts.path.startswith("/v3/")
     assert parts.fragment == ""
+
+
+def test_rewrite_links_points_back_at_the_broker() -> None:
+    got = rewrite_links(
+        [("Location", "https://api.example.test:8443/v3/next?page=2"),
+         ("Link", '<https://api.example.test:8443/v3/items?page=2>; rel="next", '
+                  '<https://api.example.test:8443/v3>; rel="first"'),
+         ("Location", "https://api.example.test:8443/v3evil/x"),
+         ("X-Other", "https://api.example.test:8443/v3/kept")],
+        API.base_url, "http://10.0.0.1:8081/gh",
+    )
+    assert got == [
+        ("Location", "http://10.0.0.1:8081/gh/next?page=2"),
+        ("Link", '<http://10.0.0.1:8081/gh/items?page=2>; rel="next", '
+                 '<http://10.0.0.1:8081/gh>; rel="first"'),
+        ("Location", "https://api.example.test:8443/v3evil/x"),
+        ("X-Other", "https://api.example.test:8443/v3/kept"),
+    ]
