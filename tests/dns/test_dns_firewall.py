@@ -372,3 +372,35 @@ async def test_unknown_edns_version_badvers(harness: Harness) -> None:
     )
     assert r.rcode() == dns.rcode.BADVERS
     assert not r.answer
+
+
+async def test_tcp_junk_and_idle_connections(upstream: Upstream, ruleset: RuleSet) -> None:
+    h = await start_harness(upstream, ruleset, tcp_idle_timeout_s=0.2)
+    try:
+        # junk inside a length prefix: dropped and counted, the connection goes away
+        reader, writer = await asyncio.open_connection(h.host, h.port, local_addr=(h.client_ip, 0))
+        writer.write(b"\x00\x05hello")
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+        writer.close()
+        # a client that connects and says nothing is closed after the idle timeout
+        reader, writer = await asyncio.open_connection(h.host, h.port, local_addr=(h.client_ip, 0))
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+        writer.close()
+        # several queries on one connection are answered in order
+        reader, writer = await asyncio.open_connection(h.host, h.port, local_addr=(h.client_ip, 0))
+        for name in ("allowed.test", "other.test"):
+            wire = dns.message.make_query(name, "A").to_wire()
+            writer.write(len(wire).to_bytes(2, "big") + wire)
+        await writer.drain()
+        codes = []
+        for _ in range(2):
+            n = int.from_bytes(await asyncio.wait_for(reader.readexactly(2), 10), "big")
+            codes.append(dns.message.from_wire(await reader.readexactly(n)).rcode())
+        assert codes == [dns.rcode.NOERROR, dns.rcode.REFUSED]
+        writer.close()
+        reg = h.fw.metrics_registry
+        assert reg.get_sample_value("stockade_dns_malformed_packets_total") == 1
+        assert (await ask(h, "allowed.test", tcp=True)).rcode() == dns.rcode.NOERROR
+    finally:
+        await h.fw.stop()
