@@ -510,7 +510,7 @@ class Launcher:
                 argv = ["nsenter", f"--net={netns.NETNS_DIR}/{rec.netns}", "--",
                         "unshare", "--mount", "--pid", "--ipc", "--uts", "--fork",
                         "--kill-child", "--propagation", "private", "--",
-                        sys.executable, "-I", "-S", "-c", _init_source(), str(plan_fd),
+                        self._init_python(), "-I", "-S", "-c", _init_source(), str(plan_fd),
                         *spec.argv]
                 live.proc = subprocess.Popen(
                     argv, env=env, stdin=subprocess.PIPE if spec.stdin is not None
@@ -533,6 +533,11 @@ class Launcher:
             message="sandbox started", extra={"lifecycle": "start", "ttl_s": ttl},
         ))
         return live
+
+    def _init_python(self) -> str:
+        # the sandbox can read its pid 1's argv: prefer the system interpreter's plain path
+        p = self.s.init_python
+        return p if p and os.access(p, os.X_OK) else sys.executable
 
     def _check_inputs(self, inputs: list[tuple[str, str]]) -> list[initscript.Bind]:
         out = []

@@ -29,4 +29,6 @@ class LauncherSettings(BaseModel):
     # failed forks (pids limit hits) after which a sandbox is ended with ended_by=limit
     pids_fail_kill: int = Field(32, ge=1)
     log_rate_per_s: int = Field(20, ge=1)  # nft log limit rate (packets/s, burst 2x)
+    # Python (3.8+) that runs the sandbox's init; falls back to the launcher's own interpreter
+    init_python: str = "/usr/bin/python3"
     shm_size: int = Field(16 * 2**20, ge=4096)  # /dev/shm tmpfs (charged to the memory cgroup)
