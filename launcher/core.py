@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import marshal
 import os
 import re
 import secrets
@@ -227,10 +228,9 @@ class Launcher:
             out_cap.start()
             err_cap.start()
             if proc.stdin is not None:
-                with contextlib.suppress(BrokenPipeError, OSError):
-                    proc.stdin.write(spec.stdin or b"")
-                with contextlib.suppress(OSError):
-                    proc.stdin.close()
+                # fed from a thread: a command that never reads must not stall the TTL
+                threading.Thread(target=_feed, args=(proc.stdin, spec.stdin or b""),
+                                 daemon=True).start()
             deadline = time.monotonic() + max(ttl, 0.0)
             limits_pids_fail = self.s.pids_fail_kill
             # a pidfd wakes the loop the moment the sandbox ends (no polling delay)
@@ -303,12 +303,20 @@ class Launcher:
             for r in self.state.read().values()
         ]
 
+    def _operator_event(self, rec: SandboxRecord | None, task_id: str, what: str) -> None:
+        self._emit(make_event(
+            component="launcher", action="sandbox_lifecycle", task_id=task_id,
+            profile=rec.profile if rec else None, source_ip=rec.guest_ip if rec else None,
+            message=f"sandbox {what} requested", extra={"lifecycle": what},
+        ))
+
     def kill(self, task_id: str) -> bool:
         """Kill and remove a sandbox (from any launcher process); False when unknown."""
         rec = self.state.read().get(task_id)
         live = self._live.get(task_id)
         if rec is None and live is None:
             return False
+        self._operator_event(rec or (live.record if live else None), task_id, "kill")
         if live is not None:
             live.killed.set()
             live.cg.kill_all()
@@ -505,7 +513,7 @@ class Launcher:
             # the plan travels in a memfd, not argv: /proc/1/cmdline shows no host paths
             plan_fd = os.memfd_create("stockade-init-plan", 0)
             try:
-                os.write(plan_fd, json.dumps(initscript.build(plan)).encode())
+                os.write(plan_fd, marshal.dumps(initscript.build(plan), 4))
                 os.lseek(plan_fd, 0, os.SEEK_SET)
                 argv = ["nsenter", f"--net={netns.NETNS_DIR}/{rec.netns}", "--",
                         "unshare", "--mount", "--pid", "--ipc", "--uts", "--fork",
@@ -642,8 +650,10 @@ class Launcher:
         return st.f_bavail * st.f_frsize < 64 * 1024
 
     def _freeze(self, task_id: str, frozen: bool) -> bool:
-        if task_id not in self.state.read():
+        rec = self.state.read().get(task_id)
+        if rec is None:
             return False
+        self._operator_event(rec, task_id, "suspend" if frozen else "resume")
         cgroups.CgroupSet(self.s.cgroup_root, self.s.cgroup_parent, task_id).freeze(frozen)
         with self.state.locked() as records:
             if task_id in records:
@@ -789,6 +799,13 @@ def _read_events_from(path: Path, offset: int) -> list[dict[str, Any]]:
             if isinstance(ev, dict):
                 out.append(ev)
     return out
+
+
+def _feed(stream: IO[bytes], data: bytes) -> None:
+    with contextlib.suppress(OSError):
+        stream.write(data)
+    with contextlib.suppress(OSError):
+        stream.close()
 
 
 @functools.cache

@@ -2,7 +2,7 @@
 
 Hand-written and stdlib-only because it runs before the sandbox's root exists: it reads a
 list of operations (built and unit-tested in `initscript.py`) from the file descriptor named
-by argv[1] (a memfd), performs them with
+by argv[1] (a memfd, marshal format), performs them with
 mount(2)/pivot_root(2) directly (dozens of mount(8) processes cost >100 ms per sandbox),
 then starts the command as an unprivileged user with an empty capability bounding set and
 no_new_privs, waits for it and exits with its status (128+N when a signal ended it).
@@ -10,7 +10,7 @@ Nothing from the plan reaches argv, so /proc/1/cmdline shows no host paths.
 """
 
 import ctypes
-import json
+import marshal
 import os
 import sys
 
@@ -105,7 +105,7 @@ def execvp(argv):
 
 def main():
     with os.fdopen(int(sys.argv[1]), "rb") as fh:
-        plan = json.loads(fh.read())
+        plan = marshal.loads(fh.read())  # noqa: S302 - written by the launcher; builtin, fast
     try:
         for op in plan["ops"]:
             do(op)

@@ -64,6 +64,12 @@ def test_spec_ttl_is_capped_by_profile(lab: Lab) -> None:
     assert res.ended_by == "ttl"
 
 
+def test_unread_stdin_does_not_stall_ttl(lab: Lab) -> None:
+    spec = SandboxSpec("short", ["sleep", "30"], stdin=b"x" * (8 * 2**20))
+    res = lab.launcher.run(spec, lab.ruleset)
+    assert res.ended_by == "ttl"
+
+
 def test_host_unaffected_after_bombs(lab: Lab) -> None:
     res = lab.run(["sh", "-c", "echo alive"])
     assert (res.exit_code, res.stdout, res.ended_by) == (0, "alive\n", "exit")
@@ -128,6 +134,9 @@ def test_suspend_resume(lab: Lab) -> None:
         lab.launcher.kill(tid)
         t.join(timeout=20)
     assert lab.launcher.suspend("0000000000") is False
+    ops = [e["stockade"]["lifecycle"] for e in lab.events(tid)
+           if e["event"]["action"] == "sandbox_lifecycle"]
+    assert ops == ["start", "suspend", "resume", "kill", "end"]
 
 
 def test_exports_by_content(lab: Lab, tmp_path: Path) -> None:
