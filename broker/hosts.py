@@ -1,7 +1,8 @@
 """Pinned upstream addresses (`broker.hosts`), like curl's --resolve.
 
-For the demo/test fake internet and private deployments whose API names the host's
-resolver does not know. Names not listed go to aiohttp's default resolver.
+For private deployments and tests whose API names no resolver knows. Pinned names are
+trusted configuration and are not address-checked; names not listed go to the
+`fallback` resolver (the service passes the checked resolver of `upstream_dns.py`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from aiohttp.resolver import DefaultResolver
 
 
 class PinnedResolver(AbstractResolver):
-    def __init__(self, pinned: Mapping[str, str]) -> None:
+    def __init__(self, pinned: Mapping[str, str], fallback: AbstractResolver | None = None) -> None:
         self.pinned = {k.lower().rstrip("."): str(ipaddress.ip_address(v))
                        for k, v in pinned.items()}
-        self._default = DefaultResolver()
+        self._default = fallback or DefaultResolver()
 
     async def resolve(
         self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET

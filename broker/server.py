@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import ipaddress
 import json
 import logging
 import ssl
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
+from aiohttp.abc import AbstractResolver
 from stockade.policy.model import ApiDefinition, BrokerGrant, Profile
 from stockade.policy.reasons import Reason
 
@@ -69,6 +71,12 @@ class Rules(Protocol):
     def apis(self) -> Mapping[str, ApiDefinition]: ...
 
 
+class AddressCheck(Protocol):
+    """`stockade.gateway.addresses.AddressPolicy`: None = may dial, else the category."""
+
+    def check(self, ip: Any) -> str | None: ...
+
+
 class SecretSource(Protocol):
     async def get(self, cred: Any) -> SecretValue: ...
 
@@ -115,6 +123,8 @@ class Broker:
         *,
         load_rules: Callable[[], Rules] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        resolver: AbstractResolver | None = None,
+        address_policy: AddressCheck | None = None,
     ) -> None:
         self.settings = settings
         self.rules = rules
@@ -124,6 +134,9 @@ class Broker:
         self.metrics = metrics or BrokerMetrics()
         self._load_rules = load_rules
         self.clock = clock
+        self._resolver = resolver
+        # IP-literal base URLs skip any resolver: check them here (same rules as names)
+        self._address_policy = address_policy
         self.limiter = Limiter()
         self._patterns: OrderedDict[tuple[str, str, int], Patterns] = OrderedDict()
         self._session: aiohttp.ClientSession | None = None
@@ -141,7 +154,7 @@ class Broker:
         if self._session is None:
             connector = aiohttp.TCPConnector(
                 ssl=self.ssl_context(), limit=self.settings.max_upstream_connections,
-                resolver=PinnedResolver(self.settings.hosts) if self.settings.hosts else None,
+                resolver=self._make_resolver(),
             )
             self._session = aiohttp.ClientSession(
                 connector=connector,
@@ -150,6 +163,12 @@ class Broker:
                 cookie_jar=aiohttp.DummyCookieJar(),  # no state shared between tasks
                 trust_env=False,
             )
+
+    def _make_resolver(self) -> AbstractResolver | None:
+        """Pinned `broker.hosts` first, then the given (checked) resolver, else aiohttp's."""
+        if self.settings.hosts:
+            return PinnedResolver(self.settings.hosts, fallback=self._resolver)
+        return self._resolver
 
     async def close(self) -> None:
         if self._session is not None:
@@ -356,6 +375,15 @@ class Broker:
             self._upstreams[api.name] = up
         return up
 
+    def _literal_forbidden(self, host: str) -> str | None:
+        if self._address_policy is None or host in self.settings.hosts:
+            return None
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            return None  # a name: the checked resolver decides
+        return self._address_policy.check(ip)
+
     def _patterns_for(
         self, api: ApiDefinition, sv: SecretValue, rendered: tuple[str, ...]
     ) -> Patterns:
@@ -392,6 +420,10 @@ class Broker:
         except RequestError:
             raise Denied(502, UPSTREAM_ERROR, "API definition unusable") from None
         cl.upstream = up
+        category = self._literal_forbidden(up.host)
+        if category is not None:
+            cl.extra["address_category"] = category
+            raise Denied(502, Reason.UPSTREAM_UNREACHABLE, "upstream address refused")
         try:
             sv = await self.secrets.get(api.credential)
         except VaultUnavailable:

@@ -82,8 +82,13 @@ class BrokerService:
             on_cache=self.metrics.cache_result,
         )
         await self.vault.ensure_login()
+        # upstream names resolve like the gateway's: configured servers, checked addresses
+        from .upstream_dns import checked_resolver
+
+        resolver = checked_resolver(cfg)
         self.broker = Broker(s, rules, self.vault, self.registry, self.events, self.metrics,
-                             load_rules=lambda: load_rules(rules_dir))
+                             load_rules=lambda: load_rules(rules_dir),
+                             resolver=resolver, address_policy=resolver.policy)
         await self.broker.start()
 
         app = self.broker.app()

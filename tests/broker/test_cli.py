@@ -31,6 +31,13 @@ async def test_broker_serve_cli(
     bao.put_secret(secret_path, "token", secret)
     rules = tmp_path / "rules"
     write_rules(rules, upstream.url, secret_path)
+    # a definition whose host is a loopback literal: the broker refuses to dial it
+    (rules / "apis" / "loopy.yaml").write_text(
+        "api: loopy\nbase_url: https://127.0.0.2:9\n"
+        f"credential: {{mount: secret, path: {secret_path}, field: token}}\n"
+        "inject: {style: bearer}\n")
+    prof = rules / "profiles" / "agent.yaml"
+    prof.write_text(prof.read_text() + "    loopy:\n      operations: [{method: GET, path: /}]\n")
     # a token that may read the test secret only
     bao.client().sys.create_or_update_policy(
         name="cli-read", policy=f'path "secret/data/{secret_path}" {{ capabilities = ["read"] }}')
@@ -45,7 +52,8 @@ async def test_broker_serve_cli(
         "log_dir": str(tmp_path / "log"), "run_dir": str(tmp_path / "run"),
         "events": {"file": str(events)},
         "broker": {"listen": f"127.0.0.1:{port}", "control_socket": str(sock),
-                   "metrics_listen": f"127.0.0.1:{mport}", "ca_file": tls[1]},
+                   "metrics_listen": f"127.0.0.1:{mport}", "ca_file": tls[1],
+                   "hosts": {"localhost": "127.0.0.1"}},
         "vault": {"address": bao.address, "token_file": str(tmp_path / "token")},
     }))
     proc = await asyncio.create_subprocess_exec(
@@ -73,6 +81,9 @@ async def test_broker_serve_cli(
                 assert r.status == 200
                 assert b"[REDACTED]" in body
             assert ["Authorization", f"Bearer {secret}"] in upstream.seen[-1]["headers"]
+            async with s.get(f"{base}/loopy/") as r:
+                assert r.status == 502 and (await r.json())["reason"] == "upstream_unreachable"
+                produced.append(await r.read())
             async with s.post(f"{base}/v1/call", json={"api": "echoh", "path": "/b64"}) as r:
                 body = await r.read()
                 produced.append(body)
@@ -117,7 +128,9 @@ async def test_broker_serve_cli(
     for ev in evs:
         validate(ev)
     actions = [e["event"]["action"] for e in evs]
-    assert actions.count("broker_call") == 5 and "secret_echo" in actions
+    assert actions.count("broker_call") == 6 and "secret_echo" in actions
+    loopy = [e for e in evs if e["stockade"].get("api") == "loopy"]
+    assert loopy[0]["stockade"]["address_category"] == "loopback"
     assert [e["event"]["outcome"] for e in evs if e["event"]["action"] == "rules_reload"] == [
         "failure", "success"]
     assert_no_secret(secret, [*produced, events.read_bytes()])
