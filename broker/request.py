@@ -245,7 +245,7 @@ def normalize_query(
                 if not isinstance(item, str | int | float | bool):
                     raise RequestError("query values must be scalars")
                 pairs.append((str(k), _scalar(item)))
-    elif isinstance(query, str | bytes):
+    elif not isinstance(query, list | tuple):
         raise RequestError("query must be an object or a list of [name, value]")
     else:
         for pair in query:

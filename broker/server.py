@@ -238,7 +238,7 @@ class Broker:
             task, profile = self._identify(cl)
             try:
                 doc = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
+            except (ValueError, RecursionError):  # JSON/UTF-8 errors, absurd nesting
                 raise Denied(400, Reason.BAD_REQUEST, "body must be a JSON object") from None
             call = self._parse_call_doc(doc, profile)
             cl.api, cl.method, cl.path = call.api, call.method, call.match_path

@@ -274,3 +274,10 @@ async def test_redirect_and_pagination_links_point_back_at_the_broker(harness: H
     status, doc = await h.v1({"api": "echo", "path": "/redirect"})
     assert doc["status"] == 302
     assert doc["headers"]["location"] == f"{h.upstream.url}/json/next?page=2"  # JSON style: as is
+
+
+@pytest.mark.parametrize("raw", [b"[" * 200000, b"{not json", b"\xff\xfe", b""])
+async def test_v1_unparseable_bodies(harness: Harness, raw: bytes) -> None:
+    status, _h, body = await harness.call("POST", "/v1/call", data=raw,
+                                          headers={"Content-Type": "application/json"})
+    assert (status, json.loads(body)["reason"]) == (400, "bad_request")
