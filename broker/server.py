@@ -58,6 +58,7 @@ log = logging.getLogger("stockade.broker")
 CHUNK = 64 * 1024
 SMALL_BODY = 256 * 1024  # pass-through answers up to this size are buffered, not streamed
 UPSTREAM_ERROR = "upstream_error"  # reason for an upstream that failed mid-call (502)
+INTERNAL_ERROR = "internal_error"  # a broker bug: 500, fixed text, class name logged
 
 
 class Rules(Protocol):
@@ -249,6 +250,8 @@ class Broker:
             return self._deny(cl, d)
         except web.HTTPRequestEntityTooLarge:
             return self._deny(cl, Denied(413, Reason.BODY_TOO_LARGE, "request body too large"))
+        except Exception as e:
+            return self._internal(cl, e)
         finally:
             self._audit(cl)
 
@@ -270,6 +273,12 @@ class Broker:
             return cl.response
         except Denied as d:
             return self._deny(cl, d)
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise  # the caller went away
+        except Exception as e:
+            if cl.response is not None and cl.response.prepared:
+                raise  # mid-stream: aiohttp closes the connection
+            return self._internal(cl, e)
         finally:
             self._audit(cl)
 
@@ -597,6 +606,13 @@ class Broker:
             budget.charge_bytes(sent)
             if sent and cl.scrubs == 0:
                 cl.scrubs = scrubber.count
+
+    def _internal(self, cl: CallLog, e: Exception) -> web.Response:
+        """A bug, not a decision: fail closed with a fixed text. Only the exception's class
+        is logged — messages (e.g. a URL carrying a query-injected key) never are."""
+        log.error("internal error handling a call: %s", type(e).__name__)
+        cl.extra["error"] = type(e).__name__
+        return self._deny(cl, Denied(500, INTERNAL_ERROR, "internal error"))
 
     # -- denials, events ----------------------------------------------------------------
     def _deny(self, cl: CallLog, d: Denied) -> web.Response:

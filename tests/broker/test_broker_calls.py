@@ -281,3 +281,21 @@ async def test_v1_unparseable_bodies(harness: Harness, raw: bytes) -> None:
     status, _h, body = await harness.call("POST", "/v1/call", data=raw,
                                           headers={"Content-Type": "application/json"})
     assert (status, json.loads(body)["reason"]) == (400, "bad_request")
+
+
+async def test_internal_error_is_fixed_text_without_secret(harness: Harness) -> None:
+    h = harness
+
+    class Broken:  # a failing dependency whose error text carries the secret
+        async def get(self, cred: Any) -> Any:
+            raise RuntimeError(f"exploded while holding {h.secret}")
+
+    h.broker.secrets = Broken()
+    for call in (h.call("GET", "/echo/json"), h.call("POST", "/v1/call",
+                                                      json={"api": "echo", "path": "/json"})):
+        status, _headers, body = await call
+        assert status == 500
+        assert json.loads(body) == {"error": "denied", "reason": "internal_error",
+                                    "message": "internal error"}
+    calls = broker_calls(h)
+    assert [e["stockade"]["error"] for e in calls] == ["RuntimeError", "RuntimeError"]
