@@ -42,6 +42,8 @@ from .sniff_http import HttpSniffer, RequestHead, looks_like_http
 from .sniff_tls import ClientHello, TlsSniffer, looks_like_tls
 
 Emit = Callable[[dict[str, Any]], None]
+# (socket, dialled address, None) or (None, "", (reason, detail, http status))
+DialResult = tuple[socket.socket | None, str, tuple[Reason, str, int] | None]
 _ids = itertools.count(1)
 
 
@@ -298,6 +300,7 @@ class Gateway:
         group.add(conn)
         ruleset = self.rules.current
 
+        early: asyncio.Future[DialResult] | None = None
         if connect_head is not None:
             # decide on the authority alone first, so a denied CONNECT gets a 403
             pre = decide_flow(FlowInput("proxy", connect=connect_head), ruleset, task.profile)
@@ -305,8 +308,15 @@ class Gateway:
                 self._decision_event(conn, pre, None)
                 await self._send_and_close(conn, http_denial(pre.reason, pre.rule_id, task.task_id))
                 return None, None, None
+            # dial the checked address of the allowed authority while the client sends its
+            # first bytes; nothing is sent upstream unless the full decision agrees
+            early = asyncio.ensure_future(self._checked_dial(pre))
             await loop.sock_sendall(conn.client, CONNECT_ESTABLISHED)
-            inner = await self._sniff(conn, deadline, initial=pending)
+            try:
+                inner = await self._sniff(conn, deadline, initial=pending)
+            except BaseException:
+                await _discard(early)
+                raise
         elif conn.listener == "transparent":
             inner = await self._sniff(conn, deadline)
         inp = FlowInput(
@@ -320,59 +330,39 @@ class Gateway:
             hint=inner.kind,
         )
         decision = decide_flow(inp, ruleset, task.profile)
-        protocol = decision.protocol
         if not decision.allowed:
+            if early is not None:
+                await _discard(early)
             self._decision_event(conn, decision, None)
-            await self._refuse(conn, decision.reason, decision.rule_id, protocol)
+            await self._refuse(conn, decision.reason, decision.rule_id, decision.protocol)
             return None, None, None
-
-        # the gateway chooses where to dial: a checked address for the allowed name
-        candidates: list[str]
-        if decision.ip is not None:
-            category = self.address_policy.check(decision.ip)
-            if category is not None:
-                return await self._deny_resolved(
-                    conn, decision, Reason.ADDRESS_FORBIDDEN, f"address category {category}"
-                )
-            candidates = [decision.ip]
+        if early is not None and (pre.host, pre.ip, pre.port) == (
+            decision.host,
+            decision.ip,
+            decision.port,
+        ):
+            result = await early
         else:
-            assert decision.host is not None
-            res = await self.resolver.resolve(decision.host)
-            if not res.addresses:
-                if res.forbidden:
-                    cats = sorted({c for _, c in res.forbidden})
-                    return await self._deny_resolved(
-                        conn,
-                        decision,
-                        Reason.ADDRESS_FORBIDDEN,
-                        f"name resolves only to forbidden addresses ({', '.join(cats)})",
-                    )
-                return await self._deny_resolved(
-                    conn,
-                    decision,
-                    Reason.RESOLVE_FAILED,
-                    f"resolution failed: {res.error or 'no address'}",
-                )
-            candidates = list(res.addresses)
-        upstream, dialled = await self._dial(candidates, decision.port)
+            if early is not None:
+                await _discard(early)
+            result = await self._checked_dial(decision)
+        upstream, dialled, failure = result
         if upstream is None:
-            return await self._deny_resolved(
-                conn,
-                decision,
-                Reason.UPSTREAM_UNREACHABLE,
-                "no checked address accepted the connection",
-                status=502,
-            )
-        ev = self._decision_event(conn, decision, dialled)
+            assert failure is not None
+            reason, detail, status = failure
+            return await self._deny_resolved(conn, decision, reason, detail, status=status)
         self.metrics.decision_seconds.observe(time.monotonic() - conn.started)
         try:
             if inner.data:
                 if not self._count_up(task, len(inner.data)):
+                    self._decision_event(conn, decision, dialled)
                     raise UploadLimit
                 await loop.sock_sendall(upstream, inner.data)
         except BaseException:
             upstream.close()
             raise
+        # logged once the first bytes are on their way: the event is off the latency path
+        ev = self._decision_event(conn, decision, dialled)
         relay = Relay(
             conn.client,
             upstream,
@@ -391,6 +381,31 @@ class Gateway:
         cap = profile.limits.egress_bytes if profile is not None else 0
         return used <= cap
 
+    async def _checked_dial(self, d: FlowDecision) -> DialResult:
+        """Resolve (names) or check (cidr literals) and connect to a checked address."""
+        candidates: list[str]
+        if d.ip is not None:
+            category = self.address_policy.check(d.ip)
+            if category is not None:
+                return None, "", (Reason.ADDRESS_FORBIDDEN, f"address category {category}", 403)
+            candidates = [d.ip]
+        else:
+            assert d.host is not None
+            res = await self.resolver.resolve(d.host)
+            if not res.addresses:
+                if res.forbidden:
+                    cats = ", ".join(sorted({c for _, c in res.forbidden}))
+                    detail = f"name resolves only to forbidden addresses ({cats})"
+                    return None, "", (Reason.ADDRESS_FORBIDDEN, detail, 403)
+                detail = f"resolution failed: {res.error or 'no address'}"
+                return None, "", (Reason.RESOLVE_FAILED, detail, 403)
+            candidates = list(res.addresses)
+        sock, ip = await self._dial(candidates, d.port)
+        if sock is None:
+            detail = "no checked address accepted the connection"
+            return None, "", (Reason.UPSTREAM_UNREACHABLE, detail, 502)
+        return sock, ip, None
+
     async def _dial(self, addresses: list[str], port: int) -> tuple[socket.socket | None, str]:
         loop = asyncio.get_running_loop()
         for ip in addresses:
@@ -400,9 +415,8 @@ class Gateway:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
-                await asyncio.wait_for(
-                    loop.sock_connect(sock, (ip, port)), self.settings.connect_timeout_s
-                )
+                async with asyncio.timeout(self.settings.connect_timeout_s):
+                    await loop.sock_connect(sock, (ip, port))
             except (OSError, TimeoutError):
                 sock.close()
                 continue
@@ -452,7 +466,11 @@ class Gateway:
                 )
                 break
             try:
-                chunk = await asyncio.wait_for(loop.sock_recv(conn.client, 16384), remaining)
+                try:
+                    chunk = conn.client.recv(16384)  # usually already there: no loop round
+                except BlockingIOError:
+                    async with asyncio.timeout_at(deadline):
+                        chunk = await loop.sock_recv(conn.client, 16384)
             except TimeoutError:
                 out.error = SniffError(
                     Reason.SNIFF_TIMEOUT,
@@ -626,6 +644,15 @@ class Gateway:
 
 
 IDLE_TIMEOUT = "idle_timeout"  # close reason only (not a decision), so not a Reason code
+
+
+async def _discard(fut: asyncio.Future[DialResult]) -> None:
+    """Cancel an early dial and close its socket if it already connected."""
+    fut.cancel()
+    with contextlib.suppress(BaseException):
+        sock, _, _ = await fut
+        if sock is not None:
+            sock.close()
 
 
 def _touch(conn: Conn) -> None:

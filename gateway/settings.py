@@ -18,6 +18,7 @@ class GatewaySettings(BaseModel):
     idle_timeout_s: float = Field(300.0, gt=0)
     max_connections_per_task: int = Field(256, ge=1)
     # the per-task upload cap comes from the profile's `limits.egress_bytes`
+    uvloop: bool = True  # run on uvloop when it is installed (the default install has it)
     splice: bool = True  # zero-copy relay with os.splice where the kernel allows it
     rules_poll_interval_s: float = Field(2.0, gt=0)  # rule file change detection (mtime/size)
     own_addresses: list[str] = []  # extra addresses/CIDRs of this host, never dialled

@@ -14,6 +14,7 @@ keeps what it read and replays it upstream unchanged.
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass
 
 from stockade.policy.reasons import Reason
@@ -25,6 +26,8 @@ CLIENT_HELLO = 0x01
 EXT_SERVER_NAME = 0x0000
 EXT_ALPN = 0x0010
 EXT_ECH = 0xFE0D  # encrypted_client_hello (draft-ietf-tls-esni)
+_DIGITS_DOTS = re.compile(r"[0-9.]+")
+_HOST_NAME_BYTES = re.compile(rb"[\x21-\x7e]+")  # printable ASCII, no space, not empty
 MAX_RECORD = 2**14 + 256  # a TLSPlaintext fragment may not exceed 2^14; slack for old stacks
 
 
@@ -38,6 +41,8 @@ class ClientHello:
 
 
 def _looks_like_ip(name: str) -> bool:
+    if ":" not in name and not _DIGITS_DOTS.fullmatch(name):
+        return False  # the common case, without paying for ipaddress's exceptions
     candidate = name[1:-1] if name.startswith("[") and name.endswith("]") else name
     try:
         ipaddress.ip_address(candidate)
@@ -111,21 +116,28 @@ def parse_client_hello_body(msg: bytes) -> ClientHello | SniffError:
         sni: str | None = None
         ech = False
         alpn: tuple[str, ...] = ()
-        while not exts.done():
-            etype = exts.u16()
-            edata = exts.vec(2)
+        # the extension walk is the hot loop (15-20 extensions): plain offsets, no objects
+        buf, pos, end = exts.buf, exts.pos, exts.end
+        while pos < end:
+            if pos + 4 > end:
+                raise ValueError("truncated extension header")
+            etype = (buf[pos] << 8) | buf[pos + 1]
+            start = pos + 4
+            pos = start + ((buf[pos + 2] << 8) | buf[pos + 3])
+            if pos > end:
+                raise ValueError("truncated extension")
             if etype in seen:
                 return SniffError(Reason.PROTOCOL_UNRECOGNISED, "duplicate extension")
             seen.add(etype)
             if etype == EXT_SERVER_NAME:
-                result = _parse_sni(edata)
+                result = _parse_sni(_Reader(buf, start, pos))
                 if isinstance(result, SniffError):
                     return result
                 sni = result
             elif etype == EXT_ECH:
                 ech = True
             elif etype == EXT_ALPN:
-                alpn = _parse_alpn(edata)
+                alpn = _parse_alpn(_Reader(buf, start, pos))
     except ValueError:
         return SniffError(Reason.PROTOCOL_UNRECOGNISED, "malformed ClientHello")
     return ClientHello(sni, sni is not None and _looks_like_ip(sni), ech, alpn, len(msg))
@@ -142,7 +154,7 @@ def _parse_sni(r: _Reader) -> str | SniffError:
         value = raw.take(raw.end - raw.pos)
         if name_type != 0:
             continue  # unknown name types are skipped per RFC 6066; only host_name counts
-        if not value or any(b <= 0x20 or b >= 0x7F for b in value):
+        if not _HOST_NAME_BYTES.fullmatch(value):
             return SniffError(Reason.INVALID_HOST, "host_name is not printable ASCII")
         found.append(value.decode("ascii"))
     if len(found) != 1:

@@ -1,0 +1,537 @@
+#!/usr/bin/env python3
+"""Gateway benchmark: tunnel throughput, connection set-up latency and idle-tunnel memory,
+side by side in one run against a direct connection, mitmproxy (passthrough), Squid and
+tinyproxy (allowlisting CONNECT proxies). Everything runs on 127.0.0.1.
+
+    .venv/bin/python bench/gateway_bench.py [--bytes 512MiB] [--latency-runs 300]
+                                            [--idle 10000] [--only gateway,direct,...]
+
+Each proxy gets a CONNECT to `localhost:<upstream port>` followed by a real TLS
+ClientHello (SNI `localhost`, so the gateway's sniffer and policy run), then a one-byte
+command to the upstream: `D` + 8-byte length (download that many bytes, sent with
+sendfile), `P` (answer one byte, then stay idle). The upstream and each proxy are
+separate processes; the client is this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import resource
+import shutil
+import signal
+import socket
+import ssl
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+
+UPSTREAM_CODE = textwrap.dedent(
+    """
+    import asyncio, os, resource, sys
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    port, blob = int(sys.argv[1]), sys.argv[2]
+    size = os.path.getsize(blob)
+
+    async def handle(reader, writer):
+        try:
+            hdr = await reader.readexactly(5)
+            await reader.readexactly(int.from_bytes(hdr[3:5], "big"))
+            cmd = await reader.readexactly(1)
+            if cmd == b"D":
+                n = int.from_bytes(await reader.readexactly(8), "big")
+                loop = asyncio.get_running_loop()
+                with open(blob, "rb") as f:
+                    while n > 0:
+                        k = min(n, size)
+                        await loop.sendfile(writer.transport, f, 0, k)
+                        n -= k
+            elif cmd == b"P":
+                writer.write(b"!")
+                await writer.drain()
+                await reader.read()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def main():
+        srv = await asyncio.start_server(handle, "127.0.0.1", port, backlog=4096)
+        print("ready", flush=True)
+        await srv.serve_forever()
+
+    asyncio.run(main())
+    """
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def client_hello(sni: str) -> bytes:
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = ctx.wrap_bio(inc, out, server_hostname=sni)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        obj.do_handshake()
+    return out.read()
+
+
+def parse_size(text: str) -> int:
+    units = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    for u, m in units.items():
+        if text.endswith(u):
+            return int(float(text[: -len(u)]) * m)
+    return int(text)
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes] | None = None, timeout: float = 30) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"port {port} not listening")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+@dataclass
+class Proxy:
+    name: str
+    port: int | None  # None: direct
+    proc: subprocess.Popen[bytes] | None = None
+    cleanup: list[Callable[[], None]] = field(default_factory=list)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for fn in self.cleanup:
+            with contextlib.suppress(Exception):
+                fn()
+
+
+class Bench:
+    def __init__(self, upstream_port: int, hello: bytes) -> None:
+        self.upstream_port = upstream_port
+        self.hello = hello
+
+    def open(self, proxy: Proxy, cmd: bytes) -> socket.socket:
+        if proxy.port is None:
+            s = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=30)
+        else:
+            s = socket.create_connection(("127.0.0.1", proxy.port), timeout=30)
+            auth = f"localhost:{self.upstream_port}"
+            s.sendall(f"CONNECT {auth} HTTP/1.1\r\nHost: {auth}\r\n\r\n".encode())
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = s.recv(4096)
+                if not chunk:
+                    raise RuntimeError(f"{proxy.name}: closed during CONNECT")
+                head += chunk
+            if not head.startswith((b"HTTP/1.1 200", b"HTTP/1.0 200")):
+                raise RuntimeError(f"{proxy.name}: CONNECT refused: {head[:80]!r}")
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.sendall(self.hello + cmd)
+        return s
+
+    def throughput(self, proxy: Proxy, nbytes: int) -> float:
+        """MiB/s of one tunnel downloading `nbytes`."""
+        buf = bytearray(1 << 20)
+        t0 = time.perf_counter()
+        s = self.open(proxy, b"D" + nbytes.to_bytes(8, "big"))
+        got = 0
+        while got < nbytes:
+            n = s.recv_into(buf)
+            if n == 0:
+                raise RuntimeError(f"{proxy.name}: short read {got}/{nbytes}")
+            got += n
+        elapsed = time.perf_counter() - t0
+        s.close()
+        return nbytes / elapsed / 2**20
+
+    def latency(self, proxy: Proxy, runs: int) -> list[float]:
+        """Seconds from connect() to the first upstream byte through the tunnel."""
+        out: list[float] = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            s = self.open(proxy, b"P")
+            if s.recv(1) != b"!":
+                raise RuntimeError(f"{proxy.name}: no first byte")
+            out.append(time.perf_counter() - t0)
+            s.close()
+        return out
+
+    def idle(self, proxy: Proxy, n: int) -> tuple[int, float]:
+        """Hold `n` idle tunnels; returns (tunnels, RSS growth KiB per tunnel)."""
+        assert proxy.proc is not None
+        warm = [self.open(proxy, b"P") for _ in range(50)]  # first-use allocations
+        for s in warm:
+            s.recv(1)
+            s.close()
+        time.sleep(1.0)
+        before = rss_kib(proxy.proc.pid)
+        held: list[socket.socket] = []
+        try:
+            for _ in range(n):
+                s = self.open(proxy, b"P")
+                if s.recv(1) != b"!":
+                    raise RuntimeError("tunnel not established")
+                held.append(s)
+            time.sleep(1.0)
+            after = rss_kib(proxy.proc.pid)
+        finally:
+            for s in held:
+                s.close()
+        return len(held), (after - before) / max(1, len(held))
+
+
+# -- proxies ------------------------------------------------------------------------------
+
+
+def start_gateway(tmp: Path, name: str, upstream_port: int, splice: bool) -> Proxy:
+    from dnslib import QTYPE, RR, A
+    from dnslib.server import BaseResolver, DNSLogger, DNSServer
+
+    class LocalhostResolver(BaseResolver):  # type: ignore[misc]
+        def resolve(self, request, handler):  # type: ignore[no-untyped-def]
+            reply = request.reply()
+            q = request.q
+            if str(q.qname).rstrip(".").lower() == "localhost" and q.qtype == QTYPE.A:
+                reply.add_answer(RR(q.qname, QTYPE.A, rdata=A("127.0.0.1"), ttl=300))
+            return reply
+
+    dns_port = free_port()
+    quiet = DNSLogger(log="-request,-reply,-truncated,-error,-recv,-send,-data")
+    dns = DNSServer(
+        LocalhostResolver(), port=dns_port, address="127.0.0.1", tcp=False, logger=quiet
+    )
+    dns.start_thread()
+    d = tmp / name
+    (d / "rules" / "profiles").mkdir(parents=True)
+    (d / "rules" / "profiles" / "bench.yaml").write_text(
+        textwrap.dedent(
+            f"""\
+            profile: bench
+            description: gateway benchmark
+            limits: {{egress_bytes: 1000GiB}}
+            egress:
+              allow:
+                - host: localhost
+                  ports: [{upstream_port}]
+                  reason: the benchmark upstream
+            """
+        )
+    )
+    port = free_port()
+    import yaml
+
+    cfg = {
+        "rules_dir": str(d / "rules"),
+        "state_dir": str(d / "state"),
+        "log_dir": str(d / "log"),
+        "run_dir": str(d / "run"),
+        "gateway": {
+            "transparent_listen": [f"127.0.0.1:{free_port()}"],
+            "proxy_listen": [f"127.0.0.1:{port}"],
+            "control_socket": str(d / "run" / "gw.sock"),
+            "metrics_listen": f"127.0.0.1:{free_port()}",
+            "resolvers": [f"127.0.0.1:{dns_port}"],
+            "allow_addresses": ["127.0.0.0/8"],
+            "max_connections_per_task": 100000,
+            "splice": splice,
+        },
+    }
+    (d / "stockade.yaml").write_text(yaml.safe_dump(cfg))
+    prof = os.environ.get("STOCKADE_BENCH_PROFILE")  # a profiling wrapper script to run under
+    prefix = [sys.executable, prof] if prof else [str(VENV_BIN / "stockade")]
+    proc = subprocess.Popen(
+        [*prefix, "gateway", "serve", "--no-dns", "--config", str(d / "stockade.yaml")],
+        stdout=subprocess.DEVNULL,
+    )
+    wait_port(port, proc)
+    from stockade.tasks import ControlClient, Task
+
+    ctl = ControlClient(d / "run" / "gw.sock")
+    for _ in range(100):
+        try:
+            ctl.register(Task("bench", "127.0.0.1", "bench"))
+            break
+        except OSError:
+            time.sleep(0.05)
+    return Proxy(name, port, proc, [dns.stop])
+
+
+def start_mitmproxy(tmp: Path) -> Proxy | None:
+    exe = VENV_BIN / "mitmdump"
+    if not exe.exists():
+        return None
+    port = free_port()
+    conf = tmp / "mitm"
+    conf.mkdir()
+    proc = subprocess.Popen(
+        [
+            str(exe),
+            "--listen-host",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "--ignore-hosts",
+            ".*",
+            "--set",
+            f"confdir={conf}",
+            "-q",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_port(port, proc, timeout=60)
+    return Proxy("mitmproxy (passthrough)", port, proc)
+
+
+def start_squid(tmp: Path, upstream_port: int) -> Proxy | None:
+    exe = shutil.which("squid")
+    if not exe:
+        return None
+    d = tmp / "squid"
+    d.mkdir()
+    d.chmod(0o777)
+    port = free_port()
+    conf = d / "squid.conf"
+    conf.write_text(
+        textwrap.dedent(
+            f"""\
+            http_port 127.0.0.1:{port}
+            pid_filename {d}/squid.pid
+            cache_log {d}/cache.log
+            access_log none
+            cache deny all
+            coredump_dir {d}
+            hosts_file /etc/hosts
+            max_filedescriptors 19000
+            shutdown_lifetime 0 seconds
+            acl allowed dstdomain localhost
+            acl bench_port port {upstream_port}
+            acl CONNECT method CONNECT
+            http_access allow CONNECT allowed bench_port
+            http_access deny all
+            """
+        )
+    )
+    proc = subprocess.Popen(
+        [exe, "-N", "-f", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    wait_port(port, proc, timeout=60)
+    return Proxy("squid (CONNECT allowlist)", port, proc)
+
+
+def start_tinyproxy(tmp: Path, upstream_port: int) -> Proxy | None:
+    exe = shutil.which("tinyproxy")
+    if not exe:
+        return None
+    d = tmp / "tinyproxy"
+    d.mkdir()
+    d.chmod(0o777)
+    port = free_port()
+    (d / "filter").write_text("^localhost$\n")
+    conf = d / "tinyproxy.conf"
+    conf.write_text(
+        textwrap.dedent(
+            f"""\
+            Port {port}
+            Listen 127.0.0.1
+            Timeout 600
+            MaxClients 19000
+            LogLevel Critical
+            PidFile "{d}/tinyproxy.pid"
+            ConnectPort {upstream_port}
+            Filter "{d}/filter"
+            FilterType ere
+            FilterDefaultDeny Yes
+            """
+        )
+    )
+    proc = subprocess.Popen(
+        [exe, "-d", "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    wait_port(port, proc, timeout=30)
+    return Proxy("tinyproxy (CONNECT allowlist)", port, proc)
+
+
+@contextlib.contextmanager
+def upstream(tmp: Path) -> Iterator[int]:
+    blob = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp
+    fd, blob_path = tempfile.mkstemp(dir=blob, prefix="stockade-bench-")
+    with os.fdopen(fd, "wb") as f:
+        f.write(os.urandom(1 << 20) * 64)  # 64 MiB served again and again
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", UPSTREAM_CODE, str(port), blob_path], stdout=subprocess.PIPE
+    )
+    try:
+        assert proc.stdout is not None
+        proc.stdout.readline()
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        os.unlink(blob_path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bytes", default="512MiB", help="download size per throughput run")
+    ap.add_argument("--runs", type=int, default=3, help="throughput runs (median is shown)")
+    ap.add_argument("--latency-runs", type=int, default=300)
+    ap.add_argument(
+        "--idle",
+        type=int,
+        default=10000,
+        help="idle tunnels for the RSS test "
+        "(capped by RLIMIT_NOFILE: the gateway holds two sockets per tunnel)",
+    )
+    ap.add_argument(
+        "--idle-all",
+        action="store_true",
+        help="run the idle-tunnel test for every proxy, not only the gateway",
+    )
+    ap.add_argument(
+        "--only",
+        help="comma-separated subset: direct,gateway,gateway-copy,mitmproxy,squid,tinyproxy",
+    )
+    args = ap.parse_args()
+    nbytes = parse_size(args.bytes)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    idle_n = min(args.idle, (hard - 300) // 2)
+    only = set(args.only.split(",")) if args.only else None
+
+    def wanted(key: str) -> bool:
+        return only is None or key in only
+
+    hello = client_hello("localhost")
+    rows: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory(prefix="stockade-bench-") as tmpdir:
+        tmp = Path(tmpdir)
+        with upstream(tmp) as up_port:
+            bench = Bench(up_port, hello)
+            starters: list[tuple[str, Callable[[], Proxy | None]]] = [
+                ("direct", lambda: Proxy("direct", None)),
+                ("gateway", lambda: start_gateway(tmp, "stockade gateway (splice)", up_port, True)),
+                (
+                    "gateway-copy",
+                    lambda: start_gateway(tmp, "stockade gateway (copy loop)", up_port, False),
+                ),
+                ("mitmproxy", lambda: start_mitmproxy(tmp)),
+                ("squid", lambda: start_squid(tmp, up_port)),
+                ("tinyproxy", lambda: start_tinyproxy(tmp, up_port)),
+            ]
+            for key, start in starters:
+                if not wanted(key):
+                    continue
+                try:
+                    proxy = start()
+                except Exception as e:  # a missing/broken peer must not sink the run
+                    print(f"# {key}: could not start: {e}", file=sys.stderr)
+                    continue
+                if proxy is None:
+                    print(f"# {key}: not installed", file=sys.stderr)
+                    continue
+                try:
+                    bench.latency(proxy, 20)  # warm-up: caches, first-use allocations
+                    tput = statistics.median(
+                        bench.throughput(proxy, nbytes) for _ in range(args.runs)
+                    )
+                    cpu0 = cpu_seconds(proxy.proc.pid) if proxy.proc else 0.0
+                    lat = bench.latency(proxy, args.latency_runs)
+                    cpu1 = cpu_seconds(proxy.proc.pid) if proxy.proc else 0.0
+                    row: dict[str, object] = {
+                        "name": proxy.name,
+                        "key": key,
+                        "tput": tput,
+                        "p50": statistics.median(lat) * 1000,
+                        "p90": statistics.quantiles(lat, n=10)[-1] * 1000,
+                        "cpu_us": (cpu1 - cpu0) / args.latency_runs * 1e6 if proxy.proc else None,
+                    }
+                    if proxy.proc is not None and (key == "gateway" or args.idle_all):
+                        row["idle_n"], row["idle_kib"] = bench.idle(proxy, idle_n)
+                    rows.append(row)
+                    print(f"# {proxy.name}: done", file=sys.stderr)
+                except Exception as e:
+                    print(f"# {key}: failed: {e}", file=sys.stderr)
+                finally:
+                    proxy.stop()
+    print_table(rows, nbytes, args)
+    return 0
+
+
+def print_table(rows: list[dict[str, object]], nbytes: int, args: argparse.Namespace) -> None:
+    direct = next((r for r in rows if r["key"] == "direct"), None)
+    mitm = next((r for r in rows if r["key"] == "mitmproxy"), None)
+    print(
+        f"\nstockade gateway bench: 1 tunnel downloading {nbytes / 2**20:.0f} MiB "
+        f"(median of {args.runs}), {args.latency_runs} connect+first-byte samples, "
+        f"{os.cpu_count()} CPUs\n"
+    )
+    hdr = (
+        f"{'path':32} {'MiB/s':>8} {'vs direct':>9} {'vs mitm':>8} "
+        f"{'p50 ms':>7} {'+p50 ms':>8} {'p90 ms':>7} {'CPU us/conn':>11} "
+        f"{'idle KiB/tunnel':>18}"
+    )
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        tput = float(r["tput"])  # type: ignore[arg-type]
+        p50 = float(r["p50"])  # type: ignore[arg-type]
+        vs_direct = f"{tput / float(direct['tput']):.0%}" if direct else "-"  # type: ignore[arg-type]
+        vs_mitm = f"{tput / float(mitm['tput']):.2f}x" if mitm else "-"  # type: ignore[arg-type]
+        added = f"{p50 - float(direct['p50']):+.3f}" if direct else "-"  # type: ignore[arg-type]
+        idle = (
+            f"{float(r['idle_kib']):.1f} ({r['idle_n']})"  # type: ignore[arg-type]
+            if "idle_kib" in r
+            else "-"
+        )
+        cpu = f"{float(r['cpu_us']):.0f}" if r.get("cpu_us") is not None else "-"  # type: ignore[arg-type]
+        print(
+            f"{r['name']:32} {tput:8.0f} {vs_direct:>9} {vs_mitm:>8} {p50:7.3f} "
+            f"{added:>8} {float(r['p90']):7.3f} {cpu:>11} {idle:>18}"
+        )  # type: ignore[arg-type]
+    print()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
