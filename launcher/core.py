@@ -181,7 +181,7 @@ class Launcher:
             if self._started:
                 return
             self.scratch_base.mkdir(parents=True, exist_ok=True, mode=0o700)
-            nft.run(nft.table_commands(self.params))
+            nft.apply_table(self.params)
             self.reconcile()
             if self.use_nflog:
                 self._nflog_thread = threading.Thread(target=self._nflog_loop, daemon=True,
@@ -370,7 +370,8 @@ class Launcher:
                 netns.destroy(self._netns(link[len(p):]), link)
                 removed["links"].append(link)
         stale = []
-        for elems in nft.list_elements(self.s.nft_table).values():
+        listed = nft.list_elements(self.s.nft_table)
+        for elems in (listed.get(n, []) for n in nft.PER_SANDBOX_SETS):
             for e in elems:
                 name = nft.element_ifname(e)
                 if name and name not in keep_if and name.startswith(p):
@@ -626,8 +627,9 @@ class Launcher:
 
     def _delete_elements_by_name(self, ifname: str) -> None:
         """Remove every element of an interface whose record is lost (reconcile)."""
-        for set_name, elems in nft.list_elements(self.s.nft_table).items():
-            for e in elems:
+        listed = nft.list_elements(self.s.nft_table)
+        for set_name in nft.PER_SANDBOX_SETS:
+            for e in listed.get(set_name, []):
                 if nft.element_ifname(e) == ifname:
                     payload = {"nftables": [{"delete": {"element": {
                         "family": "inet", "table": self.s.nft_table, "name": set_name,

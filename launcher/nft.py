@@ -33,6 +33,11 @@ PREFIX_FORWARD = "stockade:forward"
 SET_IFS = "sandbox_ifs"
 SET_SRC = "sandbox_src"
 SET_HOST = "sandbox_host"
+# a meter: one log budget per interface, so one noisy sandbox cannot use up the log rate
+# of the others; its elements expire by themselves (never deleted, never reconciled)
+SET_LOG_BUDGET = "log_budget"
+LOG_BUDGET_TIMEOUT_S = 10
+PER_SANDBOX_SETS = (SET_IFS, SET_SRC, SET_HOST)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +73,11 @@ def _match(left: Any, right: Any, op: str = "==") -> Json:
 
 
 def _log(p: TableParams, prefix: str) -> list[Json]:
-    # every log is paired with a limit, so a flood cannot flood the log
+    # every log is paired with a limit (per interface), so a flood cannot flood the log
     return [
-        {"limit": {"rate": p.log_rate, "burst": p.log_rate * 2, "per": "second"}},
+        {"set": {"op": "update", "elem": _iif(), "set": "@" + SET_LOG_BUDGET,
+                 "stmt": [{"limit": {"rate": p.log_rate, "burst": p.log_rate * 2,
+                                     "per": "second"}}]}},
         {"log": {"prefix": prefix, "group": p.nflog_group}},
     ]
 
@@ -88,8 +95,13 @@ def _set(p: TableParams, name: str, type_: str | list[str]) -> Json:
     return {"add": {"set": {"family": "inet", "table": p.table, "name": name, "type": type_}}}
 
 
-def table_commands(p: TableParams) -> Json:
-    """The whole table; idempotent: `add table` then `flush table`, then everything."""
+def table_commands(p: TableParams, existing_sets: frozenset[str] = frozenset()) -> Json:
+    """The whole table; idempotent: `add table` then `flush table`, then everything.
+
+    `existing_sets`: sets the table already has. The meter set is only created when
+    missing: the kernel marks it dynamic once a rule updates it, and re-adding it with
+    the flags JSON can express would then fail.
+    """
     src = {"concat": [_iif(), _payload("ip", "saddr"), _payload("ether", "saddr")]}
     host_dst = {"concat": [_iif(), _payload("ip", "daddr")]}
     l4 = {"meta": {"key": "l4proto"}}
@@ -101,6 +113,10 @@ def table_commands(p: TableParams) -> Json:
         _set(p, SET_IFS, "ifname"),
         _set(p, SET_SRC, ["ifname", "ipv4_addr", "ether_addr"]),
         _set(p, SET_HOST, ["ifname", "ipv4_addr"]),
+        *([] if SET_LOG_BUDGET in existing_sets else [
+            {"add": {"set": {"family": "inet", "table": p.table, "name": SET_LOG_BUDGET,
+                             "type": "ifname", "flags": ["timeout"],
+                             "timeout": LOG_BUDGET_TIMEOUT_S, "size": 65536}}}]),
         _chain(p, "redirect_in", type="nat", hook="prerouting", prio=-100, policy="accept"),
         _chain(p, "guard_in", type="filter", hook="prerouting", prio=-90, policy="accept"),
         _chain(p, "from_sandbox"),
@@ -157,6 +173,11 @@ def element_commands(table: str, verb: str, wirings: list[Wiring]) -> Json:
             cmds.append({verb: {"element": {"family": "inet", "table": table, "name": name,
                                             "elem": elem}}})
     return {"nftables": cmds}
+
+
+def apply_table(p: TableParams) -> None:
+    """Create or refresh the table (keeps every set's elements)."""
+    run(table_commands(p, frozenset(list_elements(p.table))))
 
 
 def delete_table_command(table: str) -> Json:

@@ -35,10 +35,25 @@ from stockade.tasks import TaskRegistry, make_control_app, start_control_server
 SO_ORIGINAL_DST = 80
 
 
-def _free_port(kind: int = socket.SOCK_STREAM) -> int:
-    with socket.socket(socket.AF_INET, kind) as s:
-        s.bind(("0.0.0.0", 0))
-        return int(s.getsockname()[1])
+def _bound(kind: int, port: int = 0) -> socket.socket:
+    s = socket.socket(socket.AF_INET, kind)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", port))
+    if kind == socket.SOCK_STREAM:
+        s.listen(64)
+    s.settimeout(0.2)
+    return s
+
+
+def _bound_pair() -> tuple[socket.socket, socket.socket]:
+    """A UDP and a TCP socket on the same free port (other suites run concurrently)."""
+    for _ in range(50):
+        u = _bound(socket.SOCK_DGRAM)
+        try:
+            return u, _bound(socket.SOCK_STREAM, u.getsockname()[1])
+        except OSError:
+            u.close()
+    raise RuntimeError("no port free for both UDP and TCP")
 
 
 @dataclass
@@ -59,15 +74,6 @@ class _Servers:
         self.socks: list[socket.socket] = []
         self.threads: list[threading.Thread] = []
 
-    def _listen(self, port: int, kind: int) -> socket.socket:
-        s = socket.socket(socket.AF_INET, kind)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("0.0.0.0", port))
-        if kind == socket.SOCK_STREAM:
-            s.listen(64)
-        s.settimeout(0.2)
-        self.socks.append(s)
-        return s
 
     def _loop(self, s: socket.socket, handle: Any) -> None:
         while not self.stop.is_set():
@@ -83,8 +89,8 @@ class _Servers:
             except (TimeoutError, OSError):
                 continue
 
-    def start(self, port: int, kind: int, handle: Any) -> None:
-        s = self._listen(port, kind)
+    def start(self, s: socket.socket, handle: Any) -> None:
+        self.socks.append(s)
         t = threading.Thread(target=self._loop, args=(s, handle), daemon=True)
         t.start()
         self.threads.append(t)
@@ -148,8 +154,12 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     tmp = tmp_path_factory.mktemp("launcher")
     sfx = secrets.token_hex(3)
     octet = 100 + secrets.randbelow(100)
-    ports = {"tp": _free_port(), "dns": _free_port(socket.SOCK_DGRAM), "broker": _free_port(),
-             "trap": _free_port()}
+    # listeners bound first, on free ports; the config then names those ports
+    dns_udp, dns_tcp = _bound_pair()
+    socks = {"tp": _bound(socket.SOCK_STREAM), "broker": _bound(socket.SOCK_STREAM),
+             "trap": _bound(socket.SOCK_STREAM)}
+    ports = {k: v.getsockname()[1] for k, v in socks.items()}
+    ports["dns"] = dns_udp.getsockname()[1]
     cfg = Config.model_validate({
         "rules_dir": str(tmp / "rules"),
         "state_dir": str(tmp / "state"), "log_dir": str(tmp / "log"), "run_dir": str(tmp / "run"),
@@ -201,11 +211,11 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     def on_trap(c: socket.socket, peer: tuple[str, int]) -> None:
         obs.trap.append(peer[0])
 
-    srv.start(ports["tp"], socket.SOCK_STREAM, on_tcp)
-    srv.start(ports["dns"], socket.SOCK_DGRAM, on_dns_udp)
-    srv.start(ports["dns"], socket.SOCK_STREAM, on_dns_tcp)
-    srv.start(ports["broker"], socket.SOCK_STREAM, on_broker)
-    srv.start(ports["trap"], socket.SOCK_STREAM, on_trap)
+    srv.start(socks["tp"], on_tcp)
+    srv.start(dns_udp, on_dns_udp)
+    srv.start(dns_tcp, on_dns_tcp)
+    srv.start(socks["broker"], on_broker)
+    srv.start(socks["trap"], on_trap)
     launcher = Launcher(cfg)
     ruleset = types.SimpleNamespace(profiles=profiles(), version="lab-1")
     try:

@@ -27,7 +27,8 @@ CYCLES = int(os.environ.get("STOCKADE_LEAK_CYCLES", "200"))
 
 def leftovers(lab: Lab) -> dict[str, Any]:
     s = lab.config.launcher
-    elements = {k: v for k, v in nft.list_elements(s.nft_table).items() if v}
+    elements = {k: v for k, v in nft.list_elements(s.nft_table).items()
+                if v and k in nft.PER_SANDBOX_SETS}
     mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
               if line.split()[1].startswith(s.scratch_dir)]
     return {

@@ -26,7 +26,11 @@ def test_every_log_is_rate_limited_and_in_the_group() -> None:
     for r in logs:
         kinds = [next(iter(e)) for e in r["expr"]]
         i = kinds.index("log")
-        assert kinds[i - 1] == "limit"
+        meter = r["expr"][i - 1]["set"]
+        # rate-limited per interface: a meter keyed by iifname right before the log
+        assert meter["op"] == "update" and meter["set"] == "@" + nft.SET_LOG_BUDGET
+        assert meter["elem"] == {"meta": {"key": "iifname"}}
+        assert meter["stmt"][0]["limit"]["rate"] == 20
         assert r["expr"][i]["log"]["group"] == 7413
         assert r["expr"][i]["log"]["prefix"].startswith("stockade:")
 
@@ -82,12 +86,12 @@ def table() -> Iterator[str]:
 @pytest.mark.netns
 def test_real_table_elements_are_atomic(table: str) -> None:
     p = nft.TableParams(table, 15001, 15053, 8081, 7413)
-    nft.run(nft.table_commands(p))
+    nft.apply_table(p)
     a = nft.Wiring("stkaaaaaaaaaa", "10.213.0.2", "02:00:0a:d5:00:02", "10.213.0.1")
     b = nft.Wiring("stkbbbbbbbbbb", "10.213.0.6", "02:00:0a:d5:00:06", "10.213.0.5")
     nft.run(nft.element_commands(table, "add", [a, b]))
     # re-applying the table (restart) keeps the sandboxes' elements
-    nft.run(nft.table_commands(p))
+    nft.apply_table(p)
     els = nft.list_elements(table)
     assert sorted(els[nft.SET_IFS]) == ["stkaaaaaaaaaa", "stkbbbbbbbbbb"]
     # a batch with one bad element changes nothing (all or nothing)
@@ -101,5 +105,7 @@ def test_real_table_elements_are_atomic(table: str) -> None:
     assert [nft.element_ifname(e) for e in els[nft.SET_SRC]] == ["stkbbbbbbbbbb"]
     out = subprocess.run(["nft", "-j", "list", "table", "inet", table], capture_output=True,
                          check=True)
-    n_rules = sum(1 for i in json.loads(out.stdout)["nftables"] if "rule" in i)
+    listed = json.loads(out.stdout)["nftables"]
+    n_rules = sum(1 for i in listed if "rule" in i)
+    assert sum(1 for i in listed if "set" in i) == 4
     assert n_rules == len(_rules(nft.table_commands(p)))

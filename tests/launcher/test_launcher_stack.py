@@ -47,6 +47,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _free_pair() -> int:
+    """A port free for both UDP and TCP right now (the DNS firewall binds both)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+            u.bind(("0.0.0.0", 0))
+            port = int(u.getsockname()[1])
+            with socket.socket() as t:
+                try:
+                    t.bind(("0.0.0.0", port))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError("no port free for both UDP and TCP")
+
+
 class Stack:
     def __init__(self, config: Config, launcher: Launcher, ruleset: Any, ca: str) -> None:
         self.config = config
@@ -96,7 +113,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, fake_internet: Any) -> Itera
                     "metrics_listen": f"127.0.0.1:{_free_port()}",
                     "resolvers": [fake_internet.dns_server],
                     "allow_addresses": [fake_internet.subnet]},
-        "dns": {"listen": [f"0.0.0.0:{_free_port()}"]},
+        "dns": {"listen": [f"0.0.0.0:{_free_pair()}"]},
         "broker": {"listen": f"0.0.0.0:{_free_port()}",
                    "control_socket": str(tmp / "run" / "broker.sock"),
                    "metrics_listen": f"127.0.0.1:{_free_port()}"},
