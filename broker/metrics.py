@@ -44,6 +44,10 @@ class BrokerMetrics:
             "stockade_broker_bytes", "Body bytes through the broker", ["api", "direction"],
             registry=r,
         )
+        self.reloads = Counter(
+            "stockade_broker_rule_reloads", "Rule reloads by result (success, failure)",
+            ["result"], registry=r,
+        )
         self.events_dropped = Gauge(
             "stockade_broker_events_dropped", "Events the writer could not write", registry=r
         )

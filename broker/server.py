@@ -193,25 +193,34 @@ class Broker:
         return app
 
     # -- rule reload (SIGHUP and the control API) -----------------------------------------
-    async def reload(self) -> dict[str, Any]:
+    async def reload(self, trigger: str = "control") -> dict[str, Any]:
+        """Load and swap the rules; on any problem keep the old ones (same event fields and
+        reason codes as the gateway's reload: `rules_loaded` / `rules_invalid`)."""
         if self._load_rules is None:
             return {"ok": False, "error": "no rule source"}
         old = self.rules.version
         try:
             new = await asyncio.get_running_loop().run_in_executor(None, self._load_rules)
         except Exception as e:  # RulesError and friends: keep serving with the old rules
-            msg = str(e)[:2000]
+            problems = [str(p) for p in getattr(e, "problems", [])][:20] or [
+                type(e).__name__]
+            self.metrics.reloads.labels("failure").inc()
             self.events.write(make_event(
                 component="broker", action="rules_reload", decision="denied",
-                reason="invalid_rules", policy_version=old, message=msg,
+                reason="rules_invalid", policy_version=old,
+                message=f"rule reload ({trigger}) refused; previous rules stay in force",
+                extra={"problems": problems, "trigger": trigger},
             ))
-            log.warning("rule reload failed, keeping version %s", old)
-            return {"ok": False, "error": "invalid rules", "detail": msg, "version": old}
-        self.rules = new
+            log.warning("rule reload (%s) refused, keeping version %s", trigger, old)
+            return {"ok": False, "version": old, "problems": problems}
+        self.rules = new  # one reference swap: a call sees the old or the new rules
         self._upstreams.clear()
+        self.metrics.reloads.labels("success").inc()
         self.events.write(make_event(
             component="broker", action="rules_reload", decision="allowed",
-            reason="reloaded", policy_version=new.version, message=f"rules {old} -> {new.version}",
+            reason="rules_loaded", policy_version=new.version,
+            message=f"rules reloaded ({trigger}): {old} -> {new.version}",
+            extra={"trigger": trigger, "previous_version": old},
         ))
         return {"ok": True, "version": new.version, "previous": old}
 
@@ -277,7 +286,13 @@ class Broker:
             raise  # the caller went away
         except Exception as e:
             if cl.response is not None and cl.response.prepared:
-                raise  # mid-stream: aiohttp closes the connection
+                # mid-stream: cut the connection; log the class only, never the message
+                log.error("internal error mid-stream: %s", type(e).__name__)
+                cl.extra["error"] = type(e).__name__
+                cl.decision, cl.reason = "denied", INTERNAL_ERROR
+                if request.transport is not None:
+                    request.transport.abort()
+                return cl.response
             return self._internal(cl, e)
         finally:
             self._audit(cl)

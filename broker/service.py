@@ -132,9 +132,9 @@ class BrokerService:
             await asyncio.sleep(0.5)
             self.registry.expire()
 
-    async def reload(self) -> dict[str, Any]:
+    async def reload(self, trigger: str = "control") -> dict[str, Any]:
         assert self.broker is not None
-        return await self.broker.reload()
+        return await self.broker.reload(trigger)
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -161,7 +161,8 @@ class BrokerService:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload()))
+        loop.add_signal_handler(signal.SIGHUP,
+                                lambda: asyncio.ensure_future(self.reload("sighup")))
         try:
             await stop.wait()
         finally:

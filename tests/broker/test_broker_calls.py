@@ -263,6 +263,10 @@ async def test_reload_keeps_old_rules_when_invalid(harness: Harness) -> None:
     assert (status, doc["reason"]) == (403, "api_not_allowed")
     reloads = [e for e in h.event_list() if e["event"]["action"] == "rules_reload"]
     assert [e["event"]["outcome"] for e in reloads] == ["failure", "success"]
+    assert [e["event"]["reason"] for e in reloads] == ["rules_invalid", "rules_loaded"]
+    assert "bogus_key" in " ".join(reloads[0]["stockade"]["problems"])
+    assert 'stockade_broker_rule_reloads_total{result="failure"} 1.0' in (
+        h.broker.metrics.render().decode())
 
 
 async def test_redirect_and_pagination_links_point_back_at_the_broker(harness: Harness) -> None:

@@ -131,7 +131,8 @@ async def test_broker_serve_cli(
     assert actions.count("broker_call") == 6 and "secret_echo" in actions
     loopy = [e for e in evs if e["stockade"].get("api") == "loopy"]
     assert loopy[0]["stockade"]["address_category"] == "loopback"
-    assert [e["event"]["outcome"] for e in evs if e["event"]["action"] == "rules_reload"] == [
-        "failure", "success"]
+    reloads = [e for e in evs if e["event"]["action"] == "rules_reload"]
+    assert [(e["event"]["outcome"], e["stockade"]["trigger"]) for e in reloads] == [
+        ("failure", "sighup"), ("success", "control")]
     assert_no_secret(secret, [*produced, events.read_bytes()])
     assert token.encode() not in b"".join(produced) + events.read_bytes()
