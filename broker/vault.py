@@ -130,7 +130,10 @@ class VaultClient:
                     unwrapper = hvac.Client(
                         url=s.address, token=raw, timeout=s.timeout_s, verify=self._verify
                     )
-                    raw = str(unwrapper.sys.unwrap()["data"]["secret_id"])
+                    try:
+                        raw = str(unwrapper.sys.unwrap()["data"]["secret_id"])
+                    finally:
+                        unwrapper.adapter.close()
                 self._secret_id = raw
             resp = self._client.auth.approle.login(
                 role_id=role_id, secret_id=self._secret_id, mount_point=s.approle.mount
