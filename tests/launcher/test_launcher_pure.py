@@ -169,6 +169,27 @@ def test_init_plan_is_data_in_a_safe_order() -> None:
     assert (built["uid"], built["gid"]) == (65534, 65534)
 
 
+_segment = st.text(st.characters(blacklist_characters="/\0", blacklist_categories=("Cs",)),
+                  min_size=1, max_size=12).filter(lambda x: x not in (".", ".."))
+
+
+@given(st.lists(st.tuples(st.text(min_size=1, max_size=40), st.lists(_segment, min_size=1,
+                                                                    max_size=3)),
+                max_size=4))
+def test_init_plan_binds_each_input_verbatim_read_only(
+        inputs: list[tuple[str, list[str]]]) -> None:
+    binds = []
+    for host, segs in inputs:
+        guest = "/in/" + "/".join(segs)
+        binds.append(initscript.Bind("/h/" + host, guest))
+    plan = initscript.InitPlan(root="/r", scratch="/s", etc_dir="/e", uid=1000, gid=1000,
+                               inputs=tuple(binds))
+    ops = initscript.build(plan)["ops"]
+    for b in binds:
+        assert ["bind", b.source, "/r" + b.target, True, False] in ops
+    assert initscript.build(plan) == initscript.build(plan)  # pure
+
+
 @pytest.mark.parametrize("bad", ["relative", "/scratch", "/scratch/x", "/proc", "/dev/x",
                                  "/a/../b", "/", "/tmp/x"])
 def test_input_targets_cannot_shadow_sandbox_mounts(bad: str) -> None:

@@ -198,3 +198,19 @@ def test_udp_bypass_next_to_gateway(stack: Stack, fake_internet: Any) -> None:
     assert "TimeoutError" not in res.stdout and "b'" not in res.stdout
     assert any(e["event"]["action"] == "bypass_attempt" for e in res.denials)
     assert Path(stack.config.events_file).exists()
+
+
+def test_host_service_port_denied_by_gateway(stack: Stack) -> None:
+    # the gateway's own metrics port on the host side of the veth: TCP is redirected to the
+    # gateway, which refuses its own addresses; the metrics server never answers
+    mport = stack.config.gateway.metrics_listen.rsplit(":", 1)[1]
+    code = ("import os, urllib.request\n"
+            "gw = os.environ['STOCKADE_BROKER'].split('//')[1].split(':')[0]\n"
+            "try:\n"
+            f"    print(urllib.request.urlopen(f'http://{{gw}}:{mport}/metrics', timeout=10)"
+            ".read()[:40])\n"
+            "except Exception as e:\n    print('refused', type(e).__name__)\n")
+    res = stack.run(["python3", "-c", code])
+    assert res.stdout.startswith("refused"), res.stdout
+    gw = [e for e in res.denials if e["stockade"]["component"] == "gateway"]
+    assert gw and gw[0]["destination"]["port"] == int(mport), res.denials
