@@ -13,7 +13,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from deploy_support import DEPLOY, EXAMPLE_CONFIG, REPO, UNITS, parse_unit, tool, unit_value
+from deploy_support import (
+    DEPLOY,
+    EXAMPLE_CONFIG,
+    REPO,
+    UNITS,
+    parse_unit,
+    tool,
+    unit_value,
+    unit_values,
+)
 
 from stockade.cli import build_parser
 
@@ -49,6 +58,9 @@ def test_unit_has_required_keys(component: str) -> None:
     assert unit_value(unit, "Service", "StateDirectory") == f"stockade/{component}"
     assert unit_value(unit, "Install", "WantedBy") == "multi-user.target"
     assert unit_value(unit, "Unit", "After") == "network-online.target"
+    if component == "gateway":
+        # `ip -j addr` (own-address detection) exits if capset() is filtered
+        assert "capset" in unit_values(unit, "Service", "SystemCallFilter")
     # RemoveIPC= would wipe the other service's IPC objects: both run as one user
     assert unit_value(unit, "Service", "RemoveIPC") in (None, "no")
 
