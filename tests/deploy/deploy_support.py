@@ -298,3 +298,51 @@ def tool(name: str, env: str) -> str | None:
     if path:
         return path if os.access(path, os.X_OK) else None
     return shutil.which(name)
+
+
+# -- seccomp filters -----------------------------------------------------------------------
+def syscall_group(analyze: str, name: str) -> set[str]:
+    """A syscall or @group, expanded with `systemd-analyze syscall-filter`."""
+    if not name.startswith("@"):
+        return {name}
+    import subprocess
+
+    out = subprocess.run(
+        [analyze, "syscall-filter", name], capture_output=True, text=True, check=True
+    ).stdout
+    names: set[str] = set()
+    for line in out.splitlines()[1:]:
+        entry = line.strip()
+        if entry and not entry.startswith("#"):
+            names |= syscall_group(analyze, entry)
+    return names
+
+
+def unit_syscall_allowlist(unit: dict[str, list[tuple[str, str]]], analyze: str) -> set[str]:
+    """The allow list SystemCallFilter= lines build (systemd.exec(5): the first line's kind
+    decides; later plain lines add to an allow list, later ~ lines remove)."""
+    lines = unit_values(unit, "Service", "SystemCallFilter")
+    assert lines and not lines[0].startswith("~"), "expected an allow list first"
+    allowed: set[str] = set()
+    for value in lines:
+        deny = value.startswith("~")
+        names: set[str] = set()
+        for item in value.lstrip("~").split():
+            names |= syscall_group(analyze, item)
+        allowed = allowed - names if deny else allowed | names
+    return allowed
+
+
+def traced_syscalls(trace: Path, exec_marker: str) -> set[str]:
+    """Syscall names in an `strace -f -o` file from the execve of `exec_marker` on (what
+    setpriv did before it is not the service's)."""
+    used: set[str] = set()
+    started = False
+    for line in trace.read_text(errors="replace").splitlines():
+        if not started:
+            started = "execve(" in line and exec_marker in line.split(",")[0]
+            continue
+        m = re.match(r"\d+\s+(?:<\.\.\. )?([a-z0-9_]+)[( ]", line)
+        if m and m.group(1) not in ("exit", "killed"):
+            used.add(m.group(1))
+    return used

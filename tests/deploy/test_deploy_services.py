@@ -25,11 +25,23 @@ from typing import Any
 
 import pytest
 import yaml
-from deploy_support import EXAMPLE_CONFIG, REPO, rule_exprs, selectors, source_metrics
+from deploy_support import (
+    EXAMPLE_CONFIG,
+    REPO,
+    UNITS,
+    parse_unit,
+    rule_exprs,
+    selectors,
+    source_metrics,
+    traced_syscalls,
+    unit_syscall_allowlist,
+)
+from dnslib import DNSRecord
 
 from stockade.events import read_events, validate
 
 NOBODY = 65534
+STRACE = shutil.which("strace")
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("setpriv") is None,
     reason="needs root and setpriv (util-linux) to run the services as an unprivileged user",
@@ -120,7 +132,9 @@ class Stack:
 
     def start(self, component: str, *extra: str) -> None:
         log = self.root / f"{component}.out"
-        argv = [
+        # under strace (when installed), to check the syscalls against the units' filters
+        trace = ["strace", "-f", "-qq", "-o", str(self.trace(component))] if STRACE else []
+        argv = [*trace,
             "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
             "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs",
             str(Path(sys.executable).parent / "stockade"), component, "serve",
@@ -134,10 +148,26 @@ class Stack:
     def log(self, component: str) -> Path:
         return self.root / f"{component}.out"
 
+    def trace(self, component: str) -> Path:
+        return self.root / f"{component}.strace"
+
+    def pid(self, component: str) -> int:
+        """The service's pid (under strace: the tracer's child, setpriv exec'd into it)."""
+        pid = self.procs[component].pid
+        if not STRACE:
+            return pid
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        assert len(children) == 1, children
+        return int(children[0])
+
+    def signal(self, component: str, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError, AssertionError):
+            os.kill(self.pid(component), sig)
+
     def stop(self) -> None:
-        for proc in self.procs.values():
+        for component, proc in self.procs.items():
             if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+                self.signal(component, signal.SIGTERM)
         for proc in self.procs.values():
             try:
                 proc.wait(timeout=20)
@@ -193,6 +223,11 @@ def test_each_job_serves_the_metrics_its_rules_query(stack: Stack, job: str, por
     """Families appear once they have a sample: one denied connection / call makes the
     labelled decision counters appear, the rest are unlabelled."""
     if job == "stockade-gateway":
+        query = DNSRecord.question("example.org", "A")
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+            u.settimeout(10)
+            u.sendto(query.pack(), ("127.0.0.1", stack.ports["dns"]))
+            assert DNSRecord.parse(u.recv(4096)).header.rcode != 0  # refused: no task
         with socket.create_connection(("127.0.0.1", stack.ports["gw_t"]), timeout=10) as c:
             c.sendall(b"GET / HTTP/1.1\r\nHost: example.org\r\n\r\n")
             c.settimeout(10)
@@ -226,8 +261,8 @@ def test_each_job_serves_the_metrics_its_rules_query(stack: Stack, job: str, por
 
 
 def test_runs_without_privileges(stack: Stack) -> None:
-    for component, proc in stack.procs.items():
-        status = Path(f"/proc/{proc.pid}/status").read_text()
+    for component in stack.procs:
+        status = Path(f"/proc/{stack.pid(component)}/status").read_text()
         fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
         assert fields["Uid"].split()[0] == str(NOBODY), component
         assert int(fields["CapBnd"], 16) == 0 and int(fields["CapEff"], 16) == 0, component
@@ -252,7 +287,7 @@ def test_sighup_reloads_the_rules(stack: Stack) -> None:
 
     before = reloads()
     for component in ("gateway", "broker"):
-        stack.procs[component].send_signal(signal.SIGHUP)
+        stack.signal(component, signal.SIGHUP)
     for component in ("gateway", "broker"):
         _wait(
             f"{component} reload",
@@ -266,3 +301,20 @@ def test_sighup_reloads_the_rules(stack: Stack) -> None:
         validate(ev)
     gw = _scrape(stack.ports["gw_metrics"])
     assert 'stockade_gateway_rule_reloads_total{result="success"}' in gw
+
+
+def test_syscalls_stay_within_the_units_filters(stack: Stack) -> None:
+    """Everything the services did in this module (start, connections, DNS, broker call,
+    SIGHUP) used only syscalls their unit's SystemCallFilter= allows; a filtered syscall
+    would fail with EPERM in production and nowhere else."""
+    if not STRACE:
+        pytest.skip("strace not installed")
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze not installed (expands the @groups)")
+    for component in ("gateway", "broker"):
+        allowed = unit_syscall_allowlist(parse_unit(UNITS[component]), analyze)
+        used = traced_syscalls(stack.trace(component), "bin/stockade")
+        assert len(used) > 20, used
+        denied = sorted(used - allowed)
+        assert not denied, f"{component}: the unit's SystemCallFilter= blocks {denied}"
