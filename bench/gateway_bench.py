@@ -112,10 +112,12 @@ def wait_port(port: int, proc: subprocess.Popen[bytes] | None = None, timeout: f
     raise RuntimeError(f"port {port} not listening")
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all threads), from /proc."""
+def cpu_seconds(pid: int, kind: str = "both") -> float:
+    """utime + stime (or one of them) of a process (all threads), from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = {"user": int(fields[11]), "sys": int(fields[12])}
+    total = ticks["user"] + ticks["sys"] if kind == "both" else ticks[kind]
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def rss_kib(pid: int) -> int:
@@ -476,9 +478,16 @@ def main() -> int:
                     tput = statistics.median(
                         bench.throughput(proxy, nbytes) for _ in range(args.runs)
                     )
-                    cpu0 = cpu_seconds(proxy.proc.pid) if proxy.proc else 0.0
+                    pid = proxy.proc.pid if proxy.proc else None
+                    cpu0 = cpu_seconds(pid) if pid else 0.0
+                    usr0 = cpu_seconds(pid, "user") if pid else 0.0
                     lat = bench.latency(proxy, args.latency_runs)
-                    cpu1 = cpu_seconds(proxy.proc.pid) if proxy.proc else 0.0
+                    cpu1 = cpu_seconds(pid) if pid else 0.0
+                    usr1 = cpu_seconds(pid, "user") if pid else 0.0
+                    if pid:
+                        print(f"# {proxy.name}: user {(usr1 - usr0) / args.latency_runs * 1e6:.0f}"
+                              f" us/conn of {(cpu1 - cpu0) / args.latency_runs * 1e6:.0f}",
+                              file=sys.stderr)
                     row: dict[str, object] = {
                         "name": proxy.name,
                         "key": key,

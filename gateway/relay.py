@@ -58,12 +58,18 @@ class PipePool:
             self.discard(self._free.pop())
 
 
+def _wake(fut: asyncio.Future[None]) -> None:
+    # the fd can fire again (or the waiter be cancelled) before remove_reader runs
+    if not fut.done():
+        fut.set_result(None)
+
+
 async def _wait(loop: asyncio.AbstractEventLoop, fd: int, write: bool) -> None:
     fut = loop.create_future()
     add, remove = (
         (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
     )
-    add(fd, fut.set_result, None)
+    add(fd, _wake, fut)
     try:
         await fut
     finally:
