@@ -76,6 +76,10 @@ def build(plan: InitPlan) -> dict[str, Any]:
     r = plan.root.rstrip("/")
     ops: list[list[Any]] = [
         ["cgroup", list(plan.cgroup_procs)],
+        # best effort (some hosts forbid lowering it): the OOM killer should take the command,
+        # not pid 1 (which reports the command's status);
+        # the command goes back to 0 before it starts
+        ["write", "/proc/self/oom_score_adj", "-1000", True],
         # /proc/sys/net still reflects this process's netns: IPv6 off before anything runs
         ["write", "/proc/sys/net/ipv6/conf/all/disable_ipv6", "1", True],
         ["write", "/proc/sys/net/ipv6/conf/default/disable_ipv6", "1", True],

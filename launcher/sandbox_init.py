@@ -79,6 +79,11 @@ def do(op):
 
 
 def become(uid, gid):
+    try:
+        with open("/proc/self/oom_score_adj", "w") as fh:
+            fh.write("0")
+    except OSError:
+        pass
     for cap in range(64):  # empty bounding set: nothing can ever regain a capability
         if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
             break
