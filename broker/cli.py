@@ -56,26 +56,45 @@ def _loop_factory() -> Any:
 
 
 async def _run(cfg: Any, dev_vault: bool) -> int:
+    import asyncio
+    import signal
+
     from stockade.policy import RulesError
 
     from .service import BrokerService
 
     svc = BrokerService(cfg, dev_vault=dev_vault)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    # handlers first: a SIGTERM that arrives during start-up still stops cleanly (and
+    # stops a dev OpenBao started on the way) instead of killing the process outright
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    reloads: set[asyncio.Future[Any]] = set()  # keep a reference until each one is done
+
+    def hup() -> None:
+        if svc.broker is not None:
+            fut = asyncio.ensure_future(svc.reload("sighup"))
+            reloads.add(fut)
+            fut.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, hup)
     try:
-        await svc.start()
-    except RulesError as e:
-        print(f"stockade broker: invalid rules:\n{e}", file=sys.stderr)
-        await svc.stop()
-        return 2
-    except (ValueError, OSError) as e:
-        print(f"stockade broker: cannot start: {e}", file=sys.stderr)
-        await svc.stop()
-        return 2
-    assert svc.listen_address is not None
-    host, port = svc.listen_address
-    print(f"stockade broker: listening on {host}:{port}", file=sys.stderr, flush=True)
-    try:
-        await svc.serve_forever()
+        try:
+            await svc.start()
+        except RulesError as e:
+            print(f"stockade broker: invalid rules:\n{e}", file=sys.stderr)
+            return 2
+        except (ValueError, OSError) as e:
+            print(f"stockade broker: cannot start: {e}", file=sys.stderr)
+            return 2
+        assert svc.listen_address is not None
+        host, port = svc.listen_address
+        print(f"stockade broker: listening on {host}:{port}", file=sys.stderr, flush=True)
+        await stop.wait()
+        return 0
     finally:
         await svc.stop()
-    return 0
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)

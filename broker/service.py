@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -155,14 +156,17 @@ class BrokerService:
         if self.events is not None:
             self.events.close()
 
-    async def serve_forever(self) -> None:
-        """Run until SIGTERM/SIGINT; SIGHUP reloads the rules (invalid ones are refused)."""
+    async def serve_forever(self, ready: Callable[[], None] | None = None) -> None:
+        """Run until SIGTERM/SIGINT; SIGHUP reloads the rules (invalid ones are refused).
+        `ready()` runs once the signal handlers are in place (announce readiness there)."""
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         loop.add_signal_handler(signal.SIGHUP,
                                 lambda: asyncio.ensure_future(self.reload("sighup")))
+        if ready is not None:
+            ready()
         try:
             await stop.wait()
         finally:

@@ -136,3 +136,51 @@ async def test_broker_serve_cli(
         ("failure", "sighup"), ("success", "control")]
     assert_no_secret(secret, [*produced, events.read_bytes()])
     assert token.encode() not in b"".join(produced) + events.read_bytes()
+
+
+async def test_broker_serve_dev_vault_leaves_no_process(tmp_path: Path) -> None:
+    rules = tmp_path / "rules"
+    write_rules(rules, "https://localhost:9", "stockade/none")
+    cfg = tmp_path / "stockade.yaml"
+    cfg.write_text(json.dumps({
+        "rules_dir": str(rules), "state_dir": str(tmp_path / "state"),
+        "log_dir": str(tmp_path / "log"), "run_dir": str(tmp_path / "run"),
+        "broker": {"listen": f"127.0.0.1:{free_port()}",
+                   "control_socket": str(tmp_path / "run" / "b.sock"), "metrics_listen": ""},
+    }))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "stockade", "broker", "serve", "--config", str(cfg), "--dev-vault",
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stderr is not None
+        while b"listening on" not in (line := await asyncio.wait_for(proc.stderr.readline(), 60)):
+            assert line
+        # children are listed per thread (the dev server is started from a worker thread)
+        children = [c for t in Path(f"/proc/{proc.pid}/task").iterdir()
+                    for c in (t / "children").read_text().split()]
+        bao_pids = [int(p) for p in children
+                    if b"bao" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(bao_pids) == 1
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert not Path(f"/proc/{bao_pids[0]}").exists()
+
+
+async def test_broker_serve_without_vault_address_refuses(tmp_path: Path) -> None:
+    rules = tmp_path / "rules"
+    write_rules(rules, "https://localhost:9", "stockade/none")
+    cfg = tmp_path / "stockade.yaml"
+    cfg.write_text(json.dumps({"rules_dir": str(rules), "state_dir": str(tmp_path / "s"),
+                               "log_dir": str(tmp_path / "l"), "run_dir": str(tmp_path / "r")}))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "stockade", "broker", "serve", "--config", str(cfg),
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2
+    assert b"vault.address is not set" in err
