@@ -509,6 +509,8 @@ class Launcher:
                 uid=self.s.sandbox_uid, gid=self.s.sandbox_gid,
                 system=tuple(self._system_binds()), inputs=tuple(inputs),
                 shm_size=self.s.shm_size, cgroup_procs=tuple(cg.procs_files()),
+                rlimits=(("NOFILE", self.s.rlimit_nofile), ("CORE", self.s.rlimit_core),
+                         ("MEMLOCK", self.s.rlimit_memlock)),
             )
             env = self._env(spec, a.host_ip)
             # the plan travels in a memfd, not argv: /proc/1/cmdline shows no host paths

@@ -46,6 +46,7 @@ class InitPlan:
     shm_size: int = 16 * 2**20
     etc_files: tuple[str, ...] = ("resolv.conf", "hosts", "hostname")
     cgroup_procs: tuple[str, ...] = ()  # joined first, before anything else runs
+    rlimits: tuple[tuple[str, int], ...] = ()  # ("NOFILE", 4096): RLIMIT_<name>, soft = hard
 
 
 def _guest(path: str) -> str:
@@ -125,4 +126,4 @@ def build(plan: InitPlan) -> dict[str, Any]:
         ["remount_ro", "/", MS_NOSUID | MS_NODEV],
         ["chdir", SCRATCH],
     ]
-    return {"ops": ops, "uid": plan.uid, "gid": plan.gid}
+    return {"ops": ops, "uid": plan.uid, "gid": plan.gid, "rlimits": dict(plan.rlimits)}

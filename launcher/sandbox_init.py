@@ -12,6 +12,7 @@ Nothing from the plan reaches argv, so /proc/1/cmdline shows no host paths.
 import ctypes
 import marshal
 import os
+import resource
 import sys
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
@@ -78,7 +79,9 @@ def do(op):
         raise ValueError(f"unknown init operation {kind!r}")
 
 
-def become(uid, gid):
+def become(uid, gid, rlimits):
+    for name, value in rlimits.items():
+        resource.setrlimit(getattr(resource, "RLIMIT_" + name), (value, value))
     try:
         with open("/proc/self/oom_score_adj", "w") as fh:
             fh.write("0")
@@ -121,7 +124,7 @@ def main():
     pid = os.fork()
     if pid == 0:
         try:
-            become(plan["uid"], plan["gid"])
+            become(plan["uid"], plan["gid"], plan.get("rlimits", {}))
             execvp(argv)
         except Exception as e:
             os.write(2, f"stockade: {argv[0]}: {getattr(e, 'strerror', None) or e}\n".encode())

@@ -29,6 +29,12 @@ class LauncherSettings(BaseModel):
     # failed forks (pids limit hits) after which a sandbox is ended with ended_by=limit
     pids_fail_kill: int = Field(32, ge=1)
     log_rate_per_s: int = Field(20, ge=1)  # nft log limit rate (packets/s, burst 2x)
+    # rlimits of the command (soft = hard). No RLIMIT_NPROC (it counts per uid across the
+    # host; the pids cgroup limits processes), no RLIMIT_FSIZE (the scratch size cap gives
+    # a legible ENOSPC instead of SIGXFSZ)
+    rlimit_nofile: int = Field(4096, ge=64)
+    rlimit_core: int = Field(0, ge=0)  # no core dumps: they would hold the command's memory
+    rlimit_memlock: int = Field(64 * 1024, ge=0)
     # Python (3.8+) that runs the sandbox's init; falls back to the launcher's own interpreter
     init_python: str = "/usr/bin/python3"
     shm_size: int = Field(16 * 2**20, ge=4096)  # /dev/shm tmpfs (charged to the memory cgroup)

@@ -97,3 +97,10 @@ def test_registration_failure_fails_closed(lab: Lab) -> None:
     import os
 
     assert os.listdir(s.scratch_dir) == []
+
+
+def test_rlimits(lab: Lab) -> None:
+    res = lab.run(["sh", "-c", "ulimit -n; ulimit -c; ulimit -Hn; ulimit -l"])
+    s = lab.config.launcher
+    assert res.stdout.split() == [str(s.rlimit_nofile), "0", str(s.rlimit_nofile),
+                                  str(s.rlimit_memlock // 1024)]
