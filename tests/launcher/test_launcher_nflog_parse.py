@@ -7,7 +7,7 @@ import socket
 import subprocess
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from stockade.launcher import nflog
 
@@ -61,12 +61,14 @@ def test_bind_messages_shape() -> None:
         assert m[18:20] == (7413).to_bytes(2, "big")  # group in res_id, network order
 
 
+@settings(deadline=None)
 @given(st.binary(max_size=600))
 def test_parser_never_raises(data: bytes) -> None:
     for r in nflog.parse_messages(data):
         assert isinstance(r.prefix, str)
 
 
+@settings(deadline=None)
 @given(st.binary(max_size=200))
 def test_parser_survives_corrupted_capture(tail: bytes) -> None:
     nflog.parse_messages(UDP_CAPTURE[:60] + tail)

@@ -8,7 +8,7 @@ import subprocess
 from collections.abc import Iterator
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from stockade.launcher import nft
 
@@ -68,6 +68,7 @@ def test_rule_count_is_independent_of_sandboxes() -> None:
         nft.element_commands("t", "replace", w)
 
 
+@settings(deadline=None)
 @given(st.text(min_size=1, max_size=15))
 def test_element_ifname_roundtrip(name: str) -> None:
     assert nft.element_ifname(name) == name

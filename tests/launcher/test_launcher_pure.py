@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from stockade.launcher import exports, initscript, scrub
 from stockade.launcher.addresses import free_slot, pool_size, slot_addresses
@@ -31,6 +31,7 @@ def test_slots_are_disjoint_30s() -> None:
         pool_size("10.0.0.0/31")
 
 
+@settings(deadline=None)
 @given(st.sets(st.integers(0, 63), max_size=63))
 def test_free_slot_is_lowest_unused(used: set[int]) -> None:
     s = free_slot("10.1.0.0/24", used)
@@ -42,6 +43,7 @@ def test_pool_exhaustion_fails_closed() -> None:
         free_slot("10.1.0.0/29", [0, 1])
 
 
+@settings(deadline=None)
 @given(st.integers(0, 1023), st.integers(0, 1023))
 def test_distinct_slots_never_share_addresses(i: int, j: int) -> None:
     a, b = slot_addresses("10.8.0.0/20", i), slot_addresses("10.8.0.0/20", j)
@@ -82,6 +84,7 @@ def test_decide_caps_and_types() -> None:
     assert d2["b.json"] and not d2["a.txt"]
 
 
+@settings(deadline=None)
 @given(st.binary(max_size=300))
 def test_sniff_never_raises(data: bytes) -> None:
     kind = exports.sniff(data)
@@ -128,6 +131,7 @@ def test_scrub_replaces_everything_host_specific() -> None:
     assert "10.213.0.15" in out and "ab stays" in out and "/usr/bin stays" in out
 
 
+@settings(deadline=None)
 @given(st.text(min_size=6, max_size=30), st.text(max_size=40), st.text(max_size=40))
 def test_scrubbed_output_never_contains_an_env_value(value: str, a: str, b: str) -> None:
     # a value that is part of its own placeholder could be rebuilt by it; skip those
@@ -173,6 +177,7 @@ _segment = st.text(st.characters(blacklist_characters="/\0", blacklist_categorie
                   min_size=1, max_size=12).filter(lambda x: x not in (".", ".."))
 
 
+@settings(deadline=None)
 @given(st.lists(st.tuples(st.text(min_size=1, max_size=40), st.lists(_segment, min_size=1,
                                                                     max_size=3)),
                 max_size=4))
