@@ -462,50 +462,66 @@ def main() -> int:
                 ("squid", lambda: start_squid(tmp, up_port)),
                 ("tinyproxy", lambda: start_tinyproxy(tmp, up_port)),
             ]
-            for key, start in starters:
-                if not wanted(key):
-                    continue
-                try:
-                    proxy = start()
-                except Exception as e:  # a missing/broken peer must not sink the run
-                    print(f"# {key}: could not start: {e}", file=sys.stderr)
-                    continue
-                if proxy is None:
-                    print(f"# {key}: not installed", file=sys.stderr)
-                    continue
-                try:
+            proxies: list[tuple[str, Proxy]] = []
+            try:
+                for key, start in starters:
+                    if not wanted(key):
+                        continue
+                    try:
+                        proxy = start()
+                    except Exception as e:  # a missing/broken peer must not sink the run
+                        print(f"# {key}: could not start: {e}", file=sys.stderr)
+                        continue
+                    if proxy is None:
+                        print(f"# {key}: not installed", file=sys.stderr)
+                        continue
                     bench.latency(proxy, 20)  # warm-up: caches, first-use allocations
-                    tput = statistics.median(
-                        bench.throughput(proxy, nbytes) for _ in range(args.runs)
-                    )
-                    pid = proxy.proc.pid if proxy.proc else None
-                    cpu0 = cpu_seconds(pid) if pid else 0.0
-                    usr0 = cpu_seconds(pid, "user") if pid else 0.0
-                    lat = bench.latency(proxy, args.latency_runs)
-                    cpu1 = cpu_seconds(pid) if pid else 0.0
-                    usr1 = cpu_seconds(pid, "user") if pid else 0.0
-                    if pid:
-                        print(f"# {proxy.name}: user {(usr1 - usr0) / args.latency_runs * 1e6:.0f}"
-                              f" us/conn of {(cpu1 - cpu0) / args.latency_runs * 1e6:.0f}",
-                              file=sys.stderr)
-                    row: dict[str, object] = {
-                        "name": proxy.name,
-                        "key": key,
-                        "tput": tput,
-                        "p50": statistics.median(lat) * 1000,
-                        "p90": statistics.quantiles(lat, n=10)[-1] * 1000,
-                        "cpu_us": (cpu1 - cpu0) / args.latency_runs * 1e6 if proxy.proc else None,
-                    }
-                    if proxy.proc is not None and (key == "gateway" or args.idle_all):
-                        row["idle_n"], row["idle_kib"] = bench.idle(proxy, idle_n)
-                    rows.append(row)
-                    print(f"# {proxy.name}: done", file=sys.stderr)
-                except Exception as e:
-                    print(f"# {key}: failed: {e}", file=sys.stderr)
-                finally:
+                    proxies.append((key, proxy))
+                rows = measure(bench, proxies, nbytes, args, idle_n)
+            finally:
+                for _, proxy in proxies:
                     proxy.stop()
     print_table(rows, nbytes, args)
     return 0
+
+
+def measure(
+    bench: Bench,
+    proxies: list[tuple[str, Proxy]],
+    nbytes: int,
+    args: argparse.Namespace,
+    idle_n: int,
+) -> list[dict[str, object]]:
+    """Interleaved rounds (every path once per round), so drift on a shared machine
+    affects all paths alike; then the idle-tunnel test, one proxy at a time."""
+    tputs: dict[str, list[float]] = {k: [] for k, _ in proxies}
+    lats: dict[str, list[float]] = {k: [] for k, _ in proxies}
+    cpu: dict[str, float] = {k: 0.0 for k, _ in proxies}
+    rounds = max(args.runs, 1)
+    per_round = max(1, args.latency_runs // rounds)
+    for _ in range(rounds):
+        for key, proxy in proxies:
+            tputs[key].append(bench.throughput(proxy, nbytes))
+        for key, proxy in proxies:
+            pid = proxy.proc.pid if proxy.proc else None
+            before = cpu_seconds(pid) if pid else 0.0
+            lats[key] += bench.latency(proxy, per_round)
+            cpu[key] += (cpu_seconds(pid) - before) if pid else 0.0
+    rows: list[dict[str, object]] = []
+    for key, proxy in proxies:
+        row: dict[str, object] = {
+            "name": proxy.name,
+            "key": key,
+            "tput": statistics.median(tputs[key]),
+            "p50": statistics.median(lats[key]) * 1000,
+            "p90": statistics.quantiles(lats[key], n=10)[-1] * 1000,
+            "cpu_us": cpu[key] / len(lats[key]) * 1e6 if proxy.proc else None,
+        }
+        if proxy.proc is not None and (key == "gateway" or args.idle_all):
+            row["idle_n"], row["idle_kib"] = bench.idle(proxy, idle_n)
+        rows.append(row)
+        print(f"# {proxy.name}: done", file=sys.stderr)
+    return rows
 
 
 def print_table(rows: list[dict[str, object]], nbytes: int, args: argparse.Namespace) -> None:
@@ -513,7 +529,8 @@ def print_table(rows: list[dict[str, object]], nbytes: int, args: argparse.Names
     mitm = next((r for r in rows if r["key"] == "mitmproxy"), None)
     print(
         f"\nstockade gateway bench: 1 tunnel downloading {nbytes / 2**20:.0f} MiB "
-        f"(median of {args.runs}), {args.latency_runs} connect+first-byte samples, "
+        f"(median of {args.runs} interleaved rounds), {args.latency_runs} connect+first-byte "
+        "samples per path, "
         f"{os.cpu_count()} CPUs\n"
     )
     hdr = (

@@ -1,0 +1,61 @@
+"""Idle timeout and explicit-proxy raw TCP from loopback, on a gateway of its own."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from gw_harness import GatewayHarness, write_config
+from gw_rules import write_rules
+
+from stockade.testnet import FakeInternet
+
+pytestmark = pytest.mark.netns
+
+
+@pytest.fixture
+def idle_gw(fake_internet: FakeInternet, tmp_path: Path) -> Iterator[GatewayHarness]:
+    rules = write_rules(tmp_path / "rules", cidr=fake_internet.subnet)
+    cfg = write_config(
+        tmp_path,
+        rules,
+        transparent_listen=["127.0.0.1:0"],
+        proxy_listen=["127.0.0.1:0"],
+        resolvers=[fake_internet.dns_server],
+        allow_addresses=[fake_internet.subnet],
+        idle_timeout_s=1.0,
+    )
+    h = GatewayHarness(cfg).start()
+    try:
+        h.register("t-idle", "127.0.0.1", "web")
+        yield h
+    finally:
+        h.stop()
+
+
+def test_idle_tunnel_is_closed(idle_gw: GatewayHarness, fake_internet: FakeInternet) -> None:
+    echo_ip, echo_port = fake_internet.tcp_echo
+    s = socket.create_connection(("127.0.0.1", idle_gw.port("proxy")), timeout=30)
+    s.sendall(f"CONNECT {echo_ip}:{echo_port} HTTP/1.1\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += s.recv(4096)
+    assert head.startswith(b"HTTP/1.1 200")
+    s.sendall(b"hello")
+    got = b""
+    while len(got) < 5:
+        got += s.recv(5)
+    assert got == b"hello"
+    assert s.recv(1) == b""  # nothing more is sent: the gateway closes the idle tunnel
+    s.close()
+    for _ in range(50):
+        closes = [e for e in idle_gw.events() if e["event"]["action"] == "connection_close"]
+        if closes:
+            break
+        time.sleep(0.1)
+    assert closes[-1]["event"]["reason"] == "idle_timeout"
+    assert closes[-1]["stockade"]["bytes_up"] == 5
+    assert closes[-1]["stockade"]["bytes_down"] == 5
