@@ -11,6 +11,7 @@ APT_PACKAGES=(
     curl git dnsutils ca-certificates
     python3-venv python3-pip   # the demo agent runs Debian's python3 + pip inside the sandbox
     squid tinyproxy   # side-by-side comparisons in bench/
+    prometheus strace # promtool checks deploy/prometheus; strace checks the units' syscall filters
 )
 
 missing=()
@@ -23,7 +24,7 @@ if [ ${#missing[@]} -gt 0 ]; then
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
     # the bench starts squid/tinyproxy itself; the packaged services must not hold ports
-    for svc in squid tinyproxy; do
+    for svc in squid tinyproxy prometheus prometheus-node-exporter; do
         systemctl disable --now "$svc" >/dev/null 2>&1 || service "$svc" stop >/dev/null 2>&1 || true
     done
 fi
