@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import secrets
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from stockade.launcher import Launcher, SandboxSpec
+from stockade.launcher.cgroups import remove_parent
 from stockade.policy.model import Limits, Profile
 
 from stockade.config import Config
@@ -150,6 +152,8 @@ def main() -> None:
     finally:
         launcher.close()
         subprocess.run(["nft", "delete", "table", "inet", cfg.launcher.nft_table], check=False)
+        remove_parent(cfg.launcher.cgroup_root, cfg.launcher.cgroup_parent)
+        shutil.rmtree(tmp, ignore_errors=True)
         for r in runners:
             asyncio.run_coroutine_threadsafe(r.cleanup(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)

@@ -162,3 +162,12 @@ def leftover_names(root: str, parent: str) -> set[str]:
         with contextlib.suppress(OSError):
             names.update(p.name for p in base.iterdir() if p.is_dir())
     return names
+
+
+def remove_parent(root: str, parent: str) -> None:
+    """rmdir the (empty) parent cgroups; for test and bench runs with their own parent."""
+    bases = ([Path(root, parent)] if detect_version(root) == 2
+             else [Path(root, c, parent) for c in V1_CONTROLLERS])
+    for base in bases:
+        with contextlib.suppress(OSError):
+            base.rmdir()

@@ -76,14 +76,20 @@ def _run(args: argparse.Namespace) -> int:
     spec = SandboxSpec(profile=args.profile, argv=cmd,
                        inputs=[_parse_input(i) for i in args.input],
                        export_dir=args.export, ttl=args.ttl)
-    launcher = Launcher(config)
+    from stockade.stack.services import StackError, ensure_stack
+
     try:
-        result = launcher.run(spec, ruleset)
-    except LauncherError as e:
+        # a running stack (`stockade up`) is used as it is; otherwise gateway, broker and
+        # (without vault.address) a dev OpenBao run for this command only
+        with ensure_stack(config) as effective:
+            launcher = Launcher(effective)
+            try:
+                result = launcher.run(spec, ruleset)
+            finally:
+                launcher.close()
+    except (LauncherError, StackError) as e:
         print(f"stockade run: {e}", file=sys.stderr)
         return 2
-    finally:
-        launcher.close()
     if args.json:
         print(json.dumps(result.to_json()))
     else:

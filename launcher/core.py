@@ -195,6 +195,12 @@ class Launcher:
             self._nflog_thread.join(timeout=3)
         for tid in list(self._live):
             self.kill(tid)
+        if self._started:
+            # the last launcher out removes the table: a one-shot `stockade run` leaves
+            # nothing behind; a concurrent _create() re-installs it under the same lock
+            with self.state.locked() as records:
+                if not records and nft.table_exists(self.s.nft_table):
+                    nft.run(nft.delete_table_command(self.s.nft_table))
 
     def __enter__(self) -> Launcher:
         self.start()
@@ -476,6 +482,8 @@ class Launcher:
             live = _Live(rec, cg)
             self._live[task_id] = live
             records[task_id] = rec
+            if not nft.table_exists(self.s.nft_table):  # another launcher's close() removed it
+                nft.apply_table(self.params)
         try:
             cg.create(cgroups.Limits(memory=limits.memory, pids=limits.pids, cpus=limits.cpus))
             base = self.scratch_base / task_id

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 from stockade.launcher import Launcher, RunResult, SandboxSpec
+from stockade.launcher.cgroups import remove_parent
 from stockade.policy.model import ExportPolicy, Limits, Profile
 
 from stockade.config import Config
@@ -226,6 +227,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
         launcher.reconcile()
         subprocess.run(["nft", "delete", "table", "inet", cfg.launcher.nft_table],
                        capture_output=True, check=False)
+        remove_parent(cfg.launcher.cgroup_root, cfg.launcher.cgroup_parent)
         srv.close()
         for r in runners:
             asyncio.run_coroutine_threadsafe(r.cleanup(), loop).result(10)

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 from stockade.launcher import Launcher, RunResult, SandboxSpec
+from stockade.launcher.cgroups import remove_parent
 
 from stockade.config import Config, load_config
 from stockade.events import validate
@@ -147,6 +148,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, fake_internet: Any) -> Itera
             launcher.reconcile()
         subprocess.run(["nft", "delete", "table", "inet", config.launcher.nft_table],
                        capture_output=True, check=False)
+        remove_parent(config.launcher.cgroup_root, config.launcher.cgroup_parent)
         for p in procs:
             p.terminate()
             try:
