@@ -3,6 +3,8 @@
 `bao server -dev` keeps everything in memory, unseals itself and mounts KV v2 at
 `secret/`. It is started on a free loopback port with a random root token and stopped
 (with its whole process group) when the context exits, so no server outlives a test.
+Start it from a long-lived thread (the main thread): it is also killed when the thread
+that started it ends, so a SIGKILLed parent leaves no server behind.
 """
 
 from __future__ import annotations
@@ -71,9 +73,13 @@ class DevOpenBao:
         env.pop("VAULT_TOKEN", None)
         # the root token goes in through the environment, not argv (visible in ps)
         env["BAO_DEV_ROOT_TOKEN_ID"] = self.root_token
+        # the server dies with the thread that started it, even when that process is
+        # SIGKILLed and never runs stop() (util-linux setpriv: prctl PDEATHSIG, then exec)
+        setpriv = shutil.which("setpriv")
+        guard = [setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []
         try:
             self.proc = subprocess.Popen(
-                [find_bao(), "server", "-dev", "-dev-no-store-token",
+                [*guard, find_bao(), "server", "-dev", "-dev-no-store-token",
                  f"-dev-listen-address=127.0.0.1:{port}"],
                 stdin=subprocess.DEVNULL,
                 stdout=log,

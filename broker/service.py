@@ -68,9 +68,9 @@ class BrokerService:
         if vs.address is None:
             if not self.dev_vault:
                 raise ValueError("vault.address is not set (or start with a dev OpenBao)")
-            self.devbao = await asyncio.get_running_loop().run_in_executor(
-                None, DevOpenBao().start
-            )
+            # on this (main) thread, not an executor thread: the dev server is tied to the
+            # life of the thread that starts it (PDEATHSIG); start-up blocks ~1 s, once
+            self.devbao = DevOpenBao().start()
             vs = VaultSettings(address=self.devbao.address, timeout_s=vs.timeout_s)
             token = self.devbao.root_token
         self.vault = VaultClient(

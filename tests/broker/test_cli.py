@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import ssl
 import sys
@@ -138,7 +139,8 @@ async def test_broker_serve_cli(
     assert token.encode() not in b"".join(produced) + events.read_bytes()
 
 
-async def test_broker_serve_dev_vault_leaves_no_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+async def test_broker_serve_dev_vault_leaves_no_process(tmp_path: Path, sig: int) -> None:
     rules = tmp_path / "rules"
     write_rules(rules, "https://localhost:9", "stockade/none")
     cfg = tmp_path / "stockade.yaml"
@@ -151,6 +153,7 @@ async def test_broker_serve_dev_vault_leaves_no_process(tmp_path: Path) -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "stockade", "broker", "serve", "--config", str(cfg), "--dev-vault",
         stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "TMPDIR": str(tmp_path)},  # what a SIGKILL leaves stays in tmp_path
     )
     try:
         assert proc.stderr is not None
@@ -162,12 +165,18 @@ async def test_broker_serve_dev_vault_leaves_no_process(tmp_path: Path) -> None:
         bao_pids = [int(p) for p in children
                     if b"bao" in Path(f"/proc/{p}/cmdline").read_bytes()]
         assert len(bao_pids) == 1
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        proc.send_signal(sig)
+        assert await asyncio.wait_for(proc.wait(), 30) == (0 if sig == signal.SIGTERM else -sig)
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+    # SIGTERM: stopped by the broker; SIGKILL: by the parent-death signal (then reaped by
+    # init, so wait for it to go)
+    for _ in range(200):
+        if not Path(f"/proc/{bao_pids[0]}").exists():
+            break
+        await asyncio.sleep(0.05)
     assert not Path(f"/proc/{bao_pids[0]}").exists()
 
 
