@@ -49,6 +49,8 @@ class Reason(StrEnum):
     BODY_TOO_LARGE = "body_too_large"
     BAD_REQUEST = "bad_request"
     VAULT_UNAVAILABLE = "vault_unavailable"
+    UPSTREAM_ERROR = "upstream_error"
+    INTERNAL_ERROR = "internal_error"
     SECRET_ECHO = "secret_echo"  # noqa: S105 - a reason code, not a secret
     # launcher
     BYPASS_ATTEMPT = "bypass_attempt"

@@ -208,6 +208,7 @@ def demo_config(root: Path, inet: Any) -> Config:
                     "scratch_dir": str(root / "sandboxes"),
                     "nft_table": f"stockade_demo_{suffix}",
                     "name_prefix": "skd",
+                    "cgroup_parent": "stockade_demo",
                     "control_socket": str(run / "launcher.sock"),
                 }
             ),

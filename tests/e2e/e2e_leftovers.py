@@ -1,0 +1,51 @@
+"""What a run may leave on the host, listed so a test can compare before and after."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+
+def _out(argv: list[str]) -> str:
+    return subprocess.run(argv, capture_output=True, text=True, check=False).stdout
+
+
+def snapshot(prefixes: tuple[str, ...], cgroup_parent: str) -> dict[str, set[str]]:
+    """Namespaces, links, nft tables and processes whose names carry a prefix, and the
+    cgroups below `cgroup_parent` (v1 controllers or the v2 tree)."""
+    netns = {line.split()[0] for line in _out(["ip", "netns", "list"]).splitlines() if line}
+    links = {d["ifname"] for d in json.loads(_out(["ip", "-j", "link", "show"]) or "[]")}
+    tables = {
+        t["table"]["name"]
+        for t in json.loads(_out(["nft", "-j", "list", "tables"]) or "{}").get("nftables", [])
+        if "table" in t
+    }
+    cgroups = {
+        str(p)
+        for root in Path("/sys/fs/cgroup").glob("*")
+        for p in root.glob(f"{cgroup_parent}/*")
+        if p.is_dir()
+    }
+    procs = {
+        line.strip()
+        for line in _out(["ps", "-eo", "args"]).splitlines()
+        if "bao server -dev" in line
+        or "stockade gateway serve" in line
+        or "stockade broker serve" in line
+    }
+
+    def keep(names: set[str]) -> set[str]:
+        return {n for n in names if any(n.startswith(p) for p in prefixes)}
+
+    return {
+        "netns": keep(netns),
+        "links": keep(links),
+        "tables": keep(tables),
+        "cgroups": cgroups,
+        "procs": procs,
+    }
+
+
+def new_since(before: dict[str, set[str]], after: dict[str, set[str]]) -> dict[str, set[str]]:
+    return {k: after[k] - before[k] for k in after if after[k] - before[k]}

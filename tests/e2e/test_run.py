@@ -1,0 +1,126 @@
+"""`stockade run --json` on embedded defaults against the fake internet: the stack
+(gateway, broker, dev OpenBao) starts for the run, the sandbox's denials come back with
+its task id and stable reason codes, and nothing is left behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from e2e_leftovers import new_since, snapshot
+
+from stockade.stack.demo import demo_config
+
+pytestmark = [pytest.mark.netns, pytest.mark.vault, pytest.mark.slow]
+
+PROFILE = """\
+profile: e2e
+description: end-to-end test - one allowed site
+limits: {memory: 256MiB, pids: 64, ttl: 60s}
+egress:
+  allow:
+    - host: allowed.test
+      ports: [443]
+      id: e2e-allowed
+      reason: the one site this task needs
+"""
+
+UDP_PROBE = """\
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(2)
+try:
+    s.sendto(b"x", (sys.argv[1], int(sys.argv[2])))
+    s.recvfrom(100)
+    print("udp reached")
+except OSError as e:
+    print("udp blocked", type(e).__name__)
+"""
+
+
+@pytest.fixture
+def run_config(tmp_path: Path, fake_internet) -> Path:
+    rules = tmp_path / "rules"
+    (rules / "profiles").mkdir(parents=True)
+    (rules / "profiles" / "e2e.yaml").write_text(PROFILE)
+    cfg = demo_config(tmp_path / "root", fake_internet)
+    cfg = cfg.model_copy(
+        update={
+            "rules_dir": str(rules),
+            "launcher": cfg.launcher.model_copy(
+                update={
+                    "name_prefix": "ske",
+                    "nft_table": "stockade_e2e_run",
+                    "cgroup_parent": "stockade_e2e_run",
+                }
+            ),
+        }
+    )
+    path = tmp_path / "stockade.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    return path
+
+
+@pytest.mark.timeout(300)
+def test_run_json_reports_denials_with_task_and_reasons(run_config, fake_internet, tmp_path):
+    inet = fake_internet
+    probe = tmp_path / "udp_probe.py"
+    probe.write_text(UDP_PROBE)
+    probe.chmod(0o644)
+    denied_ip = inet.addresses["denied.test"]
+    udp_ip, udp_port = inet.udp_echo
+    script = (
+        "curl -s --max-time 10 --cacert /input/ca.pem https://allowed.test/ ; echo;"
+        'curl -s --max-time 10 --cacert /input/ca.pem https://denied.test/ ; echo "rc=$?";'
+        f"curl -s -D - --max-time 10 http://{denied_ip}/ ; echo;"
+        f"python3 /input/udp_probe.py {udp_ip} {udp_port}"
+    )
+    before = snapshot(("ske", "stockade_e2e_run"), "stockade_e2e_run")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stockade",
+            "run",
+            "--config",
+            str(run_config),
+            "--profile",
+            "e2e",
+            "--json",
+            "--input",
+            f"{inet.ca_pem}:/input/ca.pem",
+            "--input",
+            f"{probe}:/input/udp_probe.py",
+            "--",
+            "sh",
+            "-c",
+            script,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.stdout, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["ended_by"] == "exit"
+    assert result["exit_code"] == 0, result
+    out = result["stdout"]
+    assert "allowed.test" in out  # the allowed site's page came through the gateway
+    assert "X-Stockade-Deny: no_matching_rule" in out  # the IP literal got a legible 403
+    assert "udp blocked" in out
+    task = result["task_id"]
+    denials = result["denials"]
+    assert denials and all(ev["labels"]["task_id"] == task for ev in denials)
+    by_action: dict[str, set[str]] = {}
+    for ev in denials:
+        by_action.setdefault(ev["event"]["action"], set()).add(ev["event"]["reason"])
+    assert "no_matching_rule" in by_action.get("dns_decision", set())  # denied.test lookup
+    assert "no_matching_rule" in by_action.get("connection_decision", set())  # IP literal
+    assert "bypass_attempt" in by_action.get("bypass_attempt", set())  # UDP
+    after = snapshot(("ske", "stockade_e2e_run"), "stockade_e2e_run")
+    assert new_since(before, after) == {}
