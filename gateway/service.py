@@ -131,6 +131,9 @@ class GatewayService:
 
     async def _start_metrics(self) -> None:
         host, port = parse_listen(self.config.gateway.metrics_listen)
+        if host in ("0.0.0.0", "::", ""):  # noqa: S104 - detecting it, not binding
+            # metrics name tasks and profiles: they belong on a host-only address
+            log.warning("metrics_listen %s is a wildcard address; use a host-only one", host)
 
         async def metrics(_: web.Request) -> web.Response:
             return web.Response(
