@@ -11,7 +11,9 @@ def _out(argv: list[str]) -> str:
     return subprocess.run(argv, capture_output=True, text=True, check=False).stdout
 
 
-def snapshot(prefixes: tuple[str, ...], cgroup_parent: str) -> dict[str, set[str]]:
+def snapshot(
+    prefixes: tuple[str, ...], cgroup_parent: str, proc_marker: str
+) -> dict[str, set[str]]:
     """Namespaces, links, nft tables and processes whose names carry a prefix, and the
     cgroups below `cgroup_parent` (v1 controllers or the v2 tree)."""
     netns = {line.split()[0] for line in _out(["ip", "netns", "list"]).splitlines() if line}
@@ -27,13 +29,15 @@ def snapshot(prefixes: tuple[str, ...], cgroup_parent: str) -> dict[str, set[str
         for p in root.glob(f"{cgroup_parent}/*")
         if p.is_dir()
     }
-    procs = {
-        line.strip()
-        for line in _out(["ps", "-eo", "args"]).splitlines()
-        if "bao server -dev" in line
-        or "stockade gateway serve" in line
-        or "stockade broker serve" in line
-    }
+    # services whose config path carries the run's marker, and orphaned dev OpenBao servers
+    # (a leaked one is re-parented to init; other tests' servers still have their parent)
+    procs = set()
+    for line in _out(["ps", "-eo", "ppid=,args="]).splitlines():
+        ppid, _, args = line.strip().partition(" ")
+        if ("serve --config" in args and proc_marker in args) or (
+            "bao server -dev" in args and ppid == "1"
+        ):
+            procs.add(args)
 
     def keep(names: set[str]) -> set[str]:
         return {n for n in names if any(n.startswith(p) for p in prefixes)}

@@ -18,7 +18,7 @@ PREFIXES = ("skd", "stockade_demo_", "skinet", "sk-")
 
 @pytest.mark.timeout(600)
 def test_demo_passes_and_cleans_up(netns_available):
-    before = snapshot(PREFIXES, "stockade_demo")
+    before = snapshot(PREFIXES, "stockade_demo", "stockade-demo-")
     proc = subprocess.run(
         [sys.executable, "-m", "stockade", "demo", "--json"],
         capture_output=True,
@@ -42,7 +42,7 @@ def test_demo_passes_and_cleans_up(netns_available):
     for ev in result["denials"]:
         assert ev["labels"]["task_id"] == result["task_id"]
         assert ev["event"]["reason"]
-    assert new_since(before, snapshot(PREFIXES, "stockade_demo")) == {}
+    assert new_since(before, snapshot(PREFIXES, "stockade_demo", "stockade-demo-")) == {}
 
 
 @pytest.mark.timeout(600)

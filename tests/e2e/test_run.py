@@ -79,7 +79,7 @@ def test_run_json_reports_denials_with_task_and_reasons(run_config, fake_interne
         f"curl -s -D - --max-time 10 http://{denied_ip}/ ; echo;"
         f"python3 /input/udp_probe.py {udp_ip} {udp_port}"
     )
-    before = snapshot(("ske", "stockade_e2e_run"), "stockade_e2e_run")
+    before = snapshot(("ske", "stockade_e2e_run"), "stockade_e2e_run", str(run_config.parent))
     proc = subprocess.run(
         [
             sys.executable,
@@ -122,5 +122,5 @@ def test_run_json_reports_denials_with_task_and_reasons(run_config, fake_interne
     assert "no_matching_rule" in by_action.get("dns_decision", set())  # denied.test lookup
     assert "no_matching_rule" in by_action.get("connection_decision", set())  # IP literal
     assert "bypass_attempt" in by_action.get("bypass_attempt", set())  # UDP
-    after = snapshot(("ske", "stockade_e2e_run"), "stockade_e2e_run")
+    after = snapshot(("ske", "stockade_e2e_run"), "stockade_e2e_run", str(run_config.parent))
     assert new_since(before, after) == {}
