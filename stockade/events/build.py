@@ -30,9 +30,18 @@ _CATEGORY = {
 }
 
 
+_second_cache: tuple[int, str] = (-1, "")
+
+
 def timestamp(now: float | None = None) -> str:
+    """RFC 3339 UTC with microseconds; the seconds part is formatted once per second
+    (events are on the gateway's per-connection path)."""
+    global _second_cache
     t = time.time() if now is None else now
-    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    sec = int(t)
+    if _second_cache[0] != sec:
+        _second_cache = (sec, datetime.fromtimestamp(sec, UTC).strftime("%Y-%m-%dT%H:%M:%S"))
+    return f"{_second_cache[1]}.{int((t - sec) * 1_000_000):06d}Z"
 
 
 def _drop_empty(d: dict[str, Any]) -> dict[str, Any]:
