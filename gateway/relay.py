@@ -97,18 +97,38 @@ class Relay:
         self.bytes_down = 0
 
     async def run(self) -> None:
-        """Return when both directions are done; raise UploadLimit / OSError on failure."""
-        up = asyncio.ensure_future(self._pump(self.client, self.upstream, True))
+        """Return when both directions are done; raise UploadLimit / OSError on failure.
+
+        The upload direction runs in the caller's task and only the download direction
+        gets a task of its own (one task per tunnel instead of two); a failure of the
+        download side cancels the caller, which then tears the tunnel down.
+        """
+        me = asyncio.current_task()
         down = asyncio.ensure_future(self._pump(self.upstream, self.client, False))
+        failed: list[BaseException] = []
+
+        def down_done(t: asyncio.Future[None]) -> None:
+            if not t.cancelled() and t.exception() is not None:
+                failed.append(t.exception())  # type: ignore[arg-type]
+                if me is not None:
+                    me.cancel()
+
+        down.add_done_callback(down_done)
         try:
-            done, _ = await asyncio.wait((up, down), return_when=asyncio.FIRST_EXCEPTION)
-            for t in done:
-                t.result()  # re-raise the first failure
-            await asyncio.gather(up, down)
+            await self._pump(self.client, self.upstream, True)
+            await down
+        except asyncio.CancelledError:
+            if failed:
+                if me is not None:
+                    me.uncancel()  # the cancel was ours, not the caller's
+                raise failed[0] from None  # the download side failed: report that instead
+            raise
         finally:
-            for t in (up, down):
-                t.cancel()
-            await asyncio.gather(up, down, return_exceptions=True)
+            if not down.done():
+                down.remove_done_callback(down_done)
+                down.cancel()
+                with contextlib.suppress(BaseException):
+                    await down
 
     def _account(self, n: int, up: bool) -> None:
         if up:

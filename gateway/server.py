@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import ipaddress
 import itertools
+import logging
 import socket
 import time
 from collections.abc import Callable
@@ -41,6 +42,7 @@ from .sniff_common import NEED_MORE, SniffError
 from .sniff_http import HttpSniffer, RequestHead, looks_like_http
 from .sniff_tls import ClientHello, TlsSniffer, looks_like_tls
 
+log = logging.getLogger("stockade.gateway")
 Emit = Callable[[dict[str, Any]], None]
 # (socket, dialled address, None) or (None, "", (reason, detail, http status))
 DialResult = tuple[socket.socket | None, str, tuple[Reason, str, int] | None]
@@ -169,7 +171,7 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
         for conn in list(self.conns):
-            conn.close(Reason.TASK_ENDED)
+            conn.close(SHUTDOWN)
         handlers = [c.handler for c in list(self.conns) if c.handler]
         if handlers:
             await asyncio.gather(*handlers, return_exceptions=True)
@@ -209,9 +211,9 @@ class Gateway:
     async def _handle(self, conn: Conn) -> None:
         upstream: socket.socket | None = None
         relay: Relay | None = None
-        decision_ev: dict[str, Any] | None = None
+        decision: tuple[FlowDecision, str] | None = None
         try:
-            upstream, relay, decision_ev = await self._decide_and_dial(conn)
+            upstream, relay, decision = await self._decide_and_dial(conn)
             if upstream is not None and relay is not None:
                 conn.relaying = True
                 self.metrics.live.inc()
@@ -225,6 +227,10 @@ class Gateway:
             conn.close_reason = Reason.UPLOAD_LIMIT
         except OSError:
             pass  # a reset by either side ends the relay; the close event says so
+        except Exception:
+            # a bug must not take the listener down; the connection closes (fail closed)
+            log.exception("connection %s: unexpected error", conn.id)
+            conn.close_reason = conn.close_reason or "internal_error"
         finally:
             self._forget(conn)
             with contextlib.suppress(OSError):
@@ -232,8 +238,8 @@ class Gateway:
             if upstream is not None:
                 with contextlib.suppress(OSError):
                     upstream.close()
-            if relay is not None and decision_ev is not None:
-                self._emit_close(conn, relay, decision_ev)
+            if relay is not None and decision is not None:
+                self._emit_close(conn, relay, *decision)
 
     def _forget(self, conn: Conn) -> None:
         self.conns.discard(conn)
@@ -246,7 +252,7 @@ class Gateway:
 
     async def _decide_and_dial(
         self, conn: Conn
-    ) -> tuple[socket.socket | None, Relay | None, dict[str, Any] | None]:
+    ) -> tuple[socket.socket | None, Relay | None, tuple[FlowDecision, str] | None]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.sniff_timeout_s
         orig: tuple[str, int] | None = None
@@ -312,6 +318,7 @@ class Gateway:
             # first bytes; nothing is sent upstream unless the full decision agrees
             early = asyncio.ensure_future(self._checked_dial(pre))
             await loop.sock_sendall(conn.client, CONNECT_ESTABLISHED)
+            conn.meta["tunnel"] = True  # from here a denial speaks the inner protocol
             try:
                 inner = await self._sniff(conn, deadline, initial=pending)
             except BaseException:
@@ -361,8 +368,10 @@ class Gateway:
         except BaseException:
             upstream.close()
             raise
-        # logged once the first bytes are on their way: the event is off the latency path
-        ev = self._decision_event(conn, decision, dialled)
+        # logged once the relay is running: building and writing the event is off the
+        # latency path of the first upstream byte
+        # (two hops: the relay's download pump registers its reader first)
+        loop.call_soon(loop.call_soon, self._decision_event, conn, decision, dialled)
         relay = Relay(
             conn.client,
             upstream,
@@ -371,7 +380,7 @@ class Gateway:
             on_activity=lambda: _touch(conn),
         )
         relay.bytes_up = len(inner.data)
-        return upstream, relay, ev
+        return upstream, relay, (decision, dialled)
 
     def _count_up(self, task: Task, n: int) -> bool:
         used = self.uploaded.get(task.task_id, 0) + n
@@ -563,7 +572,7 @@ class Gateway:
         tid = task_id or (conn.task.task_id if conn.task else None)
         if protocol == "tls":
             payload = TLS_ALERT_ACCESS_DENIED
-        elif protocol == "http" or conn.listener == "proxy":
+        elif protocol == "http" or (conn.listener == "proxy" and not conn.meta.get("tunnel")):
             payload = http_denial(reason, rule, tid, status=status)
         else:
             payload = b""
@@ -610,12 +619,11 @@ class Gateway:
         self.emit(ev)
         return ev
 
-    def _emit_close(self, conn: Conn, relay: Relay, decision_ev: dict[str, Any]) -> None:
+    def _emit_close(self, conn: Conn, relay: Relay, d: FlowDecision, dialled: str) -> None:
         self.metrics.bytes.labels("up").inc(relay.bytes_up)
         self.metrics.bytes.labels("down").inc(relay.bytes_down)
         reason = conn.close_reason
         task = conn.task
-        dest = decision_ev.get("destination", {})
         self.emit(
             make_event(
                 component="gateway",
@@ -624,15 +632,15 @@ class Gateway:
                 reason=reason or "closed",
                 task_id=task.task_id if task else None,
                 profile=task.profile if task else None,
-                policy_version=decision_ev.get("rule", {}).get("ruleset"),
-                rule_id=decision_ev.get("rule", {}).get("id"),
+                policy_version=d.policy_version or None,
+                rule_id=d.rule_id,
                 source_ip=conn.peer[0],
                 source_port=conn.peer[1],
-                destination_domain=dest.get("domain"),
-                destination_ip=dest.get("ip"),
-                destination_port=dest.get("port"),
+                destination_domain=d.host,
+                destination_ip=dialled or None,
+                destination_port=d.port or None,
                 transport="tcp",
-                protocol=decision_ev.get("network", {}).get("protocol"),
+                protocol=d.protocol,
                 extra={
                     "bytes_up": relay.bytes_up,
                     "bytes_down": relay.bytes_down,
@@ -643,7 +651,9 @@ class Gateway:
         )
 
 
-IDLE_TIMEOUT = "idle_timeout"  # close reason only (not a decision), so not a Reason code
+# close reasons only (not decisions), so not Reason codes
+IDLE_TIMEOUT = "idle_timeout"
+SHUTDOWN = "shutdown"
 
 
 async def _discard(fut: asyncio.Future[DialResult]) -> None:
