@@ -6,12 +6,15 @@ from pydantic import BaseModel, ConfigDict, Field
 class BrokerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    # the broker's HTTP listener (sandboxes reach it; nft scopes who can)
     listen: str = "0.0.0.0:8081"
+    # control API (task registry, reload), a Unix socket created mode 0600
     control_socket: str = "/run/stockade/broker.sock"
-    metrics_listen: str = "127.0.0.1:9465"
-    secret_cache_ttl_s: float = Field(60.0, gt=0)
+    metrics_listen: str = "127.0.0.1:9465"  # Prometheus /metrics; keep it on a host-only address
+    secret_cache_ttl_s: float = Field(60.0, gt=0)  # how long a secret read from Vault is reused
+    # after a failed Vault read, a cached secret is served this long, then 503
     serve_stale_s: float = Field(300.0, ge=0)
-    upstream_timeout_s: float = Field(30.0, gt=0)
+    upstream_timeout_s: float = Field(30.0, gt=0)  # total timeout of one upstream API call
     ca_file: str | None = None  # extra CA bundle for upstream APIs (tests, private CAs)
     # largest request the HTTP server accepts at all (the profile's max_body is usually lower)
     max_request_bytes: int = Field(16 * 2**20, gt=0)
@@ -38,7 +41,7 @@ class VaultSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     address: str | None = None  # None: `stockade run`/`up` start a dev OpenBao
-    token_file: str | None = None
+    token_file: str | None = None  # file holding a Vault token (alternative to approle)
     approle: AppRoleSettings | None = None
-    ca_file: str | None = None
-    timeout_s: float = Field(5.0, gt=0)
+    ca_file: str | None = None  # CA bundle to verify the Vault server's certificate
+    timeout_s: float = Field(5.0, gt=0)  # timeout of one Vault request

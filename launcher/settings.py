@@ -8,23 +8,27 @@ from pydantic import BaseModel, ConfigDict, Field
 class LauncherSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    backend: Literal["netns", "qemu-microvm"] = "netns"
+    backend: Literal["netns"] = "netns"  # sandbox backend (the microVM backend is not built yet)
     address_pool: str = "10.213.0.0/16"  # carved into one /30 per sandbox
+    # reserved for a launcher control service (not used yet)
     control_socket: str = "/run/stockade/launcher.sock"
+    # per-sandbox root, scratch tmpfs and /etc files live below this
     scratch_dir: str = "/var/lib/stockade/sandboxes"
-    nft_table: str = "stockade"
-    nflog_group: int = Field(7413, ge=0, le=65535)
-    default_ttl_s: int = Field(300, ge=1)
+    nft_table: str = "stockade"  # the one nftables table (family inet) the launcher owns
+    nflog_group: int = Field(7413, ge=0, le=65535)  # NFLOG group of the bypass-attempt log records
+    default_ttl_s: int = Field(300, ge=1)  # TTL when neither the profile nor --ttl sets one
     # names of host-side veths and of netns start with this; reconcile removes what carries it
     name_prefix: str = Field("stk", min_length=1, max_length=5, pattern=r"^[a-z][a-z0-9]*$")
     # cgroup parent (v1: /sys/fs/cgroup/<controller>/<parent>/<id>, v2: <root>/<parent>/<id>)
     cgroup_parent: str = Field("stockade", pattern=r"^[A-Za-z0-9_.-]+$")
+    # where the cgroup hierarchies are mounted (v1 or v2 is detected)
     cgroup_root: str = "/sys/fs/cgroup"
     sandbox_uid: int = Field(65534, ge=1)  # the command never runs as root
-    sandbox_gid: int = Field(65534, ge=1)
+    sandbox_gid: int = Field(65534, ge=1)  # group of the sandboxed command
     max_output_bytes: int = Field(4 * 2**20, ge=1024)  # per stream; the rest is dropped
     # directories of the host bound read-only into the sandbox root (nothing else is visible)
     ro_binds: list[str] = ["/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc"]
+    # host environment variables passed into the sandbox
     env_allowlist: list[str] = ["PATH", "LANG", "LC_ALL", "TERM", "TZ"]
     # failed forks (pids limit hits) after which a sandbox is ended with ended_by=limit
     pids_fail_kill: int = Field(32, ge=1)
@@ -34,7 +38,7 @@ class LauncherSettings(BaseModel):
     # a legible ENOSPC instead of SIGXFSZ)
     rlimit_nofile: int = Field(4096, ge=64)
     rlimit_core: int = Field(0, ge=0)  # no core dumps: they would hold the command's memory
-    rlimit_memlock: int = Field(64 * 1024, ge=0)
+    rlimit_memlock: int = Field(64 * 1024, ge=0)  # RLIMIT_MEMLOCK of the command (bytes)
     # Python (3.8+) that runs the sandbox's init; falls back to the launcher's own interpreter
     init_python: str = "/usr/bin/python3"
     shm_size: int = Field(16 * 2**20, ge=4096)  # /dev/shm tmpfs (charged to the memory cgroup)
