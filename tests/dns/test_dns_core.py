@@ -13,7 +13,7 @@ import dns.flags
 import dns.message
 import dns.rdatatype
 import pytest
-from conftest import loopback
+from dns_harness import loopback
 from dns_upstream import Upstream
 from dnslib import EDNS0, RCODE, DNSRecord
 from hypothesis import HealthCheck, given, settings
@@ -243,7 +243,7 @@ ALLOWED_SAMPLES = [
 def warm_firewall(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[DnsFirewall, RuleSet]]:
-    from conftest import PROFILE
+    from dns_harness import PROFILE
     from stockade.policy.loader import load_rules
 
     root = tmp_path_factory.mktemp("fuzzrules")

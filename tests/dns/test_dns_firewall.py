@@ -14,7 +14,7 @@ import dns.message
 import dns.rcode
 import dns.rdatatype
 import pytest
-from conftest import Harness, start_harness
+from dns_harness import Harness, start_harness
 from dns_upstream import Upstream
 from prometheus_client import generate_latest
 from stockade.policy.ruleset import RuleSet

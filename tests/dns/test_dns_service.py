@@ -10,7 +10,7 @@ import dns.asyncquery
 import dns.message
 import dns.rcode
 import yaml
-from conftest import PROFILE, loopback
+from dns_harness import PROFILE, loopback
 from dns_upstream import Upstream
 
 from stockade.config import load_config
