@@ -1,0 +1,97 @@
+"""`stockade up`: gateway, broker and a dev OpenBao as separate processes, a status line
+per component, usable by `stockade run`, and a clean Ctrl-C that leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from e2e_leftovers import new_since, snapshot
+
+from stockade.config import load_config
+from stockade.stack.demo import demo_config
+from stockade.stack.services import stack_running
+
+pytestmark = [pytest.mark.netns, pytest.mark.vault, pytest.mark.slow]
+
+
+def _wait_for(pred, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.timeout(300)
+def test_up_runs_the_stack_and_stops_cleanly_on_ctrl_c(tmp_path: Path, fake_internet):
+    cfg = demo_config(tmp_path / "root", fake_internet)
+    cfg_path = tmp_path / "stockade.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    marker = str(cfg.run_dir)
+    before = snapshot(("skd",), "stockade_demo", marker)
+    err = tmp_path / "up.err"
+    with open(err, "wb") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "stockade", "up", "--config", str(cfg_path)],
+            stdout=subprocess.DEVNULL,
+            stderr=fh,
+            start_new_session=True,
+        )
+    try:
+        assert _wait_for(
+            lambda: "ready (Ctrl-C" in err.read_text() or proc.poll() is not None, 120
+        ), err.read_text()
+        assert proc.poll() is None, err.read_text()
+        text = err.read_text()
+        for component in ("openbao (dev)", "gateway", "broker"):
+            assert f"stockade up: {component}" in text, text
+        assert stack_running(load_config(cfg_path))
+        # a second `up` on the same sockets refuses instead of fighting the first
+        second = subprocess.run(
+            [sys.executable, "-m", "stockade", "up", "--config", str(cfg_path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert second.returncode == 1 and "already running" in second.stderr
+        # run on top of the running stack: no second gateway is started
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "stockade",
+                "run",
+                "--config",
+                str(cfg_path),
+                "--profile",
+                "demo",
+                "--json",
+                "--",
+                "true",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        assert proc.wait(timeout=60) == 0, err.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "stopping" in err.read_text()
+    assert not stack_running(load_config(cfg_path))
+    assert new_since(before, snapshot(("skd",), "stockade_demo", marker)) == {}
+    assert not list(Path(cfg.run_dir).glob("*.sock"))
+    assert not (Path(cfg.run_dir) / "dev-vault-token").exists()
