@@ -199,8 +199,10 @@ class Launcher:
             # the last launcher out removes the table: a one-shot `stockade run` leaves
             # nothing behind; a concurrent _create() re-installs it under the same lock
             with self.state.locked() as records:
-                if not records and nft.table_exists(self.s.nft_table):
-                    nft.run(nft.delete_table_command(self.s.nft_table))
+                if not records:
+                    if nft.table_exists(self.s.nft_table):
+                        nft.run(nft.delete_table_command(self.s.nft_table))
+                    cgroups.remove_parent(self.s.cgroup_root, self.s.cgroup_parent)
 
     def __enter__(self) -> Launcher:
         self.start()

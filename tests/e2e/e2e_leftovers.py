@@ -23,10 +23,11 @@ def snapshot(
         for t in json.loads(_out(["nft", "-j", "list", "tables"]) or "{}").get("nftables", [])
         if "table" in t
     }
+    # the sandboxes' cgroups and their parent (removed by the last launcher out)
     cgroups = {
         str(p)
-        for root in Path("/sys/fs/cgroup").glob("*")
-        for p in root.glob(f"{cgroup_parent}/*")
+        for root in [Path("/sys/fs/cgroup"), *Path("/sys/fs/cgroup").glob("*")]
+        for p in root.glob(cgroup_parent)
         if p.is_dir()
     }
     # services whose config path carries the run's marker, and orphaned dev OpenBao servers
