@@ -2,7 +2,8 @@
 
 HTTP over a Unix socket (mode 0600, owned by root), so a sandbox can never reach it.
 The server is an aiohttp app; the client is synchronous stdlib code so the launcher and
-the CLI can call it without an event loop.
+the CLI can call it without an event loop. `start_control_server` and `UnixJsonClient`
+are also the transport of the launcher's control service (`stockade.launcher.service`).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class ControlError(RuntimeError):
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float) -> None:
+    def __init__(self, path: str, timeout: float | None) -> None:
         super().__init__("localhost", timeout=timeout)
         self._path = path
 
@@ -107,15 +108,24 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
         self.sock = s
 
 
-class ControlClient:
-    """Synchronous client of a gateway's or broker's control socket."""
+class UnixJsonClient:
+    """Synchronous JSON-over-HTTP client of a Unix socket; the base of every control
+    client (gateway/broker tasks, the launcher service). Answers >= 300 raise ControlError."""
 
     def __init__(self, socket_path: str | os.PathLike[str], timeout: float = 5.0) -> None:
         self.socket_path = str(socket_path)
         self.timeout = timeout
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        conn = _UnixHTTPConnection(self.socket_path, self.timeout)
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        wait_forever: bool = False,
+    ) -> dict[str, Any]:
+        # wait_forever: calls whose answer takes as long as the work (a sandbox run)
+        conn = _UnixHTTPConnection(self.socket_path, None if wait_forever else self.timeout)
         try:
             data = json.dumps(body).encode() if body is not None else None
             headers = {"Content-Type": "application/json"} if data else {}
@@ -132,6 +142,17 @@ class ControlClient:
             raise ControlError(resp.status, parsed)
         return parsed
 
+    # every control service answers these two
+    def health(self) -> dict[str, Any]:
+        return self._call("GET", "/v1/health")
+
+    def reload(self) -> dict[str, Any]:
+        return self._call("POST", "/v1/reload")
+
+
+class ControlClient(UnixJsonClient):
+    """Synchronous client of a gateway's or broker's control socket."""
+
     def register(self, task: Task) -> dict[str, Any]:
         return self._call("POST", "/v1/tasks", asdict(task))
 
@@ -145,9 +166,3 @@ class ControlClient:
 
     def list(self) -> list[Task]:
         return [Task.from_dict(d) for d in self._call("GET", "/v1/tasks")["tasks"]]
-
-    def reload(self) -> dict[str, Any]:
-        return self._call("POST", "/v1/reload")
-
-    def health(self) -> dict[str, Any]:
-        return self._call("GET", "/v1/health")
