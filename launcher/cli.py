@@ -1,4 +1,5 @@
-"""`stockade run` and `stockade sandbox list|kill|suspend|resume` (thin shells over Launcher)."""
+"""`stockade run`, `stockade sandbox list|kill|suspend|resume` and `stockade launcher serve`
+(thin shells over Launcher and launcher.service)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,19 @@ def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
         p.add_argument("task_id")
         p.add_argument("--config")
         p.set_defaults(func=_op, op=name)
+
+    lg = sub.add_parser("launcher", help="the launcher's control service (API for orchestrators)")
+    lg.set_defaults(group_parser=lg)
+    lgsub = lg.add_subparsers(dest="launcher_command", metavar="COMMAND")
+    serve = lgsub.add_parser(
+        "serve", help="serve the sandbox API on launcher.control_socket in the foreground",
+        description="Run sandboxes on request over a root-only Unix socket (run, list, kill, "
+        "suspend, resume). SIGHUP reloads the rules; SIGTERM/SIGINT kill the service's "
+        "sandboxes and remove the nft table.")
+    serve.add_argument("--config", "-c", metavar="FILE", help="stockade.yaml (default: built-in)")
+    serve.add_argument("--rules", metavar="DIR", help="override rules_dir")
+    serve.add_argument("--socket", metavar="PATH", help="override launcher.control_socket")
+    serve.set_defaults(func=_serve)
 
 
 def _launcher(config_path: str | None) -> Any:
@@ -119,3 +133,27 @@ def _op(args: argparse.Namespace) -> int:
         print(f"stockade sandbox {args.op}: no sandbox {args.task_id}", file=sys.stderr)
         return 1
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from stockade.config import ConfigError, load_config
+
+    from .service import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        print(f"stockade launcher: {e}", file=sys.stderr)
+        return 2
+    updates: dict[str, Any] = {}
+    if args.rules:
+        updates["rules_dir"] = args.rules
+    if args.socket:
+        updates["launcher"] = cfg.launcher.model_copy(update={"control_socket": args.socket})
+    if updates:
+        cfg = cfg.model_copy(update=updates)
+    return asyncio.run(serve(cfg))

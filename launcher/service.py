@@ -1,0 +1,471 @@
+"""The launcher's control service: sandboxes driven over a root-only Unix socket.
+
+`stockade launcher serve` keeps one `Launcher` (nft table, NFLOG reader, reconciliation)
+behind an aiohttp app on `launcher.control_socket`, so an orchestrator can start, list,
+kill, suspend and resume sandboxes without linking the launcher in-process. The transport
+is the one of the gateway's and broker's control API (`start_control_server`: mode 0600
+from the first instant; `UnixJsonClient`: synchronous stdlib client).
+
+Routes: `GET /v1/health`, `GET /v1/sandboxes`, `POST /v1/sandboxes` (run; `"wait": false`
+answers 202 once the sandbox exists), `GET /v1/sandboxes/{id}/result`,
+`DELETE /v1/sandboxes/{id}` (kill), `POST /v1/sandboxes/{id}/suspend|resume`,
+`POST /v1/reload`. Request validation (`parse_run_request`) is pure; every `Launcher.run`
+gets its own thread (runs last up to the TTL, so they must not occupy the loop's shared
+executor that list/kill/suspend use).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Container
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from stockade.events import EventWriter
+from stockade.tasks.control import ControlError, UnixJsonClient, start_control_server
+
+from .core import ENV_NAME_RE, TASK_ID_RE, ExportedFile, Launcher, RunResult, SandboxSpec
+from .initscript import check_input_target
+
+if TYPE_CHECKING:  # stockade.config imports launcher.settings: no runtime cycle
+    from stockade.config import Config
+
+log = logging.getLogger("stockade.launcher.service")
+
+MAX_BODY = 1 * 2**20  # a request is a command line and a few paths, never data
+MAX_ARGV = 4096
+MAX_STDIN = 256 * 1024  # stdin travels inside the JSON body
+RESULTS_KEPT = 256  # finished results kept for GET .../result (oldest dropped first)
+RUN_FIELDS = frozenset({"profile", "argv", "inputs", "ttl", "env", "export_dir", "stdin",
+                        "wait"})
+
+
+# -- the request format (pure) --------------------------------------------------------------
+class RequestError(ValueError):
+    """A request the service refuses (400); `field` names the offending key."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def _text(value: Any, name: str, *, allow_empty: bool = False) -> str:
+    if not isinstance(value, str):
+        raise RequestError(name, "must be a string")
+    if "\0" in value:
+        raise RequestError(name, "must not contain NUL")
+    if not value and not allow_empty:
+        raise RequestError(name, "must not be empty")
+    return value
+
+
+def _abs_path(value: Any, name: str) -> str:
+    # the service's cwd means nothing to the client: only absolute host paths
+    p = _text(value, name)
+    if not p.startswith("/"):
+        raise RequestError(name, f"must be an absolute path, got {p!r}")
+    return p
+
+
+def _input(item: Any, i: int) -> tuple[str, str]:
+    name = f"inputs[{i}]"
+    if isinstance(item, str):  # like `stockade run --input HOST`: guest /inputs/<basename>
+        host = _abs_path(item, name)
+        base = os.path.basename(os.path.normpath(host))
+        if not base or base == "/":
+            raise RequestError(name, "the root directory needs an explicit guest path")
+        guest = "/inputs/" + base
+    elif isinstance(item, list) and len(item) == 2:
+        host = _abs_path(item[0], f"{name}[0]")
+        guest = _text(item[1], f"{name}[1]")
+    else:
+        raise RequestError(name, "must be a host path or a [host path, guest path] pair")
+    try:
+        check_input_target(guest)
+    except ValueError as e:
+        raise RequestError(name, str(e)) from None
+    return host, guest
+
+
+def parse_run_request(
+    body: Any, profiles: Container[str] | None = None
+) -> tuple[SandboxSpec, bool]:
+    """Validate a `POST /v1/sandboxes` body; returns (spec, wait) or raises RequestError.
+
+    Every check that needs no I/O happens here, so a bad request is refused before any
+    sandbox piece exists. `profiles`: the names the rules in force define (None: unchecked).
+    """
+    if not isinstance(body, dict):
+        raise RequestError("body", "must be a JSON object")
+    unknown = sorted(set(body) - RUN_FIELDS)
+    if unknown:
+        raise RequestError(unknown[0], f"unknown field (allowed: {', '.join(sorted(RUN_FIELDS))})")
+    if "profile" not in body:
+        raise RequestError("profile", "is required")
+    profile = _text(body["profile"], "profile")
+    if profiles is not None and profile not in profiles:
+        raise RequestError("profile", f"unknown profile {profile!r}")
+    argv = body.get("argv")
+    if not isinstance(argv, list) or not argv:
+        raise RequestError("argv", "must be a non-empty list of strings")
+    if len(argv) > MAX_ARGV:
+        raise RequestError("argv", f"at most {MAX_ARGV} items")
+    argv = [_text(a, f"argv[{i}]", allow_empty=i > 0) for i, a in enumerate(argv)]
+    raw_inputs = body.get("inputs") or []
+    if not isinstance(raw_inputs, list):
+        raise RequestError("inputs", "must be a list")
+    inputs = [_input(item, i) for i, item in enumerate(raw_inputs)]
+    ttl = body.get("ttl")
+    # bool is an int subclass: `"ttl": true` is a mistake, not one second
+    if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool) or ttl < 1):
+        raise RequestError("ttl", "must be a positive integer (seconds) or null")
+    raw_env = body.get("env") or {}
+    if not isinstance(raw_env, dict):
+        raise RequestError("env", "must be an object of name: value strings")
+    env: dict[str, str] = {}
+    for k, v in raw_env.items():
+        if not ENV_NAME_RE.match(k) or k.startswith("STOCKADE_"):
+            raise RequestError("env", f"invalid environment name {k!r}")
+        env[k] = _text(v, f"env.{k}", allow_empty=True)
+    export_dir = body.get("export_dir")
+    if export_dir is not None:
+        export_dir = _abs_path(export_dir, "export_dir")
+    stdin = body.get("stdin")
+    if stdin is not None:
+        stdin_text = stdin if isinstance(stdin, str) else None
+        if stdin_text is None:
+            raise RequestError("stdin", "must be a string (UTF-8 text) or null")
+        stdin = stdin_text.encode("utf-8")
+        if len(stdin) > MAX_STDIN:
+            raise RequestError("stdin", f"at most {MAX_STDIN} bytes")
+    wait = body.get("wait", True)
+    if not isinstance(wait, bool):
+        raise RequestError("wait", "must be true or false")
+    spec = SandboxSpec(profile=profile, argv=argv, inputs=inputs, export_dir=export_dir,
+                       ttl=ttl, env=env, stdin=stdin)
+    return spec, wait
+
+
+def run_request(spec: SandboxSpec, *, wait: bool = True) -> dict[str, Any]:
+    """The JSON body of `POST /v1/sandboxes` for `spec` (the inverse of parse_run_request)."""
+    body: dict[str, Any] = {"profile": spec.profile, "argv": list(spec.argv),
+                            "inputs": [[h, g] for h, g in spec.inputs], "ttl": spec.ttl,
+                            "env": dict(spec.env), "export_dir": spec.export_dir,
+                            "wait": wait}
+    if spec.stdin is not None:
+        body["stdin"] = spec.stdin.decode("utf-8")  # UnicodeDecodeError: not sendable as text
+    return body
+
+
+def result_from_json(d: dict[str, Any]) -> RunResult:
+    """RunResult from `RunResult.to_json()` (unknown keys of a newer service are ignored)."""
+    return RunResult(
+        task_id=d["task_id"], exit_code=d["exit_code"], stdout=d["stdout"], stderr=d["stderr"],
+        duration_s=d["duration_s"], denials=d["denials"],
+        exports=[ExportedFile(e["name"], e["size"], e["type"]) for e in d["exports"]],
+        ended_by=d["ended_by"], timings=d.get("timings", {}),
+    )
+
+
+def _error(status: int, code: str, detail: str, **extra: Any) -> web.Response:
+    return web.json_response({"error": code, "detail": detail, **extra}, status=status)
+
+
+# -- the service -----------------------------------------------------------------------------
+@dataclass
+class _Run:
+    """One sandbox run driven by the service; its thread reports through the two futures."""
+
+    loop: asyncio.AbstractEventLoop
+    started: asyncio.Future[str]  # the task id, once the sandbox exists
+    finished: asyncio.Future[tuple[int, dict[str, Any]]]  # (HTTP status, body)
+    task_id: str | None = None
+    thread: threading.Thread | None = field(default=None, repr=False)
+
+    def _set(self, fut: asyncio.Future[Any], value: Any) -> None:
+        if not fut.done():
+            fut.set_result(value)
+
+    def report(self, fut: asyncio.Future[Any], value: Any) -> None:
+        # called from the run's thread; the loop may already be gone at shutdown
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self._set, fut, value)
+
+
+class LauncherService:
+    def __init__(self, config: Config, *, launcher: Launcher | None = None) -> None:
+        from stockade.gateway.rulesource import RulesHolder
+
+        self.config = config
+        self.events = EventWriter(config.events_file, max_bytes=config.events.max_bytes,
+                                  backups=config.events.backups)
+        self.launcher = launcher or Launcher(config, events=self.events)
+        # the gateway's holder: an invalid reload keeps the rules in force (fail closed)
+        self.rules = RulesHolder(config.rules_dir, self.events.write, component="launcher")
+        self.socket_path = config.launcher.control_socket
+        self._runner: web.AppRunner | None = None
+        self._closing = False
+        self._runs: OrderedDict[str, _Run] = OrderedDict()  # task id -> run (this service's)
+        # run threads; mutated only on the loop thread, read by stop() once no run can start
+        self._threads: set[threading.Thread] = set()
+        self._starting: dict[int, _Run] = {}  # thread ident -> its run, until it has an id
+        # `_runs` is touched only on the loop thread (threads hand over via call_soon_threadsafe)
+        # the start event is written from the run's own thread: the thread says which run
+        self.launcher.events.subscribe(self._on_event)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Rules (RulesError: refuse to start), then the launcher (nft table, reconcile),
+        then the socket: a client that can connect finds a working launcher."""
+        self.rules.load_initial()
+        await asyncio.to_thread(self.launcher.start)
+        self._runner = await start_control_server(self.app(), self.socket_path)
+
+    async def stop(self) -> None:
+        """Refuse new runs, kill this service's sandboxes, wait for their teardown, close
+        the socket, then `Launcher.close()` (the last launcher out removes the nft table)."""
+        self._closing = True
+        await asyncio.to_thread(self._kill_own_and_wait)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        await asyncio.to_thread(self.launcher.close)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        self.events.close()
+
+    def _kill_own_and_wait(self, timeout: float = 60.0) -> None:
+        # repeated: a run that was still before its `_create` gets killed on the next pass.
+        # Only after every run thread is done may close() look for the table's last user.
+        end = time.monotonic() + timeout
+        while True:
+            alive = [t for t in list(self._threads) if t.is_alive()]
+            if not alive or time.monotonic() > end:
+                return
+            for r in self.launcher.list():
+                if r["owner_pid"] == os.getpid():
+                    self.launcher.kill(r["task_id"])
+            for t in alive:
+                t.join(timeout=0.2)
+
+    def reload(self, trigger: str) -> dict[str, Any]:
+        return self.rules.reload(trigger)
+
+    def _on_event(self, ev: dict[str, Any]) -> None:
+        run = self._starting.get(threading.get_ident())
+        if (run is None or ev.get("event", {}).get("action") != "sandbox_lifecycle"
+                or ev.get("stockade", {}).get("lifecycle") != "start"):
+            return
+        task_id = ev.get("labels", {}).get("task_id")
+        if isinstance(task_id, str):
+            with contextlib.suppress(RuntimeError):  # loop closed: nobody is waiting
+                run.loop.call_soon_threadsafe(self._started, run, task_id)
+
+    def _started(self, run: _Run, task_id: str) -> None:
+        run.task_id = task_id
+        self._runs[task_id] = run
+        self._trim()
+        if not run.started.done():
+            run.started.set_result(task_id)
+
+    def _trim(self) -> None:
+        finished = [tid for tid, r in self._runs.items() if r.finished.done()]
+        for tid in finished[: max(0, len(finished) - RESULTS_KEPT)]:
+            del self._runs[tid]
+
+    def _worker(self, run: _Run, spec: SandboxSpec, ruleset: Any) -> None:
+        self._starting[threading.get_ident()] = run
+        try:
+            outcome: tuple[int, dict[str, Any]] = (200, self.launcher.run(spec, ruleset).to_json())
+        except (RuntimeError, OSError) as e:  # LauncherError, pool exhausted, nft, gone input
+            outcome = (503, {"error": "launch_failed", "detail": str(e)})
+        except Exception as e:  # never a traceback to the client; the log has it
+            log.exception("sandbox run failed")
+            outcome = (500, {"error": "internal_error", "detail": type(e).__name__})
+        finally:
+            self._starting.pop(threading.get_ident(), None)
+        run.report(run.finished, outcome)
+
+    # -- the HTTP app ------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY)
+        app.router.add_get("/v1/health", self._health)
+        app.router.add_get("/v1/sandboxes", self._list)
+        app.router.add_post("/v1/sandboxes", self._run)
+        app.router.add_get("/v1/sandboxes/{task_id}/result", self._result)
+        app.router.add_delete("/v1/sandboxes/{task_id}", self._kill)
+        app.router.add_post("/v1/sandboxes/{task_id}/suspend", self._suspend)
+        app.router.add_post("/v1/sandboxes/{task_id}/resume", self._resume)
+        app.router.add_post("/v1/reload", self._reload)
+        return app
+
+    async def _health(self, request: web.Request) -> web.Response:
+        running = sum(1 for r in self._runs.values() if not r.finished.done())
+        return web.json_response({
+            "ok": not self._closing, "sandboxes": running,
+            "rules": self.rules.current.version, "nflog_bound": self.launcher.nflog_bound,
+        })
+
+    async def _list(self, request: web.Request) -> web.Response:
+        return web.json_response({"sandboxes": await asyncio.to_thread(self.launcher.list)})
+
+    async def _run(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "bad_request", "body must be JSON", field="body")
+        ruleset = self.rules.current  # one snapshot for the whole run
+        try:
+            spec, wait = parse_run_request(body, ruleset.profiles)
+        except RequestError as e:
+            return _error(400, "bad_request", str(e), field=e.field)
+        for i, (host, _guest) in enumerate(spec.inputs):
+            if not os.path.exists(host):
+                return _error(400, "bad_request", f"inputs[{i}]: host path does not exist: "
+                              f"{host}", field=f"inputs[{i}]")
+        # checked after the last await: stop() sets it on this thread before it waits
+        if self._closing:
+            return _error(503, "shutting_down", "the launcher service is stopping")
+        loop = asyncio.get_running_loop()
+        run = _Run(loop, loop.create_future(), loop.create_future())
+        t = threading.Thread(target=self._worker, args=(run, spec, ruleset), daemon=True,
+                             name="stockade-sandbox")
+        run.thread = t
+        self._threads = {x for x in self._threads if x.is_alive()}
+        self._threads.add(t)
+        t.start()
+        if not wait:
+            # answered once the sandbox exists (or failed): the id can be killed at once
+            await asyncio.wait({run.started, run.finished},
+                               return_when=asyncio.FIRST_COMPLETED)
+            if run.started.done():
+                return web.json_response({"task_id": run.started.result(), "state": "running"},
+                                         status=202)
+        # shielded: a client that goes away does not cancel the bookkeeping; the sandbox
+        # runs to its end and its result stays available under GET .../result
+        status, out = await asyncio.shield(run.finished)
+        return web.json_response(out, status=status)
+
+    def _task_id(self, request: web.Request) -> str | None:
+        tid = request.match_info["task_id"]
+        return tid if TASK_ID_RE.match(tid) else None
+
+    async def _result(self, request: web.Request) -> web.Response:
+        tid = self._task_id(request)
+        if tid is None:
+            return _error(400, "bad_request", "task id must be 10 hex characters",
+                          field="task_id")
+        run = self._runs.get(tid)
+        if run is None:
+            return _error(404, "not_found", f"no result for sandbox {tid} in this service")
+        if not run.finished.done():
+            return web.json_response({"task_id": tid, "state": "running"}, status=202)
+        status, out = run.finished.result()
+        return web.json_response(out, status=status)
+
+    async def _op(self, request: web.Request, op: str) -> web.Response:
+        tid = self._task_id(request)
+        if tid is None:
+            return _error(400, "bad_request", "task id must be 10 hex characters",
+                          field="task_id")
+        ok = await asyncio.to_thread(getattr(self.launcher, op), tid)
+        if not ok:
+            return _error(404, "not_found", f"no sandbox {tid}")
+        return web.json_response({"task_id": tid, op: True})
+
+    async def _kill(self, request: web.Request) -> web.Response:
+        return await self._op(request, "kill")
+
+    async def _suspend(self, request: web.Request) -> web.Response:
+        return await self._op(request, "suspend")
+
+    async def _resume(self, request: web.Request) -> web.Response:
+        return await self._op(request, "resume")
+
+    async def _reload(self, request: web.Request) -> web.Response:
+        result = self.reload("control_api")
+        return web.json_response(result, status=200 if result.get("ok") else 422)
+
+
+async def serve(config: Config) -> int:
+    """`stockade launcher serve`: run until SIGTERM/SIGINT; SIGHUP reloads the rules."""
+    import sys
+
+    from stockade.policy import RulesError
+
+    svc = LauncherService(config)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    # handlers first: a SIGTERM during start-up still ends in stop() (table removed)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: svc.reload("sighup"))
+    try:
+        try:
+            await svc.start()
+        except RulesError as e:
+            print(f"stockade launcher: invalid rules:\n{e}", file=sys.stderr)
+            return 2
+        except (RuntimeError, OSError) as e:
+            print(f"stockade launcher: cannot start: {e}", file=sys.stderr)
+            return 2
+        print(f"stockade launcher: serving on {svc.socket_path}, rules "
+              f"{svc.rules.current.version}", file=sys.stderr, flush=True)
+        await stop.wait()
+        return 0
+    finally:
+        await svc.stop()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+
+
+# -- the client ------------------------------------------------------------------------------
+class LauncherClient(UnixJsonClient):
+    """Synchronous client of `stockade launcher serve` (the orchestrators' API); mirrors
+    `Launcher`: run/list/kill/suspend/resume. Refusals raise `ControlError` (.status, .body)."""
+
+    def run(self, spec: SandboxSpec) -> RunResult:
+        """Run `spec` and wait for its end (no client timeout: the TTL bounds a run)."""
+        return result_from_json(self._call("POST", "/v1/sandboxes", run_request(spec),
+                                           wait_forever=True))
+
+    def start(self, spec: SandboxSpec) -> str:
+        """Start `spec` without waiting; returns the task id (the sandbox exists by then)."""
+        return str(self._call("POST", "/v1/sandboxes", run_request(spec, wait=False),
+                              wait_forever=True)["task_id"])
+
+    def result(self, task_id: str) -> RunResult | None:
+        """The result of a sandbox started through this service; None while it runs."""
+        d = self._call("GET", f"/v1/sandboxes/{task_id}/result")
+        return None if d.get("state") == "running" else result_from_json(d)
+
+    def list(self) -> list[dict[str, Any]]:
+        return list(self._call("GET", "/v1/sandboxes")["sandboxes"])
+
+    def _op(self, method: str, path: str) -> bool:
+        try:
+            self._call(method, path)
+        except ControlError as e:
+            if e.status == 404:
+                return False
+            raise
+        return True
+
+    def kill(self, task_id: str) -> bool:
+        return self._op("DELETE", f"/v1/sandboxes/{task_id}")
+
+    def suspend(self, task_id: str) -> bool:
+        return self._op("POST", f"/v1/sandboxes/{task_id}/suspend")
+
+    def resume(self, task_id: str) -> bool:
+        return self._op("POST", f"/v1/sandboxes/{task_id}/resume")

@@ -1,0 +1,305 @@
+"""The launcher's control service (`stockade launcher serve`) over its real Unix socket.
+
+The service runs as a real subprocess with its own nft table, names, cgroup parent,
+address pool and NFLOG group; the `lab` fixture's gateway and broker control servers
+(real `make_control_app` on temp sockets) and its broker-port listener stand in for the
+gateway and broker, so registration is observable. `LauncherClient` is the client.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from stockade.launcher import SandboxSpec
+from stockade.launcher.cgroups import remove_parent
+from stockade.launcher.service import (
+    LauncherClient,
+    RequestError,
+    parse_run_request,
+    run_request,
+)
+
+from stockade.config import Config
+from stockade.events import validate
+from stockade.tasks import ControlError
+
+from .conftest import Lab
+
+pytestmark = pytest.mark.netns
+
+PROFILE = """\
+profile: {name}
+description: launcher service test
+limits: {{cpus: 1, memory: 128MiB, disk: 16MiB, pids: 64, ttl: 60s}}
+egress:
+  mode: enforce
+exports: {{max_file: 1KiB, max_total: 4KiB, types: [text]}}
+"""
+
+WHOAMI = ("import os, urllib.request\n"
+          "print(urllib.request.urlopen(os.environ['STOCKADE_BROKER'] + '/v1/whoami',"
+          " timeout=5).read().decode())\n")
+
+
+def _wait_for(pred: Callable[[], Any], timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.05)
+    return pred()
+
+
+@dataclass
+class Served:
+    config: Config
+    cfg_path: Path
+    rules: Path
+    proc: subprocess.Popen[bytes]
+    err: Path
+
+    @property
+    def client(self) -> LauncherClient:
+        return LauncherClient(self.config.launcher.control_socket, timeout=30)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def _serve(lab: Lab, tmp: Path) -> Iterator[Served]:
+    """`stockade launcher serve` on a config of its own that shares the lab's gateway and
+    broker; torn down (and checked for leftovers by the tests) at the end."""
+    rules = tmp / "rules"
+    (rules / "profiles").mkdir(parents=True)
+    (rules / "profiles" / "svc.yaml").write_text(PROFILE.format(name="svc"))
+    sfx = secrets.token_hex(3)
+    launcher = lab.config.launcher.model_copy(update={
+        "nft_table": f"stockade_sv{sfx}", "name_prefix": f"v{sfx[:3]}",
+        "cgroup_parent": f"stockade_sv{sfx}", "scratch_dir": str(tmp / "sbx"),
+        "address_pool": f"10.216.{100 + secrets.randbelow(100)}.0/24",
+        "nflog_group": 7500 + secrets.randbelow(99),
+        "control_socket": str(tmp / "run" / "launcher.sock"),
+    })
+    config = lab.config.model_copy(update={"launcher": launcher, "rules_dir": str(rules)})
+    cfg_path = tmp / "stockade.yaml"
+    cfg_path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    err = tmp / "serve.err"
+    with open(err, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "stockade", "launcher", "serve",
+                                 "--config", str(cfg_path)],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=fh)
+    served = Served(config, cfg_path, rules, proc, err)
+    try:
+        def healthy() -> bool:
+            assert proc.poll() is None, err.read_text()
+            try:
+                return bool(served.client.health()["ok"])
+            except OSError:
+                return False
+
+        assert _wait_for(healthy, 60), err.read_text()
+        yield served
+    finally:
+        served.stop()
+        # only if the service failed to clean up: never leave the test's pieces behind
+        subprocess.run(["nft", "delete", "table", "inet", launcher.nft_table],
+                       capture_output=True, check=False)
+        remove_parent(launcher.cgroup_root, launcher.cgroup_parent)
+
+
+@pytest.fixture(scope="module")
+def served(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    yield from _serve(lab, tmp_path_factory.mktemp("svc"))
+
+
+@pytest.fixture
+def served_once(lab: Lab, tmp_path: Path) -> Iterator[Served]:
+    yield from _serve(lab, tmp_path)
+
+
+# -- the request format (pure) ---------------------------------------------------------------
+def test_request_round_trip() -> None:
+    spec = SandboxSpec("svc", ["sh", "-c", "cat", ""], inputs=[("/etc/hostname", "/in/h")],
+                       export_dir="/tmp/out", ttl=9, env={"A_B": "x"}, stdin=b"text")
+    assert parse_run_request(json.loads(json.dumps(run_request(spec, wait=False))),
+                             {"svc"}) == (spec, False)
+    assert parse_run_request({"profile": "p", "argv": ["true"], "inputs": ["/data/x/"]})[0] \
+        .inputs == [("/data/x/", "/inputs/x")]
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ([], "body"),
+    ({"argv": ["true"]}, "profile"),
+    ({"profile": "nope", "argv": ["true"]}, "profile"),
+    ({"profile": "svc"}, "argv"),
+    ({"profile": "svc", "argv": []}, "argv"),
+    ({"profile": "svc", "argv": "true"}, "argv"),
+    ({"profile": "svc", "argv": ["true", 1]}, "argv[1]"),
+    ({"profile": "svc", "argv": ["tr\0ue"]}, "argv[0]"),
+    ({"profile": "svc", "argv": ["true"], "ttl": 0}, "ttl"),
+    ({"profile": "svc", "argv": ["true"], "ttl": True}, "ttl"),
+    ({"profile": "svc", "argv": ["true"], "ttl": "5"}, "ttl"),
+    ({"profile": "svc", "argv": ["true"], "env": {"STOCKADE_X": "1"}}, "env"),
+    ({"profile": "svc", "argv": ["true"], "env": {"A-B": "1"}}, "env"),
+    ({"profile": "svc", "argv": ["true"], "env": {"A": 1}}, "env.A"),
+    ({"profile": "svc", "argv": ["true"], "env": ["A=1"]}, "env"),
+    ({"profile": "svc", "argv": ["true"], "inputs": ["relative/path"]}, "inputs[0]"),
+    ({"profile": "svc", "argv": ["true"], "inputs": [["/etc", "/scratch/x"]]}, "inputs[0]"),
+    ({"profile": "svc", "argv": ["true"], "inputs": [["/etc"]]}, "inputs[0]"),
+    ({"profile": "svc", "argv": ["true"], "inputs": "/etc"}, "inputs"),
+    ({"profile": "svc", "argv": ["true"], "export_dir": "out"}, "export_dir"),
+    ({"profile": "svc", "argv": ["true"], "stdin": [1]}, "stdin"),
+    ({"profile": "svc", "argv": ["true"], "wait": "no"}, "wait"),
+    ({"profile": "svc", "argv": ["true"], "command": "x"}, "command"),
+])
+def test_request_refusals(body: Any, field: str) -> None:
+    with pytest.raises(RequestError) as e:
+        parse_run_request(body, {"svc"})
+    assert e.value.field == field
+
+
+# -- over the socket -------------------------------------------------------------------------
+def test_socket_is_root_only(served: Served) -> None:
+    assert os.stat(served.config.launcher.control_socket).st_mode & 0o777 == 0o600
+
+
+def test_run_through_the_service(served: Served, lab: Lab, tmp_path: Path) -> None:
+    data = tmp_path / "data.txt"
+    data.write_text("input-data")
+    out = tmp_path / "exported"
+    res = served.client.run(SandboxSpec(
+        "svc", ["sh", "-c", f"cat /in/d; echo; python3 -c \"{WHOAMI}\"; "
+                "echo note > /scratch/out/n.txt; cat; echo warn >&2; exit 3"],
+        inputs=[(str(data), "/in/d")], export_dir=str(out), stdin=b"piped"))
+    lines = res.stdout.splitlines()
+    assert res.exit_code == 3 and res.ended_by == "exit", res.stderr
+    # registered with the (lab's) broker under its own task id while it ran
+    assert lines == ["input-data", res.task_id, "piped"], res.stdout
+    assert res.stderr == "warn\n"
+    assert [e.name for e in res.exports] == ["n.txt"] and (out / "n.txt").read_text() == "note\n"
+    for ev in res.denials:
+        validate(ev)
+    # deregistered and torn down
+    assert lab.broker_registry.get(res.task_id) is None
+    assert served.client.list() == []
+    assert served.client.result(res.task_id) == res
+
+
+def test_list_suspend_resume_kill_while_running(served: Served) -> None:
+    c = served.client
+    tid = c.start(SandboxSpec("svc", ["sleep", "60"]))
+    rows = _wait_for(lambda: [r for r in c.list() if r["task_id"] == tid
+                              and r["state"] == "running"])
+    assert rows and rows[0]["profile"] == "svc", c.list()
+    assert c.result(tid) is None  # still running
+    assert c.health()["sandboxes"] == 1
+    assert c.suspend(tid)
+    assert [r["state"] for r in c.list() if r["task_id"] == tid] == ["frozen"]
+    assert c.resume(tid)
+    assert [r["state"] for r in c.list() if r["task_id"] == tid] == ["running"]
+    assert c.kill(tid)
+    res = _wait_for(lambda: c.result(tid), 30)
+    assert res is not None and res.ended_by == "killed" and res.exit_code == 137
+    assert c.list() == []
+    assert not c.kill(tid) and not c.suspend(tid) and not c.resume(tid)
+
+
+def _raw(path: str, request: bytes) -> tuple[int, dict[str, Any]]:
+    """One raw HTTP exchange (bodies no well-behaved client would send)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(path)
+        s.sendall(request)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_invalid_requests(served: Served) -> None:
+    c = served.client
+    for body, field in (({"profile": "nope", "argv": ["true"]}, "profile"),
+                        ({"profile": "svc", "argv": []}, "argv"),
+                        ({"profile": "svc", "argv": ["true"], "ttl": -1}, "ttl"),
+                        ({"profile": "svc", "argv": ["true"], "inputs": ["/nonexistent/x"]},
+                         "inputs[0]"),
+                        ({"profile": "svc", "argv": ["true"], "extra": 1}, "extra")):
+        with pytest.raises(ControlError) as e:
+            c._call("POST", "/v1/sandboxes", body)
+        assert e.value.status == 400 and e.value.body["field"] == field, e.value.body
+        assert e.value.body["error"] == "bad_request" and e.value.body["detail"]
+    status, body = _raw(served.config.launcher.control_socket,
+                        b"POST /v1/sandboxes HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                        b"application/json\r\nContent-Length: 5\r\nConnection: close\r\n\r\n"
+                        b"{nope")
+    assert (status, body["field"]) == (400, "body")
+    for method, path in (("DELETE", "/v1/sandboxes/NOT-AN-ID"),
+                         ("POST", "/v1/sandboxes/../../x/suspend"),
+                         ("GET", "/v1/sandboxes/zzzzzzzzzz/result")):
+        with pytest.raises(ControlError) as e:
+            c._call(method, path)
+        assert e.value.status in (400, 404), (path, e.value.body)
+    for method, path in (("DELETE", "/v1/sandboxes/0123456789"),
+                         ("POST", "/v1/sandboxes/0123456789/suspend"),
+                         ("POST", "/v1/sandboxes/0123456789/resume"),
+                         ("GET", "/v1/sandboxes/0123456789/result")):
+        with pytest.raises(ControlError) as e:
+            c._call(method, path)
+        assert (e.value.status, e.value.body["error"]) == (404, "not_found"), path
+    assert c.list() == []
+
+
+def test_reload_keeps_old_rules_when_invalid(served: Served) -> None:
+    c = served.client
+    before = c.health()["rules"]
+    bad = served.rules / "profiles" / "broken.yaml"
+    bad.write_text("profile: broken\nlimits: [not, a, mapping\n")
+    try:
+        with pytest.raises(ControlError) as e:
+            c.reload()
+        assert e.value.status == 422 and e.value.body["version"] == before
+        assert c.health()["rules"] == before
+    finally:
+        bad.unlink()
+    # SIGHUP picks up a new profile, as with the gateway and the broker
+    (served.rules / "profiles" / "svc2.yaml").write_text(PROFILE.format(name="svc2"))
+    served.proc.send_signal(signal.SIGHUP)
+    assert _wait_for(lambda: c.health()["rules"] != before), served.err.read_text()
+    assert c.run(SandboxSpec("svc2", ["true"])).exit_code == 0
+
+
+def test_sigterm_kills_sandboxes_and_removes_the_table(served_once: Served, lab: Lab) -> None:
+    s = served_once.config.launcher
+    c = served_once.client
+    tid = c.start(SandboxSpec("svc", ["sleep", "60"]))
+    assert lab.gateway_registry.get(tid) is not None
+    assert served_once.stop() == 0, served_once.err.read_text()
+    assert subprocess.run(["nft", "list", "table", "inet", s.nft_table],
+                          capture_output=True, check=False).returncode != 0
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                           check=False).stdout
+    assert f"{s.name_prefix}-{tid}" not in netns
+    assert lab.gateway_registry.get(tid) is None and lab.broker_registry.get(tid) is None
+    assert not os.path.exists(s.control_socket)
+    assert not os.listdir(s.scratch_dir)
