@@ -11,9 +11,10 @@ from typing import Any
 def add_commands(sub: Any) -> None:
     up = sub.add_parser(
         "up",
-        help="run gateway, broker (and a dev OpenBao) in the foreground",
-        description="Run the gateway, the broker and, when no vault.address is configured, a "
-        "dev OpenBao, as separate processes with readiness checks. Ctrl-C stops them all.",
+        help="run gateway, broker, launcher service (and a dev OpenBao) in the foreground",
+        description="Run the gateway, the broker, the launcher's control service and, when no "
+        "vault.address is configured, a dev OpenBao, as separate processes with readiness "
+        "checks and a status line each. Ctrl-C stops them all.",
     )
     up.add_argument("--config", "-c", metavar="FILE", help="stockade.yaml (default: built-in)")
     up.set_defaults(func=_up)
@@ -67,6 +68,11 @@ def _up(args: argparse.Namespace) -> int:
                 f"{eff.vault.token_file} (put API keys there)",
                 file=sys.stderr,
             )
+        print(
+            f"stockade up: sandbox API on {eff.launcher.control_socket} "
+            "(stockade.launcher.service.LauncherClient)",
+            file=sys.stderr,
+        )
         print("stockade up: ready (Ctrl-C stops everything)", file=sys.stderr, flush=True)
         while all(state != "stopped" for _, _, state in stack.status()):
             time.sleep(1.0)

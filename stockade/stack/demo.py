@@ -253,7 +253,9 @@ def run_demo(*, json_out: bool = False, keep_logs: str | None = None) -> int:
             subst = {"denied_ip": inet.addresses["denied.test"], "udp_ip": inet.udp_echo[0]}
             ruleset = load_rules(cfg.rules_dir)
             say("stockade demo: starting gateway, broker and a dev OpenBao...")
-            stack = Stack(cfg)
+            # the demo drives its own Launcher in-process (it reads the run's denials, and
+            # the NFLOG group binds to one launcher only): no launcher service beside it
+            stack = Stack(cfg, launcher_service=False)
             try:
                 cfg = stack.start()
                 assert stack.dev_vault is not None

@@ -1,6 +1,7 @@
-"""Run the stack (gateway, broker, and a dev OpenBao when no Vault is configured) as child
-processes: `stockade up` in the foreground, or around one `stockade run` on embedded
-defaults. Readiness is each service's control socket answering /v1/health.
+"""Run the stack (gateway, broker, the launcher's control service, and a dev OpenBao when no
+Vault is configured) as child processes: `stockade up` in the foreground, or around one
+`stockade run` on embedded defaults (without the launcher service: that command runs its
+own launcher). Readiness is each service's control socket answering /v1/health.
 """
 
 from __future__ import annotations
@@ -93,14 +94,21 @@ def stack_running(config: Config) -> bool:
 
 
 class Stack:
-    """Starts gateway + broker (+ dev OpenBao) for one config; `stop()` leaves nothing behind."""
+    """Starts gateway + broker (+ dev OpenBao), then the launcher service, for one config;
+    `stop()` leaves nothing behind."""
 
     def __init__(
-        self, config: Config, *, foreground: bool = False, startup_timeout: float = 60.0
+        self,
+        config: Config,
+        *,
+        foreground: bool = False,
+        startup_timeout: float = 60.0,
+        launcher_service: bool = True,
     ) -> None:
         self.base = config
         self.config = config  # the effective config, with the dev Vault filled in
         self.foreground = foreground
+        self.launcher_service = launcher_service
         self.startup_timeout = startup_timeout
         self.services: list[Service] = []
         self.dev_vault: object | None = None
@@ -140,11 +148,22 @@ class Stack:
             self.run_dir / "stack-config.yaml",
             yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False),
         )
-        logs = Path(cfg.log_dir)
-        for name, sock in (
-            ("gateway", cfg.gateway.control_socket),
-            ("broker", cfg.broker.control_socket),
-        ):
+        deadline = time.monotonic() + self.startup_timeout
+        self._start_and_wait(
+            [("gateway", cfg.gateway.control_socket), ("broker", cfg.broker.control_socket)],
+            cfg_path,
+            deadline,
+        )
+        if self.launcher_service:
+            # after gateway and broker answer: the launcher registers every sandbox with both
+            self._start_and_wait([("launcher", cfg.launcher.control_socket)], cfg_path, deadline)
+
+    def _start_and_wait(
+        self, names: list[tuple[str, str]], cfg_path: Path, deadline: float
+    ) -> None:
+        logs = Path(self.config.log_dir)
+        pending = []
+        for name, sock in names:
             svc = Service(
                 name=name,
                 argv=[sys.executable, "-m", "stockade", name, "serve", "--config", str(cfg_path)],
@@ -153,8 +172,7 @@ class Stack:
             )
             svc.start()
             self.services.append(svc)
-        deadline = time.monotonic() + self.startup_timeout
-        pending = list(self.services)
+            pending.append(svc)
         while pending:
             for svc in list(pending):
                 if not svc.alive():
@@ -190,7 +208,9 @@ class Stack:
 
     def stop(self) -> None:
         for svc in reversed(self.services):
-            svc.stop()
+            # the launcher first, with more time: it kills and tears down its sandboxes
+            # (deregistering them from the gateway and broker that are still up)
+            svc.stop(timeout=30.0 if svc.name == "launcher" else 10.0)
         self.services.clear()
         bao, self.dev_vault = self.dev_vault, None
         if bao is not None:
@@ -198,7 +218,10 @@ class Stack:
         for f in self._files:
             f.unlink(missing_ok=True)
         self._files.clear()
-        for sock in (self.config.gateway.control_socket, self.config.broker.control_socket):
+        socks = [self.config.gateway.control_socket, self.config.broker.control_socket]
+        if self.launcher_service:
+            socks.append(self.config.launcher.control_socket)
+        for sock in socks:
             Path(sock).unlink(missing_ok=True)
 
 
@@ -208,7 +231,8 @@ def ensure_stack(config: Config) -> Iterator[Config]:
     if stack_running(config):
         yield config
         return
-    stack = Stack(config)
+    # no launcher service: the caller (`stockade run`) drives its own Launcher in-process
+    stack = Stack(config, launcher_service=False)
     try:
         yield stack.start()
     finally:

@@ -1,5 +1,6 @@
-"""`stockade up`: gateway, broker and a dev OpenBao as separate processes, a status line
-per component, usable by `stockade run`, and a clean Ctrl-C that leaves nothing behind."""
+"""`stockade up`: gateway, broker, the launcher's control service and a dev OpenBao as
+separate processes, a status line per component, usable by `stockade run` and through the
+launcher's socket, and a clean Ctrl-C that leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 from e2e_leftovers import new_since, snapshot
+from stockade.launcher import SandboxSpec
+from stockade.launcher.service import LauncherClient
 
 from stockade.config import load_config
 from stockade.stack.demo import demo_config
@@ -36,7 +39,9 @@ def test_up_runs_the_stack_and_stops_cleanly_on_ctrl_c(tmp_path: Path, fake_inte
     cfg_path = tmp_path / "stockade.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     marker = str(cfg.run_dir)
-    before = snapshot(("skd",), "stockade_demo", marker)
+    # the launcher service's nft table too: it must be gone after Ctrl-C
+    prefixes = ("skd", cfg.launcher.nft_table)
+    before = snapshot(prefixes, "stockade_demo", marker)
     err = tmp_path / "up.err"
     with open(err, "wb") as fh:
         proc = subprocess.Popen(
@@ -51,8 +56,12 @@ def test_up_runs_the_stack_and_stops_cleanly_on_ctrl_c(tmp_path: Path, fake_inte
         ), err.read_text()
         assert proc.poll() is None, err.read_text()
         text = err.read_text()
-        for component in ("openbao (dev)", "gateway", "broker"):
+        for component in ("openbao (dev)", "gateway", "broker", "launcher"):
             assert f"stockade up: {component}" in text, text
+        assert any(
+            line.startswith("stockade up: launcher") and line.endswith("ready")
+            for line in text.splitlines()
+        ), text
         assert stack_running(load_config(cfg_path))
         # a second `up` on the same sockets refuses instead of fighting the first
         second = subprocess.run(
@@ -84,6 +93,13 @@ def test_up_runs_the_stack_and_stops_cleanly_on_ctrl_c(tmp_path: Path, fake_inte
             check=False,
         )
         assert run.returncode == 0, run.stderr[-2000:]
+        # an orchestrator's sandbox through the launcher's socket
+        client = LauncherClient(cfg.launcher.control_socket, timeout=30)
+        res = client.run(SandboxSpec("demo", ["sh", "-c", "echo via-socket"]))
+        assert (res.exit_code, res.stdout, res.ended_by) == (0, "via-socket\n", "exit"), res
+        # one left running: Ctrl-C must kill it and remove every piece of it
+        left = client.start(SandboxSpec("demo", ["sleep", "60"]))
+        assert [r["task_id"] for r in client.list()] == [left]
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
         assert proc.wait(timeout=60) == 0, err.read_text()
     finally:
