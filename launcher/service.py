@@ -25,7 +25,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Container
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -190,7 +190,6 @@ class _Run:
     started: asyncio.Future[str]  # the task id, once the sandbox exists
     finished: asyncio.Future[tuple[int, dict[str, Any]]]  # (HTTP status, body)
     task_id: str | None = None
-    thread: threading.Thread | None = field(default=None, repr=False)
 
     def _set(self, fut: asyncio.Future[Any], value: Any) -> None:
         if not fut.done():
@@ -215,11 +214,12 @@ class LauncherService:
         self.socket_path = config.launcher.control_socket
         self._runner: web.AppRunner | None = None
         self._closing = False
-        self._runs: OrderedDict[str, _Run] = OrderedDict()  # task id -> run (this service's)
+        # task id -> run (this service's); touched only on the loop thread (run threads
+        # hand over through call_soon_threadsafe), so no lock
+        self._runs: OrderedDict[str, _Run] = OrderedDict()
         # run threads; mutated only on the loop thread, read by stop() once no run can start
         self._threads: set[threading.Thread] = set()
         self._starting: dict[int, _Run] = {}  # thread ident -> its run, until it has an id
-        # `_runs` is touched only on the loop thread (threads hand over via call_soon_threadsafe)
         # the start event is written from the run's own thread: the thread says which run
         self.launcher.events.subscribe(self._on_event)
 
@@ -340,7 +340,6 @@ class LauncherService:
         run = _Run(loop, loop.create_future(), loop.create_future())
         t = threading.Thread(target=self._worker, args=(run, spec, ruleset), daemon=True,
                              name="stockade-sandbox")
-        run.thread = t
         self._threads = {x for x in self._threads if x.is_alive()}
         self._threads.add(t)
         t.start()
