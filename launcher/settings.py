@@ -10,7 +10,7 @@ class LauncherSettings(BaseModel):
 
     backend: Literal["netns"] = "netns"  # sandbox backend (the microVM backend is not built yet)
     address_pool: str = "10.213.0.0/16"  # carved into one /30 per sandbox
-    # reserved for a launcher control service (not used yet)
+    # Unix socket (0600) of `stockade launcher serve` (started by `stockade up`)
     control_socket: str = "/run/stockade/launcher.sock"
     # per-sandbox root, scratch tmpfs and /etc files live below this
     scratch_dir: str = "/var/lib/stockade/sandboxes"
