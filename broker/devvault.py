@@ -9,11 +9,9 @@ that started it ends, so a SIGKILLed parent leaves no server behind.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +22,8 @@ from types import TracebackType
 from typing import Any
 
 import hvac
+
+from stockade.procs import stop_group
 
 
 class DevVaultError(RuntimeError):
@@ -126,15 +126,7 @@ class DevOpenBao:
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+        stop_group(proc)
         if self._logdir is not None:
             self._logdir.cleanup()
             self._logdir = None

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal, Protocol
 
 from stockade.events import EventWriter, make_event
+from stockade.procs import pid_alive
 from stockade.tasks import ControlClient, Task
 
 from . import cgroups, exports, initscript, mounts, netns, nft, scrub
@@ -92,18 +93,6 @@ class RunResult:
 
 def _port(listen: str) -> int:
     return int(listen.rsplit(":", 1)[1])
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class _Capture(threading.Thread):
@@ -335,7 +324,7 @@ class Launcher:
         with contextlib.suppress(OSError):
             self._kill_marker(rec).touch()
         cgroups.CgroupSet(self.s.cgroup_root, self.s.cgroup_parent, task_id).kill_all()
-        if _alive(rec.owner_pid) and rec.owner_pid != os.getpid():
+        if pid_alive(rec.owner_pid) and rec.owner_pid != os.getpid():
             # the owner notices its command died and tears down; wait for that
             for _ in range(200):
                 if task_id not in self.state.read():
@@ -356,7 +345,7 @@ class Launcher:
                                          "elements": [], "cgroups": [], "scratch": []}
         records = self.state.read()
         for tid, rec in records.items():
-            if tid in self._live or (_alive(rec.owner_pid) and rec.owner_pid != os.getpid()):
+            if tid in self._live or (pid_alive(rec.owner_pid) and rec.owner_pid != os.getpid()):
                 continue
             self._teardown(tid)
             removed["sandboxes"].append(tid)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import IO
 import yaml
 
 from stockade.config import Config
+from stockade.procs import stop_group
 from stockade.tasks import ControlClient
 
 
@@ -60,15 +60,7 @@ class Service:
 
     def stop(self, timeout: float = 10.0) -> None:
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=timeout)
+        stop_group(proc, timeout)
         if self._log is not None:
             self._log.close()
             self._log = None

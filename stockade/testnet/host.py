@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 
+from stockade.procs import pid_alive
+
 STATE_DIR = Path(os.environ.get("STOCKADE_TESTNET_STATE", "/run/stockade-testnet"))
 _LOCK_FILE = "alloc.lock"
 
@@ -141,16 +143,6 @@ def drop_owner(key: str) -> None:
         (STATE_DIR / f"{key}.json").unlink()
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def reap_stale() -> list[str]:
     """Remove resources recorded by processes that no longer exist. Only touches what an
     owner record names, i.e. what this module created."""
@@ -163,7 +155,7 @@ def reap_stale() -> list[str]:
             pid = int(rec["pid"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if _pid_alive(pid):
+        if pid_alive(pid):
             continue
         remove_resources(rec.get("netns"), rec.get("links", []), rec.get("nft", []))
         with contextlib.suppress(FileNotFoundError):

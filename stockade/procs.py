@@ -1,0 +1,36 @@
+"""Process helpers shared by the stack, the dev OpenBao, the launcher and the fake internet."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+
+
+def pid_alive(pid: int) -> bool:
+    """True when a process with this pid exists (EPERM means it exists, owned by another)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_group(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:
+    """SIGTERM the process group `proc` leads (started with start_new_session=True), wait,
+    then SIGKILL: a child never outlives its owner, grandchildren included."""
+    if proc is None or proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=timeout)
