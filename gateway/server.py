@@ -39,7 +39,7 @@ from .resolver import Resolver
 from .rulesource import RulesHolder
 from .settings import GatewaySettings
 from .sniff_common import NEED_MORE, SniffError
-from .sniff_http import HttpSniffer, RequestHead, looks_like_http
+from .sniff_http import HttpSniffer, RequestHead, force_close, looks_like_http
 from .sniff_tls import ClientHello, TlsSniffer, looks_like_tls
 
 log = logging.getLogger("stockade.gateway")
@@ -359,6 +359,9 @@ class Gateway:
             reason, detail, status = failure
             return await self._deny_resolved(conn, decision, reason, detail, status=status)
         self.metrics.decision_seconds.observe(time.monotonic() - conn.started)
+        if inner.http is not None and decision.protocol == "http":
+            # one inspected request per plain-HTTP connection (see sniff_http.force_close)
+            inner.data = force_close(inner.http, inner.data)
         try:
             if inner.data:
                 if not self._count_up(task, len(inner.data)):

@@ -203,3 +203,24 @@ def _plausible_prefix(prefix: bytes) -> bool:
 
 def looks_like_http(first: bytes) -> bool:
     return len(first) >= 1 and 0x41 <= first[0] <= 0x5A  # an upper-case method letter
+
+
+_HOP_BY_HOP_CONNECTION = frozenset({"connection", "keep-alive", "proxy-connection"})
+
+
+def force_close(head: RequestHead, data: bytes) -> bytes:
+    """`data` (head + whatever followed) with the head rewritten to `Connection: close`.
+
+    Only the first request of a plain-HTTP connection is inspected, so the upstream must
+    not serve a second one (which could name another Host on a shared server): any
+    Connection / Keep-Alive / Proxy-Connection header is dropped and `Connection: close`
+    added. Pure; the request line and every other header stay byte for byte.
+    """
+    lines = data[: head.head_len - 4].split(b"\r\n")
+    kept = [lines[0]] + [
+        line
+        for line in lines[1:]
+        if line.partition(b":")[0].decode("latin-1").lower() not in _HOP_BY_HOP_CONNECTION
+    ]
+    kept.append(b"Connection: close")
+    return b"\r\n".join(kept) + b"\r\n\r\n" + data[head.head_len :]

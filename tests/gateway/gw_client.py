@@ -147,6 +147,36 @@ def main(argv: list[str]) -> dict[str, object]:
         sock.sendall(payload)
         sock.shutdown(socket.SHUT_WR)
         return {"received": _recv_all(sock).decode("latin-1")}
+    if cmd == "send-read":  # send-read IP PORT PAYLOAD -> send, read to EOF (no half-close)
+        ip, port, payload = argv[1], int(argv[2]), argv[3].encode()
+        sock = socket.create_connection((ip, port), timeout=10)
+        sock.sendall(payload)
+        return {"received": _recv_all(sock).decode("latin-1")}
+    if cmd == "two-requests":  # two-requests IP PORT HOST1 HOST2, on one connection
+        ip, port, host1, host2 = argv[1], int(argv[2]), argv[3], argv[4]
+        sock = socket.create_connection((ip, port), timeout=10)
+        sock.sendall(f"GET / HTTP/1.1\r\nHost: {host1}\r\n\r\n".encode())
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += sock.recv(65536)
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        while len(body) < length:
+            body += sock.recv(65536)
+        try:
+            sock.sendall(f"GET / HTTP/1.1\r\nHost: {host2}\r\n\r\n".encode())
+            second = _recv_all(sock)
+        except OSError as e:
+            second = type(e).__name__.encode()
+        return {
+            "first": head.split(b"\r\n")[0].decode(),
+            "first_head": head.decode(),
+            "second": second.decode("latin-1"),
+        }
     if cmd == "slow":  # slow IP PORT HEX -> send a prefix, then wait for the gateway
         ip, port, prefix = argv[1], int(argv[2]), bytes.fromhex(argv[3])
         sock = socket.create_connection((ip, port), timeout=20)

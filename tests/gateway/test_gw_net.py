@@ -333,6 +333,25 @@ def test_plain_http_allowed(
     assert r.returncode == 0 and "Hello from allowed.test" in r.stdout, r.stderr
 
 
+def test_second_request_on_a_plain_http_connection_is_not_served(
+    gw: GatewayHarness, sandbox: ClientNamespace, fake_internet: FakeInternet
+) -> None:
+    """Only the first request head is inspected, so the gateway makes it the last one
+    (`Connection: close` upstream): a second request naming another Host on the same
+    connection is never answered."""
+    out = client(
+        sandbox,
+        "two-requests",
+        ip(fake_internet, "allowed.test"),
+        "80",
+        "allowed.test",
+        "denied.test",
+    )
+    assert " 200 " in str(out["first"])
+    assert "connection: close" in str(out["first_head"]).lower()
+    assert "HTTP/1." not in str(out["second"])
+
+
 def test_port_confusion_in_host_header(
     gw: GatewayHarness, sandbox: ClientNamespace, fake_internet: FakeInternet
 ) -> None:

@@ -155,3 +155,22 @@ def test_segmenting_does_not_change_result(step: int) -> None:
     s = HttpSniffer()
     results = [s.feed(head[i : i + step]) for i in range(0, len(head), step)]
     assert results[-1] == sniff(head)
+
+
+def test_force_close_rewrites_only_connection_headers() -> None:
+    from stockade.gateway.sniff_http import force_close
+
+    raw = (
+        b"GET /a HTTP/1.1\r\nHost: allowed.test\r\nConnection: keep-alive\r\n"
+        b"Keep-Alive: timeout=5\r\nX-Other: 1\r\n\r\nbody-bytes"
+    )
+    h = sniff(raw)
+    assert isinstance(h, RequestHead)
+    out = force_close(h, raw)
+    assert out == (
+        b"GET /a HTTP/1.1\r\nHost: allowed.test\r\nX-Other: 1\r\n"
+        b"Connection: close\r\n\r\nbody-bytes"
+    )
+    again = sniff(out)
+    assert isinstance(again, RequestHead)
+    assert again.host_header == "allowed.test"
