@@ -82,15 +82,28 @@ async def _serve(relay: Relay, ready: threading.Event, stop: asyncio.Event) -> N
     loop = asyncio.get_running_loop()
     tcp = await asyncio.start_server(on_tcp, "0.0.0.0", relay.tcp_port)
     relay.tcp_port = tcp.sockets[0].getsockname()[1]
-    udp, _ = await loop.create_datagram_endpoint(DnsForward, local_addr=("0.0.0.0", relay.dns_port))
-    relay.dns_port = udp.get_extra_info("sockname")[1]
 
     async def on_dns_tcp(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         relay.seen.append(("dns-tcp", writer.get_extra_info("peername")))
         up_r, up_w = await asyncio.open_connection(relay.dns_server, 53)
         await asyncio.gather(_pipe(reader, up_w), _pipe(up_r, writer))
 
-    dns_tcp = await asyncio.start_server(on_dns_tcp, "0.0.0.0", relay.dns_port)
+    # DNS needs one port number free on both UDP and TCP: a port the kernel picked for UDP
+    # may be taken on TCP by another process, so retry with a fresh one
+    for attempt in range(20):
+        udp, _ = await loop.create_datagram_endpoint(
+            DnsForward, local_addr=("0.0.0.0", relay.dns_port)
+        )
+        port = udp.get_extra_info("sockname")[1]
+        try:
+            dns_tcp = await asyncio.start_server(on_dns_tcp, "0.0.0.0", port)
+        except OSError:
+            udp.close()
+            if relay.dns_port or attempt == 19:
+                raise
+            continue
+        relay.dns_port = port
+        break
     ready.set()
     await stop.wait()
     for server in (tcp, dns_tcp):
