@@ -88,3 +88,28 @@ class Limiter:
         for d in (self.buckets, self.budgets):
             for key in [k for k in d if k[0] == task_id]:
                 del d[key]
+
+
+@dataclass
+class InFlight:
+    """Calls in progress per task, capped: one task's burst of slow calls (slow upstream,
+    slow body) must not take every connection and worker the broker has. Keys with no
+    call in flight are dropped, so a finished task leaves nothing behind."""
+
+    limit: int
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def acquire(self, task_id: str) -> bool:
+        """Take a slot for `task_id`: False (nothing taken) when it has `limit` already."""
+        n = self.counts.get(task_id, 0)
+        if n >= self.limit:
+            return False
+        self.counts[task_id] = n + 1
+        return True
+
+    def release(self, task_id: str) -> None:
+        n = self.counts.get(task_id, 0) - 1
+        if n > 0:
+            self.counts[task_id] = n
+        else:
+            self.counts.pop(task_id, None)

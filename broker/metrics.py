@@ -36,7 +36,7 @@ class BrokerMetrics:
             ["api"], registry=r,
         )
         self.vault_up = Gauge(
-            "stockade_broker_vault_up", "1 while Vault answers, 0 after a failed read",
+            "stockade_broker_vault_up", "1 while Vault answers, 0 after a failed login or read",
             registry=r,
         )
         self.vault_up.set(1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import ipaddress
 import json
 import logging
@@ -31,8 +32,9 @@ from stockade.tasks import Task, TaskRegistry
 
 from .decode import BodyDecoder, DecodeLimit, EncodingRefused
 from .hosts import PinnedResolver
+from .httpserver import BODY_TIMEOUT_MESSAGE, GuardedAppRunner, HeadLimits
 from .inject import inject, strip_injected_query
-from .limits import Limiter
+from .limits import InFlight, Limiter
 from .metrics import BrokerMetrics
 from .request import (
     CallRequest,
@@ -139,6 +141,7 @@ class Broker:
         # IP-literal base URLs skip any resolver: check them here (same rules as names)
         self._address_policy = address_policy
         self.limiter = Limiter()
+        self.inflight = InFlight(settings.max_concurrent_calls_per_task)
         self._patterns: OrderedDict[tuple[str, str, int], Patterns] = OrderedDict()
         self._session: aiohttp.ClientSession | None = None
         self._upstreams: dict[str, Upstream] = {}
@@ -192,6 +195,27 @@ class Broker:
         app.on_cleanup.append(on_cleanup)
         return app
 
+    def runner(self, **kwargs: Any) -> web.AppRunner:
+        """The app behind the guarded HTTP/1 listener (head deadline, explicit head size
+        limits, denial events for heads no handler sees); serve it with `web.TCPSite`."""
+        s = self.settings
+        limits = HeadLimits(header_timeout_s=s.request_header_timeout_s,
+                            max_line_size=s.max_request_line_bytes,
+                            max_field_size=s.max_header_field_bytes,
+                            max_headers=s.max_header_count)
+        return GuardedAppRunner(self.app(), guard=self, limits=limits,
+                                keepalive_timeout=s.keepalive_timeout_s, **kwargs)
+
+    def head_denied(self, source_ip: str, status: int, reason: str, error: str) -> None:
+        """`HeadGuard`: a request refused before any handler ran (head too slow, too large
+        or malformed) still gets its `broker_call` event, with the task when known."""
+        cl = CallLog(self.clock(), source_ip, status=status, reason=reason)
+        cl.task = self.registry.by_address(source_ip) if source_ip else None
+        cl.extra["phase"] = "head"
+        if error:
+            cl.extra["error"] = error  # the parser's exception class, never its text
+        self._audit(cl)
+
     # -- rule reload (SIGHUP and the control API) -----------------------------------------
     async def reload(self, trigger: str = "control") -> dict[str, Any]:
         """Load and swap the rules; on any problem keep the old ones (same event fields and
@@ -244,10 +268,15 @@ class Broker:
     async def handle_call(self, request: web.Request) -> web.StreamResponse:
         """`POST /v1/call` {api, method, path, query, headers, body | json}."""
         cl = CallLog(self.clock(), request.remote or "")
+        slot: str | None = None
         try:
             task, profile = self._identify(cl)
+            slot = self._take_slot(task)
             try:
-                doc = await request.json()
+                async with asyncio.timeout(self.settings.request_body_timeout_s):
+                    doc = await request.json()
+            except TimeoutError:
+                raise Denied(408, Reason.REQUEST_TIMEOUT, BODY_TIMEOUT_MESSAGE) from None
             except (ValueError, RecursionError):  # JSON/UTF-8 errors, absurd nesting
                 raise Denied(400, Reason.BAD_REQUEST, "body must be a JSON object") from None
             call = self._parse_call_doc(doc, profile)
@@ -256,32 +285,40 @@ class Broker:
             result = await self._forward(cl, task, api, grant, call, None)
             return web.json_response(result, status=200)
         except Denied as d:
-            return self._deny(cl, d)
+            return await self._deny_request(request, cl, d)
         except web.HTTPRequestEntityTooLarge:
             return self._deny(cl, Denied(413, Reason.BODY_TOO_LARGE, "request body too large"))
         except Exception as e:
             return self._internal(cl, e)
         finally:
+            if slot is not None:
+                self.inflight.release(slot)
             self._audit(cl)
 
     async def handle_passthrough(self, request: web.Request) -> web.StreamResponse:
         """`/{api}/{path...}`: an unmodified SDK with its base URL pointed at the broker."""
         cl = CallLog(self.clock(), request.remote or "")
+        slot: str | None = None
         try:
             task, profile = self._identify(cl)
+            slot = self._take_slot(task)
             call = self._parse_passthrough(request)
             cl.api, cl.method, cl.path = call.api, call.method, call.match_path
             api, grant = self._authorize(cl, profile, call)
             if request.content_length is not None and request.content_length > grant.max_body_bytes:
                 raise Denied(413, Reason.BODY_TOO_LARGE, "request body too large")
-            body = await self._read_body(request, grant.max_body_bytes)
+            try:
+                async with asyncio.timeout(self.settings.request_body_timeout_s):
+                    body = await self._read_body(request, grant.max_body_bytes)
+            except TimeoutError:
+                raise Denied(408, Reason.REQUEST_TIMEOUT, BODY_TIMEOUT_MESSAGE) from None
             call = CallRequest(call.api, call.method, call.path, call.match_path, call.query,
                                call.headers, body)
             await self._forward(cl, task, api, grant, call, request)
             assert cl.response is not None  # _forward streamed the answer into it
             return cl.response
         except Denied as d:
-            return self._deny(cl, d)
+            return await self._deny_request(request, cl, d)
         except (ConnectionResetError, asyncio.CancelledError):
             raise  # the caller went away
         except Exception as e:
@@ -295,7 +332,22 @@ class Broker:
                 return cl.response
             return self._internal(cl, e)
         finally:
+            if slot is not None:
+                self.inflight.release(slot)
             self._audit(cl)
+
+    async def _deny_request(self, request: web.Request, cl: CallLog, d: Denied) -> web.Response:
+        """`_deny`, and for a body that timed out also close the connection right after
+        the answer: the rest of that body is not worth aiohttp's lingering read (it would
+        keep reading a trickling client for `lingering_time` more)."""
+        resp = self._deny(cl, d)
+        if d.reason == Reason.REQUEST_TIMEOUT:
+            cl.extra["phase"] = "body"
+            with contextlib.suppress(ConnectionError):
+                await resp.prepare(request)
+                await resp.write_eof()
+            request.protocol.force_close()
+        return resp
 
     @staticmethod
     async def _read_body(request: web.Request, limit: int) -> bytes:
@@ -309,6 +361,14 @@ class Broker:
                 raise Denied(413, Reason.BODY_TOO_LARGE, "request body too large")
 
     # -- steps ---------------------------------------------------------------------------
+    def _take_slot(self, task: Task) -> str:
+        """One of the task's `max_concurrent_calls_per_task` slots, held until the call's
+        handler returns (body read, Vault, upstream, streamed answer)."""
+        if not self.inflight.acquire(task.task_id):
+            raise Denied(429, Reason.CONCURRENCY_LIMIT,
+                         "too many calls of this task in flight", retry_after=1)
+        return task.task_id
+
     def _identify(self, cl: CallLog) -> tuple[Task, Profile]:
         task = self.registry.by_address(cl.source_ip)
         if task is None:

@@ -82,7 +82,6 @@ class BrokerService:
             on_read=self.metrics.vault_read,
             on_cache=self.metrics.cache_result,
         )
-        await self.vault.ensure_login()
         # upstream names resolve like the gateway's: configured servers, checked addresses
         from .upstream_dns import checked_resolver
 
@@ -90,10 +89,12 @@ class BrokerService:
         self.broker = Broker(s, rules, self.vault, self.registry, self.events, self.metrics,
                              load_rules=lambda: load_rules(rules_dir),
                              resolver=resolver, address_policy=resolver.policy)
+        # log in only now that the broker exists: a failed start-up login reports through
+        # Broker.vault_status (gauge to 0, `vault_status` event) like a failed read does
+        await self.vault.ensure_login()
         await self.broker.start()
 
-        app = self.broker.app()
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        runner = self.broker.runner(access_log=None, handle_signals=False)
         await runner.setup()
         self._runners.append(runner)
         host, port = split_hostport(s.listen)

@@ -23,6 +23,13 @@ class BrokerSettings(BaseModel):
     # a gzip/deflate upstream body is decoded (for scrubbing) up to this many bytes
     max_decoded_bytes: int = Field(256 * 2**20, gt=0)
     max_upstream_connections: int = Field(256, ge=1)  # pooled connections to all upstreams
+    request_header_timeout_s: float = Field(10.0, gt=0)  # deadline for a whole request head (408)
+    request_body_timeout_s: float = Field(60.0, gt=0)  # deadline for a whole request body (408)
+    keepalive_timeout_s: float = Field(75.0, gt=0)  # idle keep-alive connections close after this
+    max_request_line_bytes: int = Field(8190, ge=256)  # longest request line; longer: 431
+    max_header_field_bytes: int = Field(8190, ge=256)  # longest header name or value; longer: 431
+    max_header_count: int = Field(100, ge=8)  # most header lines in one request; more: 431
+    max_concurrent_calls_per_task: int = Field(32, ge=1)  # in-flight calls per task; more: 429
     # pinned upstream addresses {name: ip} (fake internet, private APIs); others use DNS
     hosts: dict[str, str] = {}
     state_file: str | None = None  # task registry state; default <state_dir>/broker-tasks.json

@@ -52,6 +52,8 @@ class Reason(StrEnum):
     UPSTREAM_ERROR = "upstream_error"
     INTERNAL_ERROR = "internal_error"
     SECRET_ECHO = "secret_echo"  # noqa: S105 - a reason code, not a secret
+    REQUEST_TIMEOUT = "request_timeout"
+    CONCURRENCY_LIMIT = "concurrency_limit"
     # launcher
     BYPASS_ATTEMPT = "bypass_attempt"
     EXPORT_REFUSED = "export_refused"

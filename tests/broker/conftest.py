@@ -65,6 +65,9 @@ def _echo_doc(request: web.Request, body: bytes) -> dict[str, Any]:
 class Upstream:
     url: str
     seen: list[dict[str, Any]] = field(default_factory=list)
+    # /slow answers only once the test sets `gate`; `parked` counts calls waiting there
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+    parked: int = 0
 
 
 @pytest.fixture
@@ -77,6 +80,12 @@ async def upstream(tls: tuple[ssl.SSLContext, str]) -> AsyncIterator[Upstream]:
         up.seen.append(doc)
         raw = json.dumps(doc).encode()
         kind = request.match_info.get("kind", "json")
+        if kind == "slow":  # a slow upstream: holds the call until the test opens the gate
+            up.parked += 1
+            try:
+                await up.gate.wait()
+            finally:
+                up.parked -= 1
         auth = request.headers.get("Authorization", "") + request.headers.get("X-Api-Key", "")
         if kind == "gzip":
             return web.Response(body=gzip.compress(raw),
@@ -227,6 +236,7 @@ async def start_harness(
     clock: Any = None,
     ttl: float = 60.0,
     stale: float = 300.0,
+    settings: dict[str, Any] | None = None,
 ) -> tuple[Harness, web.AppRunner]:
     secret = "sk-live-" + uuid.uuid4().hex
     secret_path = "stockade/test-" + uuid.uuid4().hex[:8]
@@ -234,8 +244,11 @@ async def start_harness(
     rules_dir = tmp_path / "rules"
     write_rules(rules_dir, upstream.url, secret_path)
     rules = load_rules(rules_dir)
-    settings = BrokerSettings(listen="127.0.0.1:0", ca_file=tls_ca, secret_cache_ttl_s=ttl,
-                              serve_stale_s=stale, upstream_timeout_s=10)
+    # one task makes 200 concurrent calls in test_200_concurrent_calls_one_vault_read
+    bs: dict[str, Any] = {"max_concurrent_calls_per_task": 256, **(settings or {})}
+    broker_settings = BrokerSettings(listen="127.0.0.1:0", ca_file=tls_ca,
+                                     secret_cache_ttl_s=ttl, serve_stale_s=stale,
+                                     upstream_timeout_s=10, **bs)
     metrics = BrokerMetrics()
     vs = vault_settings or VaultSettings(address=bao.address)
     kw: dict[str, Any] = {"clock": clock} if clock else {}
@@ -249,10 +262,10 @@ async def start_harness(
     registry = TaskRegistry(None)
     registry.register(Task("t1", "127.0.0.1", "agent"))
     registry.register(Task("t2", "127.0.0.3", "tight"))
-    broker = Broker(settings, rules, vault, registry, events, metrics,
+    broker = Broker(broker_settings, rules, vault, registry, events, metrics,
                     load_rules=lambda: load_rules(rules_dir))
     holder.append(broker)
-    runner = web.AppRunner(broker.app(), access_log=None)
+    runner = broker.runner(access_log=None)  # the guarded listener the service runs
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
