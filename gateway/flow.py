@@ -136,9 +136,19 @@ def _by_cidr(
 
 
 def decide_flow(
-    inp: FlowInput, ruleset: RuleSet, profile: str, today: date | None = None
+    inp: FlowInput,
+    ruleset: RuleSet,
+    profile: str,
+    today: date | None = None,
+    prior: FlowDecision | None = None,
 ) -> FlowDecision:
-    """One destination for the flow, or the reason it is denied. Pure."""
+    """One destination for the flow, or the reason it is denied. Pure.
+
+    `prior` is a decision already made for this flow under the same rule set (the
+    CONNECT authority alone): when every structural check passes and the flow names
+    exactly that host and port, its policy verdict is reused instead of asking the rule
+    engine twice for the same (profile, host, port) on the connection's latency path.
+    """
     version = ruleset.version
     proto = _protocol(inp)
     port = _effective_port(inp)
@@ -205,6 +215,15 @@ def decide_flow(
         return _deny(
             Reason.NO_MATCHING_RULE, proto, port, version, "IP literal without a cidr rule", host
         )
+    if (
+        prior is not None
+        and prior.host == host
+        and prior.port == port
+        and prior.ip is None
+        and prior.policy_version == version
+    ):
+        # same question, same rule set: the answer cannot differ (decide is pure)
+        return replace(prior, protocol=proto)
     v = decide(ruleset, profile, RequestFacts(host=host, port=port), today=today)
     return FlowDecision(
         allowed=v.allowed,

@@ -76,6 +76,9 @@ async def _wait(loop: asyncio.AbstractEventLoop, fd: int, write: bool) -> None:
         remove(fd)
 
 
+wait_fd = _wait  # for the gateway's own non-blocking connect
+
+
 class Relay:
     """Moves bytes both ways between two connected, non-blocking sockets."""
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import ipaddress
 import itertools
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -34,7 +36,7 @@ from .deny import CONNECT_ESTABLISHED, TLS_ALERT_ACCESS_DENIED, http_denial
 from .flow import FlowDecision, FlowInput, Listener, Protocol, decide_flow
 from .metrics import GatewayMetrics
 from .original_dst import original_destination
-from .relay import PipePool, Relay, UploadLimit, splice_works
+from .relay import PipePool, Relay, UploadLimit, splice_works, wait_fd
 from .resolver import Resolver
 from .rulesource import RulesHolder
 from .settings import GatewaySettings
@@ -116,6 +118,12 @@ class Gateway:
         self.bound: dict[Listener, list[tuple[str, int]]] = {"transparent": [], "proxy": []}
         self._servers: list[_Listening] = []
         self._sweeper: asyncio.Task[None] | None = None
+        # events of allowed flows wait here for a moment and are built and written in one
+        # batch, so that work is not on the latency path of the next connection (see
+        # `_defer`); `stop()` writes whatever is left, so none is lost on shutdown
+        self._deferred: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+        self._flush_handle: asyncio.TimerHandle | None = None
+        self._decision_counters: dict[tuple[str, str, str], Any] = {}
         registry.on_removed(self._task_removed)
         self.metrics.track_registry(lambda: len(self.registry))
 
@@ -140,19 +148,22 @@ class Gateway:
         sock.listen(4096)
         sock.setblocking(False)
         self.bound[kind].append(sock.getsockname()[:2])
-        loop = asyncio.get_running_loop()
+        listening = _Listening(sock, asyncio.get_running_loop())
+        # accepting from a reader callback (not a task awaiting sock_accept) saves one
+        # event-loop round per connection, and drains a burst of connections at once
+        listening.start(lambda: self._accept(kind, listening))
+        self._servers.append(listening)
 
-        async def accept_loop() -> None:
-            while True:
-                try:
-                    client, peer = await loop.sock_accept(sock)
-                except OSError:
-                    await asyncio.sleep(0.05)  # EMFILE and friends: back off, keep serving
-                    continue
-                self._spawn(kind, client, peer)
-
-        server_task = asyncio.ensure_future(accept_loop())
-        self._servers.append(_Listening(sock, server_task))
+    def _accept(self, kind: Listener, listening: _Listening) -> None:
+        for _ in range(ACCEPT_BATCH):
+            try:
+                client, peer = listening.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                listening.pause(0.05)  # EMFILE and friends: back off, keep serving
+                return
+            self._spawn(kind, client, peer)
 
     def _spawn(self, kind: Listener, client: socket.socket, peer: tuple[Any, ...]) -> None:
         client.setblocking(False)
@@ -175,6 +186,7 @@ class Gateway:
         handlers = [c.handler for c in list(self.conns) if c.handler]
         if handlers:
             await asyncio.gather(*handlers, return_exceptions=True)
+        self.flush_events()
         if self.pool:
             self.pool.close()
 
@@ -184,6 +196,32 @@ class Gateway:
             "rules_version": self.rules.current.version,
             "splice": self.pool is not None,
         }
+
+    # -- deferred events ---------------------------------------------------------------
+    def _defer(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run `fn(*args)` (an event builder) a moment later, in a batch with others.
+
+        Building and writing an event costs tens of microseconds; done inline it lands on
+        the set-up latency of the flow itself or of the connection that arrives next. The
+        batch runs at most EVENT_DELAY_S later (callers pass the wall-clock time of what
+        they log, so timestamps are exact), in order, and `stop()` flushes it.
+        """
+        self._deferred.append((fn, args))
+        if self._flush_handle is None:
+            loop = asyncio.get_running_loop()
+            self._flush_handle = loop.call_later(EVENT_DELAY_S, self.flush_events)
+
+    def flush_events(self) -> None:
+        """Build and write every deferred event now."""
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        batch, self._deferred = self._deferred, []
+        for fn, args in batch:
+            try:
+                fn(*args)
+            except Exception:  # one bad event must not lose the rest of the batch
+                log.exception("gateway: writing an event failed")
 
     # -- task lifecycle --------------------------------------------------------------
     def _task_removed(self, task: Task) -> None:
@@ -239,7 +277,7 @@ class Gateway:
                 with contextlib.suppress(OSError):
                     upstream.close()
             if relay is not None and decision is not None:
-                self._emit_close(conn, relay, *decision)
+                self._defer(self._emit_close, conn, relay, *decision, time.time(), time.monotonic())
 
     def _forget(self, conn: Conn) -> None:
         self.conns.discard(conn)
@@ -336,7 +374,9 @@ class Gateway:
             sniff_error=inner.error,
             hint=inner.kind,
         )
-        decision = decide_flow(inp, ruleset, task.profile)
+        # with a CONNECT, the authority's verdict is reused when the inner flow names the
+        # same host and port (the usual case): one rule-engine call per connection
+        decision = decide_flow(inp, ruleset, task.profile, prior=pre if early is not None else None)
         if not decision.allowed:
             if early is not None:
                 await _discard(early)
@@ -358,7 +398,7 @@ class Gateway:
             assert failure is not None
             reason, detail, status = failure
             return await self._deny_resolved(conn, decision, reason, detail, status=status)
-        self.metrics.decision_seconds.observe(time.monotonic() - conn.started)
+        elapsed = time.monotonic() - conn.started
         if inner.http is not None and decision.protocol == "http":
             # one inspected request per plain-HTTP connection (see sniff_http.force_close)
             inner.data = force_close(inner.http, inner.data)
@@ -371,10 +411,9 @@ class Gateway:
         except BaseException:
             upstream.close()
             raise
-        # logged once the relay is running: building and writing the event is off the
-        # latency path of the first upstream byte
-        # (two hops: the relay's download pump registers its reader first)
-        loop.call_soon(loop.call_soon, self._decision_event, conn, decision, dialled)
+        # logged a moment later in a batch, off the latency path of the first upstream
+        # byte; the close event is deferred the same way, so it still comes after this
+        self._defer(self._allowed_event, conn, decision, dialled, elapsed, time.time())
         relay = Relay(
             conn.client,
             upstream,
@@ -428,7 +467,7 @@ class Gateway:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
                 async with asyncio.timeout(self.settings.connect_timeout_s):
-                    await loop.sock_connect(sock, (ip, port))
+                    await _connect(loop, sock, (ip, port))
             except (OSError, TimeoutError):
                 sock.close()
                 continue
@@ -590,12 +629,30 @@ class Gateway:
             conn.client.shutdown(socket.SHUT_WR)
 
     # -- events ----------------------------------------------------------------------
-    def _decision_event(self, conn: Conn, d: FlowDecision, dialled: str | None) -> dict[str, Any]:
+    def _allowed_event(
+        self, conn: Conn, d: FlowDecision, dialled: str, elapsed: float, now: float
+    ) -> None:
+        self.metrics.decision_seconds.observe(elapsed)
+        self._decision_event(conn, d, dialled, now)
+
+    def _count_decision(self, outcome: str, reason: str, profile: str) -> None:
+        # labels() takes a lock and builds a tuple per call; the label space is small
+        key = (outcome, reason, profile)
+        child = self._decision_counters.get(key)
+        if child is None:
+            if len(self._decision_counters) > 4096:
+                self._decision_counters.clear()
+            child = self._decision_counters[key] = self.metrics.decisions.labels(*key)
+        child.inc()
+
+    def _decision_event(
+        self, conn: Conn, d: FlowDecision, dialled: str | None, now: float | None = None
+    ) -> dict[str, Any]:
         task = conn.task
         profile = task.profile if task else None
         orig = conn.meta.get("orig")
         outcome = "allowed" if d.allowed else "denied"
-        self.metrics.decisions.labels(outcome, str(d.reason), profile or "").inc()
+        self._count_decision(outcome, str(d.reason), profile or "")
         extra: dict[str, Any] = {"listener": conn.listener, "connection_id": conn.id}
         if orig is not None:
             extra["original_destination"] = f"{orig[0]}:{orig[1]}"
@@ -618,15 +675,25 @@ class Gateway:
             protocol=d.protocol,
             message=d.detail or None,
             extra=extra,
+            now=now,
         )
         self.emit(ev)
         return ev
 
-    def _emit_close(self, conn: Conn, relay: Relay, d: FlowDecision, dialled: str) -> None:
+    def _emit_close(
+        self,
+        conn: Conn,
+        relay: Relay,
+        d: FlowDecision,
+        dialled: str,
+        now: float | None = None,
+        ended: float | None = None,
+    ) -> None:
         self.metrics.bytes.labels("up").inc(relay.bytes_up)
         self.metrics.bytes.labels("down").inc(relay.bytes_down)
         reason = conn.close_reason
         task = conn.task
+        ended = time.monotonic() if ended is None else ended
         self.emit(
             make_event(
                 component="gateway",
@@ -647,9 +714,10 @@ class Gateway:
                 extra={
                     "bytes_up": relay.bytes_up,
                     "bytes_down": relay.bytes_down,
-                    "duration_s": round(time.monotonic() - conn.started, 6),
+                    "duration_s": round(ended - conn.started, 6),
                     "connection_id": conn.id,
                 },
+                now=now,
             )
         )
 
@@ -657,6 +725,25 @@ class Gateway:
 # close reasons only (not decisions), so not Reason codes
 IDLE_TIMEOUT = "idle_timeout"
 SHUTDOWN = "shutdown"
+ACCEPT_BATCH = 64  # connections accepted per readiness callback before yielding
+EVENT_DELAY_S = 0.01  # how long an allowed flow's events may wait to be written in a batch
+
+
+async def _connect(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, addr: tuple[str, int]
+) -> None:
+    """Non-blocking connect to a numeric address.
+
+    Not `loop.sock_connect`: uvloop's passes every address through getaddrinfo on its
+    thread pool, a thread hop of a few hundred microseconds on the set-up latency of every
+    connection, for an address that is already numeric and checked.
+    """
+    err = sock.connect_ex(addr)
+    if err in (errno.EINPROGRESS, errno.EINTR, errno.EAGAIN):
+        await wait_fd(loop, sock.fileno(), write=True)
+        err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    if err:
+        raise OSError(err, os.strerror(err))
 
 
 async def _discard(fut: asyncio.Future[DialResult]) -> None:
@@ -684,12 +771,36 @@ def _unmap(ip: str) -> str:
 
 
 class _Listening:
-    """A listening socket and its accept loop (what `stop()` closes)."""
+    """A listening socket and its reader callback (what `stop()` closes)."""
 
-    def __init__(self, sock: socket.socket, task: asyncio.Task[None]) -> None:
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
         self.sock = sock
-        self.task = task
+        self.loop = loop
+        self.on_ready: Callable[[], None] | None = None
+        self.closed = False
+        self._resume: asyncio.TimerHandle | None = None
+
+    def start(self, on_ready: Callable[[], None]) -> None:
+        self.on_ready = on_ready
+        self.loop.add_reader(self.sock.fileno(), on_ready)
+
+    def pause(self, seconds: float) -> None:
+        """Stop accepting for a while (out of descriptors): a level-triggered reader
+        would otherwise spin on the pending connection."""
+        self.loop.remove_reader(self.sock.fileno())
+
+        def resume() -> None:
+            self._resume = None
+            if not self.closed and self.on_ready is not None:
+                self.loop.add_reader(self.sock.fileno(), self.on_ready)
+
+        self._resume = self.loop.call_later(seconds, resume)
 
     def close(self) -> None:
-        self.task.cancel()
+        if self.closed:
+            return
+        self.closed = True
+        if self._resume is not None:
+            self._resume.cancel()
+        self.loop.remove_reader(self.sock.fileno())
         self.sock.close()
