@@ -248,7 +248,7 @@ def run_demo(*, json_out: bool = False, keep_logs: str | None = None) -> int:
     with _terminate_as_interrupt(), tempfile.TemporaryDirectory(prefix="stockade-demo-") as tmp:
         root = Path(tmp)
         say("stockade demo: building the fake internet (namespace, DNS, TLS servers)...")
-        with FakeInternet(api_key=secret) as inet:
+        with FakeInternet(api_key=secret, name_prefix="skfi") as inet:
             cfg = demo_config(root, inet)
             subst = {"denied_ip": inet.addresses["denied.test"], "udp_ip": inet.udp_echo[0]}
             ruleset = load_rules(cfg.rules_dir)

@@ -53,7 +53,10 @@ class FakeInternet:
         slow_delay: float = SLOW_DELAY,
         ready_timeout: float = READY_TIMEOUT,
         python: str | None = None,
+        name_prefix: str = "skinet",
     ) -> None:
+        if not (name_prefix.isalnum() and name_prefix.islower() and len(name_prefix) <= 8):
+            raise ValueError("name_prefix: up to 8 lower-case letters/digits")
         self.requested_subnet = subnet
         self.api_key = api_key
         self._extra_records = extra_records
@@ -61,8 +64,9 @@ class FakeInternet:
         self._ready_timeout = ready_timeout
         self._python = python or sys.executable
         tag = secrets.token_hex(3)
-        self.namespace = f"skinet-{tag}"
-        self.host_if = f"skinet-{tag}"  # host side of the veth (<= 15 chars)
+        # a run can tell its own namespace from other runs' by the prefix (the demo: "skfi")
+        self.namespace = f"{name_prefix}-{tag}"
+        self.host_if = f"{name_prefix}-{tag}"  # host side of the veth (<= 15 chars)
         self.ns_if = "eth0"
         self._layout: Layout | None = None
         self._proc: subprocess.Popen[str] | None = None

@@ -12,8 +12,8 @@ from e2e_leftovers import new_since, snapshot
 
 pytestmark = [pytest.mark.netns, pytest.mark.vault, pytest.mark.slow]
 
-# the demo's launcher prefix ("skd"), its nft table, the fake internet ("skinet")
-PREFIXES = ("skd", "stockade_demo_", "skinet", "sk-")
+# the demo's launcher prefix ("skd"), its nft table, its fake internet ("skfi")
+PREFIXES = ("skd", "stockade_demo_", "skfi")
 
 
 @pytest.mark.timeout(600)
