@@ -26,13 +26,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from stockade.policy.decide import decide_name
 from stockade.policy.reasons import Reason
+from stockade.policy.ruleset import RuleSet
 
 from stockade.events import make_event
 from stockade.tasks import Task, TaskRegistry
 
 from .addresses import AddressPolicy
 from .deny import CONNECT_ESTABLISHED, TLS_ALERT_ACCESS_DENIED, http_denial
+from .dns.guards import GuardState, NameLimits, name_violation
+from .dns.settings import DnsSettings
 from .flow import FlowDecision, FlowInput, Listener, Protocol, decide_flow
 from .metrics import GatewayMetrics
 from .original_dst import original_destination
@@ -103,6 +107,8 @@ class Gateway:
         address_policy: AddressPolicy,
         emit: Emit,
         metrics: GatewayMetrics | None = None,
+        guards: GuardState | None = None,
+        name_limits: NameLimits | None = None,
     ) -> None:
         self.settings = settings
         self.rules = rules
@@ -111,6 +117,15 @@ class Gateway:
         self.address_policy = address_policy
         self.emit = emit
         self.metrics = metrics or GatewayMetrics()
+        # DNS-tunnelling guards for the names this path resolves; the service passes the
+        # DNS firewall's GuardState so a task has one unresolvable-name budget for both
+        dns_defaults = DnsSettings()
+        self.guards = guards or GuardState(
+            dns_defaults.queries_per_second,
+            dns_defaults.query_burst,
+            dns_defaults.unresolvable_names_per_minute,
+        )
+        self.name_limits = name_limits or NameLimits.from_settings(dns_defaults)
         self.pool: PipePool | None = PipePool() if settings.splice and splice_works() else None
         self.conns: set[Conn] = set()
         self.by_task: dict[str, set[Conn]] = {}
@@ -228,6 +243,7 @@ class Gateway:
         for conn in list(self.by_task.get(task.task_id, ())):
             conn.close(Reason.TASK_ENDED)
         self.uploaded.pop(task.task_id, None)
+        self.guards.forget(task.task_id)
 
     async def _sweep(self) -> None:
         """Expire tasks, close idle connections, pick up rule file changes."""
@@ -352,9 +368,12 @@ class Gateway:
                 self._decision_event(conn, pre, None)
                 await self._send_and_close(conn, http_denial(pre.reason, pre.rule_id, task.task_id))
                 return None, None, None
+            guarded = self._name_guard(task, pre, ruleset)
+            if guarded is not None:  # refused before the 200: the client gets a 403
+                return await self._deny_resolved(conn, pre, *guarded)
             # dial the checked address of the allowed authority while the client sends its
             # first bytes; nothing is sent upstream unless the full decision agrees
-            early = asyncio.ensure_future(self._checked_dial(pre))
+            early = asyncio.ensure_future(self._checked_dial(pre, task, ruleset))
             await loop.sock_sendall(conn.client, CONNECT_ESTABLISHED)
             conn.meta["tunnel"] = True  # from here a denial speaks the inner protocol
             try:
@@ -388,11 +407,14 @@ class Gateway:
             decision.ip,
             decision.port,
         ):
-            result = await early
+            result = await early  # the authority's name already passed the name guards
         else:
             if early is not None:
                 await _discard(early)
-            result = await self._checked_dial(decision)
+            guarded = self._name_guard(task, decision, ruleset)
+            if guarded is not None:
+                return await self._deny_resolved(conn, decision, *guarded)
+            result = await self._checked_dial(decision, task, ruleset)
         upstream, dialled, failure = result
         if upstream is None:
             assert failure is not None
@@ -432,7 +454,31 @@ class Gateway:
         cap = profile.limits.egress_bytes if profile is not None else 0
         return used <= cap
 
-    async def _checked_dial(self, d: FlowDecision) -> DialResult:
+    def _name_guard(
+        self, task: Task, d: FlowDecision, ruleset: RuleSet
+    ) -> tuple[Reason, str] | None:
+        """The DNS firewall's tunnelling guards for a name this path is about to resolve:
+        (reason, detail) when it must not be, else None. Enforced in report mode too,
+        as on the DNS path: they guard the resolver, not the policy."""
+        if d.host is None:
+            return None  # a literal address (cidr rule): nothing is resolved
+        bad = name_violation(d.host, self.name_limits)
+        if bad is not None:
+            return bad, "the name looks like a tunnelling channel; not resolved"
+        now = time.monotonic()
+        if self.resolver.cached(d.host, now) is None:
+            # on a cache miss the upstream query itself would carry the data out
+            rule = _budget_key(ruleset, task, d.host)
+            if self.guards.unresolvable_exhausted(task.task_id, rule, d.host, now):
+                return (
+                    Reason.UNRESOLVABLE_NAME_BUDGET,
+                    "too many distinct unresolvable names under this allow entry",
+                )
+        return None
+
+    async def _checked_dial(
+        self, d: FlowDecision, task: Task | None = None, ruleset: RuleSet | None = None
+    ) -> DialResult:
         """Resolve (names) or check (cidr literals) and connect to a checked address."""
         candidates: list[str]
         if d.ip is not None:
@@ -443,6 +489,11 @@ class Gateway:
         else:
             assert d.host is not None
             res = await self.resolver.resolve(d.host)
+            unresolvable = res.error is not None or (not res.addresses and not res.forbidden)
+            if unresolvable and task is not None and ruleset is not None:
+                # counts against the task's budget exactly as a DNS query would
+                rule = _budget_key(ruleset, task, d.host)
+                self.guards.record_unresolvable(task.task_id, rule, d.host, time.monotonic())
             if not res.addresses:
                 if res.forbidden:
                     cats = ", ".join(sorted({c for _, c in res.forbidden}))
@@ -727,6 +778,12 @@ IDLE_TIMEOUT = "idle_timeout"
 SHUTDOWN = "shutdown"
 ACCEPT_BATCH = 64  # connections accepted per readiness callback before yielding
 EVENT_DELAY_S = 0.01  # how long an allowed flow's events may wait to be written in a batch
+
+
+def _budget_key(ruleset: RuleSet, task: Task, host: str) -> str:
+    """The allow entry a name's unresolvable budget is kept under: the one the DNS
+    firewall charges (`decide_name`), so both paths draw from the same budget."""
+    return decide_name(ruleset, task.profile, host).rule_id or ""
 
 
 async def _connect(

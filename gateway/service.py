@@ -25,6 +25,7 @@ from stockade.events import EventWriter
 from stockade.tasks import TaskRegistry, make_control_app, start_control_server
 
 from .addresses import AddressPolicy
+from .dns.guards import GuardState, NameLimits
 from .metrics import GatewayMetrics
 from .resolver import Resolver
 from .rulesource import RulesHolder
@@ -89,6 +90,13 @@ class GatewayService:
             ttl_min=config.dns.ttl_min_s,
             ttl_max=config.dns.ttl_max_s,
         )
+        # one per-task tunnelling-guard state for the DNS firewall and the TCP path: names
+        # a sandbox makes the gateway resolve through SNI/Host/CONNECT draw from the same
+        # unresolvable-name budget as its DNS queries
+        dns = config.dns
+        self.guards = GuardState(
+            dns.queries_per_second, dns.query_burst, dns.unresolvable_names_per_minute
+        )
         self.gateway = Gateway(
             gs,
             rules=self.rules,
@@ -97,6 +105,8 @@ class GatewayService:
             address_policy=self.address_policy,
             emit=self.writer.write,
             metrics=self.metrics,
+            guards=self.guards,
+            name_limits=NameLimits.from_settings(dns),
         )
         self.dns: Any = None
         self._control: web.AppRunner | None = None
@@ -127,6 +137,9 @@ class GatewayService:
             self.writer.write,
             self.metrics.registry,
         )
+        # share the gateway's guard state (the firewall's own is unused from here; its
+        # task-removal hook looks `guards` up at call time, so it forgets in the shared one)
+        self.dns.guards = self.guards
         await self.dns.start()
 
     async def _start_metrics(self) -> None:

@@ -10,6 +10,13 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+from stockade.policy.reasons import Reason
+
+if TYPE_CHECKING:
+    from .settings import DnsSettings
 
 WINDOW_S = 60.0  # the "per minute" of the unresolvable-name budget
 
@@ -116,3 +123,48 @@ class GuardState:
             return n
         g.suppressed_rate_events += 1
         return None
+
+
+# -- name-shape guards shared with the TCP path ----------------------------------------
+# A sandbox can tunnel through names it never asks DNS about: SNI, Host and CONNECT
+# authorities under an allowed wildcard make the gateway resolve them, and the upstream
+# query is the channel. The gateway's TCP path applies these same limits, and the same
+# GuardState budget, to every name it is about to resolve.
+
+
+@dataclass(frozen=True, slots=True)
+class NameLimits:
+    """The name-shape limits of the `dns:` settings (one source for both paths)."""
+
+    max_label_length: int = 63
+    max_name_length: int = 253
+    entropy_min_label_length: int = 16
+    entropy_threshold_bits: float = 4.0
+
+    @classmethod
+    def from_settings(cls, settings: DnsSettings) -> NameLimits:
+        return cls(
+            settings.max_label_length,
+            settings.max_name_length,
+            settings.entropy_min_label_length,
+            settings.entropy_threshold_bits,
+        )
+
+
+@lru_cache(maxsize=8192)
+def name_violation(name: str, limits: NameLimits) -> Reason | None:
+    """Why a normalised presentation-form name must not be resolved, or None. Checked in
+    the DNS firewall's order: label length, name length, label entropy. (Cached: the same
+    few names make up nearly every connection.)"""
+    labels = name.split(".")
+    if any(len(label) > limits.max_label_length for label in labels):
+        return Reason.LABEL_TOO_LONG
+    if len(name) > limits.max_name_length:
+        return Reason.NAME_TOO_LONG
+    for label in labels:
+        if (
+            len(label) >= limits.entropy_min_label_length
+            and shannon_entropy(label.encode("ascii", "replace")) >= limits.entropy_threshold_bits
+        ):
+            return Reason.HIGH_ENTROPY_LABEL
+    return None

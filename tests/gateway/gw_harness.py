@@ -55,12 +55,12 @@ class GatewayHarness:
     def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 30) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def start(self) -> GatewayHarness:
+    def start(self, *, dns: bool = False) -> GatewayHarness:
         self.thread.start()
 
         async def make() -> GatewayService:
             svc = GatewayService(self.config)
-            await svc.start(dns=False)
+            await svc.start(dns=dns)
             return svc
 
         self.svc = self.run(make())
