@@ -373,7 +373,7 @@ class Gateway:
                 return await self._deny_resolved(conn, pre, *guarded)
             # dial the checked address of the allowed authority while the client sends its
             # first bytes; nothing is sent upstream unless the full decision agrees
-            early = asyncio.ensure_future(self._checked_dial(pre, task, ruleset))
+            early = self._begin_dial(pre, task, ruleset)
             await loop.sock_sendall(conn.client, CONNECT_ESTABLISHED)
             conn.meta["tunnel"] = True  # from here a denial speaks the inner protocol
             try:
@@ -508,17 +508,56 @@ class Gateway:
             return None, "", (Reason.UPSTREAM_UNREACHABLE, detail, 502)
         return sock, ip, None
 
-    async def _dial(self, addresses: list[str], port: int) -> tuple[socket.socket | None, str]:
+    def _begin_dial(
+        self, d: FlowDecision, task: Task, ruleset: RuleSet
+    ) -> asyncio.Future[DialResult]:
+        """`_checked_dial` as a future, with the upstream handshake already started when
+        the name is in the resolver cache (the usual case): a task's first step runs only
+        at the caller's next await, which for a CONNECT is after the client's ClientHello
+        arrived, so the dial would not overlap the client's round trip at all."""
+        res = self.resolver.cached(d.host) if d.ip is None and d.host is not None else None
+        if res is None or not res.addresses:
+            return asyncio.ensure_future(self._checked_dial(d, task, ruleset))
+        self.resolver.hits += 1  # what resolve() counts for a cached answer
+        ip = res.addresses[0]  # checked addresses only (the resolver filters them)
+        sock = _stream_socket(ip)
+        try:
+            err = sock.connect_ex((ip, d.port))
+        except OSError:
+            sock.close()
+            return asyncio.ensure_future(self._checked_dial(d, task, ruleset))
+        fut = asyncio.ensure_future(self._finish_dial(list(res.addresses), d.port, (sock, err)))
+        # cancelled before its first step, the task never runs: close the socket here
+        fut.add_done_callback(lambda f: sock.close() if f.cancelled() else None)
+        return fut
+
+    async def _finish_dial(
+        self, addresses: list[str], port: int, started: tuple[socket.socket, int]
+    ) -> DialResult:
+        sock, ip = await self._dial(addresses, port, started)
+        if sock is None:
+            detail = "no checked address accepted the connection"
+            return None, "", (Reason.UPSTREAM_UNREACHABLE, detail, 502)
+        return sock, ip, None
+
+    async def _dial(
+        self,
+        addresses: list[str],
+        port: int,
+        started: tuple[socket.socket, int] | None = None,
+    ) -> tuple[socket.socket | None, str]:
+        """Connect to the first address that accepts. `started`: the socket and
+        connect_ex result of a connect to `addresses[0]` already under way."""
         loop = asyncio.get_running_loop()
-        for ip in addresses:
-            family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            sock.setblocking(False)
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i, ip in enumerate(addresses):
+            err: int | None = None
+            if i == 0 and started is not None:
+                sock, err = started
+            else:
+                sock = _stream_socket(ip)
             try:
                 async with asyncio.timeout(self.settings.connect_timeout_s):
-                    await _connect(loop, sock, (ip, port))
+                    await _connect(loop, sock, (ip, port), err)
             except (OSError, TimeoutError):
                 sock.close()
                 continue
@@ -786,8 +825,19 @@ def _budget_key(ruleset: RuleSet, task: Task, host: str) -> str:
     return decide_name(ruleset, task.profile, host).rule_id or ""
 
 
+def _stream_socket(ip: str) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
 async def _connect(
-    loop: asyncio.AbstractEventLoop, sock: socket.socket, addr: tuple[str, int]
+    loop: asyncio.AbstractEventLoop,
+    sock: socket.socket,
+    addr: tuple[str, int],
+    err: int | None = None,
 ) -> None:
     """Non-blocking connect to a numeric address.
 
@@ -795,7 +845,8 @@ async def _connect(
     thread pool, a thread hop of a few hundred microseconds on the set-up latency of every
     connection, for an address that is already numeric and checked.
     """
-    err = sock.connect_ex(addr)
+    if err is None:  # else: connect_ex already ran (see Gateway._begin_dial)
+        err = sock.connect_ex(addr)
     if err in (errno.EINPROGRESS, errno.EINTR, errno.EAGAIN):
         await wait_fd(loop, sock.fileno(), write=True)
         err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
