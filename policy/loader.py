@@ -263,6 +263,7 @@ def load_rules(rules_dir: str | Path) -> RuleSet:
             limits=Limits(cpus=lim.cpus, memory=lim.memory, disk=lim.disk, pids=lim.pids,
                           ttl=lim.ttl, egress_bytes=lim.egress_bytes),
             mode=prm.egress.mode,
+            proxy_env=prm.egress.proxy_env,
             allow=tuple(allow),
             deny=tuple(deny),
             presets=tuple(prm.egress.presets),
@@ -271,6 +272,8 @@ def load_rules(rules_dir: str | Path) -> RuleSet:
                                  tuple(prm.exports.types)),
             location=src.loc(()),
         )
+        # the whole document, so every setting is in the version (`egress.proxy_env: true`
+        # changes the sandbox's environment and firewall: a rule change like any other)
         canonical["profiles"][name] = _canonical(src.doc.data)
 
     tests: list[PolicyTestCase] = []

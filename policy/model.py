@@ -101,6 +101,8 @@ class Profile:
     broker: dict[str, BrokerGrant] = field(default_factory=dict)
     exports: ExportPolicy = field(default_factory=ExportPolicy)
     location: SourceLocation | None = None
+    # egress.proxy_env: the launcher points HTTP(S)_PROXY at the gateway's explicit proxy
+    proxy_env: bool = False
 
 
 @dataclass(frozen=True, slots=True)

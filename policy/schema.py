@@ -124,6 +124,9 @@ class LimitsModel(Strict):
 
 class EgressModel(Strict):
     mode: Literal["enforce", "report"] = "enforce"
+    # the launcher sets HTTP(S)_PROXY to the gateway's explicit proxy listener (for tools
+    # that only work with an explicit proxy); traffic is transparent either way
+    proxy_env: StrictBool = False
     presets: list[Name] = []
     allow: list[EntryModel] = []
     deny: list[DenyEntryModel] = []

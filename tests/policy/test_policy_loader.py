@@ -228,3 +228,42 @@ def test_policy_test_with_unknown_rule_id(write_rules):
     tests = "tests:\n  - {profile: p, target: a.test, expect: deny, rule: typo}\n"
     problems = errors(write_rules, profiles={"p": "profile: p\n"}, tests={"t": tests})
     assert any("t.yaml:2:54: tests[0].rule: unknown rule id 'typo'" in p for p in problems)
+
+
+PROXY_BASE = """
+profile: p
+egress:
+  allow:
+    - {host: a.test, reason: r}
+"""
+
+
+def test_proxy_env_defaults_to_false(write_rules):
+    p = load_rules(write_rules(profiles={"p": PROXY_BASE})).profiles["p"]
+    assert p.proxy_env is False
+
+
+def test_proxy_env_true_loads_and_changes_the_version(write_rules, tmp_path):
+    plain = load_rules(write_rules(profiles={"p": PROXY_BASE}))
+    text = PROXY_BASE.replace("egress:\n", "egress:\n  proxy_env: true\n")
+    (tmp_path / "rules/profiles/p.yaml").write_text(text)
+    with_proxy = load_rules(plain.root)
+    assert with_proxy.profiles["p"].proxy_env is True
+    assert with_proxy.version != plain.version
+    # the explicit default is a different document, but the same effective setting
+    (tmp_path / "rules/profiles/p.yaml").write_text(
+        PROXY_BASE.replace("egress:\n", "egress:\n  proxy_env: false\n"))
+    assert load_rules(plain.root).profiles["p"].proxy_env is False
+    assert load_rules(plain.root).version != with_proxy.version
+
+
+@pytest.mark.parametrize("value", ["'true'", "1", "[true]", "{on: true}", "null"])
+def test_proxy_env_is_a_strict_bool(write_rules, value):
+    text = PROXY_BASE.replace("egress:\n", f"egress:\n  proxy_env: {value}\n")
+    errs = errors(write_rules, profiles={"p": text})
+    assert len(errs) == 1 and ":3:" in errs[0] and "egress.proxy_env" in errs[0], errs
+
+
+def test_proxy_env_belongs_to_egress(write_rules):
+    errs = errors(write_rules, profiles={"p": PROXY_BASE + "proxy_env: true\n"})
+    assert any("proxy_env: unknown key" in e for e in errs), errs
