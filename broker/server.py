@@ -307,11 +307,13 @@ class Broker:
             api, grant = self._authorize(cl, profile, call)
             if request.content_length is not None and request.content_length > grant.max_body_bytes:
                 raise Denied(413, Reason.BODY_TOO_LARGE, "request body too large")
-            try:
-                async with asyncio.timeout(self.settings.request_body_timeout_s):
-                    body = await self._read_body(request, grant.max_body_bytes)
-            except TimeoutError:
-                raise Denied(408, Reason.REQUEST_TIMEOUT, BODY_TIMEOUT_MESSAGE) from None
+            body = b""
+            if request.can_read_body:  # no deadline (timer) to arm for a bodiless GET
+                try:
+                    async with asyncio.timeout(self.settings.request_body_timeout_s):
+                        body = await self._read_body(request, grant.max_body_bytes)
+                except TimeoutError:
+                    raise Denied(408, Reason.REQUEST_TIMEOUT, BODY_TIMEOUT_MESSAGE) from None
             call = CallRequest(call.api, call.method, call.path, call.match_path, call.query,
                                call.headers, body)
             await self._forward(cl, task, api, grant, call, request)
