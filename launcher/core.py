@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import ipaddress
 import json
 import marshal
 import os
@@ -45,6 +46,10 @@ EndedBy = Literal["exit", "ttl", "killed", "limit"]
 TASK_ID_RE = re.compile(r"^[0-9a-f]{10}$")
 SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+# removed from every sandbox's environment (whatever the allowlist or SandboxSpec.env say);
+# a `proxy_env` profile then gets the launcher's own values for the first six
+PROXY_ENV_NAMES = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "NO_PROXY",
+                   "no_proxy", "ALL_PROXY", "all_proxy")
 
 
 class LauncherError(RuntimeError):
@@ -93,6 +98,29 @@ class RunResult:
 
 def _port(listen: str) -> int:
     return int(listen.rsplit(":", 1)[1])
+
+
+def proxy_listen_problem(proxy_listen: list[str]) -> str | None:
+    """Why a `proxy_env` sandbox cannot use `gateway.proxy_listen`, or None (pure).
+
+    The sandbox dials `<host-side veth address>:<port of proxy_listen[0]>` without any
+    redirect, so the listener must be bound to every IPv4 address of the host: 0.0.0.0.
+    """
+    if not proxy_listen:
+        return ("gateway.proxy_listen is empty: a proxy_env profile needs the gateway's "
+                "explicit proxy listener on 0.0.0.0:<port>")
+    listen = proxy_listen[0]
+    host = listen.rsplit(":", 1)[0].strip("[]")
+    if host == "0.0.0.0":  # noqa: S104 - required: sandboxes reach it on their veth address
+        return None
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    what = "loopback only" if loopback else "not every IPv4 address of the host"
+    return (f"gateway.proxy_listen[0] is {listen} ({what}): a proxy_env profile reaches the "
+            "explicit proxy on the sandbox's host-side veth address, so the gateway must "
+            f"listen on 0.0.0.0:{_port(listen)}")
 
 
 class _Capture(threading.Thread):
@@ -151,6 +179,8 @@ class Launcher:
             broker_port=_port(config.broker.listen),
             nflog_group=self.s.nflog_group,
             log_rate=self.s.log_rate_per_s,
+            proxy_port=(_port(config.gateway.proxy_listen[0])
+                        if config.gateway.proxy_listen else None),
         )
         self._started = False
         self._start_lock = threading.Lock()
@@ -450,6 +480,11 @@ class Launcher:
         for k in spec.env:
             if not ENV_NAME_RE.match(k) or k.startswith("STOCKADE_"):
                 raise LauncherError(f"invalid environment name {k!r}")
+        proxy_env = bool(getattr(profile, "proxy_env", False))
+        if proxy_env:
+            problem = proxy_listen_problem(self.config.gateway.proxy_listen)
+            if problem is not None:
+                raise LauncherError(f"profile {profile.name!r} sets egress.proxy_env: {problem}")
         inputs = self._check_inputs(spec.inputs)
         limits = profile.limits
         ttl = min(spec.ttl, limits.ttl) if spec.ttl else limits.ttl
@@ -494,7 +529,8 @@ class Launcher:
                 os.chmod(f, 0o644)
             rec.ifindex = netns.create(rec.netns, rec.ifname, a)
             self._ifindex[rec.ifindex] = (task_id, profile.name)
-            nft.run(nft.element_commands(self.s.nft_table, "add", [self._wiring(rec)]))
+            nft.run(nft.element_commands(self.s.nft_table, "add",
+                                         [self._wiring(rec, proxy=proxy_env)]))
             if self.register_tasks:
                 task = Task(task_id, a.guest_ip, profile.name, expires_at=now + ttl + 5)
                 for path in self._control_sockets():
@@ -511,7 +547,7 @@ class Launcher:
                 rlimits=(("NOFILE", self.s.rlimit_nofile), ("CORE", self.s.rlimit_core),
                          ("MEMLOCK", self.s.rlimit_memlock)),
             )
-            env = self._env(spec, a.host_ip)
+            env = self._env(spec, a.host_ip, proxy=proxy_env)
             # the plan travels in a memfd, not argv: /proc/1/cmdline shows no host paths
             plan_fd = os.memfd_create("stockade-init-plan", 0)
             try:
@@ -571,7 +607,10 @@ class Launcher:
                 out.append(initscript.Bind(p, p, is_dir=os.path.isdir(p)))
         return out
 
-    def _env(self, spec: SandboxSpec, host_ip: str) -> dict[str, str]:
+    def _env(self, spec: SandboxSpec, host_ip: str, proxy: bool = False) -> dict[str, str]:
+        """The command's environment. `proxy` (the profile's `egress.proxy_env`): point
+        HTTP(S)_PROXY at the gateway's explicit proxy on the host-side veth address (the
+        nft exemption of `SET_PROXY` lets exactly that through); the broker stays direct."""
         env = {k: os.environ[k] for k in self.s.env_allowlist if k in os.environ}
         env.update(spec.env)
         env.update({
@@ -580,15 +619,22 @@ class Launcher:
             "TMPDIR": "/tmp",  # noqa: S108 - the sandbox's own /tmp (in scratch)
             "STOCKADE_BROKER": f"http://{host_ip}:{self.params.broker_port}",
         })
-        for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY"):
+        for k in PROXY_ENV_NAMES:
             env.pop(k, None)
+        if proxy:
+            if self.params.proxy_port is None:
+                raise LauncherError("egress.proxy_env needs gateway.proxy_listen")
+            url = f"http://{host_ip}:{self.params.proxy_port}"
+            env.update({"HTTP_PROXY": url, "HTTPS_PROXY": url, "http_proxy": url,
+                        "https_proxy": url, "NO_PROXY": host_ip, "no_proxy": host_ip})
         return env
 
     def _control_sockets(self) -> list[str]:
         return [self.config.gateway.control_socket, self.config.broker.control_socket]
 
-    def _wiring(self, rec: SandboxRecord) -> nft.Wiring:
-        return nft.Wiring(rec.ifname, rec.guest_ip, rec.guest_mac, rec.host_ip)
+    def _wiring(self, rec: SandboxRecord, proxy: bool = False) -> nft.Wiring:
+        # `proxy` matters only for adding; deleting always removes the SET_PROXY element
+        return nft.Wiring(rec.ifname, rec.guest_ip, rec.guest_mac, rec.host_ip, proxy=proxy)
 
     # -- teardown ------------------------------------------------------------------------
     @staticmethod

@@ -6,11 +6,14 @@ adding or removing a sandbox is one atomic transaction of set elements. The JSON
 (not text) means no value is ever parsed as nft syntax.
 
 Chains (all traffic that enters from a sandbox interface):
-- `redirect_in` (nat, prerouting dstnat): broker address/port exempt; port 53 UDP/TCP to the
-  gateway's DNS firewall; every other TCP to the gateway's transparent listener.
+- `redirect_in` (nat, prerouting dstnat): broker address/port exempt; for sandboxes of a
+  `proxy_env` profile only (set `sandbox_proxy`), their host-side address on the gateway's
+  explicit proxy port exempt too; port 53 UDP/TCP to the gateway's DNS firewall; every other
+  TCP to the gateway's transparent listener.
 - `guard_in` (filter, prerouting dstnat+10, after the redirect): IPv6 logged and dropped;
   a source that is not the interface's (name, IPv4, MAC) logged and dropped; traffic to the
-  interface's host-side address on the gateway/DNS/broker ports accepted; everything else
+  interface's host-side address on the gateway/DNS/broker ports (and, for `sandbox_proxy`
+  members, the explicit proxy port) accepted; everything else
   logged (NFLOG group, rate-limited) and rejected (TCP reset / ICMP admin-prohibited).
 - `forward_guard` (filter, forward): a backstop, nothing is forwarded to or from sandboxes.
 """
@@ -33,11 +36,16 @@ PREFIX_FORWARD = "stockade:forward"
 SET_IFS = "sandbox_ifs"
 SET_SRC = "sandbox_src"
 SET_HOST = "sandbox_host"
+# (veth, host-side address) of sandboxes whose profile sets `egress.proxy_env`: only these
+# reach the gateway's explicit proxy listener. Everyone else's traffic to that port is
+# redirected to the transparent listener like any other TCP, as before the option existed:
+# the gateway still decides (and reports) it, and no sandbox gets a path it did not ask for.
+SET_PROXY = "sandbox_proxy"
 # a meter: one log budget per interface, so one noisy sandbox cannot use up the log rate
 # of the others; its elements expire by themselves (never deleted, never reconciled)
 SET_LOG_BUDGET = "log_budget"
 LOG_BUDGET_TIMEOUT_S = 10
-PER_SANDBOX_SETS = (SET_IFS, SET_SRC, SET_HOST)
+PER_SANDBOX_SETS = (SET_IFS, SET_SRC, SET_HOST, SET_PROXY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +56,9 @@ class TableParams:
     broker_port: int
     nflog_group: int
     log_rate: int = 20
+    # port of the gateway's explicit proxy listener (`gateway.proxy_listen[0]`), exempted
+    # from the redirect for `SET_PROXY` members only; None: no proxy rules at all
+    proxy_port: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +69,7 @@ class Wiring:
     guest_ip: str
     guest_mac: str
     host_ip: str
+    proxy: bool = False  # the profile sets egress.proxy_env: element in SET_PROXY
 
 
 def _iif() -> Json:
@@ -106,6 +118,15 @@ def table_commands(p: TableParams, existing_sets: frozenset[str] = frozenset()) 
     host_dst = {"concat": [_iif(), _payload("ip", "daddr")]}
     l4 = {"meta": {"key": "l4proto"}}
     th_dport = _payload("th", "dport")
+
+    def proxy_rule(chain: str) -> list[Json]:
+        # a member's own host-side address on the explicit proxy port: no redirect (the
+        # listener sees the sandbox's real source and destination), accepted by the guard
+        if p.proxy_port is None:
+            return []
+        return [_rule(p, chain, _match(host_dst, "@" + SET_PROXY),
+                      _match(_payload("tcp", "dport"), p.proxy_port), {"accept": None})]
+
     cmds: list[Json] = [
         {"add": {"table": {"family": "inet", "name": p.table}}},
         # flush only *this* table's rules (sets keep their elements: sandboxes survive reload)
@@ -113,6 +134,7 @@ def table_commands(p: TableParams, existing_sets: frozenset[str] = frozenset()) 
         _set(p, SET_IFS, "ifname"),
         _set(p, SET_SRC, ["ifname", "ipv4_addr", "ether_addr"]),
         _set(p, SET_HOST, ["ifname", "ipv4_addr"]),
+        _set(p, SET_PROXY, ["ifname", "ipv4_addr"]),
         *([] if SET_LOG_BUDGET in existing_sets else [
             {"add": {"set": {"family": "inet", "table": p.table, "name": SET_LOG_BUDGET,
                              "type": "ifname", "flags": ["timeout"],
@@ -125,6 +147,7 @@ def table_commands(p: TableParams, existing_sets: frozenset[str] = frozenset()) 
         _rule(p, "redirect_in", _match(_iif(), "@" + SET_IFS, "!="), {"return": None}),
         _rule(p, "redirect_in", _match(host_dst, "@" + SET_HOST),
               _match(_payload("tcp", "dport"), p.broker_port), {"accept": None}),
+        *proxy_rule("redirect_in"),
         _rule(p, "redirect_in", _match(l4, {"set": ["tcp", "udp"]}), _match(th_dport, 53),
               {"redirect": {"port": p.dns_port}}),
         _rule(p, "redirect_in", _match(l4, "tcp"), {"redirect": {"port": p.transparent_port}}),
@@ -143,6 +166,7 @@ def table_commands(p: TableParams, existing_sets: frozenset[str] = frozenset()) 
               {"accept": None}),
         _rule(p, "from_sandbox", _match(host_dst, "@" + SET_HOST),
               _match(_payload("udp", "dport"), p.dns_port), {"accept": None}),
+        *proxy_rule("from_sandbox"),
         _rule(p, "from_sandbox", *_log(p, PREFIX_BLOCKED)),
         _rule(p, "from_sandbox", _match(l4, "tcp"), {"reject": {"type": "tcp reset"}}),
         _rule(p, "from_sandbox", {"reject": {"type": "icmpx", "expr": "admin-prohibited"}}),
@@ -164,14 +188,29 @@ def _elements(table: str, w: Wiring) -> list[tuple[str, list[Any]]]:
 
 
 def element_commands(table: str, verb: str, wirings: list[Wiring]) -> Json:
-    """One transaction adding (`add`) or removing (`delete`) sandboxes' set elements."""
+    """One transaction adding (`add`) or removing (`delete`) sandboxes' set elements.
+
+    `add` puts a `Wiring.proxy` sandbox into `SET_PROXY` too. `delete` always removes the
+    `SET_PROXY` element, whatever `Wiring.proxy` says, as `add` + `delete` in the same
+    batch (adding an existing element is no error, deleting a missing one is): teardown
+    and crash recovery need not know the sandbox's profile, and still one transaction.
+    """
     if verb not in ("add", "delete"):
         raise ValueError(verb)
     cmds: list[Json] = []
+
+    def element(v: str, name: str, elem: list[Any]) -> Json:
+        return {v: {"element": {"family": "inet", "table": table, "name": name, "elem": elem}}}
+
     for w in wirings:
         for name, elem in _elements(table, w):
-            cmds.append({verb: {"element": {"family": "inet", "table": table, "name": name,
-                                            "elem": elem}}})
+            cmds.append(element(verb, name, elem))
+        proxy = [{"concat": [w.ifname, w.host_ip]}]
+        if verb == "delete":
+            cmds.append(element("add", SET_PROXY, proxy))
+            cmds.append(element("delete", SET_PROXY, proxy))
+        elif w.proxy:
+            cmds.append(element("add", SET_PROXY, proxy))
     return {"nftables": cmds}
 
 

@@ -38,6 +38,9 @@ egress:
       reason: the stack test's allowed site
 exports: {max_file: 1MiB, max_total: 2MiB, types: [text, json]}
 """
+# the same, for a tool that only works with an explicit proxy
+PROXY_PROFILE = PROFILE.replace("profile: agent", "profile: agent-proxy").replace(
+    "  mode: enforce\n", "  mode: enforce\n  proxy_env: true\n")
 
 
 def _free_port() -> int:
@@ -72,8 +75,8 @@ class Stack:
         self.ruleset = ruleset
         self.ca = ca
 
-    def run(self, argv: list[str]) -> RunResult:
-        res = self.launcher.run(SandboxSpec("agent", argv, inputs=[(self.ca, "/inputs/ca.pem")]),
+    def run(self, argv: list[str], profile: str = "agent") -> RunResult:
+        res = self.launcher.run(SandboxSpec(profile, argv, inputs=[(self.ca, "/inputs/ca.pem")]),
                                 self.ruleset)
         for ev in res.denials:
             validate(ev)
@@ -102,6 +105,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, fake_internet: Any) -> Itera
     for d in ("profiles", "apis", "presets", "tests"):
         (rules / d).mkdir(parents=True)
     (rules / "profiles" / "agent.yaml").write_text(PROFILE)
+    (rules / "profiles" / "agent-proxy.yaml").write_text(PROXY_PROFILE)
     (tmp / "token").write_text("not-a-real-token")
     sfx = secrets.token_hex(3)
     octet = 100 + secrets.randbelow(100)
@@ -109,7 +113,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, fake_internet: Any) -> Itera
         "rules_dir": str(rules), "state_dir": str(tmp / "state"), "log_dir": str(tmp / "log"),
         "run_dir": str(tmp / "run"), "events": {"file": str(tmp / "log" / "events.jsonl")},
         "gateway": {"transparent_listen": [f"0.0.0.0:{_free_port()}"],
-                    "proxy_listen": [f"127.0.0.1:{_free_port()}"],
+                    # every address: the agent-proxy sandboxes reach it on their veth address
+                    "proxy_listen": [f"0.0.0.0:{_free_port()}"],
                     "control_socket": str(tmp / "run" / "gateway.sock"),
                     "metrics_listen": f"127.0.0.1:{_free_port()}",
                     "resolvers": [fake_internet.dns_server],
@@ -216,3 +221,102 @@ def test_host_service_port_denied_by_gateway(stack: Stack) -> None:
     assert res.stdout.startswith("refused"), res.stdout
     gw = [e for e in res.denials if e["stockade"]["component"] == "gateway"]
     assert gw and gw[0]["destination"]["port"] == int(mport), res.denials
+
+
+def _gateway_events(stack: Stack, task_id: str) -> list[dict[str, Any]]:
+    from stockade.events import read_events
+
+    evs = [e for e in read_events(stack.config.events_file)
+           if e.get("labels", {}).get("task_id") == task_id
+           and e["stockade"]["component"] == "gateway"
+           and e["event"]["action"] == "connection_decision"]
+    for e in evs:
+        validate(e)
+    return evs
+
+
+def _proxy_decisions(stack: Stack, task_id: str, want: int) -> list[dict[str, Any]]:
+    # allowed flows' events are written by the gateway in a short batch: wait for them
+    # (bounded; no timing is asserted)
+    for _ in range(200):
+        evs = [e for e in _gateway_events(stack, task_id)
+               if e["stockade"].get("listener") == "proxy"]
+        if len(evs) >= want:
+            return evs
+        time.sleep(0.05)
+    return evs
+
+
+def test_proxy_env_profile_uses_the_explicit_proxy(stack: Stack) -> None:
+    port = int(stack.config.gateway.proxy_listen[0].rsplit(":", 1)[1])
+    # no --proxy: curl takes HTTPS_PROXY from the environment the launcher set
+    res = stack.run(["sh", "-c",
+                     "env | grep -i _proxy= | sort; "
+                     "curl -sS --max-time 10 --cacert /inputs/ca.pem https://allowed.test/ "
+                     "-o /scratch/body -w 'allowed %{http_code} %{http_connect}\\n'"],
+                    profile="agent-proxy")
+    assert res.exit_code == 0, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    env = dict(line.split("=", 1) for line in lines if "=" in line)
+    # the host-side address is scrubbed from the output; the port is the listener's
+    url = f"http://<infra-address>:{port}"
+    assert {k: env.get(k) for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")
+            } == dict.fromkeys(("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"), url)
+    assert env["NO_PROXY"] == env["no_proxy"] == "<infra-address>"
+    # 200 from the site, after a 200 to the CONNECT: the request went through the proxy
+    assert "allowed 200 200" in lines, res.stdout
+    assert res.denials == []
+    evs = _proxy_decisions(stack, res.task_id, 1)
+    assert evs, _gateway_events(stack, res.task_id)
+    assert all(e["stockade"]["listener"] == "proxy" for e in _gateway_events(stack,
+                                                                              res.task_id))
+    ev = evs[0]
+    assert ev["stockade"]["decision"] == "allowed"
+    assert ev["destination"]["domain"] == "allowed.test" and ev["destination"]["port"] == 443
+    # teardown removed the sandbox's exemption with its other elements
+    from stockade.launcher import nft
+
+    assert not any(nft.list_elements(stack.config.launcher.nft_table).get(n)
+                   for n in nft.PER_SANDBOX_SETS)
+
+
+def test_proxy_env_denial_is_a_403_from_the_proxy(stack: Stack) -> None:
+    res = stack.run(["sh", "-c",
+                     # https: the CONNECT is refused; -v shows the proxy's answer
+                     "curl -sS -v --max-time 10 --cacert /inputs/ca.pem https://denied.test/ "
+                     "2>&1 | grep -i -e '^< HTTP' -e '^< X-Stockade-Deny'; "
+                     # plain http: the absolute-URI request is refused
+                     "curl -sS -i --max-time 10 http://denied.test/; true"],
+                    profile="agent-proxy")
+    out = res.stdout
+    assert out.count("X-Stockade-Deny: no_matching_rule") == 2, out
+    lines = [line.rstrip("\r") for line in out.splitlines()]
+    # the CONNECT's answer (curl -v) and the absolute-URI request's answer (curl -i)
+    assert "< HTTP/1.1 403 Forbidden" in lines and "HTTP/1.1 403 Forbidden" in lines, out
+    gw = [e for e in res.denials if e["stockade"]["component"] == "gateway"]
+    assert len(gw) == 2 and {e["stockade"]["listener"] for e in gw} == {"proxy"}, res.denials
+    assert {e["destination"]["domain"] for e in gw} == {"denied.test"}
+    assert all(e["event"]["reason"] == "no_matching_rule" for e in gw)
+    # the names were never looked up from the sandbox: the proxy resolves them
+    assert not any(e["stockade"]["component"] == "dns" for e in res.denials), res.denials
+
+
+def test_profile_without_proxy_env_has_no_proxy_variables(stack: Stack) -> None:
+    port = int(stack.config.gateway.proxy_listen[0].rsplit(":", 1)[1])
+    connect = "CONNECT allowed.test:443 HTTP/1.1\\r\\nHost: allowed.test:443\\r\\n\\r\\n"
+    code = ("import os, socket\n"
+            "print(sorted(k for k in os.environ if k.upper().endswith('_PROXY')))\n"
+            "gw = os.environ['STOCKADE_BROKER'].split('//')[1].split(':')[0]\n"
+            "try:\n"
+            f"    s = socket.create_connection((gw, {port}), timeout=10)\n"
+            f"    s.sendall(b'{connect}')\n"
+            "    print(repr(s.recv(200)[:40]))\n"
+            "except OSError as e:\n    print('refused', type(e).__name__)\n")
+    res = stack.run(["python3", "-c", code])
+    first, second = res.stdout.splitlines()[:2]
+    assert first == "[]", res.stdout
+    # the proxy port on its host-side address is redirected to the transparent listener,
+    # as before the option existed: no explicit proxy answers the CONNECT
+    assert "200" not in second, res.stdout + res.stderr
+    gw = _gateway_events(stack, res.task_id)
+    assert gw and all(e["stockade"]["listener"] == "transparent" for e in gw), gw
