@@ -102,24 +102,29 @@ class Relay:
     async def run(self) -> None:
         """Return when both directions are done; raise UploadLimit / OSError on failure.
 
-        The upload direction runs in the caller's task and only the download direction
-        gets a task of its own (one task per tunnel instead of two); a failure of the
-        download side cancels the caller, which then tears the tunnel down.
+        The upload direction runs in the caller's task; the download direction is driven
+        by reader/writer callbacks (`_DownPump`), with no task of its own. It starts
+        before the caller's first await, so the upstream's first bytes are relayed from
+        the very readiness callback that reports them (no task wake-up, no per-chunk
+        reader churn). A failure of the download side cancels the caller, which then
+        tears the tunnel down.
         """
         me = asyncio.current_task()
-        down = asyncio.ensure_future(self._pump(self.upstream, self.client, False))
+        loop = asyncio.get_running_loop()
+        down = _DownPump(self, loop)
         failed: list[BaseException] = []
 
-        def down_done(t: asyncio.Future[None]) -> None:
-            if not t.cancelled() and t.exception() is not None:
-                failed.append(t.exception())  # type: ignore[arg-type]
+        def down_done(f: asyncio.Future[None]) -> None:
+            if not f.cancelled() and f.exception() is not None:
+                failed.append(f.exception())  # type: ignore[arg-type]
                 if me is not None:
                     me.cancel()
 
-        down.add_done_callback(down_done)
+        down.done.add_done_callback(down_done)
+        down.start()
         try:
             await self._pump(self.client, self.upstream, True)
-            await down
+            await down.done
         except asyncio.CancelledError:
             if failed:
                 if me is not None:
@@ -127,11 +132,9 @@ class Relay:
                 raise failed[0] from None  # the download side failed: report that instead
             raise
         finally:
-            if not down.done():
-                down.remove_done_callback(down_done)
-                down.cancel()
-                with contextlib.suppress(BaseException):
-                    await down
+            if not down.done.done():
+                down.done.remove_done_callback(down_done)
+            down.close()
 
     def _account(self, n: int, up: bool) -> None:
         if up:
@@ -203,6 +206,133 @@ class Relay:
                 raise UploadLimit
             await loop.sock_sendall(dst, view[:n])
             self._account(n, up)
+
+
+class _DownPump:
+    """The download direction (upstream -> client) as a callback state machine.
+
+    Reading: a reader on the upstream stays registered while the client takes the bytes;
+    each readiness callback moves data until the upstream has none (EAGAIN), the client
+    would block (then: writer on the client, upstream reader off, so a level-triggered
+    reader never spins on unread data) or EOF (shutdown(SHUT_WR) on the client, done).
+    Splice mode holds a pipe only while a chunk is in flight, as the coroutine pump does.
+    """
+
+    def __init__(self, relay: Relay, loop: asyncio.AbstractEventLoop) -> None:
+        self.relay = relay
+        self.loop = loop
+        self.done: asyncio.Future[None] = loop.create_future()
+        self.sfd = relay.upstream.fileno()
+        self.dfd = relay.client.fileno()
+        self.reading = False
+        self.writing = False
+        self.pipe: tuple[int, int] | None = None  # splice: a chunk in flight
+        self.left = 0  # bytes of that chunk (or of `pending`) not yet written
+        self.buf: bytearray | None = None if relay.pool is not None else bytearray(CHUNK)
+        self.pending: memoryview | None = None  # copy mode: a chunk not yet fully sent
+        self.chunk = 0  # size of the chunk in flight (accounted once fully written)
+
+    def start(self) -> None:
+        self._run()
+
+    def close(self) -> None:
+        """Stop (the tunnel is being torn down); releases a half-moved chunk's pipe."""
+        self._watch(read=False, write=False)
+        if self.pipe is not None:
+            PipePool.discard(self.pipe)  # bytes may remain inside: never reuse
+            self.pipe = None
+        if not self.done.done():
+            self.done.cancel()
+
+    def _watch(self, *, read: bool, write: bool) -> None:
+        if read != self.reading:
+            if read:
+                self.loop.add_reader(self.sfd, self._run)
+            else:
+                self.loop.remove_reader(self.sfd)
+            self.reading = read
+        if write != self.writing:
+            if write:
+                self.loop.add_writer(self.dfd, self._run)
+            else:
+                self.loop.remove_writer(self.dfd)
+            self.writing = write
+
+    def _run(self) -> None:
+        if self.done.done():
+            self._watch(read=False, write=False)
+            return
+        try:
+            state = self._move_splice() if self.relay.pool is not None else self._move_copy()
+        except Exception as e:  # a reset, or a bug: either way the tunnel ends (fail closed)
+            self.close_with(e)
+            return
+        if state == "eof":
+            self._watch(read=False, write=False)
+            with contextlib.suppress(OSError):
+                self.relay.client.shutdown(socket.SHUT_WR)
+            self.done.set_result(None)
+        elif state == "read":
+            self._watch(read=True, write=False)
+        else:  # "write": the client is not taking bytes
+            self._watch(read=False, write=True)
+
+    def close_with(self, exc: BaseException) -> None:
+        self._watch(read=False, write=False)
+        if self.pipe is not None:
+            PipePool.discard(self.pipe)
+            self.pipe = None
+        if not self.done.done():
+            self.done.set_exception(exc)
+
+    def _move_splice(self) -> str:
+        pool = self.relay.pool
+        assert pool is not None
+        while True:
+            if self.pipe is None:
+                pipe = pool.get()
+                try:
+                    n = os.splice(self.sfd, pipe[1], CHUNK, flags=_SPLICE_FLAGS)
+                except BlockingIOError:
+                    pool.put(pipe)
+                    return "read"
+                except BaseException:
+                    pool.put(pipe)  # nothing entered the pipe
+                    raise
+                if n == 0:
+                    pool.put(pipe)
+                    return "eof"
+                self.pipe, self.left = pipe, n
+                self.chunk = n
+            while self.left:
+                try:
+                    self.left -= os.splice(self.pipe[0], self.dfd, self.left, flags=_SPLICE_FLAGS)
+                except BlockingIOError:
+                    return "write"
+            pool.put(self.pipe)
+            self.pipe = None
+            self.relay._account(self.chunk, False)
+
+    def _move_copy(self) -> str:
+        assert self.buf is not None
+        while True:
+            if self.pending is None:
+                try:
+                    n = self.relay.upstream.recv_into(self.buf)
+                except (BlockingIOError, InterruptedError):
+                    return "read"
+                if n == 0:
+                    return "eof"
+                self.pending = memoryview(self.buf)[:n]
+                self.chunk = n
+            while self.pending:
+                try:
+                    sent = self.relay.client.send(self.pending)
+                except (BlockingIOError, InterruptedError):
+                    return "write"
+                self.pending = self.pending[sent:]
+            self.pending = None
+            self.relay._account(self.chunk, False)
 
 
 def splice_works() -> bool:
