@@ -205,12 +205,27 @@ def test_run_through_the_service(served: Served, lab: Lab, tmp_path: Path) -> No
     assert served.client.result(res.task_id) == res
 
 
+def _command_running(task_id: str, comm: str) -> bool:
+    """True when a process named `comm` sits in the sandbox's cgroup (v1 or v2)."""
+    for procs in Path("/sys/fs/cgroup").glob(f"**/{task_id}/cgroup.procs"):
+        for pid in procs.read_text().split():
+            try:
+                if Path(f"/proc/{pid}/comm").read_text().strip() == comm:
+                    return True
+            except OSError:
+                continue
+    return False
+
+
 def test_list_suspend_resume_kill_while_running(served: Served) -> None:
     c = served.client
     tid = c.start(SandboxSpec("svc", ["sleep", "60"]))
     rows = _wait_for(lambda: [r for r in c.list() if r["task_id"] == tid
                               and r["state"] == "running"])
     assert rows and rows[0]["profile"] == "svc", c.list()
+    # "running" is the record; wait for the command itself, so the freeze below never
+    # lands inside the sandbox's own set-up (unshare, mounts)
+    assert _wait_for(lambda: _command_running(tid, "sleep"), 30)
     assert c.result(tid) is None  # still running
     assert c.health()["sandboxes"] == 1
     assert c.suspend(tid)
