@@ -77,6 +77,8 @@ def _settings(old: Profile, new: Profile) -> list[str]:
     out = []
     if old.mode != new.mode:
         out.append(f"egress mode: {old.mode} -> {new.mode}")
+    if old.proxy_env != new.proxy_env:
+        out.append(f"egress proxy_env: {old.proxy_env} -> {new.proxy_env}")
     if old.isolation != new.isolation:
         out.append(f"isolation: {old.isolation} -> {new.isolation}")
     if old.limits != new.limits:

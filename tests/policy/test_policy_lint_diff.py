@@ -82,6 +82,7 @@ NEW = """
 profile: p
 egress:
   mode: report
+  proxy_env: true
   allow:
     - {host: a.test, reason: renamed reason, id: a-new-id}
     - {host: b.test, reason: r}
@@ -103,6 +104,7 @@ def test_diff_reports_effective_changes(tmp_path, write_rules):
     assert p.no_longer_allowed == ["gone.test:443"]
     assert p.denies_removed == ["d.test:any"]
     assert "egress mode: enforce -> report" in p.settings
+    assert "egress proxy_env: False -> True" in p.settings
     assert diffs["q"].status == "removed" and diffs["r"].status == "added"
 
 
