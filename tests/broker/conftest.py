@@ -245,10 +245,10 @@ async def start_harness(
     write_rules(rules_dir, upstream.url, secret_path)
     rules = load_rules(rules_dir)
     # one task makes 200 concurrent calls in test_200_concurrent_calls_one_vault_read
-    bs: dict[str, Any] = {"max_concurrent_calls_per_task": 256, **(settings or {})}
+    bs: dict[str, Any] = {"upstream_timeout_s": 10, "max_concurrent_calls_per_task": 256,
+                          **(settings or {})}
     broker_settings = BrokerSettings(listen="127.0.0.1:0", ca_file=tls_ca,
-                                     secret_cache_ttl_s=ttl, serve_stale_s=stale,
-                                     upstream_timeout_s=10, **bs)
+                                     secret_cache_ttl_s=ttl, serve_stale_s=stale, **bs)
     metrics = BrokerMetrics()
     vs = vault_settings or VaultSettings(address=bao.address)
     kw: dict[str, Any] = {"clock": clock} if clock else {}

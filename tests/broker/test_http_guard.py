@@ -26,7 +26,9 @@ pytestmark = pytest.mark.vault
 
 TRICKLE_WINDOW_S = 60.0  # the test's own deadline: far above the broker's 2 s
 GUARD_SETTINGS = {"request_header_timeout_s": 2.0, "request_body_timeout_s": 2.0,
-                  "max_concurrent_calls_per_task": 4}
+                  "max_concurrent_calls_per_task": 4,
+                  # calls parked at the slow upstream wait for the test, not for a timeout
+                  "upstream_timeout_s": TRICKLE_WINDOW_S}
 
 
 @pytest.fixture
@@ -70,7 +72,7 @@ async def open_conn(h: Harness) -> tuple[asyncio.StreamReader, asyncio.StreamWri
 async def trickle(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, drip: bytes
 ) -> tuple[bool, bytes]:
-    """Send `drip` every 0.1 s until the broker closes the connection or the test's
+    """Send `drip` every 0.25 s until the broker closes the connection or the test's
     window ends. Returns (closed by the broker, bytes it sent)."""
     loop = asyncio.get_running_loop()
     end = loop.time() + TRICKLE_WINDOW_S
@@ -81,7 +83,7 @@ async def trickle(
                 writer.write(drip)
                 await writer.drain()
             try:
-                data = await asyncio.wait_for(reader.read(65536), 0.1)
+                data = await asyncio.wait_for(reader.read(65536), 0.25)
             except TimeoutError:
                 continue
             if not data:
