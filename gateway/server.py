@@ -372,7 +372,7 @@ class Gateway:
         group.add(conn)
         ruleset = self.rules.current
 
-        early: asyncio.Future[DialResult] | None = None
+        early: EarlyDial | None = None
         if connect_head is not None:
             # decide on the authority alone first, so a denied CONNECT gets a 403
             pre = decide_flow(FlowInput("proxy", connect=connect_head), ruleset, task.profile)
@@ -420,7 +420,7 @@ class Gateway:
             decision.ip,
             decision.port,
         ):
-            result = await early  # the authority's name already passed the name guards
+            result = await self._early_result(early)  # the name passed the guards already
         else:
             if early is not None:
                 await _discard(early)
@@ -521,28 +521,31 @@ class Gateway:
             return None, "", (Reason.UPSTREAM_UNREACHABLE, detail, 502)
         return sock, ip, None
 
-    def _begin_dial(
-        self, d: FlowDecision, task: Task, ruleset: RuleSet
-    ) -> asyncio.Future[DialResult]:
-        """`_checked_dial` as a future, with the upstream handshake already started when
-        the name is in the resolver cache (the usual case): a task's first step runs only
-        at the caller's next await, which for a CONNECT is after the client's ClientHello
-        arrived, so the dial would not overlap the client's round trip at all."""
+    def _begin_dial(self, d: FlowDecision, task: Task, ruleset: RuleSet) -> EarlyDial:
+        """Start `_checked_dial` for a CONNECT authority while the client sends its first
+        bytes. When the name is in the resolver cache (the usual case) the upstream
+        handshake starts right here and is finished inline by `_early_result` (no task:
+        a task's first step would only run at the caller's next await, and waiting on it
+        costs event-loop rounds); otherwise a task resolves and dials."""
         res = self.resolver.cached(d.host) if d.ip is None and d.host is not None else None
-        if res is None or not res.addresses:
-            return asyncio.ensure_future(self._checked_dial(d, task, ruleset))
-        self.resolver.hits += 1  # what resolve() counts for a cached answer
-        ip = res.addresses[0]  # checked addresses only (the resolver filters them)
-        sock = _stream_socket(ip)
-        try:
-            err = sock.connect_ex((ip, d.port))
-        except OSError:
-            sock.close()
-            return asyncio.ensure_future(self._checked_dial(d, task, ruleset))
-        fut = asyncio.ensure_future(self._finish_dial(list(res.addresses), d.port, (sock, err)))
-        # cancelled before its first step, the task never runs: close the socket here
-        fut.add_done_callback(lambda f: sock.close() if f.cancelled() else None)
-        return fut
+        if res is not None and res.addresses:
+            self.resolver.hits += 1  # what resolve() counts for a cached answer
+            ip = res.addresses[0]  # checked addresses only (the resolver filters them)
+            sock = _stream_socket(ip)
+            try:
+                err = sock.connect_ex((ip, d.port))
+            except OSError:
+                sock.close()
+            else:
+                return EarlyDial(None, (sock, err), list(res.addresses), d.port)
+        return EarlyDial(asyncio.ensure_future(self._checked_dial(d, task, ruleset)))
+
+    async def _early_result(self, early: EarlyDial) -> DialResult:
+        if early.task is not None:
+            return await early.task
+        assert early.started is not None
+        started, early.started = early.started, None  # from here _dial owns the socket
+        return await self._finish_dial(early.addresses, early.port, started)
 
     async def _finish_dial(
         self, addresses: list[str], port: int, started: tuple[socket.socket, int]
@@ -838,6 +841,9 @@ def _budget_key(ruleset: RuleSet, task: Task, host: str) -> str:
     return decide_name(ruleset, task.profile, host).rule_id or ""
 
 
+_IN_PROGRESS = (errno.EINPROGRESS, errno.EINTR, errno.EAGAIN)
+
+
 def _stream_socket(ip: str) -> socket.socket:
     sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
     sock.setblocking(False)
@@ -860,18 +866,40 @@ async def _connect(
     """
     if err is None:  # else: connect_ex already ran (see Gateway._begin_dial)
         err = sock.connect_ex(addr)
-    if err in (errno.EINPROGRESS, errno.EINTR, errno.EAGAIN):
-        await wait_fd(loop, sock.fileno(), write=True)
-        err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    if err in _IN_PROGRESS:
+        # ask again before waiting: a handshake to a nearby host is often already done
+        # (EISCONN), and a writability wait costs several event-loop rounds
+        err = sock.connect_ex(addr)
+        if err == errno.EISCONN:
+            return
+        if err in _IN_PROGRESS or err == errno.EALREADY:
+            await wait_fd(loop, sock.fileno(), write=True)
+            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
     if err:
         raise OSError(err, os.strerror(err))
 
 
-async def _discard(fut: asyncio.Future[DialResult]) -> None:
-    """Cancel an early dial and close its socket if it already connected."""
-    fut.cancel()
+@dataclass
+class EarlyDial:
+    """A CONNECT's dial begun before its inner bytes were decided: a task (the name had
+    to be resolved first), or a socket whose handshake is under way."""
+
+    task: asyncio.Future[DialResult] | None
+    started: tuple[socket.socket, int] | None = None  # (socket, connect_ex result)
+    addresses: list[str] = field(default_factory=list)
+    port: int = 0
+
+
+async def _discard(early: EarlyDial) -> None:
+    """Abandon an early dial and close its socket if it already connected."""
+    if early.started is not None:
+        early.started[0].close()
+        early.started = None
+    if early.task is None:
+        return
+    early.task.cancel()
     with contextlib.suppress(BaseException):
-        sock, _, _ = await fut
+        sock, _, _ = await early.task
         if sock is not None:
             sock.close()
 
