@@ -25,6 +25,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from stockade.policy.decide import decide_name
@@ -908,6 +909,7 @@ def _touch(conn: Conn) -> None:
     conn.last_activity = time.monotonic()
 
 
+@lru_cache(maxsize=4096)
 def _unmap(ip: str) -> str:
     """'::ffff:10.0.0.1' -> '10.0.0.1' so registry lookups and logs use one form."""
     try:

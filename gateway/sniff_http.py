@@ -14,6 +14,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 from stockade.policy.reasons import Reason
@@ -42,8 +43,13 @@ class Authority:
     is_ip: bool
 
 
+@lru_cache(maxsize=4096)
 def parse_authority(raw: str) -> Authority:
-    """`host`, `host:port`, `[v6]` or `[v6]:port`; userinfo and anything odd are refused."""
+    """`host`, `host:port`, `[v6]` or `[v6]:port`; userinfo and anything odd are refused.
+
+    Cached (pure, immutable result; a refusal raises and is not cached): a task names
+    the same few authorities on every connection, and the IP-literal probe costs an
+    exception per name."""
     if not raw or "@" in raw or any(c in raw for c in "/?#\\ \t"):
         raise AuthorityError("malformed authority")
     port_text: str | None = None
