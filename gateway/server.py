@@ -128,6 +128,9 @@ class Gateway:
             dns_defaults.unresolvable_names_per_minute,
         )
         self.name_limits = name_limits or NameLimits.from_settings(dns_defaults)
+        # (task id, budget key) -> names being resolved right now, with a count each:
+        # they count against the budget until they resolve (see `_checked_dial`)
+        self._resolving: dict[tuple[str, str], dict[str, int]] = {}
         self.pool: PipePool | None = PipePool() if settings.splice and splice_works() else None
         self.conns: set[Conn] = set()
         self.by_task: dict[str, set[Conn]] = {}
@@ -502,7 +505,34 @@ class Gateway:
             candidates = [d.ip]
         else:
             assert d.host is not None
-            res = await self.resolver.resolve(d.host)
+            host = d.host
+            pending: dict[str, int] | None = None
+            if task is not None and ruleset is not None and self.resolver.cached(host) is None:
+                # the authoritative budget check: synchronous with registering the name as
+                # in flight, so concurrent connections cannot all slip under the cap
+                rule = _budget_key(ruleset, task, host)
+                key = (task.task_id, rule)
+                pending = self._resolving.setdefault(key, {})
+                now = time.monotonic()
+                if self.guards.unresolvable_exhausted_pending(
+                    task.task_id, rule, host, now, pending
+                ):
+                    if not pending:
+                        del self._resolving[key]
+                    detail = "too many distinct unresolvable names under this allow entry"
+                    return None, "", (Reason.UNRESOLVABLE_NAME_BUDGET, detail, 403)
+                pending[host] = pending.get(host, 0) + 1
+            try:
+                res = await self.resolver.resolve(host)
+            finally:
+                if pending is not None:
+                    left = pending[host] - 1
+                    if left:
+                        pending[host] = left
+                    else:
+                        del pending[host]
+                        if not pending:
+                            self._resolving.pop(key, None)
             unresolvable = res.error is not None or (not res.addresses and not res.forbidden)
             if unresolvable and task is not None and ruleset is not None:
                 # counts against the task's budget exactly as a DNS query would

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -111,6 +112,22 @@ class GuardState:
         g = self.task(task_id, now)
         w = g.unresolvable.setdefault(rule, UnresolvableWindow())
         w.record(name, self.unresolvable_cap, now)
+
+    def unresolvable_exhausted_pending(
+        self, task_id: str, rule: str, name: str, now: float, pending: Collection[str]
+    ) -> bool:
+        """`unresolvable_exhausted`, also counting `pending` names (lookups still in
+        flight, any of which may fail): a burst of concurrent lookups of distinct names
+        cannot overshoot the budget before the first failures are recorded."""
+        w = self.task(task_id, now).unresolvable.get(rule)
+        seen: dict[str, float] = {}
+        if w is not None:
+            w.prune(now)
+            seen = w.seen
+        if name in seen or name in pending:
+            return False
+        in_flight = sum(1 for n in pending if n not in seen)
+        return len(seen) + in_flight >= self.unresolvable_cap
 
     def rate_event_due(self, task_id: str, now: float) -> int | None:
         """Denials for rate are logged at most once a second per task; returns the count
