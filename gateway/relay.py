@@ -90,13 +90,15 @@ class Relay:
         count_up: Callable[[int], bool],
         pool: PipePool | None,
         on_activity: Callable[[], None],
+        first: bytes = b"",
     ) -> None:
         self.client = client
         self.upstream = upstream
+        self.first = first  # already decided and counted: sent upstream first by run()
         self.count_up = count_up  # False: the upload budget is exhausted
         self.pool = pool  # None: no splice, use the copy loop
         self.on_activity = on_activity
-        self.bytes_up = 0
+        self.bytes_up = len(first)
         self.bytes_down = 0
 
     async def run(self) -> None:
@@ -121,8 +123,11 @@ class Relay:
                     me.cancel()
 
         down.done.add_done_callback(down_done)
-        down.start()
+        down.start()  # listening for the upstream's answer before it can be sent
         try:
+            if self.first:
+                first, self.first = self.first, b""
+                await loop.sock_sendall(self.upstream, first)
             await self._pump(self.client, self.upstream, True)
             await down.done
         except asyncio.CancelledError:

@@ -441,26 +441,22 @@ class Gateway:
         if inner.http is not None and decision.protocol == "http":
             # one inspected request per plain-HTTP connection (see sniff_http.force_close)
             inner.data = force_close(inner.http, inner.data)
-        try:
-            if inner.data:
-                if not self._count_up(task, len(inner.data)):
-                    self._decision_event(conn, decision, dialled)
-                    raise UploadLimit
-                await loop.sock_sendall(upstream, inner.data)
-        except BaseException:
+        if inner.data and not self._count_up(task, len(inner.data)):
             upstream.close()
-            raise
+            self._decision_event(conn, decision, dialled)
+            raise UploadLimit
         # logged a moment later in a batch, off the latency path of the first upstream
         # byte; the close event is deferred the same way, so it still comes after this
         self._defer(self._allowed_event, conn, decision, dialled, elapsed, time.time())
+        # the sniffed bytes go upstream from the relay, once it listens for the answer
         relay = Relay(
             conn.client,
             upstream,
             count_up=lambda n: self._count_up(task, n),
             pool=self.pool,
             on_activity=lambda: _touch(conn),
+            first=inner.data,
         )
-        relay.bytes_up = len(inner.data)
         return upstream, relay, (decision, dialled)
 
     def _count_up(self, task: Task, n: int) -> bool:
