@@ -4,6 +4,7 @@ and the gateway still dials the checked address it resolved."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import secrets
 import subprocess
@@ -33,8 +34,9 @@ class V6Client:
         self.host_if = f"sk6h{tag}"
         self.table = f"stockade_g6_{tag}"
         prefix = f"fd77:{secrets.token_hex(2)}:{secrets.token_hex(2)}:1"
-        self.host_ip = f"{prefix}::1"
-        self.address = f"{prefix}::2"
+        # canonical text (a random group like 01ee is written 1ee), as events carry it
+        self.host_ip = str(ipaddress.IPv6Address(f"{prefix}::1"))
+        self.address = str(ipaddress.IPv6Address(f"{prefix}::2"))
         # what the client dials: the host end of our own veth (redirected to the gateway)
         self.far_ip = self.host_ip
         self.port = redirect_port
