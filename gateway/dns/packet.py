@@ -227,7 +227,9 @@ def build_response(
 ) -> tuple[bytes, bool]:
     """Encode `reply` for `q`; returns (bytes, truncated). Never longer than max_size
     (an answer that does not fit drops its records and sets TC)."""
-    if all(r.owner is None and r.rtype in _ADDR_TYPES for r in reply.answers):
+    # the root name is one byte on the wire, shorter than a compression pointer: dnslib
+    # writes it inline, so the fast path (always a pointer) only serves non-root names
+    if q.labels and all(r.owner is None and r.rtype in _ADDR_TYPES for r in reply.answers):
         return build_response_fast(q, reply, max_size, edns_payload)
     return build_response_dnslib(q, reply, max_size, edns_payload)
 
