@@ -288,8 +288,15 @@ class Launcher:
             err_cap.join(timeout=5)
             rc = proc.returncode
             exit_code = 128 - rc if rc < 0 else rc
+            we_killed = ended_by != "exit"  # the loop above SIGKILLed it (kill, ttl, pids)
             if live.killed.is_set() or self._kill_marker(rec).exists():
                 ended_by = "killed"
+                we_killed = True
+            if we_killed:
+                # util-linux unshare, seeing its child die of SIGKILL before its own SIGKILL
+                # lands, cannot re-raise it (signal(SIGKILL) is EINVAL) and exits 1:
+                # report what really happened
+                exit_code = 128 + signal.SIGKILL
             elif ended_by == "exit" and (
                 live.cg.oom_kills() > 0 or (exit_code != 0 and self._scratch_full(rec))
             ):
