@@ -56,45 +56,23 @@ def _loop_factory() -> Any:
 
 
 async def _run(cfg: Any, dev_vault: bool) -> int:
-    import asyncio
-    import signal
-
-    from stockade.policy import RulesError
+    from stockade.serving import serve_until_signalled
 
     from .service import BrokerService
 
     svc = BrokerService(cfg, dev_vault=dev_vault)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    # handlers first: a SIGTERM that arrives during start-up still stops cleanly (and
-    # stops a dev OpenBao started on the way) instead of killing the process outright
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
 
-    reloads: set[asyncio.Future[Any]] = set()  # keep a reference until each one is done
+    def reload() -> Any:
+        # before start-up finished there is nothing to reload yet
+        return svc.reload("sighup") if svc.broker is not None else None
 
-    def hup() -> None:
-        if svc.broker is not None:
-            fut = asyncio.ensure_future(svc.reload("sighup"))
-            reloads.add(fut)
-            fut.add_done_callback(reloads.discard)
-
-    loop.add_signal_handler(signal.SIGHUP, hup)
-    try:
-        try:
-            await svc.start()
-        except RulesError as e:
-            print(f"stockade broker: invalid rules:\n{e}", file=sys.stderr)
-            return 2
-        except (ValueError, OSError) as e:
-            print(f"stockade broker: cannot start: {e}", file=sys.stderr)
-            return 2
+    def banner() -> str:
         assert svc.listen_address is not None
         host, port = svc.listen_address
-        print(f"stockade broker: listening on {host}:{port}", file=sys.stderr, flush=True)
-        await stop.wait()
-        return 0
-    finally:
-        await svc.stop()
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.remove_signal_handler(sig)
+        return f"listening on {host}:{port}"
+
+    # a SIGTERM during start-up also stops a dev OpenBao started on the way
+    return await serve_until_signalled(
+        "broker", start=svc.start, stop=svc.stop, reload=reload, banner=banner,
+        start_errors=(ValueError, OSError),
+    )

@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import threading
 import time
 from collections import OrderedDict
@@ -398,34 +397,15 @@ class LauncherService:
 
 async def serve(config: Config) -> int:
     """`stockade launcher serve`: run until SIGTERM/SIGINT; SIGHUP reloads the rules."""
-    import sys
-
-    from stockade.policy import RulesError
+    from stockade.serving import serve_until_signalled
 
     svc = LauncherService(config)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    # handlers first: a SIGTERM during start-up still ends in stop() (table removed)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, lambda: svc.reload("sighup"))
-    try:
-        try:
-            await svc.start()
-        except RulesError as e:
-            print(f"stockade launcher: invalid rules:\n{e}", file=sys.stderr)
-            return 2
-        except (RuntimeError, OSError) as e:
-            print(f"stockade launcher: cannot start: {e}", file=sys.stderr)
-            return 2
-        print(f"stockade launcher: serving on {svc.socket_path}, rules "
-              f"{svc.rules.current.version}", file=sys.stderr, flush=True)
-        await stop.wait()
-        return 0
-    finally:
-        await svc.stop()
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.remove_signal_handler(sig)
+    # a SIGTERM during start-up still ends in stop() (table removed)
+    return await serve_until_signalled(
+        "launcher", start=svc.start, stop=svc.stop, reload=lambda: svc.reload("sighup"),
+        banner=lambda: f"serving on {svc.socket_path}, rules {svc.rules.current.version}",
+        start_errors=(RuntimeError, OSError),
+    )
 
 
 # -- the client ------------------------------------------------------------------------------

@@ -1,0 +1,58 @@
+"""Run one long-lived service (broker, launcher service) until SIGTERM/SIGINT.
+
+Shared so every service handles signals the same way: handlers are installed before
+start-up (a SIGTERM during start still ends in a clean stop), SIGHUP reloads the rules,
+invalid rules or an unusable listen address at start exit 2 with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+
+async def serve_until_signalled(
+    name: str,
+    *,
+    start: Callable[[], Awaitable[None]],
+    stop: Callable[[], Awaitable[None]],
+    reload: Callable[[], Any],
+    banner: Callable[[], str],
+    start_errors: tuple[type[BaseException], ...] = (OSError,),
+) -> int:
+    from stockade.policy import RulesError
+
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    pending: set[asyncio.Future[Any]] = set()  # a reference until each reload is done
+
+    def hup() -> None:
+        result = reload()
+        if inspect.isawaitable(result):
+            fut = asyncio.ensure_future(result)
+            pending.add(fut)
+            fut.add_done_callback(pending.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, hup)
+    try:
+        try:
+            await start()
+        except RulesError as e:
+            print(f"stockade {name}: invalid rules:\n{e}", file=sys.stderr)
+            return 2
+        except start_errors as e:
+            print(f"stockade {name}: cannot start: {e}", file=sys.stderr)
+            return 2
+        print(f"stockade {name}: {banner()}", file=sys.stderr, flush=True)
+        await stopping.wait()
+        return 0
+    finally:
+        await stop()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
