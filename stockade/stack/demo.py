@@ -13,7 +13,6 @@ import contextlib
 import json
 import secrets
 import signal
-import socket
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from types import FrameType
 from typing import Any
 
 from stockade.config import Config
+from stockade.ports import free_dual_port, free_port
 
 HERE = Path(__file__).parent
 DEMO_RULES = HERE / "demo_rules"
@@ -60,12 +60,6 @@ STEPS = (
     Step("key_via_echo", "get the key from an upstream that echoes headers", "not found"),
     Step("api_direct", "call the API directly, around the broker", "blocked", ("api.test",)),
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def secret_forms(secret: str) -> list[str]:
@@ -194,7 +188,7 @@ def demo_config(root: Path, inet: Any) -> Config:
                     "allow_addresses": [inet.subnet],
                 }
             ),
-            "dns": cfg.dns.model_copy(update={"listen": [f"0.0.0.0:{free_port()}"]}),
+            "dns": cfg.dns.model_copy(update={"listen": [f"0.0.0.0:{free_dual_port()}"]}),
             "broker": cfg.broker.model_copy(
                 update={
                     "listen": f"0.0.0.0:{free_port()}",

@@ -4,7 +4,6 @@ firewall, the fake internet's real DNS server as upstream, dig and dnspython as 
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 import textwrap
 from collections.abc import AsyncIterator, Callable
@@ -20,6 +19,7 @@ from stockade.gateway.resolver import Resolver
 from stockade.policy.loader import load_rules
 
 from stockade.events import validate
+from stockade.ports import free_dual_port
 from stockade.tasks.registry import Task, TaskRegistry
 from stockade.testnet import ClientNamespace, FakeInternet
 
@@ -48,21 +48,6 @@ egress:
         "'*.tunnel.test'",
     )
 )
-
-
-def free_port() -> int:
-    # a port free for both UDP and TCP on the host (the redirect target)
-    for _ in range(50):
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
-            u.bind(("0.0.0.0", 0))
-            port = int(u.getsockname()[1])
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as t:
-                try:
-                    t.bind(("0.0.0.0", port))
-                except OSError:
-                    continue
-                return port
-    raise RuntimeError("no free port")
 
 
 class E2E:
@@ -102,8 +87,8 @@ async def e2e(
         (tmp_path / d).mkdir()
     (tmp_path / "profiles" / "e2e.yaml").write_text(PROFILE)
     rules = load_rules(tmp_path)
-    port = free_port()
-    ns = client_ns(redirect_tcp_port=free_port(), redirect_dns_port=port)
+    port = free_dual_port()
+    ns = client_ns(redirect_tcp_port=free_dual_port(), redirect_dns_port=port)
     registry = TaskRegistry()
     registry.register(Task("e2e", ns.address, "dns-e2e"))
     settings = DnsSettings(

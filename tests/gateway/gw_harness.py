@@ -4,7 +4,6 @@ blocking clients (curl, urllib, pip) and the real control socket."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 from collections.abc import Coroutine
 from pathlib import Path
@@ -15,13 +14,8 @@ from stockade.gateway.service import GatewayService
 
 from stockade.config import load_config
 from stockade.events import read_events, validate
+from stockade.ports import free_port
 from stockade.tasks import ControlClient, Task
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def write_config(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from typing import Any
 import pytest
 from gw_harness import GatewayHarness, write_config
 
+from stockade.ports import free_dual_port
 from stockade.testnet import ClientNamespace, FakeInternet
 
 pytestmark = pytest.mark.netns
@@ -44,21 +44,6 @@ ENTROPY_LABEL = "q7x2m9k4v8z1n6b3w5c0"  # 20 distinct characters: 4.3 bits/char
 BUDGET = 4
 
 
-def free_port() -> int:
-    """A port free for both UDP and TCP (the DNS firewall binds both)."""
-    for _ in range(50):
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
-            u.bind(("0.0.0.0", 0))
-            port = int(u.getsockname()[1])
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as t:
-                try:
-                    t.bind(("0.0.0.0", port))
-                except OSError:
-                    continue
-                return port
-    raise RuntimeError("no free port")
-
-
 @pytest.fixture(scope="module")
 def gwd(
     fake_internet: FakeInternet, tmp_path_factory: pytest.TempPathFactory
@@ -76,7 +61,7 @@ def gwd(
         allow_addresses=[fake_internet.subnet],
         sniff_timeout_s=1.5,
         dns={
-            "listen": [f"0.0.0.0:{free_port()}"],
+            "listen": [f"0.0.0.0:{free_dual_port()}"],
             "unresolvable_names_per_minute": BUDGET,
             "max_label_length": 40,
             "max_name_length": 120,

@@ -21,6 +21,7 @@ from stockade.launcher.cgroups import remove_parent
 
 from stockade.config import Config, load_config
 from stockade.events import validate
+from stockade.ports import free_dual_port, free_port
 from stockade.tasks import ControlClient
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
@@ -41,31 +42,6 @@ exports: {max_file: 1MiB, max_total: 2MiB, types: [text, json]}
 # the same, for a tool that only works with an explicit proxy
 PROXY_PROFILE = PROFILE.replace("profile: agent", "profile: agent-proxy").replace(
     "  mode: enforce\n", "  mode: enforce\n  proxy_env: true\n")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("0.0.0.0", 0))
-        return int(s.getsockname()[1])
-
-
-def _free_pair() -> int:
-    """A port free for both UDP and TCP right now (the DNS firewall binds both)."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
-            u.bind(("0.0.0.0", 0))
-            port = int(u.getsockname()[1])
-            with socket.socket() as t:
-                try:
-                    t.bind(("0.0.0.0", port))
-                except OSError:
-                    continue
-                return port
-    raise RuntimeError("no port free for both UDP and TCP")
 
 
 class Stack:
@@ -112,17 +88,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory, fake_internet: Any) -> Itera
     cfg_data = {
         "rules_dir": str(rules), "state_dir": str(tmp / "state"), "log_dir": str(tmp / "log"),
         "run_dir": str(tmp / "run"), "events": {"file": str(tmp / "log" / "events.jsonl")},
-        "gateway": {"transparent_listen": [f"0.0.0.0:{_free_port()}"],
+        "gateway": {"transparent_listen": [f"0.0.0.0:{free_port('0.0.0.0')}"],
                     # every address: the agent-proxy sandboxes reach it on their veth address
-                    "proxy_listen": [f"0.0.0.0:{_free_port()}"],
+                    "proxy_listen": [f"0.0.0.0:{free_port('0.0.0.0')}"],
                     "control_socket": str(tmp / "run" / "gateway.sock"),
-                    "metrics_listen": f"127.0.0.1:{_free_port()}",
+                    "metrics_listen": f"127.0.0.1:{free_port('0.0.0.0')}",
                     "resolvers": [fake_internet.dns_server],
                     "allow_addresses": [fake_internet.subnet]},
-        "dns": {"listen": [f"0.0.0.0:{_free_pair()}"]},
-        "broker": {"listen": f"0.0.0.0:{_free_port()}",
+        "dns": {"listen": [f"0.0.0.0:{free_dual_port()}"]},
+        "broker": {"listen": f"0.0.0.0:{free_port('0.0.0.0')}",
                    "control_socket": str(tmp / "run" / "broker.sock"),
-                   "metrics_listen": f"127.0.0.1:{_free_port()}"},
+                   "metrics_listen": f"127.0.0.1:{free_port('0.0.0.0')}"},
         # the broker needs a Vault to be configured; none is needed for what is tested here
         "vault": {"address": "http://127.0.0.1:9", "token_file": str(tmp / "token")},
         "launcher": {"nft_table": f"stockade_ls{sfx}", "name_prefix": f"s{sfx[:3]}",
