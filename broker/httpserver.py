@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -202,21 +203,49 @@ class GuardedServer(web.Server):
                                      loop=self._loop, **self._kwargs)
 
 
-class GuardedAppRunner(web.AppRunner):
-    """`web.AppRunner` serving `app` through `GuardedServer` with explicit head limits."""
+class GuardedRunner(web.BaseRunner):
+    """Serves one request handler through `GuardedServer` with explicit head limits:
+    aiohttp's low-level server (no Application, router or middlewares), with the
+    request body cap (`client_max_size`) an Application would have applied and start-up
+    / clean-up hooks in its place."""
 
-    def __init__(self, app: web.Application, *, guard: HeadGuard, limits: HeadLimits,
+    __slots__ = ("_client_max_size", "_guard", "_handler", "_limits", "_on_cleanup",
+                 "_on_startup")
+
+    def __init__(self, handler: Callable[[BaseRequest], Awaitable[web.StreamResponse]], *,
+                 guard: HeadGuard, limits: HeadLimits, client_max_size: int,
+                 on_startup: Callable[[], Awaitable[None]] | None = None,
+                 on_cleanup: Callable[[], Awaitable[None]] | None = None,
                  **kwargs: Any) -> None:
-        super().__init__(app, max_line_size=limits.max_line_size,
-                         max_field_size=limits.max_field_size,
-                         max_headers=limits.max_headers, **kwargs)
+        super().__init__(**kwargs)
+        self._handler = handler
         self._guard = guard
         self._limits = limits
+        self._client_max_size = client_max_size
+        self._on_startup = on_startup
+        self._on_cleanup = on_cleanup
 
     async def _make_server(self) -> web.Server:
-        plain = await super()._make_server()  # app start-up, freeze, the handler kwargs
-        return GuardedServer(plain.request_handler, request_factory=plain.request_factory,
-                             handler_cancellation=plain.handler_cancellation,
-                             guard=self._guard,
-                             header_timeout_s=self._limits.header_timeout_s,
-                             **plain._kwargs)
+        if self._on_startup is not None:
+            await self._on_startup()
+        loop = asyncio.get_running_loop()
+        max_size = self._client_max_size
+
+        def make_request(message: Any, payload: Any, protocol: Any, writer: Any,
+                         task: Any) -> BaseRequest:
+            return BaseRequest(message, payload, protocol, writer, task, loop,
+                               client_max_size=max_size)
+
+        lim = self._limits
+        return GuardedServer(self._handler, request_factory=make_request, guard=self._guard,
+                             header_timeout_s=lim.header_timeout_s,
+                             max_line_size=lim.max_line_size,
+                             max_field_size=lim.max_field_size,
+                             max_headers=lim.max_headers, **self._kwargs)
+
+    async def shutdown(self) -> None:
+        pass
+
+    async def _cleanup_server(self) -> None:
+        if self._on_cleanup is not None:
+            await self._on_cleanup()

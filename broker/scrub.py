@@ -87,6 +87,21 @@ class Patterns:
         out, n = self.scrub(text.encode("utf-8", "surrogateescape"))
         return out.decode("utf-8", "surrogateescape"), n
 
+    def scrub_texts(self, texts: list[str]) -> tuple[list[str], int]:
+        """`scrub_text` over several values (a response's headers): one search over all of
+        them first, since nearly always nothing matches. Any match inside one value is
+        also a match in the joined text, so a miss there means a miss in every value."""
+        joined = "\n".join(texts).encode("utf-8", "surrogateescape")
+        if self.regex.search(joined) is None:
+            return texts, 0
+        out: list[str] = []
+        total = 0
+        for t in texts:
+            clean, n = self.scrub_text(t)
+            out.append(clean)
+            total += n
+        return out, total
+
 
 class StreamScrubber:
     """Feed chunks, get scrubbed chunks; `flush()` at the end returns the held-back tail."""

@@ -24,6 +24,8 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 from aiohttp.abc import AbstractResolver
+from aiohttp.http import HttpVersion11
+from aiohttp.web_request import BaseRequest
 from stockade.policy.model import ApiDefinition, BrokerGrant, Profile
 from stockade.policy.reasons import Reason
 
@@ -32,10 +34,10 @@ from stockade.tasks import Task, TaskRegistry
 
 from .decode import BodyDecoder, DecodeLimit, EncodingRefused
 from .hosts import PinnedResolver
-from .httpserver import BODY_TIMEOUT_MESSAGE, GuardedAppRunner, HeadLimits
+from .httpserver import BODY_TIMEOUT_MESSAGE, GuardedRunner, HeadLimits
 from .inject import inject, strip_injected_query
 from .limits import InFlight, Limiter
-from .metrics import BrokerMetrics
+from .metrics import ApiMetrics, BrokerMetrics
 from .request import (
     CallRequest,
     RequestError,
@@ -93,7 +95,28 @@ class Denied(Exception):
         self.retry_after = retry_after
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
+class ApiRoute:
+    """What a call needs of one API definition that does not change between calls:
+    worked out once per definition (a reload brings new definition objects)."""
+
+    api: ApiDefinition
+    upstream: Upstream | None  # None: the base URL is unusable
+    address_category: str | None  # an IP-literal host the address check refuses
+    metrics: ApiMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class Credential:
+    """One secret rendered for one API's injection, with its scrub patterns; cached so a
+    call does not re-render headers or recompile patterns."""
+
+    headers: tuple[tuple[str, str], ...]  # injected headers + forced Accept-Encoding
+    query: tuple[str, ...]  # encoded injected query parts
+    patterns: Patterns
+
+
+@dataclass(slots=True)
 class CallLog:
     """What the audit event of one call says; filled in as the call progresses."""
 
@@ -142,10 +165,11 @@ class Broker:
         self._address_policy = address_policy
         self.limiter = Limiter()
         self.inflight = InFlight(settings.max_concurrent_calls_per_task)
-        self._patterns: OrderedDict[tuple[str, str, int], Patterns] = OrderedDict()
+        self._credentials: OrderedDict[tuple[Any, ...], Credential] = OrderedDict()
         self._session: aiohttp.ClientSession | None = None
-        self._upstreams: dict[str, Upstream] = {}
+        self._routes: dict[str, ApiRoute] = {}
         registry.on_removed(lambda t: self.limiter.forget(t.task_id))
+        self.metrics.track_dropped(lambda: events.dropped)
 
     # -- lifecycle ---------------------------------------------------------------------
     def ssl_context(self) -> ssl.SSLContext:
@@ -180,10 +204,11 @@ class Broker:
             self._session = None
 
     def app(self) -> web.Application:
+        """`handle` as an aiohttp Application (for embedding next to other routes); the
+        broker itself serves `runner()`, which skips the Application layer."""
         app = web.Application(client_max_size=self.settings.max_request_bytes)
-        app.router.add_post("/v1/call", self.handle_call)
-        app.router.add_route("*", "/{api}", self.handle_passthrough)
-        app.router.add_route("*", "/{api}/{tail:.*}", self.handle_passthrough)
+        # `handle` answers Expect itself (the router's default handler would too)
+        app.router.add_route("*", "/{tail:.*}", self.handle, expect_handler=_no_expect)
 
         async def on_startup(_app: web.Application) -> None:
             await self.start()
@@ -195,16 +220,19 @@ class Broker:
         app.on_cleanup.append(on_cleanup)
         return app
 
-    def runner(self, **kwargs: Any) -> web.AppRunner:
-        """The app behind the guarded HTTP/1 listener (head deadline, explicit head size
-        limits, denial events for heads no handler sees); serve it with `web.TCPSite`."""
+    def runner(self, **kwargs: Any) -> web.BaseRunner:
+        """`handle` behind the guarded HTTP/1 listener (head deadline, explicit head size
+        limits, denial events for heads no handler sees); serve it with `web.TCPSite`.
+        aiohttp's low-level server: no Application, router or middleware chain per call."""
         s = self.settings
         limits = HeadLimits(header_timeout_s=s.request_header_timeout_s,
                             max_line_size=s.max_request_line_bytes,
                             max_field_size=s.max_header_field_bytes,
                             max_headers=s.max_header_count)
-        return GuardedAppRunner(self.app(), guard=self, limits=limits,
-                                keepalive_timeout=s.keepalive_timeout_s, **kwargs)
+        return GuardedRunner(self.handle, guard=self, limits=limits,
+                             client_max_size=s.max_request_bytes,
+                             on_startup=self.start, on_cleanup=self.close,
+                             keepalive_timeout=s.keepalive_timeout_s, **kwargs)
 
     def _audit_soon(self, cl: CallLog) -> None:
         """Write the call's audit event right after the answer went out: building and
@@ -244,7 +272,7 @@ class Broker:
             log.warning("rule reload (%s) refused, keeping version %s", trigger, old)
             return {"ok": False, "version": old, "problems": problems}
         self.rules = new  # one reference swap: a call sees the old or the new rules
-        self._upstreams.clear()
+        self._routes.clear()  # (stale entries would be rebuilt anyway: keyed by object)
         self.metrics.reloads.labels("success").inc()
         self.events.write(make_event(
             component="broker", action="rules_reload", decision="allowed",
@@ -271,7 +299,29 @@ class Broker:
         return out
 
     # -- the two call styles -------------------------------------------------------------
-    async def handle_call(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: BaseRequest) -> web.StreamResponse:
+        """Every request: `POST /v1/call`, anything else is pass-through. Routed here by
+        hand because aiohttp's router, Application and middleware wrapper cost more per
+        call than this one comparison (the API name is parsed in `_parse_passthrough`)."""
+        expect = request.headers.get("Expect")
+        if expect and request.version == HttpVersion11:
+            # what aiohttp's router did: let a client waiting to send its body go on
+            if expect.lower() != "100-continue":
+                return self._refuse_expect(request)
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0  # the answer itself has not started
+        if request.method == "POST" and request.path == "/v1/call":
+            return await self.handle_call(request)
+        return await self.handle_passthrough(request)
+
+    def _refuse_expect(self, request: BaseRequest) -> web.Response:
+        cl = CallLog(self.clock(), request.remote or "")
+        cl.task = self.registry.by_address(cl.source_ip)
+        resp = self._deny(cl, Denied(417, Reason.BAD_REQUEST, "unsupported Expect value"))
+        self._audit_soon(cl)
+        return resp
+
+    async def handle_call(self, request: BaseRequest) -> web.StreamResponse:
         """`POST /v1/call` {api, method, path, query, headers, body | json}."""
         cl = CallLog(self.clock(), request.remote or "")
         slot: str | None = None
@@ -301,7 +351,7 @@ class Broker:
                 self.inflight.release(slot)
             self._audit_soon(cl)
 
-    async def handle_passthrough(self, request: web.Request) -> web.StreamResponse:
+    async def handle_passthrough(self, request: BaseRequest) -> web.StreamResponse:
         """`/{api}/{path...}`: an unmodified SDK with its base URL pointed at the broker."""
         cl = CallLog(self.clock(), request.remote or "")
         slot: str | None = None
@@ -344,7 +394,7 @@ class Broker:
                 self.inflight.release(slot)
             self._audit_soon(cl)
 
-    async def _deny_request(self, request: web.Request, cl: CallLog, d: Denied) -> web.Response:
+    async def _deny_request(self, request: BaseRequest, cl: CallLog, d: Denied) -> web.Response:
         """`_deny`, and for a body that timed out also close the connection right after
         the answer: the rest of that body is not worth aiohttp's lingering read (it would
         keep reading a trickling client for `lingering_time` more)."""
@@ -358,7 +408,7 @@ class Broker:
         return resp
 
     @staticmethod
-    async def _read_body(request: web.Request, limit: int) -> bytes:
+    async def _read_body(request: BaseRequest, limit: int) -> bytes:
         buf = bytearray()
         while True:
             chunk = await request.content.read(min(CHUNK, limit + 1 - len(buf)))
@@ -387,15 +437,17 @@ class Broker:
             raise Denied(403, Reason.UNKNOWN_PROFILE, "the task's profile is not loaded")
         return task, profile
 
-    def _parse_passthrough(self, request: web.Request) -> CallRequest:
-        api_name = request.match_info["api"]
+    def _parse_passthrough(self, request: BaseRequest) -> CallRequest:
         raw = request.raw_path
         if not raw.startswith("/"):
             raise Denied(400, Reason.BAD_REQUEST, "absolute-form request target refused")
         raw_path, _, raw_query = raw.partition("?")
-        prefix = "/" + api_name
-        if raw_path != prefix and not raw_path.startswith(prefix + "/"):
+        api_name = raw_path[1:].partition("/")[0]
+        if not api_name:
+            raise Denied(400, Reason.BAD_REQUEST, "no API name in the path")
+        if "%" in api_name:
             raise Denied(400, Reason.BAD_REQUEST, "API name must not be percent-encoded")
+        prefix = "/" + api_name
         try:
             method = check_method(request.method)
             path, decoded = check_path(raw_path[len(prefix):] or "/")
@@ -460,12 +512,17 @@ class Broker:
             raise Denied(413, Reason.BODY_TOO_LARGE, "request body too large")
         return api, grant
 
-    def _upstream(self, api: ApiDefinition) -> Upstream:
-        up = self._upstreams.get(api.name)
-        if up is None:
-            up = parse_base_url(api)
-            self._upstreams[api.name] = up
-        return up
+    def _route(self, api: ApiDefinition) -> ApiRoute:
+        r = self._routes.get(api.name)
+        if r is None or r.api is not api:
+            try:
+                up: Upstream | None = parse_base_url(api)
+            except RequestError:
+                up = None
+            category = self._literal_forbidden(up.host) if up is not None else None
+            r = ApiRoute(api, up, category, self.metrics.api(api.name))
+            self._routes[api.name] = r
+        return r
 
     def _literal_forbidden(self, host: str) -> str | None:
         if self._address_policy is None or host in self.settings.hosts:
@@ -476,19 +533,25 @@ class Broker:
             return None  # a name: the checked resolver decides
         return self._address_policy.check(ip)
 
-    def _patterns_for(
-        self, api: ApiDefinition, sv: SecretValue, rendered: tuple[str, ...]
-    ) -> Patterns:
-        key = (api.name, sv.value, sv.version)
-        p = self._patterns.get(key)
-        if p is None:
-            p = Patterns.build((sv.value, *rendered))
-            self._patterns[key] = p
-            while len(self._patterns) > 256:
-                self._patterns.popitem(last=False)
+    def _credential(self, api: ApiDefinition, sv: SecretValue) -> Credential:
+        # keyed by the injection too: a reload may change the template or user name,
+        # and with it the rendered values that must be scrubbed
+        key = (api.name, api.injection, sv.value, sv.version)
+        c = self._credentials.get(key)
+        if c is None:
+            try:
+                inj = inject(api.injection, sv.value)
+                query = encode_query(inj.query)
+            except RequestError:
+                raise Denied(503, Reason.VAULT_UNAVAILABLE, "credential unusable") from None
+            c = Credential((*inj.headers, ("Accept-Encoding", "identity")), query,
+                           Patterns.build((sv.value, *inj.rendered_values)))
+            self._credentials[key] = c
+            while len(self._credentials) > 256:
+                self._credentials.popitem(last=False)
         else:
-            self._patterns.move_to_end(key)
-        return p
+            self._credentials.move_to_end(key)
+        return c
 
     async def _forward(
         self,
@@ -497,7 +560,7 @@ class Broker:
         api: ApiDefinition,
         grant: BrokerGrant,
         call: CallRequest,
-        passthrough: web.Request | None,
+        passthrough: BaseRequest | None,
     ) -> dict[str, Any]:
         now = self.clock()
         bucket = self.limiter.bucket(task.task_id, api.name, grant.rate_per_second, grant.burst)
@@ -507,31 +570,28 @@ class Broker:
         budget = self.limiter.budget(task.task_id, api.name, grant.budget_calls, grant.budget_bytes)
         if budget.exhausted():
             raise Denied(403, Reason.BUDGET_EXHAUSTED, "the task's budget for this API is spent")
-        try:
-            up = self._upstream(api)
-        except RequestError:
-            raise Denied(502, UPSTREAM_ERROR, "API definition unusable") from None
+        route = self._route(api)
+        up = route.upstream
+        if up is None:
+            raise Denied(502, UPSTREAM_ERROR, "API definition unusable")
         cl.upstream = up
-        category = self._literal_forbidden(up.host)
-        if category is not None:
-            cl.extra["address_category"] = category
+        if route.address_category is not None:
+            cl.extra["address_category"] = route.address_category
             raise Denied(502, Reason.UPSTREAM_UNREACHABLE, "upstream address refused")
         try:
             sv = await self.secrets.get(api.credential)
         except VaultUnavailable:
             raise Denied(503, Reason.VAULT_UNAVAILABLE, "credential store unavailable") from None
-        try:
-            inj = inject(api.injection, sv.value)
-        except RequestError:
-            raise Denied(503, Reason.VAULT_UNAVAILABLE, "credential unusable") from None
-        patterns = self._patterns_for(api, sv, inj.rendered_values)
-        query = strip_injected_query(call.query, api.injection) + encode_query(inj.query)
+        cred = self._credential(api, sv)
+        patterns = cred.patterns
+        query = strip_injected_query(call.query, api.injection) + cred.query
         url = build_url(up, call.path, query)
-        headers = [*call.headers, *inj.headers, ("Accept-Encoding", "identity")]
+        headers = [*call.headers, *cred.headers]
         budget.charge_call()
         budget.charge_bytes(len(call.body))
         cl.bytes_up = len(call.body)
-        self.metrics.bytes.labels(api.name, "up").inc(len(call.body))
+        m = route.metrics
+        m.bytes_up.inc(len(call.body))
         assert self._session is not None
         t_up = time.perf_counter()
         cut = False  # a streamed answer was cut after its headers were sent
@@ -595,24 +655,21 @@ class Broker:
             else:
                 raise Denied(502, Reason.UPSTREAM_UNREACHABLE, "upstream call failed") from None
         finally:
-            self.metrics.upstream_seconds.labels(api.name).observe(time.perf_counter() - t_up)
-            self.metrics.bytes.labels(api.name, "down").inc(cl.bytes_down)
+            m.upstream_seconds.observe(time.perf_counter() - t_up)
+            m.bytes_down.inc(cl.bytes_down)
         if cl.scrubs:
-            self._secret_echo(cl, api.name)
+            self._secret_echo(cl, api.name, m)
         if not cut:
             cl.decision, cl.reason = "allowed", Reason.ALLOWED_BY_RULE
         return result
 
-    def _scrub_headers(
-        self, items: Any, patterns: Patterns
-    ) -> tuple[list[tuple[str, str]], int]:
-        out: list[tuple[str, str]] = []
-        total = 0
-        for name, value in filter_response_headers(items):
-            clean, n = patterns.scrub_text(value)
-            total += n
-            out.append((name, clean))
-        return out, total
+    @staticmethod
+    def _scrub_headers(items: Any, patterns: Patterns) -> tuple[list[tuple[str, str]], int]:
+        kept = filter_response_headers(items)
+        values, n = patterns.scrub_texts([v for _, v in kept])
+        if not n:
+            return kept, 0
+        return [(name, v) for (name, _), v in zip(kept, values, strict=True)], n
 
     async def _read_all(
         self,
@@ -655,7 +712,7 @@ class Broker:
     async def _stream_back(
         self,
         cl: CallLog,
-        request: web.Request,
+        request: BaseRequest,
         resp: aiohttp.ClientResponse,
         headers: list[tuple[str, str]],
         decoder: BodyDecoder,
@@ -710,8 +767,7 @@ class Broker:
 
     def _audit(self, cl: CallLog) -> None:
         api = cl.api if cl.api and cl.api in self.rules.apis else None
-        self.metrics.calls.labels(api or "-", str(cl.reason)).inc()
-        self.metrics.events_dropped.set(self.events.dropped)
+        self.metrics.call(api or "-", str(cl.reason))
         latency_ms = (self.clock() - cl.t0) * 1000.0
         extra: dict[str, Any] = {
             "api": cl.api if api else None,
@@ -737,8 +793,8 @@ class Broker:
             extra={k: v for k, v in extra.items() if v is not None},
         ))
 
-    def _secret_echo(self, cl: CallLog, api: str) -> None:
-        self.metrics.scrubs.labels(api).inc(cl.scrubs)
+    def _secret_echo(self, cl: CallLog, api: str, m: ApiMetrics) -> None:
+        m.scrubs.inc(cl.scrubs)
         self.events.write(make_event(
             component="broker", action="secret_echo", decision=None,
             reason=Reason.SECRET_ECHO,
@@ -753,3 +809,7 @@ class Broker:
             extra={"api": api, "scrubs": cl.scrubs},
         ))
 
+
+
+async def _no_expect(_request: web.Request) -> None:
+    """`Broker.app()`'s route: `Broker.handle` answers Expect itself."""
