@@ -98,10 +98,10 @@ class GuardedRequestHandler(RequestHandler):
     """aiohttp's per-connection protocol with a head deadline.
 
     The timer is armed while a head is in progress: at connect (so a connection that
-    never sends a complete head is closed too) and at the first byte of each further
-    keep-alive request; it is disarmed as soon as the parser has a complete head (or a
-    parse error). The body has its own deadline in the handlers (`Broker`), where the
-    task is known.
+    never sends a complete head is closed too) and at the first bytes of each further
+    keep-alive request unless they already complete its head; it is disarmed as soon as
+    the parser has a complete head (or a parse error). The body has its own deadline in
+    the handlers (`Broker`), where the task is known.
     """
 
     __slots__ = ("_guard", "_head_timeout", "_head_timer")
@@ -132,11 +132,14 @@ class GuardedRequestHandler(RequestHandler):
         self._arm()
 
     def data_received(self, data: bytes) -> None:
-        if data and self._waiting_for_head():
-            self._arm()  # first byte of a keep-alive request: its head is now on the clock
         super().data_received(data)
         if self._messages:
             self._disarm()  # a complete head (or a parse error) is queued for the handler
+        elif data and self._head_timer is None and self._waiting_for_head():
+            # first bytes of a keep-alive request and its head is still incomplete: it
+            # is now on the clock. A head that arrived whole (the usual case) never
+            # needed a timer, so none is armed and cancelled for it.
+            self._arm()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()

@@ -58,10 +58,15 @@ OWNED_REQUEST = frozenset(
 )
 # headers the broker recomputes on the way back (the body is scrubbed and re-framed)
 OWNED_RESPONSE = frozenset({"content-length", "content-encoding", "set-cookie", "alt-svc"})
+_DROPPED = HOP_BY_HOP | OWNED_REQUEST
+_DROPPED_RESPONSE = HOP_BY_HOP | OWNED_RESPONSE
 
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")  # RFC 9110 token
 _BAD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # CR, LF, NUL and other controls
 _PCT = re.compile(r"%([0-9A-Fa-f]{2})")
+# a path of only unreserved and sub-delim characters (no "%", "?", "#", "\", spaces or
+# controls): `check_path` has nothing to decode or re-quote in it (the per-call case)
+_PLAIN_PATH = re.compile(r"(?:/[A-Za-z0-9._~!$&'()*+,;=:@-]*)+")
 _BAD_PCT = re.compile(r"%(?![0-9A-Fa-f]{2})")
 MAX_PATH = 8192
 MAX_HEADERS = 100
@@ -98,6 +103,15 @@ def check_path(raw: str) -> tuple[str, str]:
         raw = "/"
     if len(raw) > MAX_PATH:
         raise RequestError("path too long")
+    if (_PLAIN_PATH.fullmatch(raw) and "/." not in raw and "://" not in raw
+            and not raw.startswith("//")):
+        # no escapes, no dot segment, nothing to quote: the checks below would all pass
+        # and both forms equal `raw` (the property test compares the two paths)
+        return raw, raw
+    return _check_path_slow(raw)
+
+
+def _check_path_slow(raw: str) -> tuple[str, str]:
     if not raw.startswith("/") or raw.startswith("//"):
         raise RequestError("path must be absolute-path form, not a URL")
     if "://" in raw or "\\" in raw or "?" in raw or "#" in raw:
@@ -146,22 +160,27 @@ def filter_headers(
     items = list(headers)
     if len(items) > MAX_HEADERS:
         raise RequestError("too many headers")
-    owned = set(OWNED_REQUEST)
-    if injection is not None and injection.header:
-        owned.add(injection.header.lower())
+    own = injection.header.lower() if injection is not None and injection.header else None
+    # one search over all names and all values first (nearly always clean); a bad
+    # header sends us through the per-header checks for the precise error
+    names = [n for n, _ in items]
+    if (not all(names) or not _TOKEN.match("".join(names))
+            or _BAD_VALUE.search("".join(v for _, v in items))):
+        for name, value in items:
+            check_header(name, value)
+    lows = [n.lower() for n in names]
     # a Connection header may name further hop-by-hop headers
     conn_named: set[str] = set()
-    for name, value in items:
-        check_header(name, value)
-        if name.lower() == "connection":
-            conn_named.update(t.strip().lower() for t in value.split(",") if t.strip())
-    for name, value in items:
-        low = name.lower()
-        if low in HOP_BY_HOP or low in owned or low in conn_named:
+    if "connection" in lows:
+        for low, (_, value) in zip(lows, items, strict=True):
+            if low == "connection":
+                conn_named.update(t.strip().lower() for t in value.split(",") if t.strip())
+    for low, item in zip(lows, items, strict=True):
+        if low in _DROPPED or low == own or low in conn_named:
             continue
         if low.startswith("proxy-") or low.startswith("x-stockade-"):
             continue
-        out.append((name, value))
+        out.append(item)
     return tuple(out)
 
 
@@ -169,17 +188,14 @@ def filter_response_headers(
     headers: Iterable[tuple[str, str]],
 ) -> list[tuple[str, str]]:
     conn_named: set[str] = set()
-    items = list(headers)
-    for name, value in items:
-        if name.lower() == "connection":
+    items = [(n.lower(), n, v) for n, v in headers]
+    for low, _, value in items:
+        if low == "connection":
             conn_named.update(t.strip().lower() for t in value.split(",") if t.strip())
     return [
         (n, v)
-        for n, v in items
-        if n.lower() not in HOP_BY_HOP
-        and n.lower() not in OWNED_RESPONSE
-        and n.lower() not in conn_named
-        and not _BAD_VALUE.search(v)
+        for low, n, v in items
+        if low not in _DROPPED_RESPONSE and low not in conn_named and not _BAD_VALUE.search(v)
     ]
 
 

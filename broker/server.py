@@ -190,6 +190,7 @@ class Broker:
                 timeout=aiohttp.ClientTimeout(total=self.settings.upstream_timeout_s),
                 cookie_jar=aiohttp.DummyCookieJar(),  # no state shared between tasks
                 trust_env=False,
+                skip_auto_headers=("User-Agent",),
             )
 
     def _make_resolver(self) -> AbstractResolver | None:
@@ -601,7 +602,7 @@ class Broker:
         try:
             async with self._session.request(
                 call.method, url, headers=headers, data=call.body or None,
-                allow_redirects=False, skip_auto_headers=("User-Agent",),
+                allow_redirects=False,
             ) as resp:
                 cl.status = resp.status
                 try:
@@ -623,7 +624,7 @@ class Broker:
                                             scrubber, left, budget)
                 else:
                     try:
-                        body = await self._read_all(resp, decoder, scrubber, cap, left)
+                        body = await self._read_all(resp, decoder, scrubber, cap, left, small)
                     except Denied as d:
                         if d.reason == Reason.BUDGET_EXHAUSTED:
                             budget.exhaust()
@@ -678,23 +679,36 @@ class Broker:
         scrubber: StreamScrubber,
         cap: int | None,
         budget_left: int | None,
+        small: bool = False,
     ) -> bytes:
-        parts: list[bytes] = []
-        size = 0
-        limit = min(x for x in (cap, budget_left) if x is not None) if (
-            cap is not None or budget_left is not None) else None
-        async for chunk in resp.content.iter_chunked(CHUNK):
-            data = scrubber.feed(decoder.feed(chunk))
-            size += len(data)
-            if limit is not None and size > limit:
-                if cap is not None and size > cap:
-                    raise Denied(502, UPSTREAM_ERROR, "upstream response too large")
-                raise Denied(403, Reason.BUDGET_EXHAUSTED,
-                             "the task's byte budget for this API is spent")
-            parts.append(data)
+        limits = [x for x in (cap, budget_left) if x is not None]
+        limit = min(limits) if limits else None
+        if small:
+            # known length, at most SMALL_BODY, not compressed: one read, one scrub pass
+            # (no chunk iterator; the length was capped before a byte was buffered)
+            body = scrubber.feed(decoder.feed(await resp.read()))
+            parts = [body]
+            size = len(body)
+        else:
+            parts = []
+            size = 0
+            async for chunk in resp.content.iter_chunked(CHUNK):
+                data = scrubber.feed(decoder.feed(chunk))
+                size += len(data)
+                self._check_size(size, limit, cap)
+                parts.append(data)
         tail = scrubber.feed(decoder.flush()) + scrubber.flush()
         parts.append(tail)
+        self._check_size(size + len(tail), limit, cap)
         return b"".join(parts)
+
+    @staticmethod
+    def _check_size(size: int, limit: int | None, cap: int | None) -> None:
+        if limit is not None and size > limit:
+            if cap is not None and size > cap:
+                raise Denied(502, UPSTREAM_ERROR, "upstream response too large")
+            raise Denied(403, Reason.BUDGET_EXHAUSTED,
+                         "the task's byte budget for this API is spent")
 
     @staticmethod
     def _call_result(status: int, headers: list[tuple[str, str]], body: bytes) -> dict[str, Any]:

@@ -155,3 +155,46 @@ def test_rewrite_links_points_back_at_the_broker() -> None:
         ("Location", "https://api.example.test:8443/v3evil/x"),
         ("X-Other", "https://api.example.test:8443/v3/kept"),
     ]
+
+
+@settings(max_examples=1000, deadline=None)
+@given(path=st.text(alphabet=st.sampled_from(list("/.%2fFe:@?#ab~!$&'()*+,;=-_ \\\r")),
+                    max_size=30))
+def test_property_plain_path_fast_path_agrees_with_full_check(path: str) -> None:
+    """`check_path` answers plain paths without the escape/quote work; same answer."""
+    from stockade.broker.request import _check_path_slow
+
+    raw = path or "/"
+    try:
+        want: tuple[str, str] | None = _check_path_slow(raw)
+    except RequestError:
+        want = None
+    try:
+        got: tuple[str, str] | None = check_path(path)
+    except RequestError:
+        got = None
+    assert got == want
+
+
+@settings(max_examples=500, deadline=None)
+@given(headers=st.lists(st.tuples(st.text(alphabet="aB-:\r\n x", max_size=6),
+                                  st.text(alphabet="ab,\r\n\x00 \t", max_size=6)),
+                        max_size=4))
+def test_property_header_check_refuses_what_each_header_check_refuses(
+    headers: list[tuple[str, str]],
+) -> None:
+    """The one-pass check over all headers refuses exactly when some header is bad."""
+    from stockade.broker.request import check_header
+
+    bad = False
+    for n, v in headers:
+        try:
+            check_header(n, v)
+        except RequestError:
+            bad = True
+    try:
+        filter_headers(headers)
+        refused = False
+    except RequestError:
+        refused = True
+    assert refused == bad
