@@ -21,16 +21,19 @@ class DecodeLimit(ValueError):
 
 class BodyDecoder:
     def __init__(self, content_encoding: str | None, max_output: int) -> None:
-        codings = [c.strip().lower() for c in (content_encoding or "").split(",") if c.strip()]
-        codings = [c for c in codings if c != "identity"]
-        if len(codings) > 1:
-            raise EncodingRefused("stacked content codings")
-        self.coding = codings[0] if codings else "identity"
         self.max_output = max_output
         self.produced = 0
         self._z: zlib._Decompress | None = None  # type: ignore[name-defined]
         self._deflate_sniffed = False
         self._pending = b""
+        if not content_encoding:  # the usual answer to `Accept-Encoding: identity`
+            self.coding = "identity"
+            return
+        codings = [c.strip().lower() for c in content_encoding.split(",") if c.strip()]
+        codings = [c for c in codings if c != "identity"]
+        if len(codings) > 1:
+            raise EncodingRefused("stacked content codings")
+        self.coding = codings[0] if codings else "identity"
         if self.coding in ("gzip", "x-gzip"):
             self._z = zlib.decompressobj(16 + zlib.MAX_WBITS)
         elif self.coding == "deflate":

@@ -168,6 +168,7 @@ class Broker:
         self._credentials: OrderedDict[tuple[Any, ...], Credential] = OrderedDict()
         self._session: aiohttp.ClientSession | None = None
         self._routes: dict[str, ApiRoute] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once known
         registry.on_removed(lambda t: self.limiter.forget(t.task_id))
         self.metrics.track_dropped(lambda: events.dropped)
 
@@ -200,6 +201,7 @@ class Broker:
         return self._resolver
 
     async def close(self) -> None:
+        self._loop = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -239,7 +241,10 @@ class Broker:
         """Write the call's audit event right after the answer went out: building and
         writing it is ~30 us that need not sit on the caller's latency; the callback runs
         on the loop's next turn, before any later I/O."""
-        asyncio.get_running_loop().call_soon(self._audit, cl)
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        loop.call_soon(self._audit, cl)
 
     def head_denied(self, source_ip: str, status: int, reason: str, error: str) -> None:
         """`HeadGuard`: a request refused before any handler ran (head too slow, too large
@@ -371,8 +376,9 @@ class Broker:
                         body = await self._read_body(request, grant.max_body_bytes)
                 except TimeoutError:
                     raise Denied(408, Reason.REQUEST_TIMEOUT, BODY_TIMEOUT_MESSAGE) from None
-            call = CallRequest(call.api, call.method, call.path, call.match_path, call.query,
-                               call.headers, body)
+            if body:
+                call = CallRequest(call.api, call.method, call.path, call.match_path,
+                                   call.query, call.headers, body)
             await self._forward(cl, task, api, grant, call, request)
             assert cl.response is not None  # _forward streamed the answer into it
             return cl.response
@@ -592,7 +598,8 @@ class Broker:
         budget.charge_bytes(len(call.body))
         cl.bytes_up = len(call.body)
         m = route.metrics
-        m.bytes_up.inc(len(call.body))
+        if call.body:
+            m.bytes_up.inc(len(call.body))
         assert self._session is not None
         t_up = time.perf_counter()
         cut = False  # a streamed answer was cut after its headers were sent
