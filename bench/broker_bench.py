@@ -71,8 +71,7 @@ async def timed_calls(s: aiohttp.ClientSession, url: str, n: int, out: list[floa
 class Round:
     direct: list[float]  # ms per call
     broker: list[float]
-    cpu_user_ms: float  # broker process CPU per broker call
-    cpu_sys_ms: float
+    cpu_ms: float  # broker process CPU per broker call
 
     @property
     def overhead(self) -> float:
@@ -82,8 +81,8 @@ class Round:
 async def interleaved(direct: str, broker: str, n: int, block: int, pid: int) -> Round:
     """`n` sequential calls each way, alternating blocks of `block` direct and `block`
     broker calls; the broker's CPU is counted over its own blocks only."""
-    rnd = Round([], [], 0.0, 0.0)
-    user = system = 0.0
+    rnd = Round([], [], 0.0)
+    cpu = 0.0
     async with aiohttp.ClientSession() as sd, aiohttp.ClientSession() as sb:
         for s, url in ((sd, direct), (sb, broker)):
             for _ in range(50):  # warm-up: connection, credential cache
@@ -93,12 +92,11 @@ async def interleaved(direct: str, broker: str, n: int, block: int, pid: int) ->
         while done < n:
             k = min(block, n - done)
             await timed_calls(sd, direct, k, rnd.direct)
-            u0, s0 = cpu_times(pid)
+            c0 = cpu_seconds(pid)
             await timed_calls(sb, broker, k, rnd.broker)
-            u1, s1 = cpu_times(pid)
-            user, system = user + u1 - u0, system + s1 - s0
+            cpu += cpu_seconds(pid) - c0
             done += k
-    rnd.cpu_user_ms, rnd.cpu_sys_ms = user * 1000 / n, system * 1000 / n
+    rnd.cpu_ms = cpu * 1000 / n
     return rnd
 
 
@@ -121,16 +119,18 @@ async def throughput(url: str, seconds: float, concurrency: int) -> float:
         return done / (time.monotonic() - t0)
 
 
-def cpu_times(pid: int) -> tuple[float, float]:
-    """(user, system) CPU seconds of a process, from /proc: the load-independent cost."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    tck = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / tck, int(fields[12]) / tck
-
-
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (from /proc)."""
-    return sum(cpu_times(pid))
+    """CPU time of a process, all its threads: the load-independent cost. From
+    /proc/PID/task/*/schedstat (the scheduler's exact run time), not the user/system
+    times of /proc/PID/stat, which are sampled at timer ticks (4 ms at HZ=250) and skew
+    for a process that runs in bursts of a few hundred microseconds."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that just ended
+    return total / 1e9
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -204,10 +204,10 @@ async def main_async(args: argparse.Namespace) -> int:
               f"way (alternating blocks of {args.block}), then {args.seconds:.0f} s at "
               f"concurrency {args.concurrency}; broker pinned to one core: {bool(pin)}\n")
         print(f"{'round':<8}{'direct p50':>11}{'broker p50':>11}{'overhead':>10}"
-              f"{'CPU/call user+sys ms':>24}")
+              f"{'broker CPU/call':>17}")
         for i, r in enumerate(rounds, 1):
             print(f"{i:<8}{statistics.median(r.direct):>11.3f}{statistics.median(r.broker):>11.3f}"
-                  f"{r.overhead:>10.3f}{r.cpu_user_ms:>12.3f} + {r.cpu_sys_ms:.3f}")
+                  f"{r.overhead:>10.3f}{r.cpu_ms:>17.3f}")
         print(f"\n{'all rounds':<26}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'calls/s':>11}")
         for name, lat, tp in (("direct to upstream", lat_d, tp_d),
                               ("through broker", lat_b, tp_b)):
@@ -224,7 +224,7 @@ async def main_async(args: argparse.Namespace) -> int:
               "calls/s per fully available core")
         # one call per event-loop turn: the per-call cost without the batching that
         # concurrency (and a starved core) gives, so it varies less with machine load
-        seq = sorted(r.cpu_user_ms + r.cpu_sys_ms for r in rounds)
+        seq = sorted(r.cpu_ms for r in rounds)
         print(f"broker CPU per sequential call: {statistics.median(seq):.3f} ms (median of "
               f"rounds, {seq[0]:.3f} to {seq[-1]:.3f})")
         load = os.getloadavg()[0]
