@@ -39,6 +39,7 @@ from .inject import inject, strip_injected_query
 from .limits import InFlight, Limiter
 from .metrics import ApiMetrics, BrokerMetrics
 from .request import (
+    LINK_HEADERS,
     CallRequest,
     RequestError,
     Upstream,
@@ -84,6 +85,8 @@ class AddressCheck(Protocol):
 
 class SecretSource(Protocol):
     async def get(self, cred: Any) -> SecretValue: ...
+
+    # optional: `fresh(cred) -> SecretValue | None`, a cache hit without a coroutine
 
 
 class Denied(Exception):
@@ -169,6 +172,12 @@ class Broker:
         self._session: aiohttp.ClientSession | None = None
         self._routes: dict[str, ApiRoute] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once known
+        self._fresh: Callable[[Any], SecretValue | None] | None = getattr(
+            secrets, "fresh", None)
+        # match_operation answers per (grant, method, path): pure, and a task repeats its
+        # calls; keyed by the grant object's id (a reload brings new ones), bounded
+        self._op_cache: OrderedDict[tuple[int, str, str], tuple[BrokerGrant, bool]] = (
+            OrderedDict())
         registry.on_removed(lambda t: self.limiter.forget(t.task_id))
         self.metrics.track_dropped(lambda: events.dropped)
 
@@ -278,7 +287,10 @@ class Broker:
             log.warning("rule reload (%s) refused, keeping version %s", trigger, old)
             return {"ok": False, "version": old, "problems": problems}
         self.rules = new  # one reference swap: a call sees the old or the new rules
-        self._routes.clear()  # (stale entries would be rebuilt anyway: keyed by object)
+        # stale entries would be rebuilt or missed anyway (keyed by object); clearing
+        # lets the old rule objects go
+        self._routes.clear()
+        self._op_cache.clear()
         self.metrics.reloads.labels("success").inc()
         self.events.write(make_event(
             component="broker", action="rules_reload", decision="allowed",
@@ -506,18 +518,30 @@ class Broker:
     def _authorize(
         self, cl: CallLog, profile: Profile, call: CallRequest
     ) -> tuple[ApiDefinition, BrokerGrant]:
-        from stockade.policy import match_operation
-
         grant = profile.broker.get(call.api)
         api = self.rules.apis.get(call.api)
         if grant is None or api is None:
             raise Denied(403, Reason.API_NOT_ALLOWED, "the task's profile does not grant this API")
-        if not match_operation(grant, call.method, call.path):
+        if not self._operation_allowed(grant, call.method, call.path):
             raise Denied(403, Reason.OPERATION_NOT_ALLOWED,
                          "the task's profile does not grant this method and path")
         if len(call.body) > grant.max_body_bytes:
             raise Denied(413, Reason.BODY_TOO_LARGE, "request body too large")
         return api, grant
+
+    def _operation_allowed(self, grant: BrokerGrant, method: str, path: str) -> bool:
+        from stockade.policy import match_operation
+
+        key = (id(grant), method, path)
+        hit = self._op_cache.get(key)
+        if hit is not None and hit[0] is grant:  # same object, not a recycled id
+            self._op_cache.move_to_end(key)
+            return hit[1]
+        ok = match_operation(grant, method, path)
+        self._op_cache[key] = (grant, ok)
+        if len(self._op_cache) > 1024:
+            self._op_cache.popitem(last=False)
+        return ok
 
     def _route(self, api: ApiDefinition) -> ApiRoute:
         r = self._routes.get(api.name)
@@ -586,7 +610,9 @@ class Broker:
             cl.extra["address_category"] = route.address_category
             raise Denied(502, Reason.UPSTREAM_UNREACHABLE, "upstream address refused")
         try:
-            sv = await self.secrets.get(api.credential)
+            sv = self._fresh(api.credential) if self._fresh is not None else None
+            if sv is None:
+                sv = await self.secrets.get(api.credential)
         except VaultUnavailable:
             raise Denied(503, Reason.VAULT_UNAVAILABLE, "credential store unavailable") from None
         cred = self._credential(api, sv)
@@ -619,7 +645,8 @@ class Broker:
                     raise Denied(502, UPSTREAM_ERROR, "upstream used an unsupported "
                                  "content coding") from None
                 out_headers, n_h = self._scrub_headers(resp.headers.items(), patterns)
-                if passthrough is not None:
+                if passthrough is not None and any(
+                        n.lower() in LINK_HEADERS for n, _ in out_headers):
                     prefix = f"{passthrough.scheme}://{passthrough.host}/{api.name}"
                     out_headers = rewrite_links(out_headers, api.base_url, prefix)
                 scrubber = StreamScrubber(patterns)

@@ -259,6 +259,15 @@ class VaultClient:
         if self.on_cache is not None:
             self.on_cache(what)
 
+    def fresh(self, cred: CredentialSource) -> SecretValue | None:
+        """The cached secret while within its TTL (counted as a hit), else None: the
+        per-call case without creating and awaiting a coroutine; `get` does the rest."""
+        entry = self._cache.get((cred.mount, cred.path, cred.field))
+        if entry is not None and self.clock() - entry.fetched_at < self.cache_ttl_s:
+            self._count("hit")
+            return entry
+        return None
+
     async def get(self, cred: CredentialSource) -> SecretValue:
         key: CacheKey = (cred.mount, cred.path, cred.field)
         entry = self._cache.get(key)

@@ -302,3 +302,62 @@ async def test_internal_error_is_fixed_text_without_secret(harness: Harness) -> 
                                     "message": "internal error"}
     calls = broker_calls(h)
     assert [e["stockade"]["error"] for e in calls] == ["RuntimeError", "RuntimeError"]
+
+
+async def test_operation_answers_follow_a_reload(harness: Harness) -> None:
+    """The broker remembers operation decisions per grant; a reload's narrower grant
+    must still refuse a path the old grant allowed (and was remembered for)."""
+    h = harness
+    for _ in range(2):  # the second call is answered from the remembered decision
+        status, _doc = await h.v1({"api": "echo", "path": "/json"})
+        assert status == 200
+    prof = h.rules_dir / "profiles" / "agent.yaml"
+    narrowed = prof.read_text().replace(
+        "    echo:\n      operations:\n        - {method: '*', path: '/**'}",
+        "    echo:\n      operations:\n        - {method: GET, path: '/other'}")
+    assert "path: '/other'" in narrowed
+    prof.write_text(narrowed)
+    assert (await h.broker.reload())["ok"] is True
+    status, doc = await h.v1({"api": "echo", "path": "/json"})
+    assert (status, doc["reason"]) == (403, "operation_not_allowed")
+
+
+async def test_requests_without_an_api_name_are_denials_with_events(harness: Harness) -> None:
+    """The broker routes by hand: a path with no API name is a 400 denial with its
+    event (aiohttp's router used to answer such paths 404 without one), and only
+    `POST /v1/call` is the JSON style (`GET /v1/call` is a pass-through to API "v1")."""
+    h = harness
+    for target, status, reason in ((b"/", 400, "bad_request"), (b"//x", 400, "bad_request"),
+                                   (b"/v1/call", 403, "api_not_allowed")):
+        out = await h.raw(b"GET " + target + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                          b"Connection: close\r\n\r\n")
+        assert int(out.split(b" ", 2)[1]) == status, out[:300]
+        assert f'"reason": "{reason}"'.encode() in out
+    await asyncio.sleep(0.05)  # the audit event is written right after the answer
+    assert [e["event"]["reason"] for e in broker_calls(h)] == [
+        "bad_request", "bad_request", "api_not_allowed"]
+    assert h.upstream.seen == []
+
+
+async def test_expect_100_continue_and_unknown_expectations(harness: Harness) -> None:
+    h = harness
+    host, port = h.url.removeprefix("http://").split(":")
+    body = json.dumps({"api": "echo", "path": "/json"}).encode()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/call HTTP/1.1\r\nHost: 127.0.0.1\r\nExpect: 100-continue\r\n"
+                 b"Content-Type: application/json\r\nConnection: close\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+    await writer.drain()
+    interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert interim.startswith(b"HTTP/1.1 100 Continue"), interim
+    writer.write(body)
+    out = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    h.produced.append(out)
+    assert out.startswith(b"HTTP/1.1 200"), out[:300]
+    out = await h.raw(b"GET /echo/json HTTP/1.1\r\nHost: 127.0.0.1\r\nExpect: teapot\r\n"
+                      b"Connection: close\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 417"), out[:300]
+    assert b'"reason": "bad_request"' in out and b"teapot" not in out
+    await asyncio.sleep(0.05)
+    assert broker_calls(h)[-1]["event"]["reason"] == "bad_request"
