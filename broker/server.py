@@ -138,6 +138,8 @@ class CallLog:
     scrubs: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
     response: web.StreamResponse | None = None  # pass-through: the prepared stream
+    upstream_s: float | None = None  # the upstream call took this long (when made)
+    metrics: ApiMetrics | None = None  # the API's metric children (when called)
 
 
 class Broker:
@@ -690,8 +692,9 @@ class Broker:
             else:
                 raise Denied(502, Reason.UPSTREAM_UNREACHABLE, "upstream call failed") from None
         finally:
-            m.upstream_seconds.observe(time.perf_counter() - t_up)
-            m.bytes_down.inc(cl.bytes_down)
+            # observed by `_audit`, after the answer went out (bytes_down is final then)
+            cl.upstream_s = time.perf_counter() - t_up
+            cl.metrics = m
         if cl.scrubs:
             self._secret_echo(cl, api.name, m)
         if not cut:
@@ -816,6 +819,9 @@ class Broker:
     def _audit(self, cl: CallLog) -> None:
         api = cl.api if cl.api and cl.api in self.rules.apis else None
         self.metrics.call(api or "-", str(cl.reason))
+        if cl.metrics is not None and cl.upstream_s is not None:
+            cl.metrics.upstream_seconds.observe(cl.upstream_s)
+            cl.metrics.bytes_down.inc(cl.bytes_down)
         latency_ms = (self.clock() - cl.t0) * 1000.0
         extra: dict[str, Any] = {
             "api": cl.api if api else None,
