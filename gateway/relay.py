@@ -64,19 +64,41 @@ def _wake(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-async def _wait(loop: asyncio.AbstractEventLoop, fd: int, write: bool) -> None:
-    fut = loop.create_future()
+def _expire(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError())
+
+
+async def wait_fd(
+    loop: asyncio.AbstractEventLoop,
+    fd: int,
+    write: bool,
+    deadline: float | None = None,
+    *,
+    track: Callable[[asyncio.Future[None] | None], None] | None = None,
+) -> None:
+    """Wait until `fd` is readable (writable); TimeoutError at `deadline` (loop time).
+
+    Not `asyncio.timeout`: that needs a current task, and the gateway's connections run
+    their first step before they have one (see stockade.eager). `track` is told the
+    waiter (and None after), so someone else can fail the wait (see `Relay.run`).
+    """
+    fut: asyncio.Future[None] = loop.create_future()
     add, remove = (
         (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
     )
     add(fd, _wake, fut)
+    timer = loop.call_at(deadline, _expire, fut) if deadline is not None else None
+    if track is not None:
+        track(fut)
     try:
         await fut
     finally:
         remove(fd)
-
-
-wait_fd = _wait  # for the gateway's own non-blocking connect
+        if timer is not None:
+            timer.cancel()
+        if track is not None:
+            track(None)
 
 
 class Relay:
@@ -100,46 +122,61 @@ class Relay:
         self.on_activity = on_activity
         self.bytes_up = len(first)
         self.bytes_down = 0
+        self._up_waiter: asyncio.Future[None] | None = None  # the upload side's wait
+        self._failed: BaseException | None = None  # the download side's failure
 
     async def run(self) -> None:
         """Return when both directions are done; raise UploadLimit / OSError on failure.
 
-        The upload direction runs in the caller's task; the download direction is driven
-        by reader/writer callbacks (`_DownPump`), with no task of its own. It starts
+        The upload direction runs in the caller's coroutine; the download direction is
+        driven by reader/writer callbacks (`_DownPump`), with no task of its own. It starts
         before the caller's first await, so the upstream's first bytes are relayed from
         the very readiness callback that reports them (no task wake-up, no per-chunk
-        reader churn). A failure of the download side cancels the caller, which then
-        tears the tunnel down.
+        reader churn). A failure of the download side fails the upload side's current
+        wait with the same exception, which tears the tunnel down. (Not by cancelling the
+        caller's task: a connection's first step may run before it has one.)
         """
-        me = asyncio.current_task()
         loop = asyncio.get_running_loop()
         down = _DownPump(self, loop)
-        failed: list[BaseException] = []
 
         def down_done(f: asyncio.Future[None]) -> None:
-            if not f.cancelled() and f.exception() is not None:
-                failed.append(f.exception())  # type: ignore[arg-type]
-                if me is not None:
-                    me.cancel()
+            if f.cancelled() or f.exception() is None:
+                return
+            self._failed = f.exception()
+            waiter = self._up_waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(self._failed)  # type: ignore[arg-type]
 
         down.done.add_done_callback(down_done)
         down.start()  # listening for the upstream's answer before it can be sent
         try:
             if self.first:
                 first, self.first = self.first, b""
-                await loop.sock_sendall(self.upstream, first)
+                await self._send_all(loop, self.upstream, memoryview(first))
             await self._pump(self.client, self.upstream, True)
             await down.done
-        except asyncio.CancelledError:
-            if failed:
-                if me is not None:
-                    me.uncancel()  # the cancel was ours, not the caller's
-                raise failed[0] from None  # the download side failed: report that instead
-            raise
         finally:
             if not down.done.done():
                 down.done.remove_done_callback(down_done)
             down.close()
+
+    def _track(self, waiter: asyncio.Future[None] | None) -> None:
+        self._up_waiter = waiter
+
+    async def _wait_up(self, loop: asyncio.AbstractEventLoop, fd: int, write: bool) -> None:
+        """The upload side's waits: failed at once by a download-side failure."""
+        if self._failed is not None:
+            raise self._failed
+        await wait_fd(loop, fd, write, track=self._track)
+
+    async def _send_all(
+        self, loop: asyncio.AbstractEventLoop, dst: socket.socket, data: memoryview
+    ) -> None:
+        while data:
+            try:
+                data = data[dst.send(data) :]
+            except (BlockingIOError, InterruptedError):
+                await self._wait_up(loop, dst.fileno(), write=True)
 
     def _account(self, n: int, up: bool) -> None:
         if up:
@@ -171,7 +208,7 @@ class Relay:
                 except BlockingIOError:
                     clean = True
                     self.pool.put(pipe)
-                    await _wait(loop, sfd, write=False)
+                    await self._wait_up(loop, sfd, write=False)
                     continue
                 if n == 0:
                     clean = True
@@ -184,7 +221,7 @@ class Relay:
                     try:
                         left -= os.splice(pipe[0], dfd, left, flags=_SPLICE_FLAGS)
                     except BlockingIOError:
-                        await _wait(loop, dfd, write=True)
+                        await self._wait_up(loop, dfd, write=True)
                 self._account(n, up)
                 clean = True
                 self.pool.put(pipe)
@@ -201,7 +238,7 @@ class Relay:
             try:
                 n = src.recv_into(buf)
             except BlockingIOError:
-                await _wait(loop, src.fileno(), write=False)
+                await self._wait_up(loop, src.fileno(), write=False)
                 continue
             except InterruptedError:
                 continue
@@ -209,7 +246,7 @@ class Relay:
                 return
             if up and not self.count_up(n):
                 raise UploadLimit
-            await loop.sock_sendall(dst, view[:n])
+            await self._send_all(loop, dst, view[:n])
             self._account(n, up)
 
 

@@ -32,6 +32,7 @@ from stockade.policy.decide import decide_name
 from stockade.policy.reasons import Reason
 from stockade.policy.ruleset import RuleSet
 
+from stockade.eager import start_eagerly
 from stockade.events import make_event
 from stockade.tasks import Task, TaskRegistry
 
@@ -203,7 +204,9 @@ class Gateway:
         now = time.monotonic()
         conn = Conn(next(_ids), kind, client, (_unmap(peer[0]), peer[1]), now, last_activity=now)
         self.conns.add(conn)
-        conn.handler = asyncio.ensure_future(self._handle(conn))
+        # started here, not queued: its head is read, decided and answered in this
+        # callback instead of after the rest of the loop iteration (see stockade.eager)
+        conn.handler = start_eagerly(self._handle(conn))
 
     async def stop(self) -> None:
         for srv in self._servers:
@@ -598,9 +601,9 @@ class Gateway:
                 sock, err = started
             else:
                 sock = _stream_socket(ip)
+            deadline = loop.time() + self.settings.connect_timeout_s
             try:
-                async with asyncio.timeout(self.settings.connect_timeout_s):
-                    await _connect(loop, sock, (ip, port), err)
+                await _connect(loop, sock, (ip, port), err, deadline)
             except (OSError, TimeoutError):
                 sock.close()
                 continue
@@ -653,8 +656,8 @@ class Gateway:
                 try:
                     chunk = conn.client.recv(16384)  # usually already there: no loop round
                 except BlockingIOError:
-                    async with asyncio.timeout_at(deadline):
-                        chunk = await loop.sock_recv(conn.client, 16384)
+                    await wait_fd(loop, conn.client.fileno(), False, deadline)
+                    continue  # readable (or closed): the recv above reads it
             except TimeoutError:
                 out.error = SniffError(
                     Reason.SNIFF_TIMEOUT,
@@ -884,6 +887,7 @@ async def _connect(
     sock: socket.socket,
     addr: tuple[str, int],
     err: int | None = None,
+    deadline: float | None = None,
 ) -> None:
     """Non-blocking connect to a numeric address.
 
@@ -900,7 +904,7 @@ async def _connect(
         if err == errno.EISCONN:
             return
         if err in _IN_PROGRESS or err == errno.EALREADY:
-            await wait_fd(loop, sock.fileno(), write=True)
+            await wait_fd(loop, sock.fileno(), True, deadline)
             err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
     if err:
         raise OSError(err, os.strerror(err))
