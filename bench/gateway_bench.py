@@ -97,6 +97,14 @@ def parse_size(text: str) -> int:
     return int(text)
 
 
+LATENCY_BLOCK = 50
+
+BASELINE_MAIN = (
+    "import sys; sys.path.insert(0, sys.argv.pop(1)); "
+    "from stockade.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
 def wait_port(port: int, proc: subprocess.Popen[bytes] | None = None, timeout: float = 30) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -108,12 +116,15 @@ def wait_port(port: int, proc: subprocess.Popen[bytes] | None = None, timeout: f
     raise RuntimeError(f"port {port} not listening")
 
 
-def cpu_seconds(pid: int, kind: str = "both") -> float:
-    """utime + stime (or one of them) of a process (all threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = {"user": int(fields[11]), "sys": int(fields[12])}
-    total = ticks["user"] + ticks["sys"] if kind == "both" else ticks[kind]
-    return total / os.sysconf("SC_CLK_TCK")
+def cpu_seconds(pid: int) -> float:
+    """CPU time of a process (all threads) in seconds, from the scheduler's exact run time
+    (/proc/PID/task/*/schedstat, ns): /proc/PID/stat is only tick-sampled on this kernel,
+    which miscounts sub-millisecond bursts."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
 
 
 def rss_kib(pid: int) -> int:
@@ -221,7 +232,28 @@ class Bench:
 # -- proxies ------------------------------------------------------------------------------
 
 
-def start_gateway(tmp: Path, name: str, upstream_port: int, splice: bool) -> Proxy:
+def baseline_tree(tmp: Path, rev: str) -> Path:
+    """Another commit's code as an importable `stockade` package (the repo maps its
+    top-level folders to `stockade.*`; git archive + symlinks rebuild that mapping)."""
+    src = tmp / "baseline-src"
+    src.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", rev], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    pkg = tmp / "baseline-pkg" / "stockade"
+    pkg.mkdir(parents=True)
+    for entry in (src / "stockade").iterdir():
+        (pkg / entry.name).symlink_to(entry)
+    for sub in ("policy", "gateway", "broker", "launcher"):
+        (pkg / sub).symlink_to(src / sub)
+    return pkg.parent
+
+
+def start_gateway(
+    tmp: Path, name: str, upstream_port: int, splice: bool, code: Path | None = None
+) -> Proxy:
+    """`code`: a directory holding another build's `stockade` package (see --baseline)."""
     from dnslib import QTYPE, RR, A
     from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
@@ -277,6 +309,8 @@ def start_gateway(tmp: Path, name: str, upstream_port: int, splice: bool) -> Pro
     (d / "stockade.yaml").write_text(yaml.safe_dump(cfg))
     prof = os.environ.get("STOCKADE_BENCH_PROFILE")  # a profiling wrapper script to run under
     prefix = [sys.executable, prof] if prof else [str(VENV_BIN / "stockade")]
+    if code is not None:  # its package first on sys.path, ahead of the editable install
+        prefix = [sys.executable, "-c", BASELINE_MAIN, str(code)]
     proc = subprocess.Popen(
         [*prefix, "gateway", "serve", "--no-dns", "--config", str(d / "stockade.yaml")],
         stdout=subprocess.DEVNULL,
@@ -428,8 +462,15 @@ def main() -> int:
         help="run the idle-tunnel test for every proxy, not only the gateway",
     )
     ap.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also run the gateway as of git revision REV, interleaved with this tree's "
+        "(A/B of a change on a noisy host)",
+    )
+    ap.add_argument(
         "--only",
-        help="comma-separated subset: direct,gateway,gateway-copy,mitmproxy,squid,tinyproxy",
+        help="comma-separated subset: direct,gateway,gateway-copy,mitmproxy,squid,tinyproxy "
+        "(a --baseline always runs)",
     )
     args = ap.parse_args()
     nbytes = parse_size(args.bytes)
@@ -439,7 +480,7 @@ def main() -> int:
     only = set(args.only.split(",")) if args.only else None
 
     def wanted(key: str) -> bool:
-        return only is None or key in only
+        return only is None or key in only or (key == "baseline" and bool(args.baseline))
 
     hello = client_hello("localhost")
     rows: list[dict[str, object]] = []
@@ -453,6 +494,18 @@ def main() -> int:
                 (
                     "gateway-copy",
                     lambda: start_gateway(tmp, "stockade gateway (copy loop)", up_port, False),
+                ),
+                (
+                    "baseline",
+                    lambda: start_gateway(
+                        tmp,
+                        f"gateway @ {args.baseline} (splice)",
+                        up_port,
+                        True,
+                        baseline_tree(tmp, args.baseline),
+                    )
+                    if args.baseline
+                    else None,
                 ),
                 ("mitmproxy", lambda: start_mitmproxy(tmp)),
                 ("squid", lambda: start_squid(tmp, up_port)),
@@ -469,7 +522,8 @@ def main() -> int:
                         print(f"# {key}: could not start: {e}", file=sys.stderr)
                         continue
                     if proxy is None:
-                        print(f"# {key}: not installed", file=sys.stderr)
+                        if key != "baseline":
+                            print(f"# {key}: not installed", file=sys.stderr)
                         continue
                     bench.latency(proxy, 20)  # warm-up: caches, first-use allocations
                     proxies.append((key, proxy))
@@ -493,15 +547,17 @@ def measure(
     tputs: dict[str, list[float]] = {k: [] for k, _ in proxies}
     lats: dict[str, list[float]] = {k: [] for k, _ in proxies}
     cpu: dict[str, float] = {k: 0.0 for k, _ in proxies}
-    rounds = max(args.runs, 1)
-    per_round = max(1, args.latency_runs // rounds)
-    for _ in range(rounds):
+    for _ in range(max(args.runs, 1)):
         for key, proxy in proxies:
             tputs[key].append(bench.throughput(proxy, nbytes))
+    # latency in blocks of at most LATENCY_BLOCK samples, every path once per block
+    blocks = max(1, -(-args.latency_runs // LATENCY_BLOCK))
+    per_block = max(1, args.latency_runs // blocks)
+    for _ in range(blocks):
         for key, proxy in proxies:
             pid = proxy.proc.pid if proxy.proc else None
             before = cpu_seconds(pid) if pid else 0.0
-            lats[key] += bench.latency(proxy, per_round)
+            lats[key] += bench.latency(proxy, per_block)
             cpu[key] += (cpu_seconds(pid) - before) if pid else 0.0
     rows: list[dict[str, object]] = []
     for key, proxy in proxies:
