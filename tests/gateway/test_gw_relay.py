@@ -93,3 +93,51 @@ async def test_upload_cap_is_exact(mode: str) -> None:
     assert len(received) <= cap
     for s in (client_app, client_gw, up_srv):
         s.close()
+
+
+F_GETPIPE_SZ = 1032
+
+
+@pytest.mark.skipif(not splice_works(), reason="splice unavailable")
+def test_pooled_pipes_are_large_and_fall_back_when_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import fcntl
+
+    from stockade.gateway import relay as relay_mod
+
+    pool = PipePool()
+    r, w = pool.get()
+    assert fcntl.fcntl(w, F_GETPIPE_SZ) == relay_mod.PIPE_BYTES == pool.size
+    pool.put((r, w))
+    pool.close()
+
+    def refuse(fd: int, cmd: int, arg: int = 0) -> int:
+        raise PermissionError("pipe quota")
+
+    monkeypatch.setattr(relay_mod.fcntl, "fcntl", refuse)
+    small = PipePool()
+    pipe = small.get()
+    assert small.size == relay_mod.CHUNK  # splices then ask for what a default pipe holds
+    small.discard(pipe)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_download_side_reset_ends_the_relay(mode: str) -> None:
+    """The upstream resets while the client is quiet: the upload side, waiting for the
+    client, is failed with the download side's error (no task cancellation involved)."""
+    client_app, client_gw = tcp_pair()
+    up_gw, up_srv = tcp_pair()
+    pool = PipePool() if mode == "splice" else None
+    relay = Relay(client_gw, up_gw, count_up=lambda n: True, pool=pool, on_activity=lambda: None)
+    task = asyncio.ensure_future(relay.run())
+    await asyncio.sleep(0.05)
+    up_srv.sendall(b"data")  # unread by the client app: the relay must move it first
+    await asyncio.sleep(0.05)
+    up_srv.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    up_srv.close()  # RST
+    with pytest.raises(OSError):
+        await asyncio.wait_for(task, 10)
+    assert relay.bytes_down == 4
+    for s in (client_app, client_gw, up_gw):
+        s.close()
