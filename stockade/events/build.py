@@ -45,6 +45,9 @@ def timestamp(now: float | None = None) -> str:
 
 
 def _drop_empty(d: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `d` without None values and without dicts that end up empty, recursively.
+    Only caller-supplied dicts (url, dns_question, extra) need it: make_event builds its
+    own parts without None in the first place."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, dict):
@@ -55,6 +58,19 @@ def _drop_empty(d: dict[str, Any]) -> dict[str, Any]:
             continue
         out[k] = v
     return out
+
+
+def _clean(d: dict[str, Any]) -> dict[str, Any]:
+    """`_drop_empty(d)`, but `d` itself when there is nothing to drop (the usual case:
+    a flat dict of set values), so it costs one scan instead of a copy per level."""
+    for v in d.values():
+        if v is None or isinstance(v, dict):
+            return _drop_empty(d)
+    return d
+
+
+_ALERT_ACTIONS = frozenset(("bypass_attempt", "secret_echo"))
+_NETWORK = ["network"]
 
 
 def make_event(
@@ -84,11 +100,17 @@ def make_event(
     extra: dict[str, Any] | None = None,
     now: float | None = None,
 ) -> dict[str, Any]:
-    """Build one event. `extra` lands under `stockade.*` (bytes, durations, api, ...)."""
+    """Build one event. `extra` lands under `stockade.*` (bytes, durations, api, ...).
+
+    None values and empty objects are left out. The parts are built without them
+    directly (no cleanup pass over the whole event: this runs per connection and per
+    broker call); keys keep the schema's order, so the written line is the same as when
+    every field was set to None and then dropped.
+    """
     if decision == "denied":
         types = ["denied"]
-        outcome = "failure"
-        kind = "alert" if action in ("bypass_attempt", "secret_echo") else "event"
+        outcome: str | None = "failure"
+        kind = "alert" if action in _ALERT_ACTIONS else "event"
     elif decision == "allowed":
         types = ["allowed"]
         outcome = "success"
@@ -96,44 +118,98 @@ def make_event(
     else:
         types = ["info"]
         outcome = None
-        kind = "alert" if action in ("bypass_attempt", "secret_echo") else "event"
+        kind = "alert" if action in _ALERT_ACTIONS else "event"
     if action == "connection_close":
         types = ["end", "connection"]
-    stockade: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION,
-        "component": component,
-        "decision": decision,
+
+    ev: dict[str, Any] = {"@timestamp": timestamp(now)}
+    if message is not None:
+        ev["message"] = message
+    e: dict[str, Any] = {
+        "kind": kind,
+        "category": _CATEGORY.get(action, _NETWORK),
+        "type": types,
     }
+    if action is not None:
+        e["action"] = action
+    if outcome is not None:
+        e["outcome"] = outcome
+    if reason is not None:
+        e["reason"] = reason
+    ev["event"] = e
+    if source_ip is not None or source_port is not None:
+        src: dict[str, Any] = {}
+        if source_ip is not None:
+            src["ip"] = source_ip
+        if source_port is not None:
+            src["port"] = source_port
+        ev["source"] = src
+    if destination_domain is not None or destination_ip is not None or destination_port is not None:
+        dst: dict[str, Any] = {}
+        if destination_domain is not None:
+            dst["domain"] = destination_domain
+        if destination_ip is not None:
+            dst["ip"] = destination_ip
+        if destination_port is not None:
+            dst["port"] = destination_port
+        ev["destination"] = dst
+    if transport is not None or protocol is not None:
+        net: dict[str, Any] = {}
+        if transport is not None:
+            net["transport"] = transport
+        if protocol is not None:
+            net["protocol"] = protocol
+        ev["network"] = net
+    if http_method is not None or http_status is not None:
+        http: dict[str, Any] = {}
+        if http_method is not None:
+            http["request"] = {"method": http_method}
+        if http_status is not None:
+            http["response"] = {"status_code": http_status}
+        ev["http"] = http
+    if url is not None:
+        # copied: the event must not share (or later see changes to) the caller's dict
+        u = _drop_empty(url) if isinstance(url, dict) else url
+        if u or not isinstance(url, dict):
+            ev["url"] = u
+    q = None
+    if dns_question is not None:
+        q = _drop_empty(dns_question) if isinstance(dns_question, dict) else dns_question
+        if not q and isinstance(dns_question, dict):
+            q = None
+    if q is not None or dns_response_code is not None:
+        dns: dict[str, Any] = {}
+        if q is not None:
+            dns["question"] = q
+        if dns_response_code is not None:
+            dns["response_code"] = dns_response_code
+        ev["dns"] = dns
+    if rule_id is not None or policy_version is not None:
+        rule: dict[str, Any] = {}
+        if rule_id is not None:
+            rule["id"] = rule_id
+        if policy_version is not None:
+            rule["ruleset"] = policy_version
+        ev["rule"] = rule
+    if task_id is not None or profile is not None:
+        labels: dict[str, Any] = {}
+        if task_id is not None:
+            labels["task_id"] = task_id
+        if profile is not None:
+            labels["profile"] = profile
+        ev["labels"] = labels
+    # `extra` may override these keys (in place, keeping their position) or hold None
+    # and nested dicts, so this part is built as before and cleaned when it needs it
+    st: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "component": component}
+    if decision is not None or (extra and "decision" in extra):
+        st["decision"] = decision
     if report_only:
-        stockade["report_only"] = True
+        st["report_only"] = True
     if extra:
-        stockade.update(extra)
-    ev = {
-        "@timestamp": timestamp(now),
-        "message": message,
-        "event": {
-            "kind": kind,
-            "category": _CATEGORY.get(action, ["network"]),
-            "type": types,
-            "action": action,
-            "outcome": outcome,
-            "reason": reason,
-        },
-        "source": {"ip": source_ip, "port": source_port},
-        "destination": {
-            "domain": destination_domain,
-            "ip": destination_ip,
-            "port": destination_port,
-        },
-        "network": {"transport": transport, "protocol": protocol},
-        "http": {
-            "request": {"method": http_method},
-            "response": {"status_code": http_status},
-        },
-        "url": url,
-        "dns": {"question": dns_question, "response_code": dns_response_code},
-        "rule": {"id": rule_id, "ruleset": policy_version},
-        "labels": {"task_id": task_id, "profile": profile},
-        "stockade": stockade,
-    }
-    return _drop_empty(ev)
+        st.update(extra)
+        st = _clean(st)
+    elif component is None:
+        del st["component"]
+    if st:  # only empty when extra set every key to None
+        ev["stockade"] = st
+    return ev

@@ -16,7 +16,31 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 Event = dict[str, Any]
+
+# orjson writes key order, non-ASCII text (as UTF-8) and ints as json.dumps(...,
+# separators=(",", ":"), ensure_ascii=False) does, about ten times faster. Dataclasses and
+# datetimes it would serialise itself go to the stdlib fallback below, which refuses them
+# as before (counted in `dropped`).
+_ORJSON_OPTS = (
+    orjson.OPT_APPEND_NEWLINE | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
+)
+
+
+def encode_line(event: Event) -> bytes:
+    """One event as one JSON line (UTF-8, compact, newline-terminated).
+
+    Raises TypeError or ValueError when the event cannot be written as JSON.
+    """
+    try:
+        return orjson.dumps(event, option=_ORJSON_OPTS)
+    except TypeError:
+        # what orjson refuses but json.dumps wrote (non-str keys, ints beyond 64 bits,
+        # float subclasses) keeps its old form; the rest fails here as it did before
+        line = json.dumps(event, separators=(",", ":"), ensure_ascii=False) + "\n"
+        return line.encode("utf-8")
 
 ROTATION_CHECK_S = 0.5  # how often a writer looks for a rotation done by another process
 
@@ -93,11 +117,10 @@ class EventWriter:
 
     def write(self, event: Event) -> bool:
         try:
-            line = json.dumps(event, separators=(",", ":"), ensure_ascii=False) + "\n"
-        except (TypeError, ValueError):
+            data = encode_line(event)
+        except (TypeError, ValueError):  # ValueError includes a lone surrogate's encode error
             self.dropped += 1
             return False
-        data = line.encode("utf-8")
         ok = True
         with self._lock:
             if self.path is not None:
@@ -118,7 +141,7 @@ class EventWriter:
                     self._fd = None
             if self.stdout:
                 try:
-                    sys.stdout.write(line)
+                    sys.stdout.write(data.decode("utf-8"))
                     sys.stdout.flush()
                 except (OSError, ValueError):
                     self.dropped += 1
