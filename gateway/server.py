@@ -23,6 +23,7 @@ import math
 import os
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -142,8 +143,8 @@ class Gateway:
         # events of allowed flows wait here for a moment and are built and written in one
         # batch, so that work is not on the latency path of the next connection (see
         # `_defer`); `stop()` writes whatever is left, so none is lost on shutdown
-        self._deferred: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
-        self._flush_handle: asyncio.TimerHandle | None = None
+        self._deferred: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()
+        self._flush_handle: asyncio.TimerHandle | asyncio.Handle | None = None
         self._decision_counters: dict[tuple[str, str, str], Any] = {}
         registry.on_removed(self._task_removed)
         self.metrics.track_registry(lambda: len(self.registry))
@@ -237,21 +238,33 @@ class Gateway:
 
         Building and writing an event costs tens of microseconds; done inline it lands on
         the set-up latency of the flow itself or of the connection that arrives next. The
-        batch runs at most EVENT_DELAY_S later (callers pass the wall-clock time of what
-        they log, so timestamps are exact), in order, and `stop()` flushes it.
+        batch starts at most EVENT_DELAY_S later (callers pass the wall-clock time of what
+        they log, so timestamps are exact) and runs in order, EVENT_SLICE events per loop
+        round so that connections arriving meanwhile wait for one slice, not the batch;
+        `stop()` flushes everything.
         """
         self._deferred.append((fn, args))
         if self._flush_handle is None:
             loop = asyncio.get_running_loop()
-            self._flush_handle = loop.call_later(EVENT_DELAY_S, self.flush_events)
+            self._flush_handle = loop.call_later(EVENT_DELAY_S, self._flush_slice)
+
+    def _flush_slice(self) -> None:
+        self._flush_handle = None
+        self._write_deferred(EVENT_SLICE)
+        if self._deferred:
+            self._flush_handle = asyncio.get_running_loop().call_soon(self._flush_slice)
 
     def flush_events(self) -> None:
         """Build and write every deferred event now."""
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None
-        batch, self._deferred = self._deferred, []
-        for fn, args in batch:
+        self._write_deferred(len(self._deferred))
+
+    def _write_deferred(self, limit: int) -> None:
+        batch = self._deferred
+        for _ in range(min(limit, len(batch))):
+            fn, args = batch.popleft()
             try:
                 fn(*args)
             except Exception:  # one bad event must not lose the rest of the batch
@@ -863,6 +876,7 @@ IDLE_TIMEOUT = "idle_timeout"
 SHUTDOWN = "shutdown"
 ACCEPT_BATCH = 64  # connections accepted per readiness callback before yielding
 EVENT_DELAY_S = 0.01  # how long an allowed flow's events may wait to be written in a batch
+EVENT_SLICE = 4  # deferred events written per event-loop round
 
 
 def _budget_key(ruleset: RuleSet, task: Task, host: str) -> str:
