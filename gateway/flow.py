@@ -223,7 +223,20 @@ def decide_flow(
         and prior.policy_version == version
     ):
         # same question, same rule set: the answer cannot differ (decide is pure)
-        return replace(prior, protocol=proto)
+        if prior.protocol == proto:
+            return prior
+        return FlowDecision(  # not dataclasses.replace: this is on every TLS set-up path
+            prior.allowed,
+            prior.reason,
+            proto,
+            prior.port,
+            host=prior.host,
+            ip=prior.ip,
+            rule_id=prior.rule_id,
+            report_only=prior.report_only,
+            policy_version=prior.policy_version,
+            detail=prior.detail,
+        )
     v = decide(ruleset, profile, RequestFacts(host=host, port=port), today=today)
     return FlowDecision(
         allowed=v.allowed,

@@ -26,10 +26,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import date
 from functools import lru_cache
 from typing import Any
 
-from stockade.policy.decide import decide_name
+from stockade.policy.decide import decide_name, utc_today
 from stockade.policy.reasons import Reason
 from stockade.policy.ruleset import RuleSet
 
@@ -146,6 +147,8 @@ class Gateway:
         self._deferred: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()
         self._flush_handle: asyncio.TimerHandle | asyncio.Handle | None = None
         self._decision_counters: dict[tuple[str, str, str], Any] = {}
+        self._verdicts: dict[tuple[str, str, date], FlowDecision] = {}  # _connect_verdict
+        self._verdicts_for: RuleSet | None = None
         registry.on_removed(self._task_removed)
         self.metrics.track_registry(lambda: len(self.registry))
 
@@ -395,7 +398,7 @@ class Gateway:
         early: EarlyDial | None = None
         if connect_head is not None:
             # decide on the authority alone first, so a denied CONNECT gets a 403
-            pre = decide_flow(FlowInput("proxy", connect=connect_head), ruleset, task.profile)
+            pre = self._connect_verdict(connect_head, ruleset, task.profile)
             if not pre.allowed:
                 self._decision_event(conn, pre, None)
                 await self._send_and_close(conn, http_denial(pre.reason, pre.rule_id, task.task_id))
@@ -474,6 +477,24 @@ class Gateway:
             first=inner.data,
         )
         return upstream, relay, (decision, dialled)
+
+    def _connect_verdict(self, head: RequestHead, ruleset: RuleSet, profile: str) -> FlowDecision:
+        """`decide_flow` for a CONNECT authority alone, memoised per rule set, profile,
+        authority and UTC day (it is pure in exactly those: entries expire by date). A
+        task names the same few authorities on every connection. Bounded: cleared when
+        full, so distinct names can churn it but not grow it."""
+        if ruleset is not self._verdicts_for:
+            self._verdicts.clear()
+            self._verdicts_for = ruleset
+        today = utc_today()
+        key = (profile, head.target, today)
+        verdict = self._verdicts.get(key)
+        if verdict is None:
+            if len(self._verdicts) >= VERDICT_CACHE_SIZE:
+                self._verdicts.clear()
+            verdict = decide_flow(FlowInput("proxy", connect=head), ruleset, profile, today)
+            self._verdicts[key] = verdict
+        return verdict
 
     def _count_up(self, task: Task, n: int) -> bool:
         used = self.uploaded.get(task.task_id, 0) + n
@@ -876,6 +897,7 @@ IDLE_TIMEOUT = "idle_timeout"
 SHUTDOWN = "shutdown"
 ACCEPT_BATCH = 64  # connections accepted per readiness callback before yielding
 EVENT_DELAY_S = 0.01  # how long an allowed flow's events may wait to be written in a batch
+VERDICT_CACHE_SIZE = 4096  # memoised CONNECT verdicts (see Gateway._connect_verdict)
 EVENT_SLICE = 4  # deferred events written per event-loop round
 
 

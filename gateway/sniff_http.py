@@ -121,7 +121,25 @@ def _split_target(method: str, target: str) -> tuple[TargetForm, Authority | Non
 
 
 def parse_head(head: bytes) -> RequestHead | SniffError:
-    """Parse a complete head (ending in CRLF CRLF)."""
+    """Parse a complete head (ending in CRLF CRLF).
+
+    Heads up to CACHED_HEAD_BYTES are memoised (pure function, immutable results): a
+    client repeats the same CONNECT head, byte for byte, on every connection. The cache
+    is bounded, so a hostile client can only churn it, not grow it."""
+    if len(head) <= CACHED_HEAD_BYTES:
+        return _parse_head_cached(head)
+    return _parse_head(head)
+
+
+CACHED_HEAD_BYTES = 512
+
+
+@lru_cache(maxsize=1024)
+def _parse_head_cached(head: bytes) -> RequestHead | SniffError:
+    return _parse_head(head)
+
+
+def _parse_head(head: bytes) -> RequestHead | SniffError:
     lines = head[:-4].split(b"\r\n")
     if any(b"\n" in line or b"\r" in line for line in lines):
         return SniffError(Reason.PROTOCOL_UNRECOGNISED, "bare CR or LF in request head")

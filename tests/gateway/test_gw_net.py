@@ -447,6 +447,25 @@ def test_proxy_connect_denied_gets_403(
     assert "403" in r.stderr and "x-stockade-deny: no_matching_rule" in r.stderr.lower()
 
 
+def test_a_reload_changes_the_verdict_for_a_connect_seen_before(
+    gw: GatewayHarness, sandbox: ClientNamespace, fake_internet: FakeInternet, rules_dir: Path
+) -> None:
+    """CONNECT verdicts are memoised per rule set: a new rule set must not reuse them."""
+    url = "https://allowed.test/"
+    assert curl(sandbox, fake_internet, "-x", proxy_url(gw, sandbox), url).returncode == 0
+    web = rules_dir / "profiles" / "web.yaml"
+    original = web.read_text()
+    try:
+        web.write_text(original.replace("- host: allowed.test", "- host: allowed-not.test"))
+        assert gw.control.reload()["ok"]
+        r = curl(sandbox, fake_internet, "-v", "-x", proxy_url(gw, sandbox), url)
+        assert r.returncode != 0 and "x-stockade-deny: no_matching_rule" in r.stderr.lower()
+    finally:
+        web.write_text(original)
+        assert gw.control.reload()["ok"]
+    assert curl(sandbox, fake_internet, "-x", proxy_url(gw, sandbox), url).returncode == 0
+
+
 def test_ip_literal_connect_is_denied(
     gw: GatewayHarness, sandbox: ClientNamespace, fake_internet: FakeInternet
 ) -> None:

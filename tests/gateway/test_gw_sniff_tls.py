@@ -165,3 +165,47 @@ def test_mutated_hello_never_crashes(pos: int, value: int) -> None:
     assert r is NEED_MORE or isinstance(r, SniffError | ClientHello)
     if isinstance(r, ClientHello) and r.sni is not None:
         assert r.sni.isascii() and r.sni.isprintable()
+
+
+_HELLO_BODY = real_client_hello("allowed.test", alpn=["h2", "http/1.1"])[5:]
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, len(_HELLO_BODY) - 1), st.integers(0, 255)), max_size=4),
+    st.integers(0, len(_HELLO_BODY)),
+)
+def test_offset_parser_agrees_with_the_reader_oracle(
+    changes: list[tuple[int, int]], keep: int
+) -> None:
+    from stockade.gateway.sniff_tls import parse_client_hello_body
+    from tls_oracle import parse_client_hello_body as oracle
+
+    data = bytearray(_HELLO_BODY)
+    for pos, value in changes:
+        data[pos] = value
+    msg = bytes(data[:keep])
+    assert parse_client_hello_body(msg) == oracle(msg)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([0x0000, 0x0010, 0xFE0D, 0x002B, 0x000A]),
+            st.binary(max_size=40),
+        ),
+        max_size=6,
+    ),
+    st.lists(st.tuples(st.integers(0, 3), st.binary(max_size=20)), max_size=3),
+)
+def test_offset_parser_agrees_on_synthetic_extensions(
+    exts: list[tuple[int, bytes]], names: list[tuple[int, bytes]]
+) -> None:
+    from gw_tlsgen import _ext
+    from stockade.gateway.sniff_tls import parse_client_hello_body
+    from tls_oracle import parse_client_hello_body as oracle
+
+    built = [_ext(t, d) for t, d in exts] + ([sni_ext(names)] if names else [])
+    msg = synthetic_hello(built)[5:]
+    assert parse_client_hello_body(msg) == oracle(msg)
