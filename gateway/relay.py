@@ -215,6 +215,9 @@ class Relay:
     ) -> None:
         assert self.pool is not None
         sfd, dfd = src.fileno(), dst.fileno()
+        # the client has just sent its first message and usually waits for an answer:
+        # wait for more instead of asking (an EAGAIN syscall per connection)
+        await self._wait_up(loop, sfd, write=False)
         while True:
             pipe = self.pool.get()
             clean = False
@@ -291,7 +294,12 @@ class _DownPump:
         self.chunk = 0  # size of the chunk in flight (accounted once fully written)
 
     def start(self) -> None:
-        self._run()
+        if self.relay.pool is not None:
+            # nothing to move yet (the upstream has not been sent the first bytes, or
+            # has only just been): listen instead of asking and hearing EAGAIN
+            self._watch(read=True, write=False)
+        else:
+            self._run()
 
     def close(self) -> None:
         """Stop (the tunnel is being torn down); releases a half-moved chunk's pipe."""
