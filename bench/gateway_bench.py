@@ -525,8 +525,8 @@ def main() -> int:
                         if key != "baseline":
                             print(f"# {key}: not installed", file=sys.stderr)
                         continue
+                    proxies.append((key, proxy))  # before the warm-up: stopped if it fails
                     bench.latency(proxy, 20)  # warm-up: caches, first-use allocations
-                    proxies.append((key, proxy))
                 rows = measure(bench, proxies, nbytes, args, idle_n)
             finally:
                 for _, proxy in proxies:
