@@ -117,14 +117,34 @@ def wait_port(port: int, proc: subprocess.Popen[bytes] | None = None, timeout: f
 
 
 def cpu_seconds(pid: int) -> float:
-    """CPU time of a process (all threads) in seconds, from the scheduler's exact run time
-    (/proc/PID/task/*/schedstat, ns): /proc/PID/stat is only tick-sampled on this kernel,
-    which miscounts sub-millisecond bursts."""
+    """CPU time of a process and its live descendants (all threads) in seconds, from the
+    scheduler's exact run time (/proc/PID/task/*/schedstat, ns): /proc/PID/stat is only
+    tick-sampled on this kernel, which miscounts sub-millisecond bursts. Descendants
+    count because some proxies (tinyproxy) serve connections in worker processes."""
     total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    for proc in [pid, *_descendants(pid)]:
         with contextlib.suppress(OSError):
-            total += int((task / "schedstat").read_text().split()[0])
+            for task in Path(f"/proc/{proc}/task").iterdir():
+                with contextlib.suppress(OSError):
+                    total += int((task / "schedstat").read_text().split()[0])
     return total / 1e9
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
 
 
 def rss_kib(pid: int) -> int:
