@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 from typing import Any
 
 
@@ -28,14 +27,10 @@ def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from stockade.config import ConfigError, load_config
+    from stockade.cli import config_or_fail
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        cfg = load_config(args.config)
-    except ConfigError as e:
-        print(f"stockade broker: {e}", file=sys.stderr)
-        return 2
+    cfg = config_or_fail(args.config, "broker")
     updates: dict[str, Any] = {}
     if args.rules:
         updates["rules_dir"] = args.rules

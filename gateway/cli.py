@@ -37,7 +37,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from stockade.policy import RulesError
 
-    from stockade.config import ConfigError, load_config
+    from stockade.cli import config_or_fail
 
     from .service import serve
 
@@ -46,11 +46,7 @@ def run_serve(args: argparse.Namespace) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    try:
-        config = load_config(args.config)
-    except ConfigError as e:
-        print(f"stockade gateway: {e}", file=sys.stderr)
-        return 2
+    config = config_or_fail(args.config, "gateway")
     try:
         return run_loop(serve(config, dns=not args.no_dns), config.gateway.uvloop)
     except RulesError as e:

@@ -69,7 +69,7 @@ def _launcher(config_path: str | None) -> Any:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from stockade.config import ConfigError, load_config
+    from stockade.cli import config_or_fail
 
     from .core import Launcher, LauncherError, SandboxSpec
 
@@ -79,12 +79,12 @@ def _run(args: argparse.Namespace) -> int:
     if not cmd:
         print("stockade run: missing command after --", file=sys.stderr)
         return 2
+    config = config_or_fail(args.config, "run")
     try:
-        config = load_config(args.config)
         from stockade.policy import load_rules  # type: ignore[attr-defined]
 
         ruleset = load_rules(args.rules or config.rules_dir)
-    except (ConfigError, Exception) as e:
+    except Exception as e:
         print(f"stockade run: {e}", file=sys.stderr)
         return 2
     spec = SandboxSpec(profile=args.profile, argv=cmd,
@@ -139,16 +139,12 @@ def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from stockade.config import ConfigError, load_config
+    from stockade.cli import config_or_fail
 
     from .service import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        cfg = load_config(args.config)
-    except ConfigError as e:
-        print(f"stockade launcher: {e}", file=sys.stderr)
-        return 2
+    cfg = config_or_fail(args.config, "launcher")
     updates: dict[str, Any] = {}
     if args.rules:
         updates["rules_dir"] = args.rules

@@ -11,6 +11,10 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stockade.config import Config
 
 # module -> adds its subcommands; order is the order in --help
 COMMAND_MODULES = (
@@ -21,6 +25,27 @@ COMMAND_MODULES = (
     "stockade.stack",  # up, demo
     "stockade.events.cli",  # events
 )
+
+
+class CommandFailed(Exception):
+    """Ends a command with a message on stderr and an exit code (`main` prints it), so a
+    helper deep in a handler can refuse without every caller checking a return value."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+def config_or_fail(path: str | None, command: str) -> Config:
+    """`load_config(path)`; an unusable file ends the command: `stockade COMMAND: <error>`,
+    exit 2 (the same for every command, so scripts and systemd can rely on it)."""
+    from stockade.config import ConfigError, load_config
+
+    try:
+        return load_config(path)
+    except ConfigError as e:
+        raise CommandFailed(f"stockade {command}: {e}", 2) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(func(args) or 0)
+    except CommandFailed as e:
+        print(e.message, file=sys.stderr)
+        return e.code
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

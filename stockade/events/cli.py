@@ -72,18 +72,11 @@ def _lines(path: Path, follow: bool, poll: float = 0.25) -> Iterator[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stockade.config import ConfigError, load_config
+    from stockade.cli import config_or_fail
 
     from .view import EventFilter, format_line, parse_duration
 
-    if args.file:
-        path = Path(args.file)
-    else:
-        try:
-            path = load_config(args.config).events_file
-        except ConfigError as e:
-            print(f"stockade events: {e}", file=sys.stderr)
-            return 2
+    path = Path(args.file) if args.file else config_or_fail(args.config, "events").events_file
     try:
         since = time.time() - parse_duration(args.since) if args.since else None
     except ValueError as e:

@@ -40,15 +40,11 @@ def _up(args: argparse.Namespace) -> int:
     import signal
     import time
 
-    from stockade.config import ConfigError, load_config
+    from stockade.cli import config_or_fail
 
     from .services import Stack, StackError, stack_running
 
-    try:
-        cfg = load_config(args.config)
-    except ConfigError as e:
-        print(f"stockade up: {e}", file=sys.stderr)
-        return 2
+    cfg = config_or_fail(args.config, "up")
     if stack_running(cfg):
         print("stockade up: a stack is already running on these control sockets", file=sys.stderr)
         return 1
