@@ -24,10 +24,10 @@ def add_commands(sub: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import asyncio
     import logging
 
     from stockade.cli import config_or_fail
+    from stockade.serving import run
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = config_or_fail(args.config, "broker")
@@ -38,17 +38,8 @@ def _serve(args: argparse.Namespace) -> int:
         updates["broker"] = cfg.broker.model_copy(update={"listen": args.listen})
     if updates:
         cfg = cfg.model_copy(update=updates)
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        return runner.run(_run(cfg, args.dev_vault))
-
-
-def _loop_factory() -> Any:
-    """uvloop when installed (about a quarter less CPU per proxied call), else asyncio's."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
+    # uvloop when installed: about a quarter less CPU per proxied call
+    return run(_run(cfg, args.dev_vault))
 
 
 async def _run(cfg: Any, dev_vault: bool) -> int:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Coroutine
-from typing import Any
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -35,9 +33,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
 def run_serve(args: argparse.Namespace) -> int:
     import logging
 
-    from stockade.policy import RulesError
-
     from stockade.cli import config_or_fail
+    from stockade.serving import run
 
     from .service import serve
 
@@ -47,25 +44,5 @@ def run_serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     config = config_or_fail(args.config, "gateway")
-    try:
-        return run_loop(serve(config, dns=not args.no_dns), config.gateway.uvloop)
-    except RulesError as e:
-        print(f"stockade gateway: rules invalid, not starting:\n{e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"stockade gateway: {e}", file=sys.stderr)
-        return 1
-
-
-def run_loop(main: Coroutine[Any, Any, int], want_uvloop: bool) -> int:
-    """uvloop when installed and wanted (its C event loop halves per-connection overhead)."""
-    import asyncio
-
-    if want_uvloop:
-        try:
-            import uvloop
-        except ImportError:
-            pass
-        else:
-            return uvloop.run(main)
-    return asyncio.run(main)
+    # uvloop (gateway.uvloop, on by default) halves the per-connection loop overhead
+    return run(serve(config, dns=not args.no_dns), uvloop=config.gateway.uvloop)

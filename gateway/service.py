@@ -8,12 +8,10 @@ Prometheus metrics on a host-only address.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import resource
-import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -178,22 +176,38 @@ class GatewayService:
 
 
 async def serve(config: Config, *, dns: bool = True) -> int:
-    svc = GatewayService(config)
-    await svc.start(dns=dns)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    loop.add_signal_handler(signal.SIGHUP, lambda: svc.rules.reload("sighup"))
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    bound = {k: [f"{h}:{p}" for h, p in v] for k, v in svc.gateway.bound.items()}
-    log.warning(
-        "gateway serving: %s, metrics port %s, rules %s",
-        bound,
-        svc.metrics_port,
-        svc.rules.current.version,
+    """`stockade gateway serve`: run until SIGTERM/SIGINT; SIGHUP reloads the rules. Invalid
+    rules, or a listener or directory that cannot be used, at start: exit 2 (see
+    stockade.serving)."""
+    from stockade.serving import serve_until_signalled
+
+    svc: GatewayService | None = None
+    started = False
+
+    async def start() -> None:
+        nonlocal svc, started
+        # built here, not before: its directories (events, state) are start-up errors too
+        svc = GatewayService(config)
+        await svc.start(dns=dns)
+        started = True
+
+    async def stop() -> None:
+        if svc is not None:
+            await svc.stop()
+
+    def reload() -> Any:
+        # before start-up finished there are no rules to replace yet (start loads them)
+        return svc.rules.reload("sighup") if svc is not None and started else None
+
+    def banner() -> str:
+        assert svc is not None
+        bound = ", ".join(
+            f"{kind} {h}:{p}" for kind, addrs in svc.gateway.bound.items() for h, p in addrs
+        )
+        rules = svc.rules.current.version
+        return f"serving {bound}, metrics port {svc.metrics_port}, rules {rules}"
+
+    # a SIGTERM during start-up, or a start that fails half-way, still ends in stop()
+    return await serve_until_signalled(
+        "gateway", start=start, stop=stop, reload=reload, banner=banner
     )
-    try:
-        await stop.wait()
-    finally:
-        await svc.stop()
-    return 0

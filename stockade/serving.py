@@ -1,4 +1,4 @@
-"""Run one long-lived service (broker, launcher service) until SIGTERM/SIGINT.
+"""Run one long-lived service (gateway, broker, launcher service) until SIGTERM/SIGINT.
 
 Shared so every service handles signals the same way: handlers are installed before
 start-up (a SIGTERM during start still ends in a clean stop), SIGHUP reloads the rules,
@@ -11,8 +11,25 @@ import asyncio
 import inspect
 import signal
 import sys
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def run(main: Coroutine[Any, Any, T], *, uvloop: bool = True) -> T:
+    """Run `main` on a fresh event loop: uvloop's when wanted and installed (its C loop
+    costs a proxying service markedly less CPU per connection), else asyncio's."""
+    with asyncio.Runner(loop_factory=_uvloop_factory() if uvloop else None) as runner:
+        return runner.run(main)
+
+
+def _uvloop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:
+        return None  # an optional speed-up: asyncio's loop serves the same
+    return uvloop.new_event_loop
 
 
 async def serve_until_signalled(

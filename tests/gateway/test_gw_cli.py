@@ -181,6 +181,16 @@ def test_serve_reload_and_restart(served: Served, fake_internet: FakeInternet) -
     served.control.deregister("t-cli")
 
 
+def serve_until_exit(cfg: Path) -> subprocess.CompletedProcess[str]:
+    """`gateway serve` that is expected to refuse to start."""
+    return subprocess.run(
+        [STOCKADE, "gateway", "serve", "--no-dns", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def test_invalid_rules_refuse_to_start(fake_internet: FakeInternet, tmp_path: Path) -> None:
     rules = tmp_path / "rules"
     (rules / "profiles").mkdir(parents=True)
@@ -191,11 +201,33 @@ def test_invalid_rules_refuse_to_start(fake_internet: FakeInternet, tmp_path: Pa
         transparent_listen=[f"127.0.0.1:{free_port()}"],
         proxy_listen=[f"127.0.0.1:{free_port()}"],
     )
-    r = subprocess.run(
-        [STOCKADE, "gateway", "serve", "--no-dns", "--config", str(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = serve_until_exit(cfg)
     assert r.returncode == 2
-    assert "rules invalid" in r.stderr
+    assert r.stderr.startswith("stockade gateway: invalid rules:\n"), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_unusable_listener_or_directory_refuses_to_start(tmp_path: Path) -> None:
+    """The same as the broker and the launcher service: exit 2 and a one-line reason."""
+    rules = write_rules(tmp_path / "rules", cidr="192.0.2.0/24")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = f"127.0.0.1:{taken.getsockname()[1]}"
+        cfg = write_config(
+            tmp_path,
+            rules,
+            transparent_listen=[f"127.0.0.1:{free_port()}"],
+            proxy_listen=[busy],
+        )
+        r = serve_until_exit(cfg)
+    assert (r.returncode, r.stderr.count("\n")) == (2, 1), r.stderr
+    assert r.stderr.startswith("stockade gateway: cannot start: [Errno 98]"), r.stderr
+
+    # a log directory that cannot be made (a file stands in its way): the same
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    cfg.write_text(cfg.read_text().replace(str(tmp_path / "log"), str(blocker / "log")))
+    r = serve_until_exit(cfg)
+    assert (r.returncode, r.stderr.count("\n")) == (2, 1), r.stderr
+    assert r.stderr.startswith("stockade gateway: cannot start: "), r.stderr
