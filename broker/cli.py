@@ -30,14 +30,9 @@ def _serve(args: argparse.Namespace) -> int:
     from stockade.serving import run
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = config_or_fail(args.config, "broker")
-    updates: dict[str, Any] = {}
-    if args.rules:
-        updates["rules_dir"] = args.rules
-    if args.listen:
-        updates["broker"] = cfg.broker.model_copy(update={"listen": args.listen})
-    if updates:
-        cfg = cfg.model_copy(update=updates)
+    cfg = config_or_fail(
+        args.config, "broker", rules_dir=args.rules, broker={"listen": args.listen}
+    )
     # uvloop when installed: about a quarter less CPU per proxied call
     return run(_run(cfg, args.dev_vault))
 

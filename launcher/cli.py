@@ -144,12 +144,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .service import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = config_or_fail(args.config, "launcher")
-    updates: dict[str, Any] = {}
-    if args.rules:
-        updates["rules_dir"] = args.rules
-    if args.socket:
-        updates["launcher"] = cfg.launcher.model_copy(update={"control_socket": args.socket})
-    if updates:
-        cfg = cfg.model_copy(update=updates)
+    cfg = config_or_fail(
+        args.config, "launcher", rules_dir=args.rules, launcher={"control_socket": args.socket}
+    )
     return asyncio.run(serve(cfg))

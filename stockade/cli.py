@@ -11,7 +11,7 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from stockade.config import Config
@@ -37,15 +37,28 @@ class CommandFailed(Exception):
         self.code = code
 
 
-def config_or_fail(path: str | None, command: str) -> Config:
+def config_or_fail(
+    path: str | None, command: str, *, rules_dir: str | None = None, **sections: dict[str, Any]
+) -> Config:
     """`load_config(path)`; an unusable file ends the command: `stockade COMMAND: <error>`,
-    exit 2 (the same for every command, so scripts and systemd can rely on it)."""
+    exit 2 (the same for every command, so scripts and systemd can rely on it).
+
+    Command-line overrides win over the file where given: `rules_dir`, and per section
+    (`broker={"listen": args.listen}`); an unset flag (None, empty) keeps the file's value."""
     from stockade.config import ConfigError, load_config
 
     try:
-        return load_config(path)
+        cfg = load_config(path)
     except ConfigError as e:
         raise CommandFailed(f"stockade {command}: {e}", 2) from None
+    updates: dict[str, Any] = {}
+    if rules_dir:
+        updates["rules_dir"] = rules_dir
+    for name, keys in sections.items():
+        given = {k: v for k, v in keys.items() if v}
+        if given:
+            updates[name] = getattr(cfg, name).model_copy(update=given)
+    return cfg.model_copy(update=updates) if updates else cfg
 
 
 def build_parser() -> argparse.ArgumentParser:
