@@ -19,6 +19,7 @@ from aiohttp import web
 
 from stockade.config import Config
 from stockade.events import EventWriter
+from stockade.listen import parse_listen
 from stockade.tasks import TaskRegistry, make_control_app, start_control_server
 
 from .devvault import DevOpenBao
@@ -28,13 +29,6 @@ from .settings import VaultSettings
 from .vault import VaultClient
 
 log = logging.getLogger("stockade.broker")
-
-
-def split_hostport(s: str) -> tuple[str, int]:
-    host, _, port = s.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"listen address must be host:port, got {s!r}")
-    return host.strip("[]"), int(port)
 
 
 class BrokerService:
@@ -97,7 +91,7 @@ class BrokerService:
         runner = self.broker.runner(access_log=None, handle_signals=False)
         await runner.setup()
         self._runners.append(runner)
-        host, port = split_hostport(s.listen)
+        host, port = parse_listen(s.listen)
         site = web.TCPSite(runner, host, port, reuse_address=True)
         await site.start()
         self.listen_address = _bound(site)
@@ -117,7 +111,7 @@ class BrokerService:
             mrunner = web.AppRunner(mapp, access_log=None, handle_signals=False)
             await mrunner.setup()
             self._runners.append(mrunner)
-            mhost, mport = split_hostport(s.metrics_listen)
+            mhost, mport = parse_listen(s.metrics_listen)
             msite = web.TCPSite(mrunner, mhost, mport, reuse_address=True)
             await msite.start()
             self.metrics_address = _bound(msite)

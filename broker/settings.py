@@ -2,15 +2,18 @@
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from stockade.listen import ListenAddress, OptionalListenAddress
+
 
 class BrokerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # the broker's HTTP listener (sandboxes reach it; nft scopes who can)
-    listen: str = "0.0.0.0:8081"
+    listen: ListenAddress = "0.0.0.0:8081"
     # control API (task registry, reload), a Unix socket created mode 0600
     control_socket: str = "/run/stockade/broker.sock"
-    metrics_listen: str = "127.0.0.1:9465"  # Prometheus /metrics; keep it on a host-only address
+    # Prometheus /metrics; keep it on a host-only address
+    metrics_listen: OptionalListenAddress = "127.0.0.1:9465"
     secret_cache_ttl_s: float = Field(60.0, gt=0)  # how long a secret read from Vault is reused
     # after a failed Vault read, a cached secret is served this long, then 503
     serve_stale_s: float = Field(300.0, ge=0)

@@ -36,6 +36,7 @@ from stockade.policy.ruleset import RuleSet
 
 from stockade.eager import start_eagerly
 from stockade.events import make_event
+from stockade.listen import parse_listen
 from stockade.tasks import Task, TaskRegistry
 
 from .addresses import AddressPolicy
@@ -58,15 +59,6 @@ Emit = Callable[[dict[str, Any]], None]
 # (socket, dialled address, None) or (None, "", (reason, detail, http status))
 DialResult = tuple[socket.socket | None, str, tuple[Reason, str, int] | None]
 _ids = itertools.count(1)
-
-
-def parse_listen(addr: str) -> tuple[str, int]:
-    """'ip:port' or '[v6]:port'."""
-    if addr.startswith("["):
-        host, _, rest = addr[1:].partition("]")
-        return host, int(rest.lstrip(":"))
-    host, _, port = addr.rpartition(":")
-    return host, int(port)
 
 
 @dataclass

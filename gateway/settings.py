@@ -2,15 +2,17 @@
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from stockade.listen import DnsServerAddress, ListenAddress
+
 
 class GatewaySettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    transparent_listen: list[str] = ["0.0.0.0:15001"]
-    proxy_listen: list[str] = ["127.0.0.1:3128"]
+    transparent_listen: list[ListenAddress] = ["0.0.0.0:15001"]
+    proxy_listen: list[ListenAddress] = ["127.0.0.1:3128"]
     control_socket: str = "/run/stockade/gateway.sock"
-    metrics_listen: str = "127.0.0.1:9464"
-    resolvers: list[str] = ["127.0.0.53"]  # upstream DNS servers, "ip" or "ip:port"
+    metrics_listen: ListenAddress = "127.0.0.1:9464"
+    resolvers: list[DnsServerAddress] = ["127.0.0.53"]  # upstream DNS servers, "ip" or "ip:port"
     allow_addresses: list[str] = []  # CIDRs exempt from the special-purpose check
     sniff_timeout_s: float = Field(5.0, gt=0)
     sniff_max_bytes: int = Field(16384, ge=1024)

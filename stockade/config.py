@@ -89,5 +89,14 @@ def load_config(path: str | Path | None) -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as e:
-        lines = [f"{p}: {'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()]
+        lines = [
+            f"{p}: {'.'.join(str(x) for x in err['loc'])}: {_message(err)}" for err in e.errors()
+        ]
         raise ConfigError("\n".join(lines)) from None
+
+
+def _message(err: Any) -> str:
+    # a validator's own ValueError already says what is wrong; drop pydantic's "Value error, "
+    if err["type"] == "value_error" and "error" in err.get("ctx", {}):
+        return str(err["ctx"]["error"])
+    return str(err["msg"])

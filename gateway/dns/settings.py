@@ -4,12 +4,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from stockade.listen import ListenAddress
+
 
 class DnsSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # DNS firewall listeners (UDP and TCP); nft redirects sandbox port 53 here
-    listen: list[str] = ["0.0.0.0:15053"]
+    listen: list[ListenAddress] = ["0.0.0.0:15053"]
     # answer for a denied name: REFUSED or NXDOMAIN
     deny_rcode: Literal["REFUSED", "NXDOMAIN"] = "REFUSED"
     # answer/cache TTLs are clamped to at least this (also holds a rebinding name)
