@@ -60,12 +60,12 @@ def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
     serve.set_defaults(func=_serve)
 
 
-def _launcher(config_path: str | None) -> Any:
-    from stockade.config import load_config
+def _launcher(config_path: str | None, command: str) -> Any:
+    from stockade.cli import config_or_fail
 
     from .core import Launcher
 
-    return Launcher(load_config(config_path))
+    return Launcher(config_or_fail(config_path, command))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -116,7 +116,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    rows = _launcher(args.config).list()
+    rows = _launcher(args.config, "sandbox list").list()
     if args.json:
         print(json.dumps(rows))
         return 0
@@ -127,7 +127,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _op(args: argparse.Namespace) -> int:
-    launcher = _launcher(args.config)
+    launcher = _launcher(args.config, f"sandbox {args.op}")
     ok = getattr(launcher, args.op)(args.task_id)
     if not ok:
         print(f"stockade sandbox {args.op}: no sandbox {args.task_id}", file=sys.stderr)

@@ -18,6 +18,10 @@ COMMANDS = {
     "up": ["up"],
     "events": ["events"],
     "run": ["run", "--profile", "p", "--", "true"],
+    "sandbox list": ["sandbox", "list"],
+    "sandbox kill": ["sandbox", "kill", "t-1"],
+    "sandbox suspend": ["sandbox", "suspend", "t-1"],
+    "sandbox resume": ["sandbox", "resume", "t-1"],
 }
 
 
