@@ -19,137 +19,21 @@ timing, the script checks that old and current write the same lines for each sha
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from stockade.events import EventWriter, make_event
 
-# --- the old implementation (stockade/events/build.py + writer.write before the change) --
+# --- the old implementation: the test oracle (tests/core/events_oracle.py) -------------
 
-_OLD_CATEGORY = {
-    "connection_decision": ["network"],
-    "connection_close": ["network"],
-    "dns_decision": ["network"],
-    "broker_call": ["network", "iam"],
-    "secret_echo": ["network", "iam"],
-    "bypass_attempt": ["network", "intrusion_detection"],
-    "sandbox_lifecycle": ["process"],
-    "export_decision": ["file"],
-    "rules_reload": ["configuration"],
-    "vault_status": ["iam"],
-}
-_old_second: tuple[int, str] = (-1, "")
-
-
-def old_timestamp(now: float | None = None) -> str:
-    global _old_second
-    t = time.time() if now is None else now
-    sec = int(t)
-    if _old_second[0] != sec:
-        _old_second = (sec, datetime.fromtimestamp(sec, UTC).strftime("%Y-%m-%dT%H:%M:%S"))
-    return f"{_old_second[1]}.{int((t - sec) * 1_000_000):06d}Z"
-
-
-def _old_drop_empty(d: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            v = _old_drop_empty(v)
-            if not v:
-                continue
-        elif v is None:
-            continue
-        out[k] = v
-    return out
-
-
-def old_make_event(
-    *,
-    component: str,
-    action: str,
-    decision: str | None = None,
-    reason: str | None = None,
-    task_id: str | None = None,
-    profile: str | None = None,
-    policy_version: str | None = None,
-    rule_id: str | None = None,
-    report_only: bool = False,
-    source_ip: str | None = None,
-    source_port: int | None = None,
-    destination_domain: str | None = None,
-    destination_ip: str | None = None,
-    destination_port: int | None = None,
-    transport: str | None = None,
-    protocol: str | None = None,
-    http_method: str | None = None,
-    url: dict[str, Any] | None = None,
-    http_status: int | None = None,
-    dns_question: dict[str, Any] | None = None,
-    dns_response_code: str | None = None,
-    message: str | None = None,
-    extra: dict[str, Any] | None = None,
-    now: float | None = None,
-) -> dict[str, Any]:
-    if decision == "denied":
-        types = ["denied"]
-        outcome = "failure"
-        kind = "alert" if action in ("bypass_attempt", "secret_echo") else "event"
-    elif decision == "allowed":
-        types = ["allowed"]
-        outcome = "success"
-        kind = "event"
-    else:
-        types = ["info"]
-        outcome = None
-        kind = "alert" if action in ("bypass_attempt", "secret_echo") else "event"
-    if action == "connection_close":
-        types = ["end", "connection"]
-    stockade: dict[str, Any] = {
-        "schema_version": "1.0",
-        "component": component,
-        "decision": decision,
-    }
-    if report_only:
-        stockade["report_only"] = True
-    if extra:
-        stockade.update(extra)
-    ev = {
-        "@timestamp": old_timestamp(now),
-        "message": message,
-        "event": {
-            "kind": kind,
-            "category": _OLD_CATEGORY.get(action, ["network"]),
-            "type": types,
-            "action": action,
-            "outcome": outcome,
-            "reason": reason,
-        },
-        "source": {"ip": source_ip, "port": source_port},
-        "destination": {
-            "domain": destination_domain,
-            "ip": destination_ip,
-            "port": destination_port,
-        },
-        "network": {"transport": transport, "protocol": protocol},
-        "http": {
-            "request": {"method": http_method},
-            "response": {"status_code": http_status},
-        },
-        "url": url,
-        "dns": {"question": dns_question, "response_code": dns_response_code},
-        "rule": {"id": rule_id, "ruleset": policy_version},
-        "labels": {"task_id": task_id, "profile": profile},
-        "stockade": stockade,
-    }
-    return _old_drop_empty(ev)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "core"))
+from events_oracle import old_line, old_make_event
 
 
 class OldWriter(EventWriter):
@@ -157,11 +41,10 @@ class OldWriter(EventWriter):
 
     def write(self, event: dict[str, Any]) -> bool:
         try:
-            line = json.dumps(event, separators=(",", ":"), ensure_ascii=False) + "\n"
+            data = old_line(event)
         except (TypeError, ValueError):
             self.dropped += 1
             return False
-        data = line.encode("utf-8")
         ok = True
         with self._lock:
             try:

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from stockade.ports import free_port
 
@@ -270,6 +271,46 @@ def baseline_tree(tmp: Path, rev: str) -> Path:
     return pkg.parent
 
 
+def spawn_gateway(
+    d: Path,
+    transparent: str,
+    proxy: str,
+    dns_port: int,
+    code: Path | None = None,
+    **gateway: Any,
+) -> subprocess.Popen[bytes]:
+    """Write `d`/stockade.yaml (rules in `d`/rules, resolver on 127.0.0.1:`dns_port`,
+    loopback upstreams allowed) and start `stockade gateway serve` on it: this tree's, or
+    the build in `code` (see --baseline)."""
+    import yaml
+
+    cfg = {
+        "rules_dir": str(d / "rules"),
+        "state_dir": str(d / "state"),
+        "log_dir": str(d / "log"),
+        "run_dir": str(d / "run"),
+        "gateway": {
+            "transparent_listen": [transparent],
+            "proxy_listen": [proxy],
+            "control_socket": str(d / "run" / "gw.sock"),
+            "metrics_listen": f"127.0.0.1:{free_port()}",
+            "resolvers": [f"127.0.0.1:{dns_port}"],
+            "allow_addresses": ["127.0.0.0/8"],
+            "max_connections_per_task": 100000,
+            **gateway,
+        },
+    }
+    (d / "stockade.yaml").write_text(yaml.safe_dump(cfg))
+    prof = os.environ.get("STOCKADE_BENCH_PROFILE")  # a profiling wrapper script to run under
+    prefix = [sys.executable, prof] if prof else [str(VENV_BIN / "stockade")]
+    if code is not None:  # its package first on sys.path, ahead of the editable install
+        prefix = [sys.executable, "-c", BASELINE_MAIN, str(code)]
+    return subprocess.Popen(
+        [*prefix, "gateway", "serve", "--no-dns", "--config", str(d / "stockade.yaml")],
+        stdout=subprocess.DEVNULL,
+    )
+
+
 def start_gateway(
     tmp: Path, name: str, upstream_port: int, splice: bool, code: Path | None = None
 ) -> Proxy:
@@ -308,32 +349,8 @@ def start_gateway(
         )
     )
     port = free_port()
-    import yaml
-
-    cfg = {
-        "rules_dir": str(d / "rules"),
-        "state_dir": str(d / "state"),
-        "log_dir": str(d / "log"),
-        "run_dir": str(d / "run"),
-        "gateway": {
-            "transparent_listen": [f"127.0.0.1:{free_port()}"],
-            "proxy_listen": [f"127.0.0.1:{port}"],
-            "control_socket": str(d / "run" / "gw.sock"),
-            "metrics_listen": f"127.0.0.1:{free_port()}",
-            "resolvers": [f"127.0.0.1:{dns_port}"],
-            "allow_addresses": ["127.0.0.0/8"],
-            "max_connections_per_task": 100000,
-            "splice": splice,
-        },
-    }
-    (d / "stockade.yaml").write_text(yaml.safe_dump(cfg))
-    prof = os.environ.get("STOCKADE_BENCH_PROFILE")  # a profiling wrapper script to run under
-    prefix = [sys.executable, prof] if prof else [str(VENV_BIN / "stockade")]
-    if code is not None:  # its package first on sys.path, ahead of the editable install
-        prefix = [sys.executable, "-c", BASELINE_MAIN, str(code)]
-    proc = subprocess.Popen(
-        [*prefix, "gateway", "serve", "--no-dns", "--config", str(d / "stockade.yaml")],
-        stdout=subprocess.DEVNULL,
+    proc = spawn_gateway(
+        d, f"127.0.0.1:{free_port()}", f"127.0.0.1:{port}", dns_port, code, splice=splice
     )
     wait_port(port, proc)
     from stockade.tasks import ControlClient, Task

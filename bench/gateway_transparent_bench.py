@@ -49,14 +49,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway_bench import (
-    BASELINE_MAIN,
     LATENCY_BLOCK,
     UPSTREAM_CODE,
-    VENV_BIN,
     baseline_tree,
     client_hello,
     cpu_seconds,
     parse_size,
+    spawn_gateway,
 )
 
 from stockade.ports import free_port
@@ -222,7 +221,6 @@ def start_gateway(
     task_address: str,
     code: Path | None = None,
 ) -> subprocess.Popen[bytes]:
-    import yaml
 
     from stockade.tasks import ControlClient, Task
 
@@ -243,29 +241,7 @@ def start_gateway(
             """
         )
     )
-    cfg = {
-        "rules_dir": str(d / "rules"),
-        "state_dir": str(d / "state"),
-        "log_dir": str(d / "log"),
-        "run_dir": str(d / "run"),
-        "gateway": {
-            "transparent_listen": [f"{host_ip}:{tport}"],
-            "proxy_listen": [f"{host_ip}:{pport}"],
-            "control_socket": str(d / "run" / "gw.sock"),
-            "metrics_listen": f"127.0.0.1:{free_port()}",
-            "resolvers": [f"127.0.0.1:{dns_port}"],
-            "allow_addresses": ["127.0.0.0/8"],
-            "max_connections_per_task": 100000,
-        },
-    }
-    (d / "stockade.yaml").write_text(yaml.safe_dump(cfg))
-    prefix = [str(VENV_BIN / "stockade")]
-    if code is not None:
-        prefix = [sys.executable, "-c", BASELINE_MAIN, str(code)]
-    proc = subprocess.Popen(
-        [*prefix, "gateway", "serve", "--no-dns", "--config", str(d / "stockade.yaml")],
-        stdout=subprocess.DEVNULL,
-    )
+    proc = spawn_gateway(d, f"{host_ip}:{tport}", f"{host_ip}:{pport}", dns_port, code)
     stack.callback(stop_proc, proc)
     wait_listen(host_ip, pport, proc)
     wait_listen(host_ip, tport, proc)
