@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -150,23 +148,6 @@ class BrokerService:
             self.devbao = None
         if self.events is not None:
             self.events.close()
-
-    async def serve_forever(self, ready: Callable[[], None] | None = None) -> None:
-        """Run until SIGTERM/SIGINT; SIGHUP reloads the rules (invalid ones are refused).
-        `ready()` runs once the signal handlers are in place (announce readiness there)."""
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGHUP,
-                                lambda: asyncio.ensure_future(self.reload("sighup")))
-        if ready is not None:
-            ready()
-        try:
-            await stop.wait()
-        finally:
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                loop.remove_signal_handler(sig)
 
 
 def _bound(site: web.TCPSite) -> tuple[str, int]:
