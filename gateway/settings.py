@@ -6,6 +6,8 @@ from stockade.listen import DnsServerAddress, ListenAddress
 
 
 class GatewaySettings(BaseModel):
+    """The per-task upload cap is not here: it is the profile's `limits.egress_bytes`."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     transparent_listen: list[ListenAddress] = ["0.0.0.0:15001"]
@@ -19,7 +21,6 @@ class GatewaySettings(BaseModel):
     connect_timeout_s: float = Field(10.0, gt=0)
     idle_timeout_s: float = Field(300.0, gt=0)
     max_connections_per_task: int = Field(256, ge=1)
-    # the per-task upload cap comes from the profile's `limits.egress_bytes`
     uvloop: bool = True  # run on uvloop when it is installed (the default install has it)
     splice: bool = True  # zero-copy relay with os.splice where the kernel allows it
     rules_poll_interval_s: float = Field(2.0, gt=0)  # rule file change detection (mtime/size)
