@@ -70,19 +70,51 @@ def make_control_app(
     return app
 
 
+class _ControlRunner(web.AppRunner):
+    """An AppRunner whose cleanup() also removes the socket file it bound: asyncio leaves
+    it behind (on 3.11), and a stale socket reads as a service that is down, not gone."""
+
+    def __init__(self, app: web.Application, path: Path) -> None:
+        super().__init__(app, access_log=None)
+        self.socket_path = path
+        self.socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of what we bound
+
+    async def cleanup(self) -> None:
+        await super().cleanup()
+        ours, self.socket_id = self.socket_id, None
+        if ours is not None:
+            _unlink_if_ours(self.socket_path, ours)
+
+
+def _unlink_if_ours(path: Path, ours: tuple[int, int]) -> None:
+    # another instance started since may have replaced the file: its socket is not ours
+    try:
+        st = path.lstat()
+        if (st.st_dev, st.st_ino) == ours:
+            path.unlink()
+    except FileNotFoundError:
+        pass
+
+
 async def start_control_server(
     app: web.Application, socket_path: str | os.PathLike[str]
 ) -> web.AppRunner:
-    """Serve `app` on a root-only Unix socket; returns the runner (call .cleanup())."""
+    """Serve `app` on a root-only Unix socket; returns the runner (call .cleanup(), which
+    also removes the socket file if it is still the one bound here)."""
     path = Path(socket_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)
-    runner = web.AppRunner(app, access_log=None)
+    runner = _ControlRunner(app, path)
     await runner.setup()
     old = os.umask(0o177)  # the socket exists 0600 from its first instant
     try:
         site = web.UnixSite(runner, str(path))
         await site.start()
+        st = path.lstat()
+        runner.socket_id = (st.st_dev, st.st_ino)
+    except BaseException:
+        await runner.cleanup()  # a half-started server would keep the app's resources
+        raise
     finally:
         os.umask(old)
     os.chmod(path, 0o600)
