@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import ipaddress
 import json
 import marshal
@@ -44,6 +45,7 @@ if TYPE_CHECKING:  # stockade.config imports launcher.settings: no runtime cycle
 
 EndedBy = Literal["exit", "ttl", "killed", "limit"]
 TASK_ID_RE = re.compile(r"^[0-9a-f]{10}$")
+HOST_ETC = "/etc"
 SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 # removed from every sandbox's environment (whatever the allowlist or SandboxSpec.env say);
@@ -94,6 +96,16 @@ class RunResult:
         d = asdict(self)
         d["exports"] = [asdict(e) for e in self.exports]
         return d
+
+
+def _host_bind(path: str, target: str) -> initscript.Bind | None:
+    """A read-only bind of a host path; a symlink is copied as a symlink (`/bin -> usr/bin`,
+    `/etc/localtime`); None when the host lacks it."""
+    if os.path.islink(path):
+        return initscript.Bind(path, target, symlink_to=os.readlink(path))
+    if os.path.exists(path):
+        return initscript.Bind(path, target, is_dir=os.path.isdir(path))
+    return None
 
 
 def _port(listen: str) -> int:
@@ -529,11 +541,13 @@ class Launcher:
                 (scratch / sub).mkdir()
                 os.chown(scratch / sub, self.s.sandbox_uid, self.s.sandbox_gid)
             os.chmod(scratch / "tmp", 0o1777)  # noqa: S103 - sticky /tmp inside
-            (etc / "resolv.conf").write_text(f"nameserver {a.host_ip}\noptions timeout:2\n")
-            (etc / "hosts").write_text("127.0.0.1\tlocalhost\n127.0.1.1\tsandbox\n")
-            (etc / "hostname").write_text("sandbox\n")
-            for f in etc.iterdir():
-                os.chmod(f, 0o644)
+            host_etc = self._host_etc()
+            etc_names = initscript.HOST_ETC_OVERLAY if host_etc else initscript.GENERATED_ETC
+            content = initscript.etc_content(a.host_ip, "sandbox", self.s.sandbox_uid,
+                                             self.s.sandbox_gid)
+            for name in etc_names:
+                (etc / name).write_text(content[name])
+                os.chmod(etc / name, 0o644)  # root's, readable: the bind is read-only too
             rec.ifindex = netns.create(rec.netns, rec.ifname, a)
             self._ifindex[rec.ifindex] = (task_id, profile.name)
             nft.run(nft.element_commands(self.s.nft_table, "add",
@@ -550,6 +564,8 @@ class Launcher:
                 root=str(root), scratch=str(scratch), etc_dir=str(etc),
                 uid=self.s.sandbox_uid, gid=self.s.sandbox_gid,
                 system=tuple(self._system_binds()), inputs=tuple(inputs),
+                etc_files=etc_names, host_etc=host_etc,
+                etc=() if host_etc else tuple(self._etc_binds()),
                 shm_size=self.s.shm_size, cgroup_procs=tuple(cg.procs_files()),
                 rlimits=(("NOFILE", self.s.rlimit_nofile), ("CORE", self.s.rlimit_core),
                          ("MEMLOCK", self.s.rlimit_memlock)),
@@ -606,13 +622,21 @@ class Launcher:
         return out
 
     def _system_binds(self) -> list[initscript.Bind]:
-        out = []
-        for p in self.s.ro_binds:
-            if os.path.islink(p):
-                out.append(initscript.Bind(p, p, symlink_to=os.readlink(p)))
-            elif os.path.exists(p):
-                out.append(initscript.Bind(p, p, is_dir=os.path.isdir(p)))
-        return out
+        return [b for p in self.s.ro_binds if (b := _host_bind(p, p)) is not None]
+
+    def _host_etc(self) -> bool:
+        """`ro_binds` lists /etc itself: the host's whole /etc, as before the minimal one."""
+        return any(os.path.normpath(p) == HOST_ETC for p in self.s.ro_binds)
+
+    def _etc_binds(self) -> list[initscript.Bind]:
+        """The host /etc entries `etc_allowlist` names (globs expanded; absent ones skipped)."""
+        out: dict[str, initscript.Bind] = {}
+        for entry in self.s.etc_allowlist:
+            for p in sorted(glob.glob(os.path.join(HOST_ETC, entry))):
+                b = _host_bind(p, p)
+                if b is not None:
+                    out.setdefault(p, b)
+        return list(out.values())
 
     def _env(self, spec: SandboxSpec, host_ip: str, proxy: bool = False) -> dict[str, str]:
         """The command's environment. `proxy` (the profile's `egress.proxy_env`): point

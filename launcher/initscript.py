@@ -4,7 +4,10 @@ the new mount/pid/ipc/uts namespaces (already in the sandbox's netns).
 
 Filesystem it builds (under a fresh tmpfs that becomes `/` through pivot_root):
 - read-only binds of the host's system directories (`ro_binds`; symlinks copied as symlinks)
-- `/etc/resolv.conf`, `/etc/hosts`, `/etc/hostname` replaced by the launcher's files
+- a minimal `/etc` on the root tmpfs: the launcher's generated files (`etc_content`) and
+  read-only binds of allowlisted host /etc entries (`etc_allowlist`); only when `ro_binds`
+  lists `/etc` itself is the host's whole /etc bound, with resolv.conf, hosts, hostname
+  bound over it (the host's own copies must exist: a read-only /etc cannot grow files)
 - `/scratch` (the size-capped tmpfs, the only writable place; `/tmp` and `HOME` live in it)
 - inputs bound read-only at their guest paths
 - a new `/proc` (pid namespace), a minimal read-only `/dev`, a small `/dev/shm`
@@ -24,6 +27,13 @@ OLDROOT = ".oldroot"
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 
+# files of the sandbox's /etc written by the launcher per sandbox (never the host's)
+GENERATED_ETC = ("resolv.conf", "hosts", "hostname", "passwd", "group", "nsswitch.conf")
+# the subset bound over a host /etc when `ro_binds` lists /etc (the behaviour before the
+# minimal /etc; passwd and group then stay the host's)
+HOST_ETC_OVERLAY = ("resolv.conf", "hosts", "hostname")
+NOBODY, NOGROUP = 65534, 65534
+
 
 @dataclass(frozen=True, slots=True)
 class Bind:
@@ -37,14 +47,16 @@ class Bind:
 class InitPlan:
     root: str  # host directory that becomes the mount point of the new root
     scratch: str  # host path of the scratch tmpfs
-    etc_dir: str  # host directory holding resolv.conf, hosts, hostname for the sandbox
+    etc_dir: str  # host directory holding the generated /etc files of the sandbox
     uid: int
     gid: int
     hostname: str = "sandbox"
     system: tuple[Bind, ...] = ()
     inputs: tuple[Bind, ...] = ()
     shm_size: int = 16 * 2**20
-    etc_files: tuple[str, ...] = ("resolv.conf", "hosts", "hostname")
+    etc_files: tuple[str, ...] = GENERATED_ETC  # names in etc_dir bound at /etc/<name>
+    etc: tuple[Bind, ...] = ()  # allowlisted host /etc entries (targets under /etc)
+    host_etc: bool = False  # `ro_binds` binds the host's /etc: only overlay etc_files on it
     cgroup_procs: tuple[str, ...] = ()  # joined first, before anything else runs
     rlimits: tuple[tuple[str, int], ...] = ()  # ("NOFILE", 4096): RLIMIT_<name>, soft = hard
 
@@ -54,6 +66,48 @@ def _guest(path: str) -> str:
             or "/./" in path + "/" or path.rstrip("/") == ""):
         raise ValueError(f"guest path must be absolute and normalised: {path!r}")
     return path.rstrip("/")
+
+
+def check_etc_entry(entry: str) -> str:
+    """An `etc_allowlist` entry: a path relative to /etc (glob characters allowed), never a
+    generated file (those are the launcher's, per sandbox) nor /etc itself."""
+    p = entry.rstrip("/")
+    if entry.startswith("/") or not p or "\0" in p or any(
+            seg in ("", ".", "..") for seg in p.split("/")):
+        raise ValueError(f"etc_allowlist entry must be a normalised path relative to /etc: "
+                         f"{entry!r}")
+    if p.split("/")[0] in GENERATED_ETC:
+        raise ValueError(f"etc_allowlist entry {entry!r} names a file the launcher generates")
+    return p
+
+
+def etc_content(nameserver: str, hostname: str, uid: int, gid: int) -> dict[str, str]:
+    """The generated /etc files. passwd/group hold only root, nobody/nogroup and the sandbox
+    user/group (named `sandbox` unless they are nobody/nogroup), so `id`, `getent`, `whoami`
+    and tools calling getpwuid() work without showing the host's accounts."""
+    home = "/scratch/home"  # = HOME of the command; getpwuid() users agree with $HOME
+    users = [("root", 0, 0, "root", "/root", "/bin/sh")]
+    if uid == NOBODY:
+        users.append(("nobody", NOBODY, gid, "nobody", home, "/bin/sh"))
+    else:
+        users += [("sandbox", uid, gid, "sandbox", home, "/bin/sh"),
+                  ("nobody", NOBODY, NOGROUP, "nobody", "/nonexistent", "/usr/sbin/nologin")]
+    groups = [("root", 0)]
+    if gid != NOGROUP:
+        groups.append(("sandbox", gid))
+    groups.append(("nogroup", NOGROUP))
+    return {
+        "resolv.conf": f"nameserver {nameserver}\noptions timeout:2\n",
+        "hosts": f"127.0.0.1\tlocalhost\n127.0.1.1\t{hostname}\n",
+        "hostname": f"{hostname}\n",
+        "passwd": "".join(f"{n}:x:{u}:{g}:{gecos}:{h}:{sh}\n" for n, u, g, gecos, h, sh in users),
+        "group": "".join(f"{n}:x:{g}:\n" for n, g in groups),
+        # files only (no NIS/LDAP/sss/systemd modules that would reach out); names: the
+        # sandbox's hosts file, then DNS (the gateway's DNS firewall)
+        "nsswitch.conf": ("passwd: files\ngroup: files\nshadow: files\ngshadow: files\n"
+                          "hosts: files dns\nnetworks: files\nprotocols: files\n"
+                          "services: files\nethers: files\nrpc: files\nnetgroup: files\n"),
+    }
 
 
 def check_input_target(path: str) -> str:
@@ -91,9 +145,24 @@ def build(plan: InitPlan) -> dict[str, Any]:
     ]
     for b in plan.system:
         ops += _bind(b, r, _guest(b.target))
-    for name in plan.etc_files:
-        # the host /etc is read-only: a file it lacks cannot be created, so it is skipped
-        ops.append(["bind", f"{plan.etc_dir}/{name}", f"{r}/etc/{name}", True, True])
+    if plan.host_etc:
+        for name in plan.etc_files:
+            # the host /etc is read-only: a file it lacks cannot be created, so it is skipped
+            ops.append(["bind", f"{plan.etc_dir}/{name}", f"{r}/etc/{name}", True, True])
+    else:
+        # /etc is a directory of the root tmpfs (read-only once the root is remounted)
+        ops.append(["mkdir", r + "/etc", 0o755])
+        for name in plan.etc_files:
+            ops += [["touch", f"{r}/etc/{name}"],
+                    ["bind", f"{plan.etc_dir}/{name}", f"{r}/etc/{name}", True, False]]
+        generated = {"/etc/" + n for n in plan.etc_files}
+        for b in plan.etc:
+            t = _guest(b.target)
+            if not t.startswith("/etc/"):
+                raise ValueError(f"etc entry outside /etc: {b.target!r}")
+            # a glob such as host* must not shadow a generated file
+            if not any(t == g or t.startswith(g + "/") for g in generated):
+                ops += _bind(b, r, t)
     ops += [
         ["mkdir", r + SCRATCH, 0o755],
         ["mkdir", r + TMP, 0o755],

@@ -114,6 +114,9 @@ def execvp(argv):
 def main():
     with os.fdopen(int(sys.argv[1]), "rb") as fh:
         plan = marshal.loads(fh.read())  # noqa: S302 - written by the launcher; builtin, fast
+    # the new root's directories (/etc and its parents among them) get their modes whatever
+    # the launcher's umask; the command gets the launcher's umask back
+    umask = os.umask(0o022)
     try:
         for op in plan["ops"]:
             do(op)
@@ -124,6 +127,7 @@ def main():
     pid = os.fork()
     if pid == 0:
         try:
+            os.umask(umask)
             become(plan["uid"], plan["gid"], plan.get("rlimits", {}))
             execvp(argv)
         except Exception as e:

@@ -2,7 +2,9 @@
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .initscript import check_etc_entry
 
 
 class LauncherSettings(BaseModel):
@@ -26,8 +28,19 @@ class LauncherSettings(BaseModel):
     sandbox_uid: int = Field(65534, ge=1)  # the command never runs as root
     sandbox_gid: int = Field(65534, ge=1)  # group of the sandboxed command
     max_output_bytes: int = Field(4 * 2**20, ge=1024)  # per stream; the rest is dropped
-    # directories of the host bound read-only into the sandbox root (nothing else is visible)
-    ro_binds: list[str] = ["/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc"]
+    # The sandbox's /etc is its own (generated resolv.conf, hosts, hostname, passwd, group,
+    # nsswitch.conf + etc_allowlist): the host's would show its accounts and service configs.
+    # Listing "/etc" in ro_binds keeps the old whole-host /etc (etc_allowlist then unused).
+
+    # host dirs bound read-only into the sandbox root; "/etc" here binds the host's whole /etc
+    ro_binds: list[str] = ["/usr", "/bin", "/sbin", "/lib", "/lib64"]
+    # host /etc entries (relative, globs ok) bound read-only into the sandbox's minimal /etc
+    etc_allowlist: list[str] = [
+        "alternatives", "ssl/certs", "ssl/openssl.cnf", "ld.so.cache", "ld.so.conf",
+        "ld.so.conf.d", "localtime", "timezone", "protocols", "services", "host.conf",
+        "gai.conf", "mime.types", "magic", "magic.mime", "python3*", "debian_version",
+        "os-release",
+    ]
     # host environment variables passed into the sandbox
     env_allowlist: list[str] = ["PATH", "LANG", "LC_ALL", "TERM", "TZ"]
     # failed forks (pids limit hits) after which a sandbox is ended with ended_by=limit
@@ -42,3 +55,8 @@ class LauncherSettings(BaseModel):
     # Python (3.8+) that runs the sandbox's init; falls back to the launcher's own interpreter
     init_python: str = "/usr/bin/python3"
     shm_size: int = Field(16 * 2**20, ge=4096)  # /dev/shm tmpfs (charged to the memory cgroup)
+
+    @field_validator("etc_allowlist")
+    @classmethod
+    def _etc_entries(cls, v: list[str]) -> list[str]:
+        return [check_etc_entry(e) for e in v]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
 import os
@@ -171,6 +172,82 @@ def test_init_plan_is_data_in_a_safe_order() -> None:
     assert kinds[-3:] == ["pivot", "remount_ro", "chdir"]
     assert ops[-2] == ["remount_ro", "/", initscript.MS_NOSUID | initscript.MS_NODEV]
     assert (built["uid"], built["gid"]) == (65534, 65534)
+
+
+def test_init_plan_builds_a_minimal_etc() -> None:
+    plan = initscript.InitPlan(
+        root="/r", scratch="/s", etc_dir="/e", uid=65534, gid=65534,
+        etc=(initscript.Bind("/etc/ssl/certs", "/etc/ssl/certs"),
+             initscript.Bind("/etc/localtime", "/etc/localtime", symlink_to="/usr/z/UTC"),
+             initscript.Bind("/etc/hosts", "/etc/hosts", is_dir=False),  # a glob hit: skipped
+             initscript.Bind("/etc/mime.types", "/etc/mime.types", is_dir=False)),
+    )
+    ops = initscript.build(plan)["ops"]
+    # /etc is a directory of the root tmpfs, never a bind of the host's
+    assert ["mkdir", "/r/etc", 0o755] in ops
+    assert not any(op[0] == "bind" and op[1] == "/etc" for op in ops)
+    for name in initscript.GENERATED_ETC:
+        i = ops.index(["touch", f"/r/etc/{name}"])
+        assert ops[i + 1] == ["bind", f"/e/{name}", f"/r/etc/{name}", True, False]
+    assert ["bind", "/etc/ssl/certs", "/r/etc/ssl/certs", True, False] in ops
+    assert ["symlink", "/usr/z/UTC", "/r/etc/localtime"] in ops
+    assert ["bind", "/etc/mime.types", "/r/etc/mime.types", True, False] in ops
+    assert not any(op[0] == "bind" and op[1] == "/etc/hosts" for op in ops)
+    # every bind into /etc is read-only
+    assert all(op[3] for op in ops if op[0] == "bind" and op[2].startswith("/r/etc"))
+    with pytest.raises(ValueError):
+        initscript.build(dataclasses.replace(plan, etc=(initscript.Bind("/x", "/usr/x"),)))
+
+
+def test_init_plan_with_host_etc_overlays_only() -> None:
+    """ro_binds listing /etc: the old behaviour, the launcher's files over the host's."""
+    plan = initscript.InitPlan(root="/r", scratch="/s", etc_dir="/e", uid=1, gid=1,
+                               system=(initscript.Bind("/etc", "/etc"),), host_etc=True,
+                               etc_files=initscript.HOST_ETC_OVERLAY)
+    ops = initscript.build(plan)["ops"]
+    assert ["bind", "/etc", "/r/etc", True, False] in ops
+    assert [op for op in ops if op[0] == "bind" and op[1].startswith("/e/")] == [
+        ["bind", f"/e/{n}", f"/r/etc/{n}", True, True] for n in initscript.HOST_ETC_OVERLAY]
+    assert ops.count(["mkdir", "/r/etc", 0o755]) == 1  # the bind's mount point only
+
+
+def test_generated_etc_content() -> None:
+    c = initscript.etc_content("10.213.0.1", "sandbox", 65534, 65534)
+    assert set(c) == set(initscript.GENERATED_ETC)
+    assert c["resolv.conf"] == "nameserver 10.213.0.1\noptions timeout:2\n"
+    assert c["hostname"] == "sandbox\n"
+    assert "127.0.1.1\tsandbox" in c["hosts"]
+    assert c["passwd"] == ("root:x:0:0:root:/root:/bin/sh\n"
+                           "nobody:x:65534:65534:nobody:/scratch/home:/bin/sh\n")
+    assert c["group"] == "root:x:0:\nnogroup:x:65534:\n"
+    lookups = dict(line.split(":", 1) for line in c["nsswitch.conf"].splitlines())
+    assert lookups["passwd"].split() == lookups["group"].split() == ["files"]
+    assert lookups["hosts"].split() == ["files", "dns"]
+    assert all(set(v.split()) <= {"files", "dns"} for v in lookups.values())
+    other = initscript.etc_content("10.0.0.1", "box", 1000, 1001)
+    assert [line.split(":")[:4] for line in other["passwd"].splitlines()] == [
+        ["root", "x", "0", "0"], ["sandbox", "x", "1000", "1001"],
+        ["nobody", "x", "65534", "65534"]]
+    assert other["group"] == "root:x:0:\nsandbox:x:1001:\nnogroup:x:65534:\n"
+    assert other == initscript.etc_content("10.0.0.1", "box", 1000, 1001)  # pure
+
+
+@pytest.mark.parametrize("bad", ["/etc/ssl", "../shadow", "ssl/../shadow", "", ".", "a//b",
+                                 "passwd", "hosts", "resolv.conf/x", "nsswitch.conf"])
+def test_etc_allowlist_entries_refused(bad: str) -> None:
+    with pytest.raises(ValueError):
+        initscript.check_etc_entry(bad)
+
+
+def test_etc_allowlist_entries_ok() -> None:
+    assert initscript.check_etc_entry("ssl/certs/") == "ssl/certs"
+    assert initscript.check_etc_entry("python3*") == "python3*"
+    assert initscript.check_etc_entry("host.conf") == "host.conf"
+    from stockade.launcher.settings import LauncherSettings
+
+    assert "/etc" not in LauncherSettings().ro_binds
+    with pytest.raises(ValueError, match="generates"):
+        LauncherSettings(etc_allowlist=["passwd"])
 
 
 _segment = st.text(st.characters(blacklist_characters="/\0", blacklist_categories=("Cs",)),

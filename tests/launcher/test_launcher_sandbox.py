@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import secrets
+import time
+from pathlib import Path
 
 import pytest
+from stockade.launcher import initscript
 
 from .conftest import Lab
 
@@ -59,8 +64,101 @@ def test_sandbox_sees_no_host_secrets(lab: Lab) -> None:
     listing = res.stdout.split()
     for name in ("root", "home", "work", "var", "run"):
         assert name not in listing[:12]
-    assert "Permission denied" in res.stdout  # shadow unreadable for the sandbox user
+    assert "No such file" in res.stdout  # the minimal /etc has no shadow at all
     assert res.stdout.rstrip().endswith("sandbox")
+
+
+def test_minimal_etc_hides_host_configuration(lab: Lab) -> None:
+    marker = Path("/etc") / f"stockade-test-marker-{secrets.token_hex(4)}"
+    marker.write_text("host only\n")
+    marker.chmod(0o644)  # world-readable on the host: only its absence protects it
+    try:
+        paths = ["/etc/shadow", "/etc/gshadow", "/etc/ssh", "/etc/stockade", str(marker),
+                 "/etc/machine-id", "/etc/ssl/private", "/etc/sudoers", "/etc/pip.conf"]
+        res = lab.run(["sh", "-c", f"for p in {' '.join(paths)}; do test -e $p && "
+                       "echo PRESENT $p; done; ls -A /etc"])
+    finally:
+        marker.unlink()
+    assert res.exit_code == 0, res.stderr
+    assert "PRESENT" not in res.stdout
+    s = lab.config.launcher
+    names = set(res.stdout.split())
+    assert set(initscript.GENERATED_ETC) <= names
+    # nothing beyond the generated files and the allowlist's first path segments
+    allowed = {e.split("/")[0] for e in s.etc_allowlist}
+    extra = {n for n in names - set(initscript.GENERATED_ETC)
+             if not any(fnmatch.fnmatch(n, a) for a in allowed)}
+    assert extra == set()
+
+
+def test_sandbox_user_and_generated_files(lab: Lab) -> None:
+    script = ("id; echo --; whoami; echo --; getent passwd; echo --; cat /etc/passwd; "
+              "echo --; getent group; "
+              "echo --; for f in /etc/passwd /etc/group /etc/hosts /etc/resolv.conf "
+              "/etc/nsswitch.conf /etc/hostname; do (echo x >> $f) 2>/dev/null && "
+              "echo WROTE $f; stat -c '%u %a %n' $f; done; "
+              "(touch /etc/new) 2>/dev/null && echo WROTE /etc/new; stat -c '%u %a' /etc")
+    res = lab.run(["sh", "-c", script])
+    assert res.exit_code == 0, res.stderr
+    s = lab.config.launcher
+    want = initscript.etc_content("x", "sandbox", s.sandbox_uid, s.sandbox_gid)
+    ident, user, getent, passwd, group, files = res.stdout.split("--\n")
+    assert ident.startswith("uid=65534(nobody) gid=65534(nogroup)")
+    assert user == "nobody\n"
+    # the output scrubber turns /root (the launcher's home) into <host-path>: compare the rest
+    assert getent == passwd == want["passwd"].replace(":/root:", ":<host-path>:")
+    assert [line.split(":")[0] for line in passwd.splitlines()] == ["root", "nobody"]
+    assert group == want["group"]
+    assert "WROTE" not in files
+    # root-owned 0644 files (read-only binds) in a root-owned 0755 /etc
+    assert [line.split()[:2] for line in files.splitlines()] == [["0", "644"]] * 6 + [
+        ["0", "755"]]
+
+
+def test_ordinary_tools_find_their_etc(lab: Lab) -> None:
+    code = (
+        "import json, mimetypes, os, socket, ssl, subprocess, time\n"
+        "p = ssl.get_default_verify_paths()\n"
+        "ctx = ssl.create_default_context()\n"
+        "print(json.dumps({\n"
+        " 'bundle': os.path.getsize('/etc/ssl/certs/ca-certificates.crt') > 0,\n"
+        " 'capath': os.path.isdir(p.openssl_capath),\n"
+        " 'ctx_verify': ctx.verify_mode == ssl.CERT_REQUIRED,\n"
+        " 'https': socket.getservbyname('https'), 'tcp': socket.getprotobyname('tcp'),\n"
+        " 'lo': socket.gethostbyname('localhost'),\n"
+        " 'json': mimetypes.guess_type('a.json')[0], 'tz': time.tzname[0],\n"
+        " 'awk': subprocess.run(['awk', 'BEGIN{print 1}'], capture_output=True,\n"
+        "                       text=True).stdout.strip(),\n"
+        " 'os': open('/etc/os-release').read().startswith(('PRETTY_NAME', 'NAME')),\n"
+        "}))\n"
+    )
+    res = lab.py(code)
+    assert res.exit_code == 0, res.stderr
+    got = json.loads(res.stdout)
+    assert got == {"bundle": True, "capath": True, "ctx_verify": True, "https": 443, "tcp": 6,
+                   "lo": "127.0.0.1", "json": "application/json",
+                   "tz": time.tzname[0], "awk": "1", "os": True}
+    pip = lab.run(["python3", "-m", "pip", "--version"])
+    assert pip.exit_code == 0, pip.stderr
+
+
+def test_ro_binds_with_etc_keeps_the_host_etc(lab: Lab) -> None:
+    """Listing /etc in ro_binds explicitly keeps the whole host /etc (documented)."""
+    from stockade.launcher import Launcher, SandboxSpec
+
+    ls = lab.config.launcher
+    cfg = lab.config.model_copy(update={"launcher": ls.model_copy(
+        update={"ro_binds": [*ls.ro_binds, "/etc"]})})
+    other = Launcher(cfg, nflog=False)
+    try:
+        res = other.run(SandboxSpec("test", ["sh", "-c", "test -d /etc/ssh && echo SSH; "
+                                            "cat /etc/resolv.conf /etc/hostname"]), lab.ruleset)
+    finally:
+        other.close()
+    assert res.exit_code == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0] == "SSH" and lines[1].startswith("nameserver ")
+    assert lines[-1] == "sandbox"
 
 
 def test_control_sockets_not_reachable(lab: Lab) -> None:
