@@ -78,12 +78,46 @@ def test_exec_start_is_a_command_the_cli_accepts(component: str) -> None:
 
 @pytest.mark.parametrize(
     ("component", "module"),
-    [("gateway", "gateway/service.py"), ("broker", "broker/service.py")],
+    [("gateway", "gateway/service.py"), ("broker", "broker/cli.py")],
 )
 def test_reload_is_sighup_and_the_service_handles_it(component: str, module: str) -> None:
-    """ExecReload sends SIGHUP; without a handler Python would die of it."""
+    """ExecReload sends SIGHUP; without a handler Python would die of it. Both services
+    serve through stockade.serving.serve_until_signalled, whose SIGHUP handling is
+    exercised for real below."""
     src = (REPO / module).read_text()
-    assert "SIGHUP" in src, f"{module} handles no SIGHUP"
+    assert "serve_until_signalled(" in src, f"{module} does not serve through stockade.serving"
+
+
+def test_serve_until_signalled_reloads_on_sighup_and_stops_on_sigterm() -> None:
+    import asyncio
+    import os
+    import signal
+
+    from stockade.serving import serve_until_signalled
+
+    calls: list[str] = []
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+
+        async def start() -> None:
+            calls.append("start")
+            loop.call_later(0.05, os.kill, os.getpid(), signal.SIGHUP)
+            loop.call_later(0.3, os.kill, os.getpid(), signal.SIGTERM)
+
+        async def stop() -> None:
+            calls.append("stop")
+
+        return await serve_until_signalled(
+            "test",
+            start=start,
+            stop=stop,
+            reload=lambda: calls.append("reload"),
+            banner=lambda: "up",
+        )
+
+    assert asyncio.run(main()) == 0
+    assert calls == ["start", "reload", "stop"]
 
 
 def test_sysusers_and_tmpfiles_name_the_unit_user() -> None:
