@@ -521,6 +521,7 @@ def main() -> int:
 
     hello = client_hello("localhost")
     rows: list[dict[str, object]] = []
+    load_before = 0.0
     with tempfile.TemporaryDirectory(prefix="stockade-bench-") as tmpdir:
         tmp = Path(tmpdir)
         with upstream(tmp) as up_port:
@@ -564,11 +565,15 @@ def main() -> int:
                         continue
                     proxies.append((key, proxy))  # before the warm-up: stopped if it fails
                     bench.latency(proxy, 20)  # warm-up: caches, first-use allocations
+                load_before = os.getloadavg()[0]
                 rows = measure(bench, proxies, nbytes, args, idle_n)
             finally:
                 for _, proxy in proxies:
                     proxy.stop()
     print_table(rows, nbytes, args)
+    # context for reading the wall-clock columns (the bench itself raises it by ~1)
+    load = os.getloadavg()[0]
+    print(f"load average (1 min): {load_before:.2f} before, {load:.2f} after")
     return 0
 
 
