@@ -16,6 +16,11 @@ V1_CONTROLLERS = ("memory", "pids", "cpu", "freezer")
 CPU_PERIOD_US = 100_000
 
 
+def v1_shares(weight: int) -> int:
+    """cgroup v2 `cpu.weight` (1-10000, default 100) as v1 `cpu.shares` (default 1024)."""
+    return max(2, weight * 1024 // 100)
+
+
 def detect_version(root: str) -> int:
     return 2 if Path(root, "cgroup.controllers").exists() else 1
 
@@ -51,8 +56,13 @@ class Limits:
 class CgroupSet:
     """One sandbox's cgroup(s). Every method tolerates a half-created or gone cgroup."""
 
-    def __init__(self, root: str, parent: str, name: str) -> None:
+    def __init__(
+        self, root: str, parent: str, name: str, parent_weight: int | None = None
+    ) -> None:
         self.version = detect_version(root)
+        # CPU weight of the parent (all sandboxes together) against its siblings such as
+        # system.slice: under contention the gateway and broker run first
+        self.parent_weight = parent_weight
         self.root = Path(root)
         self.parent = parent
         self.name = name
@@ -81,6 +91,7 @@ class CgroupSet:
                 _write(d / "memory.swap.max", "0")
             _write(d / "pids.max", str(limits.pids))
             _write(d / "cpu.max", f"{int(limits.cpus * CPU_PERIOD_US)} {CPU_PERIOD_US}")
+            self._weigh_parent(parent / "cpu.weight", str(self.parent_weight))
             return
         for d in self.dirs.values():
             d.mkdir(parents=True, exist_ok=True)
@@ -92,6 +103,15 @@ class CgroupSet:
         c = self.dirs["cpu"]
         _write(c / "cpu.cfs_period_us", str(CPU_PERIOD_US))
         _write(c / "cpu.cfs_quota_us", str(int(limits.cpus * CPU_PERIOD_US)))
+        if self.parent_weight is not None:
+            self._weigh_parent(c.parent / "cpu.shares", str(v1_shares(self.parent_weight)))
+
+    def _weigh_parent(self, path: Path, value: str) -> None:
+        if self.parent_weight is None:
+            return
+        # best effort: the weight protects the services, the sandbox's own limits stand
+        with contextlib.suppress(OSError):
+            _write(path, value)
 
     def pids(self) -> list[int]:
         d = self.dirs["unified" if self.version == 2 else "pids"]

@@ -515,7 +515,9 @@ class Launcher:
                     break
             slot = free_slot(self.s.address_pool, (r.slot for r in records.values()))
             a = slot_addresses(self.s.address_pool, slot)
-            cg = cgroups.CgroupSet(self.s.cgroup_root, self.s.cgroup_parent, task_id)
+            cg = cgroups.CgroupSet(
+                self.s.cgroup_root, self.s.cgroup_parent, task_id, self.s.cgroup_cpu_weight
+            )
             rec = SandboxRecord(
                 task_id=task_id, profile=profile.name, slot=slot, ifname=self._ifname(task_id),
                 netns=self._netns(task_id), host_ip=a.host_ip, guest_ip=a.guest_ip,

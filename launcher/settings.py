@@ -23,6 +23,10 @@ class LauncherSettings(BaseModel):
     name_prefix: str = Field("stk", min_length=1, max_length=5, pattern=r"^[a-z][a-z0-9]*$")
     # cgroup parent (v1: /sys/fs/cgroup/<controller>/<parent>/<id>, v2: <root>/<parent>/<id>)
     cgroup_parent: str = Field("stockade", pattern=r"^[A-Za-z0-9_.-]+$")
+    # CPU weight of cgroup_parent, i.e. all sandboxes together, against its siblings such as
+    # system.slice (cgroup v2 cpu.weight scale, default there 100; v1: cpu.shares x10.24):
+    # when the host is busy the gateway, broker and launcher run first
+    cgroup_cpu_weight: int = Field(50, ge=1, le=10000)
     # where the cgroup hierarchies are mounted (v1 or v2 is detected)
     cgroup_root: str = "/sys/fs/cgroup"
     sandbox_uid: int = Field(65534, ge=1)  # the command never runs as root

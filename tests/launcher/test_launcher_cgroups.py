@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from stockade.launcher.cgroups import CgroupSet, Limits, detect_version
+from stockade.launcher.cgroups import CgroupSet, Limits, detect_version, v1_shares
 
 pytestmark = pytest.mark.netns
 
@@ -93,3 +93,28 @@ def test_v2_paths_on_unified_hierarchy() -> None:
         with contextlib.suppress(OSError):
             os.rmdir(f"{UNIFIED}/{parent}")
     assert not cg.exists()
+
+
+def test_v1_shares_scale() -> None:
+    assert v1_shares(100) == 1024  # both defaults
+    assert v1_shares(50) == 512
+    assert v1_shares(1) == 10
+    assert v1_shares(10000) == 102400
+
+
+@pytest.mark.skipif(detect_version("/sys/fs/cgroup") != 1, reason="host is not cgroup v1")
+def test_v1_parent_gets_the_sandboxes_cpu_weight() -> None:
+    parent = f"stockade_cgt{secrets.token_hex(3)}"
+    cg = CgroupSet("/sys/fs/cgroup", parent, "abcdef0123", parent_weight=50)
+    try:
+        cg.create(Limits(memory=48 * 2**20, pids=17, cpus=0.5))
+        shares = Path("/sys/fs/cgroup/cpu", parent, "cpu.shares").read_text().strip()
+        assert shares == "512"
+        # the sandbox's own quota is unchanged by it
+        assert (cg.dirs["cpu"] / "cpu.cfs_quota_us").read_text().strip() == "50000"
+    finally:
+        cg.kill_all()
+        cg.remove()
+        for c in ("memory", "pids", "cpu", "freezer"):
+            with contextlib.suppress(OSError):
+                os.rmdir(f"/sys/fs/cgroup/{c}/{parent}")
