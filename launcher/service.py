@@ -239,8 +239,7 @@ class LauncherService:
             await self._runner.cleanup()
             self._runner = None
         await asyncio.to_thread(self.launcher.close)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.socket_path)
+        # the socket file went with the runner's cleanup, only if it was still ours
         self.events.close()
 
     def _kill_own_and_wait(self, timeout: float = 60.0) -> None:
