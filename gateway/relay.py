@@ -203,6 +203,9 @@ class Relay:
 
     async def _pump(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
         loop = asyncio.get_running_loop()
+        # the client has just sent its first message and usually waits for an answer:
+        # wait for more instead of asking (an EAGAIN syscall per connection)
+        await self._wait_up(loop, src.fileno(), write=False)
         if self.pool is not None:
             await self._pump_splice(loop, src, dst, up)
         else:
@@ -215,9 +218,6 @@ class Relay:
     ) -> None:
         assert self.pool is not None
         sfd, dfd = src.fileno(), dst.fileno()
-        # the client has just sent its first message and usually waits for an answer:
-        # wait for more instead of asking (an EAGAIN syscall per connection)
-        await self._wait_up(loop, sfd, write=False)
         while True:
             pipe = self.pool.get()
             clean = False
@@ -294,12 +294,9 @@ class _DownPump:
         self.chunk = 0  # size of the chunk in flight (accounted once fully written)
 
     def start(self) -> None:
-        if self.relay.pool is not None:
-            # nothing to move yet (the upstream has not been sent the first bytes, or
-            # has only just been): listen instead of asking and hearing EAGAIN
-            self._watch(read=True, write=False)
-        else:
-            self._run()
+        # nothing to move yet (the upstream has not been sent the first bytes, or has
+        # only just been): listen instead of asking and hearing EAGAIN
+        self._watch(read=True, write=False)
 
     def close(self) -> None:
         """Stop (the tunnel is being torn down); releases a half-moved chunk's pipe."""
