@@ -12,11 +12,26 @@ import time
 from pathlib import Path
 
 import pytest
-from stockade.launcher.cgroups import CgroupSet, Limits, detect_version, v1_shares
+from stockade.launcher.cgroups import (
+    V1_CONTROLLERS,
+    CgroupSet,
+    Limits,
+    detect_version,
+    v1_shares,
+)
 
 pytestmark = pytest.mark.netns
 
 UNIFIED = "/sys/fs/cgroup/unified"
+
+
+def _remove_v1(cg: CgroupSet, parent: str) -> None:
+    """Kill, remove the sandbox's cgroups, then the test's parent in every v1 controller."""
+    cg.kill_all()
+    cg.remove()
+    for c in V1_CONTROLLERS:
+        with contextlib.suppress(OSError):
+            os.rmdir(f"/sys/fs/cgroup/{c}/{parent}")
 
 
 def _spawn_into(procs_file: str) -> subprocess.Popen[bytes]:
@@ -51,11 +66,7 @@ def test_v1_limits_freeze_kill_remove() -> None:
         assert cg.pids() == []
         assert cg.oom_kills() == 0 and cg.pids_failures() == 0
     finally:
-        cg.kill_all()
-        cg.remove()
-        for c in ("memory", "pids", "cpu", "freezer"):
-            with contextlib.suppress(OSError):
-                os.rmdir(f"/sys/fs/cgroup/{c}/{parent}")
+        _remove_v1(cg, parent)
     assert not cg.exists()
 
 
@@ -113,8 +124,4 @@ def test_v1_parent_gets_the_sandboxes_cpu_weight() -> None:
         # the sandbox's own quota is unchanged by it
         assert (cg.dirs["cpu"] / "cpu.cfs_quota_us").read_text().strip() == "50000"
     finally:
-        cg.kill_all()
-        cg.remove()
-        for c in ("memory", "pids", "cpu", "freezer"):
-            with contextlib.suppress(OSError):
-                os.rmdir(f"/sys/fs/cgroup/{c}/{parent}")
+        _remove_v1(cg, parent)
