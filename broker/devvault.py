@@ -17,11 +17,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import hvac
 
+from stockade.lifecycle import StartStop
 from stockade.ports import free_port
 from stockade.procs import stop_group
 
@@ -43,7 +43,7 @@ def find_bao() -> str:
     return found
 
 
-class DevOpenBao:
+class DevOpenBao(StartStop):
     """`with DevOpenBao() as bao:` -> `bao.address`, `bao.root_token`, `bao.put_secret(...)`."""
 
     def __init__(self, *, port: int | None = None, startup_timeout: float = 30.0) -> None:
@@ -130,17 +130,6 @@ class DevOpenBao:
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
-
-    def __enter__(self) -> DevOpenBao:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     # -- helpers for tests and the demo ------------------------------------------------
     def client(self) -> hvac.Client:

@@ -16,9 +16,9 @@ import secrets
 import subprocess
 import threading
 from collections.abc import Sequence
-from types import TracebackType
 from typing import Any
 
+from stockade.lifecycle import StartStop
 from stockade.testnet import host
 from stockade.testnet.layout import pick_client_block
 
@@ -70,7 +70,7 @@ def nft_ruleset(
     return "\n".join(lines) + "\n"
 
 
-class ClientNamespace:
+class ClientNamespace(StartStop):
     """A client namespace whose traffic is redirected to host ports (see module doc).
 
     `address`: the client's IPv4 address, or None to take a free /30 from 10.251.0.0/16
@@ -105,18 +105,6 @@ class ClientNamespace:
         self._started = False
         self._stopped = False
         self._lock = threading.RLock()  # reentrant: stop() may rerun from a signal handler
-
-    def __enter__(self) -> ClientNamespace:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def _addresses(self) -> tuple[str, str, int]:
         if self.requested_address is None:

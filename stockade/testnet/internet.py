@@ -20,9 +20,9 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
+from stockade.lifecycle import StartStop
 from stockade.testnet import host
 from stockade.testnet.layout import (
     DEFAULT_SUBNET,
@@ -41,7 +41,7 @@ DEFAULT_API_KEY = "sk-demo-0123456789abcdef"
 ExtraRecords = Mapping[str, Iterable[Record | tuple[str, str] | tuple[str, str, int]]]
 
 
-class FakeInternet:
+class FakeInternet(StartStop):
     """Test hosts in a namespace: DNS, HTTP/HTTPS sites, TCP/UDP echo (see docs/testnet.md)."""
 
     def __init__(
@@ -134,18 +134,6 @@ class FakeInternet:
         return ["--resolve", f"{name}:{port}:{self.addresses[name]}"]
 
     # -- lifecycle ------------------------------------------------------------------------
-
-    def __enter__(self) -> FakeInternet:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def start(self) -> FakeInternet:
         if self._started:

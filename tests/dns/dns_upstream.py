@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from dnslib import AAAA, CNAME, QTYPE, RCODE, RR, A, DNSRecord
 from dnslib.server import BaseResolver, DNSHandler, DNSLogger, DNSServer, TCPServer, UDPServer
 
+from stockade.lifecycle import StartStop
+
 
 @dataclass
 class Zone:
@@ -108,7 +110,7 @@ class _QuietLogger(DNSLogger):
         super().__init__(log="-request,-reply,-truncated,-error,-recv,-send,-data", prefix=False)
 
 
-class Upstream:
+class Upstream(StartStop):
     """dnslib UDP+TCP server on a random 127.x.y.z address and one port."""
 
     def __init__(self, zone: Zone | None = None) -> None:
@@ -171,12 +173,6 @@ class Upstream:
             s.server.shutdown()
             s.server.server_close()
         self._servers = []
-
-    def __enter__(self) -> Upstream:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def free_udp_port(address: str) -> int:
