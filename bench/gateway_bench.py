@@ -41,10 +41,10 @@ VENV_BIN = Path(sys.executable).parent
 
 UPSTREAM_CODE = textwrap.dedent(
     """
-    import asyncio, os, resource, sys
+    import asyncio, os, resource, socket, sys
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    port, blob = int(sys.argv[1]), sys.argv[2]
+    port, blob, cc = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     size = os.path.getsize(blob)
 
     async def handle(reader, writer):
@@ -71,6 +71,9 @@ UPSTREAM_CODE = textwrap.dedent(
 
     async def main():
         srv = await asyncio.start_server(handle, "127.0.0.1", port, backlog=4096)
+        for sock in srv.sockets:  # accepted connections inherit it
+            if cc:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cc.encode())
         print("ready", flush=True)
         await srv.serve_forever()
 
@@ -462,14 +465,14 @@ def start_tinyproxy(tmp: Path, upstream_port: int) -> Proxy | None:
 
 
 @contextlib.contextmanager
-def upstream(tmp: Path) -> Iterator[int]:
+def upstream(tmp: Path, cc: str) -> Iterator[int]:
     blob = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp
     fd, blob_path = tempfile.mkstemp(dir=blob, prefix="stockade-bench-")
     with os.fdopen(fd, "wb") as f:
         f.write(os.urandom(1 << 20) * 64)  # 64 MiB served again and again
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-c", UPSTREAM_CODE, str(port), blob_path], stdout=subprocess.PIPE
+        [sys.executable, "-c", UPSTREAM_CODE, str(port), blob_path, cc], stdout=subprocess.PIPE
     )
     try:
         assert proc.stdout is not None
@@ -505,6 +508,14 @@ def main() -> int:
         "(A/B of a change on a noisy host)",
     )
     ap.add_argument(
+        "--upstream-cc",
+        default="",
+        metavar="NAME",
+        help="TCP congestion control of the upstream's connections (the sender in the "
+        "throughput test), e.g. cubic for a direct baseline without bbr's pacing; "
+        "default: the system's",
+    )
+    ap.add_argument(
         "--only",
         help="comma-separated subset: direct,gateway,gateway-copy,mitmproxy,squid,tinyproxy "
         "(a --baseline always runs)",
@@ -524,7 +535,7 @@ def main() -> int:
     load_before = 0.0
     with tempfile.TemporaryDirectory(prefix="stockade-bench-") as tmpdir:
         tmp = Path(tmpdir)
-        with upstream(tmp) as up_port:
+        with upstream(tmp, args.upstream_cc) as up_port:
             bench = Bench(up_port, hello)
             starters: list[tuple[str, Callable[[], Proxy | None]]] = [
                 ("direct", lambda: Proxy("direct", None)),
@@ -618,6 +629,12 @@ def measure(
     return rows
 
 
+def system_cc() -> str:
+    with contextlib.suppress(OSError):
+        return Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    return "?"
+
+
 def print_table(rows: list[dict[str, object]], nbytes: int, args: argparse.Namespace) -> None:
     direct = next((r for r in rows if r["key"] == "direct"), None)
     mitm = next((r for r in rows if r["key"] == "mitmproxy"), None)
@@ -625,7 +642,8 @@ def print_table(rows: list[dict[str, object]], nbytes: int, args: argparse.Names
         f"\nstockade gateway bench: 1 tunnel downloading {nbytes / 2**20:.0f} MiB "
         f"(median of {args.runs} interleaved rounds), {args.latency_runs} connect+first-byte "
         "samples per path, "
-        f"{os.cpu_count()} CPUs\n"
+        f"{os.cpu_count()} CPUs, upstream congestion control {args.upstream_cc or system_cc()}"
+        f"{'' if args.upstream_cc else ' (system)'}\n"
     )
     hdr = (
         f"{'path':32} {'MiB/s':>8} {'vs direct':>9} {'vs mitm':>8} "

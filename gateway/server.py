@@ -173,6 +173,7 @@ class Gateway:
                     socket.TCP_DEFER_ACCEPT,
                     max(1, math.ceil(self.settings.sniff_timeout_s)),
                 )
+        _set_congestion_control(sock, self.settings.sandbox_congestion_control)
         sock.listen(4096)
         sock.setblocking(False)
         self.bound[kind].append(sock.getsockname()[:2])
@@ -897,6 +898,17 @@ def _budget_key(ruleset: RuleSet, task: Task, host: str) -> str:
     """The allow entry a name's unresolvable budget is kept under: the one the DNS
     firewall charges (`decide_name`), so both paths draw from the same budget."""
     return decide_name(ruleset, task.profile, host).rule_id or ""
+
+
+def _set_congestion_control(sock: socket.socket, name: str | None) -> None:
+    if not name:
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
+    except OSError as e:  # not built or not loaded: the system default is still correct
+        log.warning(
+            "sandbox_congestion_control %r unavailable (%s): system default kept", name, e
+        )
 
 
 _IN_PROGRESS = (errno.EINPROGRESS, errno.EINTR, errno.EAGAIN)
