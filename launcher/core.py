@@ -14,6 +14,7 @@ import functools
 import glob
 import ipaddress
 import json
+import logging
 import marshal
 import os
 import re
@@ -166,6 +167,24 @@ class _Live:
     killed: threading.Event = field(default_factory=threading.Event)
 
 
+def _permitted_congestion_control(name: str | None) -> str | None:
+    """`name` if a network namespace may make it its default, else None (with a warning):
+    outside the initial namespace the kernel refuses what tcp_allowed_congestion_control
+    does not list (reno is always allowed)."""
+    if not name or name == "reno":
+        return name
+    try:
+        allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
+    except OSError:
+        return name  # cannot tell: the init's write is best effort anyway
+    if name in allowed:
+        return name
+    logging.getLogger("stockade.launcher").warning(
+        "launcher.congestion_control %r is not in net.ipv4.tcp_allowed_congestion_control "
+        "(%s): sandboxes keep the host's default", name, " ".join(allowed))
+    return None
+
+
 class Launcher:
     def __init__(
         self,
@@ -204,6 +223,7 @@ class Launcher:
         self._nflog_cv = threading.Condition()
         self.nflog_bound = False
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._congestion_control = _permitted_congestion_control(self.s.congestion_control)
 
     # -- lifecycle of the launcher itself ----------------------------------------------
     def start(self) -> None:
@@ -571,6 +591,7 @@ class Launcher:
                 shm_size=self.s.shm_size, cgroup_procs=tuple(cg.procs_files()),
                 rlimits=(("NOFILE", self.s.rlimit_nofile), ("CORE", self.s.rlimit_core),
                          ("MEMLOCK", self.s.rlimit_memlock)),
+                congestion_control=self._congestion_control,
             )
             env = self._env(spec, a.host_ip, proxy=proxy_env)
             # the plan travels in a memfd, not argv: /proc/1/cmdline shows no host paths

@@ -59,6 +59,7 @@ class InitPlan:
     host_etc: bool = False  # `ro_binds` binds the host's /etc: only overlay etc_files on it
     cgroup_procs: tuple[str, ...] = ()  # joined first, before anything else runs
     rlimits: tuple[tuple[str, int], ...] = ()  # ("NOFILE", 4096): RLIMIT_<name>, soft = hard
+    congestion_control: str | None = None  # the netns' TCP default; None: left as it is
 
 
 def _guest(path: str) -> str:
@@ -140,6 +141,9 @@ def build(plan: InitPlan) -> dict[str, Any]:
         ["write", "/proc/sys/net/ipv6/conf/default/disable_ipv6", "1", True],
         # unprivileged ICMP sockets: a ping gets a legible "prohibited" (nft still rejects it)
         ["write", "/proc/sys/net/ipv4/ping_group_range", "0 2147483647", True],
+        # best effort: an algorithm the kernel lacks leaves the host's default
+        *([["write", "/proc/sys/net/ipv4/tcp_congestion_control", plan.congestion_control, True]]
+          if plan.congestion_control else []),
         ["write", "/proc/sys/kernel/hostname", plan.hostname, False],
         ["mount", "stockade-root", r, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=0755"],
     ]

@@ -50,6 +50,11 @@ class LauncherSettings(BaseModel):
     # failed forks (pids limit hits) after which a sandbox is ended with ended_by=limit
     pids_fail_kill: int = Field(32, ge=1)
     log_rate_per_s: int = Field(20, ge=1)  # nft log limit rate (packets/s, burst 2x)
+    # TCP congestion control inside each sandbox (its netns default): all of a sandbox's TCP
+    # goes to the gateway and broker on this host, where a pacing algorithm such as bbr only
+    # adds timers. reno: the one a network namespace may always choose (others only when
+    # net.ipv4.tcp_allowed_congestion_control lists them). None keeps the host's default.
+    congestion_control: str | None = Field("reno", pattern=r"^[a-z0-9_]{1,15}$")
     # rlimits of the command (soft = hard). No RLIMIT_NPROC (it counts per uid across the
     # host; the pids cgroup limits processes), no RLIMIT_FSIZE (the scratch size cap gives
     # a legible ENOSPC instead of SIGXFSZ)

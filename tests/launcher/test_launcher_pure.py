@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import json
+import logging
 import os
 import threading
 from pathlib import Path
@@ -211,6 +212,14 @@ def test_init_plan_with_host_etc_overlays_only() -> None:
     assert ops.count(["mkdir", "/r/etc", 0o755]) == 1  # the bind's mount point only
 
 
+def test_init_plan_congestion_control_is_optional_and_best_effort() -> None:
+    plan = initscript.InitPlan(root="/r", scratch="/s", etc_dir="/e", uid=1, gid=1)
+    cc_path = "/proc/sys/net/ipv4/tcp_congestion_control"
+    assert not [op for op in initscript.build(plan)["ops"] if op[1:2] == [cc_path]]
+    ops = initscript.build(dataclasses.replace(plan, congestion_control="cubic"))["ops"]
+    assert [op for op in ops if op[1:2] == [cc_path]] == [["write", cc_path, "cubic", True]]
+
+
 def test_generated_etc_content() -> None:
     c = initscript.etc_content("10.213.0.1", "sandbox", 65534, 65534)
     assert set(c) == set(initscript.GENERATED_ETC)
@@ -308,3 +317,15 @@ def test_state_roundtrip_and_concurrent_updates(tmp_path: Path) -> None:
     (tmp_path / "s.json").write_text("{torn")
     assert sf.read() == {}
     assert not any(n.startswith(".launcher.") for n in os.listdir(tmp_path))
+
+
+def test_congestion_control_must_be_permitted_in_a_netns(caplog: pytest.LogCaptureFixture) -> None:
+    from stockade.launcher.core import _permitted_congestion_control as permitted
+
+    allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
+    assert permitted(None) is None and permitted("reno") == "reno"
+    for name in allowed:
+        assert permitted(name) == name
+    with caplog.at_level(logging.WARNING, logger="stockade.launcher"):
+        assert permitted("nosuchcc") is None
+    assert "'nosuchcc' is not in net.ipv4.tcp_allowed_congestion_control" in caplog.text

@@ -202,3 +202,12 @@ def test_rlimits(lab: Lab) -> None:
     s = lab.config.launcher
     assert res.stdout.split() == [str(s.rlimit_nofile), "0", str(s.rlimit_nofile),
                                   str(s.rlimit_memlock // 1024)]
+
+
+def test_tcp_congestion_control_is_set_inside_the_sandbox(lab: Lab) -> None:
+    host = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    res = lab.run(["cat", "/proc/sys/net/ipv4/tcp_congestion_control"])
+    assert res.exit_code == 0, res.stderr
+    assert res.stdout.strip() == lab.config.launcher.congestion_control == "reno"
+    # the host's own default is untouched (the setting is per network namespace)
+    assert Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip() == host
