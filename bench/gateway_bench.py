@@ -618,6 +618,7 @@ def measure(
             "name": proxy.name,
             "key": key,
             "tput": statistics.median(tputs[key]),
+            "tput_range": (min(tputs[key]), max(tputs[key])),
             "p50": statistics.median(lats[key]) * 1000,
             "p90": statistics.quantiles(lats[key], n=10)[-1] * 1000,
             "cpu_us": cpu[key] / len(lats[key]) * 1e6 if proxy.proc else None,
@@ -648,7 +649,7 @@ def print_table(rows: list[dict[str, object]], nbytes: int, args: argparse.Names
     hdr = (
         f"{'path':32} {'MiB/s':>8} {'vs direct':>9} {'vs mitm':>8} "
         f"{'p50 ms':>7} {'+p50 ms':>8} {'p90 ms':>7} {'CPU us/conn':>11} "
-        f"{'idle KiB/tunnel':>18}"
+        f"{'idle KiB/tunnel':>18}  {'MiB/s min-max':>13}"
     )
     print(hdr)
     print("-" * len(hdr))
@@ -664,9 +665,12 @@ def print_table(rows: list[dict[str, object]], nbytes: int, args: argparse.Names
             else "-"
         )
         cpu = f"{float(r['cpu_us']):.0f}" if r.get("cpu_us") is not None else "-"  # type: ignore[arg-type]
+        lo, hi = r["tput_range"]  # type: ignore[misc]
+        span = f"{lo:.0f}-{hi:.0f}"
         print(
             f"{r['name']:32} {tput:8.0f} {vs_direct:>9} {vs_mitm:>8} {p50:7.3f} "
-            f"{added:>8} {float(r['p90']):7.3f} {cpu:>11} {idle:>18}"
+            f"{added:>8} {float(r['p90']):7.3f} {cpu:>11} {idle:>18}  "
+            f"{span:>13}"
         )  # type: ignore[arg-type]
     print()
 
