@@ -129,10 +129,12 @@ class Relay:
         pool: PipePool | None,
         on_activity: Callable[[], None],
         first: bytes = b"",
+        first_sent: int = 0,
     ) -> None:
         self.client = client
         self.upstream = upstream
-        self.first = first  # already decided and counted: sent upstream first by run()
+        # already decided and counted; `first_sent` of it is sent, run() sends the rest
+        self.first = first[first_sent:]
         self.count_up = count_up  # False: the upload budget is exhausted
         self.pool = pool  # None: no splice, use the copy loop
         self.on_activity = on_activity
@@ -164,7 +166,7 @@ class Relay:
                 waiter.set_exception(self._failed)  # type: ignore[arg-type]
 
         down.done.add_done_callback(down_done)
-        down.start()  # listening for the upstream's answer before it can be sent
+        down.start()  # listening for the upstream's answer before the rest can be sent
         try:
             if self.first:
                 first, self.first = self.first, b""

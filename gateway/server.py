@@ -460,7 +460,9 @@ class Gateway:
         # logged a moment later in a batch, off the latency path of the first upstream
         # byte; the close event is deferred the same way, so it still comes after this
         self._defer(self._allowed_event, conn, decision, dialled, elapsed, time.time())
-        # the sniffed bytes go upstream from the relay, once it listens for the answer
+        # the sniffed bytes go upstream before the relay is even built: the upstream's
+        # answer is the latency path, and the relay listens long before it can come
+        # (readiness is level-triggered, so a reader registered later misses nothing)
         relay = Relay(
             conn.client,
             upstream,
@@ -468,6 +470,7 @@ class Gateway:
             pool=self.pool,
             on_activity=lambda: _touch(conn),
             first=inner.data,
+            first_sent=_send_some(upstream, inner.data),
         )
         return upstream, relay, (decision, dialled)
 
@@ -912,6 +915,17 @@ def _set_congestion_control(sock: socket.socket, name: str | None) -> None:
 
 
 _IN_PROGRESS = (errno.EINPROGRESS, errno.EINTR, errno.EAGAIN)
+
+
+def _send_some(sock: socket.socket, data: bytes) -> int:
+    """What one non-blocking send takes of `data` (0 on any error: the relay sends the
+    rest, and meets the error itself)."""
+    if not data:
+        return 0
+    try:
+        return sock.send(data)
+    except OSError:
+        return 0
 
 
 def _stream_socket(ip: str) -> socket.socket:

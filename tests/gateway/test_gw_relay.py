@@ -141,3 +141,32 @@ async def test_a_download_side_reset_ends_the_relay(mode: str) -> None:
     assert relay.bytes_down == 4
     for s in (client_app, client_gw, up_gw):
         s.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("sent", [0, 5, 11])
+async def test_first_bytes_partly_sent_before_the_relay(mode: str, sent: int) -> None:
+    """The gateway sends what it can of the sniffed bytes before building the relay: the
+    relay sends only the rest, and still counts all of them."""
+    loop = asyncio.get_running_loop()
+    client_app, client_gw = tcp_pair()
+    up_gw, up_srv = tcp_pair()
+    first = b"hello world"
+    up_gw.sendall(first[:sent])
+    pool = PipePool() if mode == "splice" else None
+    relay = Relay(
+        client_gw, up_gw, count_up=lambda n: True, pool=pool, on_activity=lambda: None,
+        first=first, first_sent=sent,
+    )
+    task = asyncio.ensure_future(relay.run())
+    await loop.sock_sendall(client_app, b"!")
+    client_app.shutdown(socket.SHUT_WR)
+    got = await asyncio.wait_for(_read_all(loop, up_srv), 10)
+    up_srv.shutdown(socket.SHUT_WR)
+    await asyncio.wait_for(task, 10)
+    assert got == first + b"!"
+    assert relay.bytes_up == len(first) + 1
+    for s in (client_app, client_gw, up_gw, up_srv):
+        s.close()
+    if pool:
+        pool.close()
