@@ -71,7 +71,7 @@ def _launcher(config_path: str | None, command: str) -> Any:
 def _run(args: argparse.Namespace) -> int:
     from stockade.cli import config_or_fail
 
-    from .core import Launcher, LauncherError, SandboxSpec
+    from .core import Launcher, LauncherError, SandboxSpec, preflight
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
@@ -85,6 +85,11 @@ def _run(args: argparse.Namespace) -> int:
 
         ruleset = load_rules(args.rules or config.rules_dir)
     except Exception as e:
+        print(f"stockade run: {e}", file=sys.stderr)
+        return 2
+    try:
+        preflight(config.launcher, ruleset, args.profile)  # before any service starts
+    except LauncherError as e:
         print(f"stockade run: {e}", file=sys.stderr)
         return 2
     spec = SandboxSpec(profile=args.profile, argv=cmd,

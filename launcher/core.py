@@ -44,6 +44,8 @@ from .state import SandboxRecord, StateFile
 if TYPE_CHECKING:  # stockade.config imports launcher.settings: no runtime cycle
     from stockade.config import Config
 
+    from .settings import LauncherSettings
+
 EndedBy = Literal["exit", "ttl", "killed", "limit"]
 TASK_ID_RE = re.compile(r"^[0-9a-f]{10}$")
 HOST_ETC = "/etc"
@@ -55,8 +57,33 @@ PROXY_ENV_NAMES = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "NO
                    "no_proxy", "ALL_PROXY", "all_proxy")
 
 
+PROVIDED_ISOLATION = "container"  # what the netns backend gives (see `isolation`)
+
+
 class LauncherError(RuntimeError):
     pass
+
+
+def isolation_fields(settings: LauncherSettings, profile: Any) -> dict[str, str]:
+    """The start event's isolation fields; LauncherError when the profile asks for a
+    stronger tier than the backend gives and the configuration does not accept that."""
+    requested = getattr(profile, "isolation", PROVIDED_ISOLATION)
+    if requested == PROVIDED_ISOLATION:
+        return {"isolation": PROVIDED_ISOLATION}
+    if requested not in settings.downgrade_isolation:
+        raise LauncherError(
+            f"profile {profile.name!r} asks for isolation {requested!r}; the "
+            f"{settings.backend} backend gives {PROVIDED_ISOLATION!r} only. To run it at "
+            f"that grade anyway, add {requested!r} to launcher.downgrade_isolation")
+    return {"isolation": PROVIDED_ISOLATION, "isolation_requested": requested}
+
+
+def preflight(settings: LauncherSettings, ruleset: Any, profile_name: str) -> None:
+    """What `run` would refuse about the profile, checked before any service starts."""
+    profile = ruleset.profiles.get(profile_name)
+    if profile is None:
+        raise LauncherError(f"unknown profile {profile_name!r}")
+    isolation_fields(settings, profile)
 
 
 class _ProfileLike(Protocol):
@@ -516,6 +543,7 @@ class Launcher:
     def _create(self, spec: SandboxSpec, profile: Any, policy_version: str | None) -> _Live:
         if not spec.argv:
             raise LauncherError("empty command")
+        isolation = isolation_fields(self.s, profile)
         for k in spec.env:
             if not ENV_NAME_RE.match(k) or k.startswith("STOCKADE_"):
                 raise LauncherError(f"invalid environment name {k!r}")
@@ -622,7 +650,10 @@ class Launcher:
         self._emit(make_event(
             component="launcher", action="sandbox_lifecycle", task_id=task_id,
             profile=profile.name, policy_version=policy_version, source_ip=a.guest_ip,
-            message="sandbox started", extra={"lifecycle": "start", "ttl_s": ttl},
+            message="sandbox started" if len(isolation) == 1 else (
+                f"sandbox started at {PROVIDED_ISOLATION} grade "
+                f"(the profile asks for {isolation['isolation_requested']})"),
+            extra={"lifecycle": "start", "ttl_s": ttl, **isolation},
         ))
         return live
 

@@ -32,7 +32,16 @@ from aiohttp import web
 from stockade.events import EventWriter
 from stockade.tasks.control import ControlError, UnixJsonClient, start_control_server
 
-from .core import ENV_NAME_RE, TASK_ID_RE, ExportedFile, Launcher, RunResult, SandboxSpec
+from .core import (
+    ENV_NAME_RE,
+    TASK_ID_RE,
+    ExportedFile,
+    Launcher,
+    LauncherError,
+    RunResult,
+    SandboxSpec,
+    preflight,
+)
 from .initscript import check_input_target
 
 if TYPE_CHECKING:  # stockade.config imports launcher.settings: no runtime cycle
@@ -327,6 +336,10 @@ class LauncherService:
             spec, wait = parse_run_request(body, ruleset.profiles)
         except RequestError as e:
             return _error(400, "bad_request", str(e), field=e.field)
+        try:
+            preflight(self.launcher.s, ruleset, spec.profile)
+        except LauncherError as e:  # e.g. an isolation tier this backend cannot give
+            return _error(400, "bad_request", f"profile: {e}", field="profile")
         for i, (host, _guest) in enumerate(spec.inputs):
             if not os.path.exists(host):
                 return _error(400, "bad_request", f"inputs[{i}]: host path does not exist: "

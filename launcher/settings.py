@@ -11,6 +11,10 @@ class LauncherSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     backend: Literal["netns"] = "netns"  # sandbox backend (the microVM backend is not built yet)
+    # The netns backend is container-grade. A profile whose `isolation` asks for more
+    # (gvisor, microvm) is refused, unless its tier is listed here: then it runs at
+    # container grade on purpose, and its start event says so.
+    downgrade_isolation: list[Literal["gvisor", "microvm"]] = []
     address_pool: str = "10.213.0.0/16"  # carved into one /30 per sandbox
     # Unix socket (0600) of `stockade launcher serve` (started by `stockade up`)
     control_socket: str = "/run/stockade/launcher.sock"

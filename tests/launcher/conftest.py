@@ -140,6 +140,7 @@ def profiles() -> dict[str, Profile]:
                                              types=("text", "json"))),
         "short": Profile("short", "short ttl", limits=Limits(memory=64 * 2**20, disk=8 * 2**20,
                                                              pids=64, ttl=2)),
+        "vm": Profile("vm", "asks for a microVM", isolation="microvm", limits=small),
     }
 
 

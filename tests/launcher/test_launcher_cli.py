@@ -112,3 +112,27 @@ def test_sandbox_commands_from_another_process(lab: Lab, tmp_path: Path) -> None
     assert box["r"].ended_by == "killed"
     p = _stockade("sandbox", "kill", tid, "--config", str(cfg))
     assert p.returncode == 1 and "no sandbox" in p.stderr
+
+
+def test_run_refuses_a_stronger_isolation_and_names_the_way_out(
+    lab: Lab, tmp_path: Path
+) -> None:
+    """The shipped profiles ask for microvm: refused at once with the way out, and with
+    the downgrade configured they run (at container grade)."""
+    rules = tmp_path / "rules"
+    (rules / "profiles").mkdir(parents=True)
+    (rules / "profiles" / "vm.yaml").write_text(
+        PROFILE.replace("profile: cli", "profile: vm") + "isolation: microvm\n")
+    cfg = _config_file(lab, tmp_path)
+    p = _stockade("run", "--profile", "vm", "--rules", str(rules), "--config", str(cfg),
+                  "--", "true")
+    assert p.returncode == 2, p.stderr
+    assert "asks for isolation 'microvm'" in p.stderr
+    assert "launcher.downgrade_isolation" in p.stderr
+    data = lab.config.model_dump()
+    data["launcher"]["downgrade_isolation"] = ["microvm"]
+    cfg.write_text(yaml.safe_dump(data))
+    p = _stockade("run", "--profile", "vm", "--rules", str(rules), "--config", str(cfg),
+                  "--json", "--", "echo", "ran")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["stdout"] == "ran\n"

@@ -211,3 +211,32 @@ def test_tcp_congestion_control_is_set_inside_the_sandbox(lab: Lab) -> None:
     assert res.stdout.strip() == lab.config.launcher.congestion_control == "reno"
     # the host's own default is untouched (the setting is per network namespace)
     assert Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip() == host
+
+
+def test_a_stronger_isolation_than_the_backend_gives_is_refused(lab: Lab) -> None:
+    from stockade.launcher import LauncherError, SandboxSpec
+
+    with pytest.raises(LauncherError, match=r"asks for isolation 'microvm'.*"
+                       r"launcher\.downgrade_isolation"):
+        lab.launcher.run(SandboxSpec("vm", ["true"]), lab.ruleset)
+    assert lab.launcher.list() == []  # refused before anything was created
+
+
+def test_a_configured_downgrade_runs_and_the_start_event_says_so(lab: Lab) -> None:
+    from stockade.launcher import SandboxSpec
+
+    strict = lab.launcher.s
+    lab.launcher.s = strict.model_copy(update={"downgrade_isolation": ["microvm"]})
+    try:
+        res = lab.launcher.run(SandboxSpec("vm", ["true"]), lab.ruleset)
+    finally:
+        lab.launcher.s = strict
+    assert (res.exit_code, res.ended_by) == (0, "exit")
+    start = lab.events(res.task_id)[0]
+    assert start["stockade"]["lifecycle"] == "start"
+    assert start["stockade"]["isolation"] == "container"
+    assert start["stockade"]["isolation_requested"] == "microvm"
+    assert "container grade" in start["message"]
+    plain = lab.run(["true"])
+    first = lab.events(plain.task_id)[0]["stockade"]
+    assert first["isolation"] == "container" and "isolation_requested" not in first
