@@ -78,12 +78,16 @@ def isolation_fields(settings: LauncherSettings, profile: Any) -> dict[str, str]
     return {"isolation": PROVIDED_ISOLATION, "isolation_requested": requested}
 
 
+def profile_of(ruleset: Any, name: str) -> Any:
+    profile = ruleset.profiles.get(name)
+    if profile is None:
+        raise LauncherError(f"unknown profile {name!r}")
+    return profile
+
+
 def preflight(settings: LauncherSettings, ruleset: Any, profile_name: str) -> None:
     """What `run` would refuse about the profile, checked before any service starts."""
-    profile = ruleset.profiles.get(profile_name)
-    if profile is None:
-        raise LauncherError(f"unknown profile {profile_name!r}")
-    isolation_fields(settings, profile)
+    isolation_fields(settings, profile_of(ruleset, profile_name))
 
 
 class _ProfileLike(Protocol):
@@ -526,10 +530,7 @@ class Launcher:
             from stockade.policy import load_rules  # type: ignore[attr-defined]
 
             ruleset = load_rules(self.config.rules_dir)
-        profile = ruleset.profiles.get(name)
-        if profile is None:
-            raise LauncherError(f"unknown profile {name!r}")
-        return profile
+        return profile_of(ruleset, name)
 
     def _ifname(self, task_id: str) -> str:
         return f"{self.s.name_prefix}{task_id}"
