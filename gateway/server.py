@@ -174,6 +174,8 @@ class Gateway:
                     max(1, math.ceil(self.settings.sniff_timeout_s)),
                 )
         _set_congestion_control(sock, self.settings.sandbox_congestion_control)
+        # accepted sockets inherit it (Linux): one setsockopt per listener, not per connection
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.listen(4096)
         sock.setblocking(False)
         self.bound[kind].append(sock.getsockname()[:2])
@@ -196,8 +198,6 @@ class Gateway:
 
     def _spawn(self, kind: Listener, client: socket.socket, peer: tuple[Any, ...]) -> None:
         client.setblocking(False)
-        with contextlib.suppress(OSError):
-            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         now = time.monotonic()
         conn = Conn(next(_ids), kind, client, (_unmap(peer[0]), peer[1]), now, last_activity=now)
         self.conns.add(conn)
@@ -402,7 +402,9 @@ class Gateway:
             # the 200 first (the client's round trip is the latency path), then dial the
             # checked address of the allowed authority while the client sends its first
             # bytes; nothing is sent upstream unless the full decision agrees
-            await loop.sock_sendall(conn.client, CONNECT_ESTABLISHED)
+            sent = _send_some(conn.client, CONNECT_ESTABLISHED)  # a new socket takes it all
+            if sent < len(CONNECT_ESTABLISHED):
+                await loop.sock_sendall(conn.client, CONNECT_ESTABLISHED[sent:])
             early = self._begin_dial(pre, task, ruleset)
             conn.meta["tunnel"] = True  # from here a denial speaks the inner protocol
             try:

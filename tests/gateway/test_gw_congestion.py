@@ -47,7 +47,8 @@ def start_gw(tmp_path: Path) -> Iterator[Any]:
 
 
 def _accepted_cc(h: GatewayHarness) -> str:
-    """The congestion control of a connection the transparent listener accepted."""
+    """The congestion control of a connection the transparent listener accepted (which
+    also inherits TCP_NODELAY from it: the gateway sets neither per connection)."""
     assert h.svc is not None
     conns = h.svc.gateway.conns
     with socket.create_connection(("127.0.0.1", h.port("transparent")), timeout=5):
@@ -55,7 +56,9 @@ def _accepted_cc(h: GatewayHarness) -> str:
         while not conns and time.monotonic() < deadline:
             time.sleep(0.01)
         assert conns, "the gateway did not accept the connection"
-        return _cc(next(iter(conns)).client)
+        accepted = next(iter(conns)).client
+        assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        return _cc(accepted)
 
 
 def test_listeners_and_accepted_sockets_use_the_configured_algorithm(start_gw: Any) -> None:
