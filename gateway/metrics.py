@@ -22,6 +22,9 @@ class GatewayMetrics:
             "stockade_gateway_connections_live", "Relayed connections open", registry=r
         )
         self.bytes = Counter("stockade_gateway_bytes", "Bytes relayed", ["direction"], registry=r)
+        # the two children, looked up once (labels() takes a lock and builds a tuple)
+        self.bytes_up = self.bytes.labels("up")
+        self.bytes_down = self.bytes.labels("down")
         self.decision_seconds = Histogram(
             "stockade_gateway_decision_seconds",
             "Accept to decision (sniff, policy, resolve, dial)",

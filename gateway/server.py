@@ -857,8 +857,8 @@ class Gateway:
         now: float | None = None,
         ended: float | None = None,
     ) -> None:
-        self.metrics.bytes.labels("up").inc(relay.bytes_up)
-        self.metrics.bytes.labels("down").inc(relay.bytes_down)
+        self.metrics.bytes_up.inc(relay.bytes_up)
+        self.metrics.bytes_down.inc(relay.bytes_down)
         reason = conn.close_reason
         task = conn.task
         ended = time.monotonic() if ended is None else ended

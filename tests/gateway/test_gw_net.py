@@ -724,15 +724,31 @@ def test_expiry_closes_live_connections(
     assert all(t.task_id != "t-exp" for t in gw.control.list())
 
 
-def test_metrics_endpoint(gw: GatewayHarness, sandbox: ClientNamespace) -> None:
+def test_metrics_endpoint(
+    gw: GatewayHarness, sandbox: ClientNamespace, fake_internet: FakeInternet
+) -> None:
     import urllib.request
 
+    r = curl(  # one allowed tunnel of its own: the test does not rely on the others'
+        sandbox, fake_internet, *fake_internet.resolve_args("allowed.test"), "https://allowed.test/"
+    )
+    assert r.returncode == 0, r.stderr
+    for _ in range(50):  # the close event is written a moment after the close
+        if any(e["event"]["action"] == "connection_close" for e in gw.events()):
+            break
+        time.sleep(0.1)
     host, port = gw.config.gateway.metrics_listen.rsplit(":", 1)
     text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode()
     assert 'stockade_gateway_decisions_total{outcome="allowed",profile="web"' in text
     assert "stockade_gateway_decision_seconds_bucket" in text
     assert "stockade_gateway_registry_tasks" in text
     assert "stockade_gateway_connections_live" in text
+    # the byte counters agree with the close events (both written by the same close)
+    closes = [e for e in gw.events() if e["event"]["action"] == "connection_close"]
+    for direction in ("up", "down"):
+        line = f'stockade_gateway_bytes_total{{direction="{direction}"}} '
+        value = float(next(x for x in text.splitlines() if x.startswith(line)).split()[-1])
+        assert value == sum(e["stockade"].get(f"bytes_{direction}", 0) for e in closes)
 
 
 def test_control_socket_is_private(gw: GatewayHarness) -> None:
