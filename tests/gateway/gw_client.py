@@ -113,8 +113,71 @@ def _tls_request(
     return info
 
 
+def _hostile_payloads(seed: int, count: int) -> list[tuple[str, bytes]]:
+    """Deterministic hostile first flights; none may ever be allowed (the only name any
+    of them carries, forbidden.test, is not in the profile)."""
+    import random
+
+    from gw_tlsgen import real_client_hello
+
+    rnd = random.Random(seed)
+    hello = real_client_hello("forbidden.test")
+    kinds = [
+        ("random", lambda: rnd.randbytes(rnd.randint(1, 3000))),
+        ("tls-header", lambda: b"\x16\x03\x01" + rnd.randbytes(rnd.randint(2, 2000))),
+        ("tls-huge-length", lambda: b"\x16\x03\x01\xff\xff\x01\xff\xff\xff"),
+        ("hello-truncated", lambda: hello[: rnd.randint(1, len(hello) - 1)]),
+        ("hello-flipped", lambda: _flip(rnd, hello)),
+        ("http-garbage", lambda: b"GET " + rnd.randbytes(rnd.randint(1, 500)) + b"\r\n\r\n"),
+        ("http-nul", lambda: b"GET / HTTP/1.1\r\nHost: forbidden.test\0\r\n\r\n"),
+        ("http-huge", lambda: b"GET / HTTP/1.1\r\nX: " + b"a" * 20000 + b"\r\n\r\n"),
+        ("connect-garbage", lambda: b"CONNECT " + rnd.randbytes(rnd.randint(1, 300)) + b"\r\n\r\n"),
+    ]
+    return [(k, make()) for k, make in (kinds[i % len(kinds)] for i in range(count))]
+
+
+def _flip(rnd: object, data: bytes) -> bytes:
+    out = bytearray(data)
+    for _ in range(1 + rnd.randint(0, 4)):  # type: ignore[attr-defined]
+        out[rnd.randrange(len(out))] ^= 1 << rnd.randrange(8)  # type: ignore[attr-defined]
+    return bytes(out)
+
+
+def _fire(ip: str, port: int, payload: bytes) -> dict[str, object]:
+    """Send one hostile first flight; report whether the gateway closed the connection
+    (before this socket's own generous timeout) and how its answer starts."""
+    sock = socket.create_connection((ip, port), timeout=10)
+    local_port = sock.getsockname()[1]  # the source port the gateway's events name
+    try:
+        with contextlib.suppress(OSError):  # the gateway may close mid-send (over the cap)
+            sock.sendall(payload)
+        reply = bytearray()
+        closed = False
+        while len(reply) < 4096:
+            try:
+                chunk = sock.recv(4096)
+            except ConnectionResetError:
+                closed = True
+                break
+            except TimeoutError:
+                break
+            if not chunk:
+                closed = True
+                break
+            reply += chunk
+        return {"closed": closed, "reply": bytes(reply[:16]).hex(), "port": local_port}
+    finally:
+        sock.close()
+
+
 def main(argv: list[str]) -> dict[str, object]:
     cmd = argv[0]
+    if cmd == "hostile":  # hostile IP PORT SEED COUNT
+        ip, port, seed, count = argv[1], int(argv[2]), int(argv[3]), int(argv[4])
+        return {"results": [
+            {"kind": kind, **_fire(ip, port, payload)}
+            for kind, payload in _hostile_payloads(seed, count)
+        ]}
     if cmd == "tls":  # tls IP PORT SNI CAFILE|- [split_records] [segment]
         ip, port, sni, ca = argv[1], int(argv[2]), argv[3], argv[4]
         split = int(argv[5]) if len(argv) > 5 else 0
