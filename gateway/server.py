@@ -465,6 +465,7 @@ class Gateway:
         # the sniffed bytes go upstream before the relay is even built: the upstream's
         # answer is the latency path, and the relay listens long before it can come
         # (readiness is level-triggered, so a reader registered later misses nothing)
+        sent = _send_some(upstream, inner.data)
         relay = Relay(
             conn.client,
             upstream,
@@ -472,7 +473,7 @@ class Gateway:
             pool=self.pool,
             on_activity=lambda: _touch(conn),
             first=inner.data,
-            first_sent=_send_some(upstream, inner.data),
+            first_sent=sent,
         )
         return upstream, relay, (decision, dialled)
 

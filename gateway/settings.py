@@ -23,10 +23,11 @@ class GatewaySettings(BaseModel):
     max_connections_per_task: int = Field(256, ge=1)
     uvloop: bool = True  # run on uvloop when it is installed (the default install has it)
     splice: bool = True  # zero-copy relay with os.splice where the kernel allows it
-    # TCP congestion control of the sandbox-side connections (set on the listeners, which
-    # the accepted sockets inherit). That leg is a host-local link, where a pacing
-    # algorithm such as bbr only adds timers (in bench/gateway_bench.py it cut a tunnel's
-    # download to a third). None keeps the system default; the upstream side always does.
+    # TCP congestion control of the client-side connections (set on both listeners, which
+    # the accepted sockets inherit). Their clients are the sandboxes on this host, where a
+    # pacing algorithm such as bbr only adds timers (in bench/gateway_bench.py it cut a
+    # tunnel's download to a third); a proxy_listen exposed to other hosts' clients gets it
+    # too. None keeps the system default; the upstream side always does.
     sandbox_congestion_control: str | None = Field("cubic", pattern=r"^[a-z0-9_]{1,15}$")
     rules_poll_interval_s: float = Field(2.0, gt=0)  # rule file change detection (mtime/size)
     own_addresses: list[str] = []  # extra addresses/CIDRs of this host, never dialled

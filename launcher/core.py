@@ -74,7 +74,8 @@ def isolation_fields(settings: LauncherSettings, profile: Any) -> dict[str, str]
         raise LauncherError(
             f"profile {profile.name!r} asks for isolation {requested!r}; the "
             f"{settings.backend} backend gives {PROVIDED_ISOLATION!r} only. To run it at "
-            f"that grade anyway, add {requested!r} to launcher.downgrade_isolation")
+            f"{PROVIDED_ISOLATION} grade anyway, add {requested!r} to "
+            "launcher.downgrade_isolation")
     return {"isolation": PROVIDED_ISOLATION, "isolation_requested": requested}
 
 
@@ -296,8 +297,9 @@ class Launcher:
     # -- the public API ----------------------------------------------------------------
     def run(self, spec: SandboxSpec, ruleset: Any = None) -> RunResult:
         """Run one command in a fresh sandbox and tear it down; never leaves pieces behind."""
-        self.start()
         profile = self._profile(spec.profile, ruleset)
+        isolation_fields(self.s, profile)  # refused before the launcher sets anything up
+        self.start()
         policy_version = getattr(ruleset, "version", None)
         t0 = time.monotonic()
         mark = self.events_mark()

@@ -339,7 +339,7 @@ class LauncherService:
         try:
             preflight(self.launcher.s, ruleset, spec.profile)
         except LauncherError as e:  # e.g. an isolation tier this backend cannot give
-            return _error(400, "bad_request", f"profile: {e}", field="profile")
+            return _error(400, "bad_request", str(e), field="profile")
         for i, (host, _guest) in enumerate(spec.inputs):
             if not os.path.exists(host):
                 return _error(400, "bad_request", f"inputs[{i}]: host path does not exist: "

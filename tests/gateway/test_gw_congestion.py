@@ -49,16 +49,25 @@ def start_gw(tmp_path: Path) -> Iterator[Any]:
 def _accepted_cc(h: GatewayHarness) -> str:
     """The congestion control of a connection the transparent listener accepted (which
     also inherits TCP_NODELAY from it: the gateway sets neither per connection)."""
-    assert h.svc is not None
-    conns = h.svc.gateway.conns
     with socket.create_connection(("127.0.0.1", h.port("transparent")), timeout=5):
         deadline = time.monotonic() + 5
-        while not conns and time.monotonic() < deadline:
+        opts = h.run(_first_conn_options(h))
+        while opts is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert conns, "the gateway did not accept the connection"
-        accepted = next(iter(conns)).client
-        assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
-        return _cc(accepted)
+            opts = h.run(_first_conn_options(h))
+        assert opts is not None, "the gateway did not accept the connection"
+        nodelay, cc = opts
+        assert nodelay == 1
+        return cc
+
+
+async def _first_conn_options(h: GatewayHarness) -> tuple[int, str] | None:
+    """TCP_NODELAY and the congestion control of a tracked connection, read on the
+    gateway's loop thread (which owns the set and the sockets)."""
+    assert h.svc is not None
+    for conn in h.svc.gateway.conns:
+        return conn.client.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY), _cc(conn.client)
+    return None
 
 
 def test_listeners_and_accepted_sockets_use_the_configured_algorithm(start_gw: Any) -> None:

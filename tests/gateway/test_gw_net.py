@@ -729,26 +729,41 @@ def test_metrics_endpoint(
 ) -> None:
     import urllib.request
 
+    def closes() -> list[dict[str, Any]]:
+        return [e for e in gw.events() if e["event"]["action"] == "connection_close"]
+
+    def scrape() -> str:
+        host, port = gw.config.gateway.metrics_listen.rsplit(":", 1)
+        return urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode()
+
+    before = len(closes())
     r = curl(  # one allowed tunnel of its own: the test does not rely on the others'
         sandbox, fake_internet, *fake_internet.resolve_args("allowed.test"), "https://allowed.test/"
     )
     assert r.returncode == 0, r.stderr
-    for _ in range(50):  # the close event is written a moment after the close
-        if any(e["event"]["action"] == "connection_close" for e in gw.events()):
+    assert gw.svc is not None
+    for _ in range(100):  # its close (and any earlier test's) written, nothing in flight
+        if len(closes()) > before and not gw.run(_live_conns(gw)):
             break
         time.sleep(0.1)
-    host, port = gw.config.gateway.metrics_listen.rsplit(":", 1)
-    text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode()
+    first, text, again = closes(), scrape(), closes()
+    assert len(first) == len(again) > before  # no close landed between the two reads
     assert 'stockade_gateway_decisions_total{outcome="allowed",profile="web"' in text
     assert "stockade_gateway_decision_seconds_bucket" in text
     assert "stockade_gateway_registry_tasks" in text
     assert "stockade_gateway_connections_live" in text
     # the byte counters agree with the close events (both written by the same close)
-    closes = [e for e in gw.events() if e["event"]["action"] == "connection_close"]
     for direction in ("up", "down"):
         line = f'stockade_gateway_bytes_total{{direction="{direction}"}} '
         value = float(next(x for x in text.splitlines() if x.startswith(line)).split()[-1])
-        assert value == sum(e["stockade"].get(f"bytes_{direction}", 0) for e in closes)
+        assert value == sum(e["stockade"].get(f"bytes_{direction}", 0) for e in first)
+
+
+async def _live_conns(gw: GatewayHarness) -> int:
+    """Connections the gateway still tracks, plus events it has not written yet (read on
+    its own loop thread)."""
+    assert gw.svc is not None
+    return len(gw.svc.gateway.conns) + len(gw.svc.gateway._deferred)
 
 
 def test_control_socket_is_private(gw: GatewayHarness) -> None:
