@@ -19,6 +19,7 @@ from stockade.config import Config
 from stockade.events import EventWriter
 from stockade.listen import parse_listen
 from stockade.tasks import TaskRegistry, make_control_app, start_control_server
+from stockade.tcp import set_congestion_control
 
 from .devvault import DevOpenBao
 from .metrics import BrokerMetrics
@@ -93,6 +94,10 @@ class BrokerService:
         site = web.TCPSite(runner, host, port, reuse_address=True)
         await site.start()
         self.listen_address = _bound(site)
+        for sock in site._server.sockets:  # type: ignore[union-attr]
+            set_congestion_control(
+                sock, s.sandbox_congestion_control, "broker.sandbox_congestion_control", log
+            )
 
         control = make_control_app(self.registry, reload=self.broker.reload,
                                    status=self.broker.status)

@@ -3,6 +3,7 @@
 from pydantic import BaseModel, ConfigDict, Field
 
 from stockade.listen import ListenAddress, OptionalListenAddress
+from stockade.tcp import CONGESTION_CONTROL_NAME
 
 
 class BrokerSettings(BaseModel):
@@ -33,6 +34,10 @@ class BrokerSettings(BaseModel):
     max_header_field_bytes: int = Field(8190, ge=256)  # longest header name or value; longer: 431
     max_header_count: int = Field(100, ge=8)  # most header lines in one request; more: 431
     max_concurrent_calls_per_task: int = Field(32, ge=1)  # in-flight calls per task; more: 429
+    # TCP congestion control of the connections sandboxes open (set on the listener, which
+    # they inherit): a host-local leg, where a pacing algorithm such as bbr only adds
+    # timers. None keeps the system default; upstream API calls always do.
+    sandbox_congestion_control: str | None = Field("cubic", pattern=CONGESTION_CONTROL_NAME)
     # pinned upstream addresses {name: ip} (fake internet, private APIs); others use DNS
     hosts: dict[str, str] = {}
     state_file: str | None = None  # task registry state; default <state_dir>/broker-tasks.json

@@ -38,6 +38,7 @@ from stockade.eager import start_eagerly
 from stockade.events import make_event
 from stockade.listen import parse_listen
 from stockade.tasks import Task, TaskRegistry
+from stockade.tcp import set_congestion_control
 
 from .addresses import AddressPolicy
 from .deny import CONNECT_ESTABLISHED, TLS_ALERT_ACCESS_DENIED, http_denial
@@ -173,7 +174,10 @@ class Gateway:
                     socket.TCP_DEFER_ACCEPT,
                     max(1, math.ceil(self.settings.sniff_timeout_s)),
                 )
-        _set_congestion_control(sock, self.settings.sandbox_congestion_control)
+        set_congestion_control(
+            sock, self.settings.sandbox_congestion_control,
+            "gateway.sandbox_congestion_control", log,
+        )
         # accepted sockets inherit it (Linux): one setsockopt per listener, not per connection
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.listen(4096)
@@ -904,17 +908,6 @@ def _budget_key(ruleset: RuleSet, task: Task, host: str) -> str:
     """The allow entry a name's unresolvable budget is kept under: the one the DNS
     firewall charges (`decide_name`), so both paths draw from the same budget."""
     return decide_name(ruleset, task.profile, host).rule_id or ""
-
-
-def _set_congestion_control(sock: socket.socket, name: str | None) -> None:
-    if not name:
-        return
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
-    except OSError as e:  # not built or not loaded: the system default is still correct
-        log.warning(
-            "sandbox_congestion_control %r unavailable (%s): system default kept", name, e
-        )
 
 
 _IN_PROGRESS = (errno.EINPROGRESS, errno.EINTR, errno.EAGAIN)

@@ -3,6 +3,7 @@
 from pydantic import BaseModel, ConfigDict, Field
 
 from stockade.listen import DnsServerAddress, ListenAddress
+from stockade.tcp import CONGESTION_CONTROL_NAME
 
 
 class GatewaySettings(BaseModel):
@@ -28,7 +29,7 @@ class GatewaySettings(BaseModel):
     # pacing algorithm such as bbr only adds timers (in bench/gateway_bench.py it cut a
     # tunnel's download to a third); a proxy_listen exposed to other hosts' clients gets it
     # too. None keeps the system default; the upstream side always does.
-    sandbox_congestion_control: str | None = Field("cubic", pattern=r"^[a-z0-9_]{1,15}$")
+    sandbox_congestion_control: str | None = Field("cubic", pattern=CONGESTION_CONTROL_NAME)
     rules_poll_interval_s: float = Field(2.0, gt=0)  # rule file change detection (mtime/size)
     own_addresses: list[str] = []  # extra addresses/CIDRs of this host, never dialled
     detect_own_addresses: bool = True  # add every non-loopback interface address (`ip -j addr`)

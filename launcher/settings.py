@@ -4,6 +4,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from stockade.tcp import CONGESTION_CONTROL_NAME
+
 from .initscript import check_etc_entry
 
 
@@ -58,7 +60,7 @@ class LauncherSettings(BaseModel):
     # goes to the gateway and broker on this host, where a pacing algorithm such as bbr only
     # adds timers. reno: the one a network namespace may always choose (others only when
     # net.ipv4.tcp_allowed_congestion_control lists them). None keeps the host's default.
-    congestion_control: str | None = Field("reno", pattern=r"^[a-z0-9_]{1,15}$")
+    congestion_control: str | None = Field("reno", pattern=CONGESTION_CONTROL_NAME)
     # rlimits of the command (soft = hard). No RLIMIT_NPROC (it counts per uid across the
     # host; the pids cgroup limits processes), no RLIMIT_FSIZE (the scratch size cap gives
     # a legible ENOSPC instead of SIGXFSZ)

@@ -103,3 +103,48 @@ async def test_vault_up_follows_startup_login_and_reloads_are_counted(
                                   ("rules_loaded", "success", "sighup")]
     assert_no_secret(secret, [*produced, events.read_bytes()])
     assert bao.root_token.encode() not in b"".join(produced) + events.read_bytes()
+
+
+@pytest.mark.parametrize("cc", ["cubic", None])
+async def test_sandbox_connections_use_the_configured_congestion_control(
+    bao: DevOpenBao, tmp_path: Path, cc: str | None
+) -> None:
+    """`broker.sandbox_congestion_control` is set on the listener: a connection a sandbox
+    opens has it (seen by the kernel, `ss`); None keeps the system default."""
+    import asyncio
+    import socket
+    import subprocess
+
+    rules = tmp_path / "rules"
+    write_rules(rules, "https://localhost:1", "stockade/unused")
+    cfg = tmp_path / "stockade.yaml"
+    cfg.write_text(json.dumps({
+        "rules_dir": str(rules), "state_dir": str(tmp_path / "state"),
+        "log_dir": str(tmp_path / "log"), "run_dir": str(tmp_path / "run"),
+        "events": {"file": str(tmp_path / "events.jsonl")},
+        "broker": {"listen": "127.0.0.1:0", "control_socket": str(tmp_path / "run" / "b.sock"),
+                   "metrics_listen": "127.0.0.1:0", "sandbox_congestion_control": cc},
+        "vault": {"address": bao.address, "token_file": str(tmp_path / "no-token")},
+    }))
+    svc = BrokerService(load_config(cfg))
+    await svc.start()
+    try:
+        assert svc.listen_address is not None
+        port = svc.listen_address[1]
+        conn = socket.create_connection(svc.listen_address, timeout=5)
+        try:
+            out = ""
+            for _ in range(50):  # the broker's side of it is there once accepted
+                out = subprocess.run(
+                    ["ss", "-tinH", "state", "established", f"( sport = :{port} )"],
+                    capture_output=True, text=True, check=True).stdout
+                if out.strip():
+                    break
+                await asyncio.sleep(0.05)
+            algo = out.split("\n", 1)[1].split()[0]
+        finally:
+            conn.close()
+    finally:
+        await svc.stop()
+    default = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    assert algo == (cc or default)
