@@ -4,8 +4,11 @@ and rule reloads count by result with the gateway's event reasons."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 import ssl
+import subprocess
 import uuid
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,21 @@ async def scrape(svc: BrokerService) -> dict[str, float]:
             for line in text.splitlines() if line and not line.startswith("#")}
 
 
+def service(tmp: Path, rules: Path, vault_address: str, token_file: Path,
+            **broker: Any) -> BrokerService:
+    """A BrokerService on loopback ports of its own, its files under `tmp`."""
+    cfg = tmp / "stockade.yaml"
+    cfg.write_text(json.dumps({
+        "rules_dir": str(rules), "state_dir": str(tmp / "state"),
+        "log_dir": str(tmp / "log"), "run_dir": str(tmp / "run"),
+        "events": {"file": str(tmp / "events.jsonl")},
+        "broker": {"listen": "127.0.0.1:0", "control_socket": str(tmp / "run" / "b.sock"),
+                   "metrics_listen": "127.0.0.1:0", **broker},
+        "vault": {"address": vault_address, "token_file": str(token_file)},
+    }))
+    return BrokerService(load_config(cfg))
+
+
 async def test_vault_up_follows_startup_login_and_reloads_are_counted(
     bao: DevOpenBao, upstream: Upstream, tls: tuple[ssl.SSLContext, str], tmp_path: Path
 ) -> None:
@@ -44,17 +62,8 @@ async def test_vault_up_follows_startup_login_and_reloads_are_counted(
     token_file = tmp_path / "token"
     token_file.write_text("s.not-a-valid-token\n")  # Vault answers, the login is refused
     events = tmp_path / "events.jsonl"
-    cfg = tmp_path / "stockade.yaml"
-    cfg.write_text(json.dumps({
-        "rules_dir": str(rules), "state_dir": str(tmp_path / "state"),
-        "log_dir": str(tmp_path / "log"), "run_dir": str(tmp_path / "run"),
-        "events": {"file": str(events)},
-        "broker": {"listen": "127.0.0.1:0", "control_socket": str(tmp_path / "run" / "b.sock"),
-                   "metrics_listen": "127.0.0.1:0", "ca_file": tls[1],
-                   "hosts": {"localhost": "127.0.0.1"}},
-        "vault": {"address": bao.address, "token_file": str(token_file)},
-    }))
-    svc = BrokerService(load_config(cfg))
+    svc = service(tmp_path, rules, bao.address, token_file, ca_file=tls[1],
+                  hosts={"localhost": "127.0.0.1"})
     produced: list[bytes] = []
     await svc.start()
     try:
@@ -111,22 +120,10 @@ async def test_sandbox_connections_use_the_configured_congestion_control(
 ) -> None:
     """`broker.sandbox_congestion_control` is set on the listener: a connection a sandbox
     opens has it (seen by the kernel, `ss`); None keeps the system default."""
-    import asyncio
-    import socket
-    import subprocess
-
     rules = tmp_path / "rules"
     write_rules(rules, "https://localhost:1", "stockade/unused")
-    cfg = tmp_path / "stockade.yaml"
-    cfg.write_text(json.dumps({
-        "rules_dir": str(rules), "state_dir": str(tmp_path / "state"),
-        "log_dir": str(tmp_path / "log"), "run_dir": str(tmp_path / "run"),
-        "events": {"file": str(tmp_path / "events.jsonl")},
-        "broker": {"listen": "127.0.0.1:0", "control_socket": str(tmp_path / "run" / "b.sock"),
-                   "metrics_listen": "127.0.0.1:0", "sandbox_congestion_control": cc},
-        "vault": {"address": bao.address, "token_file": str(tmp_path / "no-token")},
-    }))
-    svc = BrokerService(load_config(cfg))
+    svc = service(tmp_path, rules, bao.address, tmp_path / "no-token",
+                  sandbox_congestion_control=cc)
     await svc.start()
     try:
         assert svc.listen_address is not None
