@@ -298,12 +298,12 @@ class Launcher:
     def run(self, spec: SandboxSpec, ruleset: Any = None) -> RunResult:
         """Run one command in a fresh sandbox and tear it down; never leaves pieces behind."""
         profile = self._profile(spec.profile, ruleset)
-        isolation_fields(self.s, profile)  # refused before the launcher sets anything up
+        isolation = isolation_fields(self.s, profile)  # refused before anything is set up
         self.start()
         policy_version = getattr(ruleset, "version", None)
         t0 = time.monotonic()
         mark = self.events_mark()
-        live = self._create(spec, profile, policy_version)
+        live = self._create(spec, profile, policy_version, isolation)
         rec = live.record
         t_setup = time.monotonic()
         ttl = rec.expires_at - time.time() if rec.expires_at else float(self.s.default_ttl_s)
@@ -543,10 +543,12 @@ class Launcher:
     def _kill_marker(self, rec: SandboxRecord) -> Path:
         return self.scratch_base / rec.task_id / "killed"
 
-    def _create(self, spec: SandboxSpec, profile: Any, policy_version: str | None) -> _Live:
+    def _create(
+        self, spec: SandboxSpec, profile: Any, policy_version: str | None,
+        isolation: dict[str, str],
+    ) -> _Live:
         if not spec.argv:
             raise LauncherError("empty command")
-        isolation = isolation_fields(self.s, profile)
         for k in spec.env:
             if not ENV_NAME_RE.match(k) or k.startswith("STOCKADE_"):
                 raise LauncherError(f"invalid environment name {k!r}")
