@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hostcost import describe as host_cost
+
 from stockade.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -618,6 +620,7 @@ def main() -> int:
     # context for reading the wall-clock columns (the bench itself raises it by ~1)
     load = os.getloadavg()[0]
     print(f"load average (1 min): {load_before:.2f} before, {load:.2f} after")
+    print(host_cost())
     return 0
 
 

@@ -57,6 +57,7 @@ from gateway_bench import (
     parse_size,
     spawn_gateway,
 )
+from hostcost import describe as host_cost
 
 from stockade.ports import free_port
 
@@ -429,6 +430,7 @@ def main() -> int:
             if g.poll() is not None:
                 raise RuntimeError(f"a gateway exited ({g.returncode})")
     print_table(rows, nbytes, args, load_before, os.getloadavg(), revision)
+    print(host_cost())
     return 0
 
 
