@@ -36,7 +36,7 @@ from stockade.events import EventWriter, make_event
 from stockade.procs import pid_alive
 from stockade.tasks import ControlClient, Task
 
-from . import cgroups, exports, initscript, mounts, netns, nft, scrub
+from . import cgroups, exports, initscript, microvm, mounts, netns, nft, scrub, vmimage
 from .addresses import free_slot, slot_addresses
 from .nflog import LogRecord, NflogSocket
 from .state import SandboxRecord, StateFile
@@ -58,25 +58,55 @@ PROXY_ENV_NAMES = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "NO
 
 
 PROVIDED_ISOLATION = "container"  # what the netns backend gives (see `isolation`)
+Backend = Literal["netns", "microvm"]
 
 
 class LauncherError(RuntimeError):
     pass
 
 
-def isolation_fields(settings: LauncherSettings, profile: Any) -> dict[str, str]:
-    """The start event's isolation fields; LauncherError when the profile asks for a
-    stronger tier than the backend gives and the configuration does not accept that."""
-    requested = getattr(profile, "isolation", PROVIDED_ISOLATION)
+def decide_backend(settings: LauncherSettings, profile_name: str, requested: str,
+                   vm_problem: str | None) -> tuple[Backend, dict[str, str]]:
+    """Which backend runs a profile, and the start event's isolation fields (pure).
+
+    container -> netns; microvm -> the microVM backend when this host has it (`vm_problem`
+    None), else netns only if `downgrade_isolation` accepts it; gvisor (no backend) likewise.
+    LauncherError names the way out.
+    """
     if requested == PROVIDED_ISOLATION:
-        return {"isolation": PROVIDED_ISOLATION}
+        return "netns", {"isolation": PROVIDED_ISOLATION}
+    if requested == "microvm" and vm_problem is None:
+        return "microvm", {"isolation": "microvm"}
     if requested not in settings.downgrade_isolation:
+        why = (f"the microVM backend is unavailable here: {vm_problem}"
+               if requested == "microvm" else
+               f"no {requested} backend exists; the netns backend gives "
+               f"{PROVIDED_ISOLATION!r} only")
         raise LauncherError(
-            f"profile {profile.name!r} asks for isolation {requested!r}; the "
-            f"{settings.backend} backend gives {PROVIDED_ISOLATION!r} only. To run it at "
-            f"{PROVIDED_ISOLATION} grade anyway, add {requested!r} to "
+            f"profile {profile_name!r} asks for isolation {requested!r}; {why}. To run it "
+            f"at {PROVIDED_ISOLATION} grade anyway, add {requested!r} to "
             "launcher.downgrade_isolation")
-    return {"isolation": PROVIDED_ISOLATION, "isolation_requested": requested}
+    return "netns", {"isolation": PROVIDED_ISOLATION, "isolation_requested": requested}
+
+
+def microvm_problem(settings: LauncherSettings) -> str | None:
+    """Why the microVM backend cannot run on this host (None: it can)."""
+    vm = settings.microvm
+    if not vm.enabled:
+        return "launcher.microvm.enabled is false"
+    return vmimage.host_problem(vm.image_dir, vm.qemu, settings.init_python)
+
+
+def choose_backend(settings: LauncherSettings, profile: Any) -> tuple[Backend, dict[str, str]]:
+    requested = getattr(profile, "isolation", PROVIDED_ISOLATION)
+    problem = microvm_problem(settings) if requested == "microvm" else None
+    return decide_backend(settings, profile.name, requested, problem)
+
+
+def isolation_fields(settings: LauncherSettings, profile: Any) -> dict[str, str]:
+    """The start event's isolation fields; LauncherError when the profile asks for a tier
+    this host cannot give and the configuration does not accept a downgrade."""
+    return choose_backend(settings, profile)[1]
 
 
 def profile_of(ruleset: Any, name: str) -> Any:
@@ -197,6 +227,25 @@ class _Live:
     cg: cgroups.CgroupSet
     proc: subprocess.Popen[bytes] | None = None
     killed: threading.Event = field(default_factory=threading.Event)
+    vm: _VmPipes | None = None  # the microVM backend's output pipes (read ends)
+
+
+@dataclass
+class _VmPipes:
+    """Read ends of the pipes QEMU writes the guest's console and ports into."""
+
+    stdout: IO[bytes]
+    stderr: IO[bytes]
+    status: IO[bytes]
+    console: IO[bytes]
+
+    def close(self) -> None:
+        for f in (self.stdout, self.stderr, self.status, self.console):
+            with contextlib.suppress(OSError):
+                f.close()
+
+
+VM_CONSOLE_CAP = 64 * 1024  # the guest's console (kernel messages) kept for diagnostics
 
 
 def _permitted_congestion_control(name: str | None) -> str | None:
@@ -298,25 +347,38 @@ class Launcher:
     def run(self, spec: SandboxSpec, ruleset: Any = None) -> RunResult:
         """Run one command in a fresh sandbox and tear it down; never leaves pieces behind."""
         profile = self._profile(spec.profile, ruleset)
-        isolation = isolation_fields(self.s, profile)  # refused before anything is set up
+        # refused before anything is set up
+        backend, isolation = choose_backend(self.s, profile)
         self.start()
         policy_version = getattr(ruleset, "version", None)
         t0 = time.monotonic()
         mark = self.events_mark()
-        live = self._create(spec, profile, policy_version, isolation)
+        live = self._create(spec, profile, policy_version, isolation, backend)
         rec = live.record
         t_setup = time.monotonic()
         ttl = rec.expires_at - time.time() if rec.expires_at else float(self.s.default_ttl_s)
         ended_by: EndedBy = "exit"
         out_cap = err_cap = None
         exit_code = -1
+        vm_failed: str | None = None
         exported: list[ExportedFile] = []
         try:
             assert live.proc is not None
             proc = live.proc
-            assert proc.stdout is not None and proc.stderr is not None
-            out_cap = _Capture(proc.stdout, self.s.max_output_bytes)  # type: ignore[arg-type]
-            err_cap = _Capture(proc.stderr, self.s.max_output_bytes)  # type: ignore[arg-type]
+            vm = live.vm
+            console_cap = qemu_err = None
+            if vm is not None:
+                out_cap = _Capture(vm.stdout, self.s.max_output_bytes)
+                err_cap = _Capture(vm.stderr, self.s.max_output_bytes)
+                console_cap = _Capture(vm.console, VM_CONSOLE_CAP)
+                console_cap.start()
+                assert proc.stderr is not None
+                qemu_err = _Capture(proc.stderr, VM_CONSOLE_CAP)  # type: ignore[arg-type]
+                qemu_err.start()
+            else:
+                assert proc.stdout is not None and proc.stderr is not None
+                out_cap = _Capture(proc.stdout, self.s.max_output_bytes)  # type: ignore[arg-type]
+                err_cap = _Capture(proc.stderr, self.s.max_output_bytes)  # type: ignore[arg-type]
             out_cap.start()
             err_cap.start()
             if proc.stdin is not None:
@@ -342,7 +404,8 @@ class Launcher:
                     ended_by = "ttl"
                     live.cg.kill_all()
                     self._kill_proc(proc)
-                elif live.cg.pids_failures() >= limits_pids_fail:
+                elif vm is None and live.cg.pids_failures() >= limits_pids_fail:
+                    # (a VM's host cgroup holds QEMU's threads; its guest counts its own)
                     ended_by = "limit"
                     live.cg.kill_all()
                     self._kill_proc(proc)
@@ -353,6 +416,15 @@ class Launcher:
             err_cap.join(timeout=5)
             rc = proc.returncode
             exit_code = 128 - rc if rc < 0 else rc
+            guest_limit = False
+            if vm is not None:
+                assert console_cap is not None and qemu_err is not None
+                console_cap.join(timeout=5)
+                qemu_err.join(timeout=5)
+                killed = live.killed.is_set() or self._kill_marker(rec).exists()
+                exit_code, guest_limit, vm_failed = self._vm_outcome(
+                    vm, rc, bytes(console_cap.buf), bytes(qemu_err.buf),
+                    "killed" if killed else ended_by, live.cg.oom_kills() > 0)
             we_killed = ended_by != "exit"  # the loop above SIGKILLed it (kill, ttl, pids)
             if live.killed.is_set() or self._kill_marker(rec).exists():
                 ended_by = "killed"
@@ -363,7 +435,8 @@ class Launcher:
                 # report what really happened
                 exit_code = 128 + signal.SIGKILL
             elif ended_by == "exit" and (
-                live.cg.oom_kills() > 0 or (exit_code != 0 and self._scratch_full(rec))
+                guest_limit or live.cg.oom_kills() > 0
+                or (exit_code != 0 and self._scratch_full(rec))
             ):
                 ended_by = "limit"  # OOM kill, or the command failed on a full scratch
             if spec.export_dir is not None:
@@ -381,6 +454,8 @@ class Launcher:
             extra={"lifecycle": "end", "ended_by": ended_by, "exit_code": exit_code,
                    "duration_s": round(duration, 6)},
         ))
+        if vm_failed is not None:  # torn down above, like any sandbox that fails to start
+            raise LauncherError(vm_failed)
         scrubber = self._scrubber(rec, spec)
         stdout = scrub.scrub(bytes(out_cap.buf).decode("utf-8", "replace") if out_cap else "",
                              scrubber)
@@ -545,7 +620,7 @@ class Launcher:
 
     def _create(
         self, spec: SandboxSpec, profile: Any, policy_version: str | None,
-        isolation: dict[str, str],
+        isolation: dict[str, str], backend: Backend = "netns",
     ) -> _Live:
         if not spec.argv:
             raise LauncherError("empty command")
@@ -584,8 +659,17 @@ class Launcher:
             records[task_id] = rec
             if not nft.table_exists(self.s.nft_table):  # another launcher's close() removed it
                 nft.apply_table(self.params)
+        vm = self.s.microvm
         try:
-            cg.create(cgroups.Limits(memory=limits.memory, pids=limits.pids, cpus=limits.cpus))
+            if backend == "microvm":
+                # the host cgroup holds QEMU; the profile's memory and pids apply in the guest
+                cg.create(cgroups.Limits(
+                    memory=microvm.host_memory_limit(limits.memory, limits.disk,
+                                                     vm.guest_kernel_mib, vm.vmm_overhead_mib),
+                    pids=vm.vmm_pids, cpus=limits.cpus))
+            else:
+                cg.create(cgroups.Limits(memory=limits.memory, pids=limits.pids,
+                                         cpus=limits.cpus))
             base = self.scratch_base / task_id
             root, scratch, etc = base / "root", base / "scratch", base / "etc"
             for d in (root, scratch, etc):
@@ -603,7 +687,8 @@ class Launcher:
             for name in etc_names:
                 (etc / name).write_text(content[name])
                 os.chmod(etc / name, 0o644)  # root's, readable: the bind is read-only too
-            rec.ifindex = netns.create(rec.netns, rec.ifname, a)
+            rec.ifindex = netns.create(rec.netns, rec.ifname, a,
+                                        tap=microvm.TAP if backend == "microvm" else None)
             self._ifindex[rec.ifindex] = (task_id, profile.name)
             nft.run(nft.element_commands(self.s.nft_table, "add",
                                          [self._wiring(rec, proxy=proxy_env)]))
@@ -615,38 +700,13 @@ class Launcher:
                     except Exception as e:  # fail closed: never run unregistered
                         raise LauncherError(f"cannot register task with {path}: "
                                             f"{type(e).__name__}") from None
-            plan = initscript.InitPlan(
-                root=str(root), scratch=str(scratch), etc_dir=str(etc),
-                uid=self.s.sandbox_uid, gid=self.s.sandbox_gid,
-                system=tuple(self._system_binds()), inputs=tuple(inputs),
-                etc_files=etc_names, host_etc=host_etc,
-                etc=() if host_etc else tuple(self._etc_binds()),
-                shm_size=self.s.shm_size, cgroup_procs=tuple(cg.procs_files()),
-                rlimits=(("NOFILE", self.s.rlimit_nofile), ("CORE", self.s.rlimit_core),
-                         ("MEMLOCK", self.s.rlimit_memlock)),
-                congestion_control=self._congestion_control,
-            )
-            env = self._env(spec, a.host_ip, proxy=proxy_env)
-            # the plan travels in a memfd, not argv: /proc/1/cmdline shows no host paths
-            plan_fd = os.memfd_create("stockade-init-plan", 0)
-            try:
-                os.write(plan_fd, marshal.dumps(initscript.build(plan), 4))
-                os.lseek(plan_fd, 0, os.SEEK_SET)
-                argv = ["nsenter", f"--net={netns.NETNS_DIR}/{rec.netns}", "--",
-                        "unshare", "--mount", "--pid", "--ipc", "--uts", "--fork",
-                        "--kill-child", "--propagation", "private", "--",
-                        self._init_python(), "-I", "-S", "-c", _init_source(), str(plan_fd),
-                        *spec.argv]
-                live.proc = subprocess.Popen(
-                    argv, env=env, stdin=subprocess.PIPE if spec.stdin is not None
-                    else subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                    close_fds=True, pass_fds=(plan_fd,), start_new_session=True, cwd="/",
-                )
-            finally:
-                os.close(plan_fd)
+            if backend == "microvm":
+                self._start_vm(live, spec, profile, a, inputs, proxy_env, host_etc)
+            else:
+                self._start_netns(live, spec, a, inputs, proxy_env, host_etc, etc_names)
             with self.state.locked() as records:
                 if task_id in records:
-                    records[task_id].pid = live.proc.pid
+                    records[task_id].pid = live.proc.pid  # type: ignore[union-attr]
                     records[task_id].ifindex = rec.ifindex
                     records[task_id].state = "running"
         except BaseException:
@@ -661,6 +721,190 @@ class Launcher:
             extra={"lifecycle": "start", "ttl_s": ttl, **isolation},
         ))
         return live
+
+    def _start_netns(self, live: _Live, spec: SandboxSpec, a: Any,
+                     inputs: list[initscript.Bind], proxy_env: bool, host_etc: bool,
+                     etc_names: tuple[str, ...]) -> None:
+        """The command in its own mount/pid/ipc/uts namespaces, `sandbox_init.py` as pid 1."""
+        rec, cg = live.record, live.cg
+        base = Path(rec.scratch)
+        root, scratch, etc = base / "root", base / "scratch", base / "etc"
+        plan = initscript.InitPlan(
+            root=str(root), scratch=str(scratch), etc_dir=str(etc),
+            uid=self.s.sandbox_uid, gid=self.s.sandbox_gid,
+            system=tuple(self._system_binds()), inputs=tuple(inputs),
+            etc_files=etc_names, host_etc=host_etc,
+            etc=() if host_etc else tuple(self._etc_binds()),
+            shm_size=self.s.shm_size, cgroup_procs=tuple(cg.procs_files()),
+            rlimits=(("NOFILE", self.s.rlimit_nofile), ("CORE", self.s.rlimit_core),
+                     ("MEMLOCK", self.s.rlimit_memlock)),
+            congestion_control=self._congestion_control,
+        )
+        env = self._env(spec, a.host_ip, proxy=proxy_env)
+        # the plan travels in a memfd, not argv: /proc/1/cmdline shows no host paths
+        plan_fd = os.memfd_create("stockade-init-plan", 0)
+        try:
+            os.write(plan_fd, marshal.dumps(initscript.build(plan), 4))
+            os.lseek(plan_fd, 0, os.SEEK_SET)
+            argv = ["nsenter", f"--net={netns.NETNS_DIR}/{rec.netns}", "--",
+                    "unshare", "--mount", "--pid", "--ipc", "--uts", "--fork",
+                    "--kill-child", "--propagation", "private", "--",
+                    self._init_python(), "-I", "-S", "-c", _init_source(), str(plan_fd),
+                    *spec.argv]
+            live.proc = subprocess.Popen(
+                argv, env=env, stdin=subprocess.PIPE if spec.stdin is not None
+                else subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                close_fds=True, pass_fds=(plan_fd,), start_new_session=True, cwd="/",
+            )
+        finally:
+            os.close(plan_fd)
+
+
+    def _start_vm(self, live: _Live, spec: SandboxSpec, profile: Any, a: Any,
+                  inputs: list[initscript.Bind], proxy_env: bool, host_etc: bool) -> None:
+        """QEMU in the sandbox's netns and cgroups, its guest wired to the tap (see microvm.py).
+
+        Raises LauncherError for anything that stops the VM from starting; the caller tears
+        down what exists.
+        """
+        rec, cg, vm, limits = live.record, live.cg, self.s.microvm, profile.limits
+        try:
+            image = vmimage.load_image(vm.image_dir)
+        except ValueError as e:
+            raise LauncherError(str(e)) from None
+        qemu = vmimage.qemu_path(vm.qemu)
+        if qemu is None:
+            raise LauncherError(f"QEMU ({vm.qemu}) is not installed")
+        accel = vmimage.resolve_accel(
+            vm.accel, vm.qemu, image,
+            Path(self.config.state_dir) / "launcher" / "microvm-accel.json", vm.probe_timeout_s)
+        base = Path(rec.scratch)
+        cfg, etc, staged = base / "cfg", base / "etc", base / "inputs"
+        cfg.mkdir(mode=0o755)
+        os.chmod(cfg, 0o755)  # noqa: S103 - QEMU reads it after dropping to sandbox_uid
+        if not host_etc:  # the guest's /etc is this directory: the allowlist copied in
+            for b in self._etc_binds():
+                _copy_into(b, etc / os.path.relpath(b.target, HOST_ETC))
+        layout = self._vm_layout(base, inputs, staged, host_etc)
+        env = self._env(spec, a.host_ip, proxy=proxy_env)
+        if spec.stdin is not None:
+            (cfg / "stdin").write_bytes(spec.stdin)
+        setpriv = self._guest_setpriv()
+        plan = microvm.guest_plan(
+            argv=list(spec.argv), env=env, uid=self.s.sandbox_uid, gid=self.s.sandbox_gid,
+            rlimits={"NOFILE": self.s.rlimit_nofile, "CORE": self.s.rlimit_core,
+                     "MEMLOCK": self.s.rlimit_memlock},
+            guest_ip=a.guest_ip, host_ip=a.host_ip, prefixlen=a.prefixlen,
+            memory=limits.memory, pids=limits.pids, pids_fail_kill=self.s.pids_fail_kill,
+            stdin=spec.stdin is not None, setpriv=setpriv,
+            congestion_control=self._congestion_control)
+        (cfg / "plan").write_bytes(microvm.encode_plan(plan))
+        (cfg / "mounts").write_text(microvm.mount_table(layout))
+        (cfg / "python").write_text(self.s.init_python + "\n")
+        (cfg / "guest_init.py").write_text(_guest_init_source())
+        for f in cfg.iterdir():
+            os.chmod(f, 0o644)
+        # pipes: QEMU writes the console and the three ports; the launcher reads
+        pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(4)]
+        try:
+            spec_vm = microvm.VmSpec(
+                qemu=qemu, accel=accel, kernel=image.kernel, initrd=image.initrd,
+                memory_mib=microvm.guest_memory_mib(limits.memory, vm.guest_kernel_mib),
+                cpus=microvm.vcpus(limits.cpus), mac=a.guest_mac, cfg_dir=str(cfg),
+                layout=layout, console=f"/proc/self/fd/{pipes[0][1]}",
+                ports=(f"/proc/self/fd/{pipes[1][1]}", f"/proc/self/fd/{pipes[2][1]}",
+                       f"/proc/self/fd/{pipes[3][1]}"),
+                tsc_khz=vmimage.tsc_khz(), tb_size_mib=vm.tb_size_mib,
+                runas=(self.s.sandbox_uid, self.s.sandbox_gid) if vm.harden_qemu else None,
+                seccomp=vm.harden_qemu)
+            try:
+                qargv = microvm.qemu_argv(spec_vm)
+            except ValueError as e:
+                raise LauncherError(f"cannot start the microVM: {e}") from None
+            # QEMU joins the sandbox's cgroups before it allocates anything (a shell that
+            # moves itself, then execs), then enters the netns; the paths are arguments
+            argv = ["sh", "-c", _JOIN_CGROUPS, "sh", *cg.procs_files(), "--",
+                    "nsenter", f"--net={netns.NETNS_DIR}/{rec.netns}", "--", *qargv]
+            live.proc = subprocess.Popen(
+                argv, env={"PATH": SANDBOX_PATH}, stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, close_fds=True,
+                pass_fds=tuple(w for _, w in pipes), start_new_session=True, cwd="/")
+            live.vm = _VmPipes(*(os.fdopen(r, "rb") for r, _ in
+                                 [pipes[1], pipes[2], pipes[3], pipes[0]]))
+        except BaseException:
+            for r, _ in pipes:
+                with contextlib.suppress(OSError):
+                    os.close(r)
+            raise
+        finally:
+            for _, w in pipes:
+                os.close(w)
+
+    def _vm_layout(self, base: Path, inputs: list[initscript.Bind], staged: Path,
+                   host_etc: bool) -> microvm.Layout:
+        """The guest's filesystem: `ro_binds` (directories over 9p, symlinks as symlinks),
+        /etc, /scratch (the scratch tmpfs, read-write), /tmp in it, inputs read-only
+        (directories over 9p; files copied to one staged share), /dev/shm."""
+        shares: list[microvm.Share] = []
+        extra: list[tuple[str, str, str]] = []
+        for i, b in enumerate(self._system_binds()):
+            if b.symlink_to is not None:
+                extra.append(("link", b.symlink_to, b.target))
+            elif b.is_dir:
+                shares.append(microvm.Share(f"sys{i}", b.source, b.target))
+        if host_etc:
+            shares.append(microvm.Share("etc", HOST_ETC, HOST_ETC))
+            shares.append(microvm.Share("etc-gen", str(base / "etc"), "/sbx/etc"))
+            for name in initscript.HOST_ETC_OVERLAY:
+                if os.path.exists(os.path.join(HOST_ETC, name)):
+                    extra.append(("bind", f"/sbx/etc/{name}", f"/etc/{name}"))
+        else:
+            shares.append(microvm.Share("etc", str(base / "etc"), HOST_ETC))
+        shares.append(microvm.Share("scratch", str(base / "scratch"), initscript.SCRATCH,
+                                    readonly=False))
+        extra.append(("bindrw", initscript.SCRATCH + initscript.TMP, initscript.TMP))
+        for i, b in enumerate(inputs):
+            if b.is_dir:
+                shares.append(microvm.Share(f"in{i}", b.source, b.target))
+            else:
+                staged.mkdir(mode=0o755, exist_ok=True)
+                shutil.copyfile(b.source, staged / str(i))
+                os.chmod(staged / str(i), 0o644)
+                extra.append(("bind", f"/sbx/in/{i}", b.target))
+        if staged.exists():
+            shares.append(microvm.Share("inputs", str(staged), "/sbx/in"))
+        extra.append(("tmpfs", str(self.s.shm_size), "/dev/shm"))  # noqa: S108 - in the guest
+        return microvm.Layout(tuple(shares), tuple(extra))
+
+    def _vm_outcome(self, vm: _VmPipes, qemu_rc: int, console: bytes, qemu_err: bytes,
+                    ended_by: str, host_oom: bool) -> tuple[int, bool, str | None]:
+        """(exit code, the guest hit a limit, why the VM failed or None) once QEMU is gone."""
+        try:
+            status = microvm.parse_status(vm.status.read(256).decode("ascii", "replace"))
+        except OSError:
+            status = None
+        if status is not None:
+            rc, ooms, pids = status
+            return rc, ooms > 0 or pids >= self.s.pids_fail_kill, None
+        if ended_by != "exit" or host_oom:  # killed by us, or QEMU by the host's OOM killer
+            return 128 + signal.SIGKILL, host_oom, None
+        # the guest never reported: QEMU could not start it, or the guest kernel died
+        console_text = console.decode("utf-8", "replace")
+        err_text = qemu_err.decode("utf-8", "replace").strip()
+        logging.getLogger("stockade.launcher").warning(
+            "microVM ended without a status (qemu exit %s): %s | console: %s",
+            qemu_rc, err_text[-2000:], console_text[-2000:])
+        why = (err_text.splitlines() or console_text.strip().splitlines() or
+               [f"qemu exit status {qemu_rc}"])[-1]
+        return 125, False, f"the microVM failed: {why[:500]}"
+
+    def _guest_setpriv(self) -> str:
+        """util-linux setpriv on a path the guest sees (the host's, through ro_binds)."""
+        path = shutil.which("setpriv", path="/usr/bin:/bin")
+        if path is None or not any(path.startswith(os.path.normpath(p) + "/")
+                                   for p in self.s.ro_binds):
+            raise LauncherError("the microVM guest needs util-linux setpriv under ro_binds")
+        return path
 
     def _init_python(self) -> str:
         # the sandbox can read its pid 1's argv: prefer the system interpreter's plain path
@@ -745,6 +989,8 @@ class Launcher:
             self._kill_proc(live.proc)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 live.proc.wait(timeout=5)
+        if live is not None and live.vm is not None:
+            live.vm.close()
         if rec is not None:
             if self.register_tasks:
                 for path in self._control_sockets():
@@ -945,6 +1191,29 @@ def _feed(stream: IO[bytes], data: bytes) -> None:
         stream.write(data)
     with contextlib.suppress(OSError):
         stream.close()
+
+
+@functools.cache
+def _guest_init_source() -> str:
+    return (Path(__file__).with_name("guest_init.py")).read_text()
+
+
+# moves this shell into each cgroup.procs file given before "--", then execs the rest
+_JOIN_CGROUPS = ('for f; do shift; [ "$f" = -- ] && break; echo 0 > "$f" || exit 125; done; '
+                 'exec "$@"')
+
+
+def _copy_into(b: initscript.Bind, dest: Path) -> None:
+    """Copy one allowlisted host /etc entry into the guest's /etc directory (symlinks as
+    symlinks: the guest resolves them against its own /usr, like the netns sandbox)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if b.symlink_to is not None:
+        os.symlink(b.symlink_to, dest)
+    elif b.is_dir:
+        shutil.copytree(b.source, dest, symlinks=True, dirs_exist_ok=True)
+    else:
+        shutil.copy2(b.source, dest)
+        os.chmod(dest, 0o644)
 
 
 @functools.cache

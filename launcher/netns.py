@@ -55,12 +55,51 @@ def guest_commands(a: SlotAddresses) -> list[str]:
     ]
 
 
-def create(netns: str, ifname: str, a: SlotAddresses) -> int:
-    """Create both ends; returns the host-side ifindex (NFLOG records carry it)."""
+def tap_commands(tap: str) -> list[str]:
+    """The microVM backend's netns: no address at all (nothing in it talks), a tap for QEMU."""
+    return [
+        "link set lo up",
+        f"link set {GUEST_IF} addrgenmode none",
+        f"link set {GUEST_IF} up",
+        f"tuntap add dev {tap} mode tap",
+        f"link set {tap} addrgenmode none",
+        f"link set {tap} up",
+    ]
+
+
+def mirred_commands(tap: str) -> list[str]:
+    """`tc -batch`: every frame arriving on one of eth0/tap leaves unchanged through the
+    other (u32 match-all + mirred, both widely built in), so the guest's frames reach the
+    host-side veth with the guest's own address and MAC, and nft judges them as it judges a
+    netns sandbox's."""
+    out = []
+    for src, dst in ((GUEST_IF, tap), (tap, GUEST_IF)):
+        out += [f"qdisc add dev {src} ingress",
+                f"filter add dev {src} parent ffff: protocol all u32 match u32 0 0 "
+                f"action mirred egress redirect dev {dst}"]
+    return out
+
+
+def _tc_batch(lines: list[str], netns: str) -> None:
+    proc = subprocess.run(["tc", "-n", netns, "-batch", "-"],
+                          input="\n".join(lines).encode() + b"\n", capture_output=True,
+                          check=False)
+    if proc.returncode != 0:
+        raise NetnsError(proc.stderr.decode("utf-8", "replace").strip()[:1000])
+
+
+def create(netns: str, ifname: str, a: SlotAddresses, tap: str | None = None) -> int:
+    """Create both ends; returns the host-side ifindex (NFLOG records carry it). With `tap`
+    (the microVM backend) the netns gets that tap joined to its veth end instead of the
+    sandbox's address."""
     # IPv6 stays enabled (without any address) on the host side on purpose: with it
     # disabled the kernel drops IPv6 before netfilter and the attempt would go unreported
     _batch(host_commands(netns, ifname, a))
-    _batch(guest_commands(a), netns=netns)
+    if tap is None:
+        _batch(guest_commands(a), netns=netns)
+    else:
+        _batch(tap_commands(tap), netns=netns)
+        _tc_batch(mirred_commands(tap), netns)
     return int(Path(f"/sys/class/net/{ifname}/ifindex").read_text())
 
 

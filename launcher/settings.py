@@ -9,13 +9,44 @@ from stockade.tcp import CONGESTION_CONTROL_NAME
 from .initscript import check_etc_entry
 
 
+class MicrovmSettings(BaseModel):
+    """`launcher.microvm`: the QEMU microVM backend of `isolation: microvm` profiles."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # false: microvm profiles are refused (or downgraded, see downgrade_isolation)
+    enabled: bool = True
+    # kernel + initramfs built by vm-images/build.sh (scripts/bootstrap.sh runs it)
+    image_dir: str = "/var/cache/stockade/vm"
+    qemu: str = "qemu-system-x86_64"  # the QEMU binary (PATH lookup)
+    # kvm, tcg (software emulation: slower, works everywhere), or auto: one probe boot with
+    # KVM (cached per kernel/image/QEMU in state_dir) decides; tcg when /dev/kvm is unusable
+    accel: Literal["auto", "kvm", "tcg"] = "auto"
+    probe_timeout_s: float = Field(10.0, gt=0)  # the auto probe's boot must end within this
+    # guest RAM = the profile's memory + this (the guest kernel's own share; the command's
+    # cgroup inside the guest gets exactly the profile's memory)
+    guest_kernel_mib: int = Field(64, ge=16)
+    # the host cgroup holds QEMU: guest RAM + this + the profile's disk (scratch pages are
+    # charged to QEMU, who writes them for the guest)
+    vmm_overhead_mib: int = Field(192, ge=32)
+    # pids limit of the host cgroup (QEMU's threads); the profile's pids apply in the guest
+    vmm_pids: int = Field(512, ge=32)
+    tb_size_mib: int = Field(64, ge=8)  # TCG translation cache (QEMU's default is 1 GiB)
+    # QEMU's seccomp filter (-sandbox) and dropping to sandbox_uid/gid once set up
+    harden_qemu: bool = True
+
+
 class LauncherSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    backend: Literal["netns"] = "netns"  # sandbox backend (the microVM backend is not built yet)
-    # The netns backend is container-grade. A profile whose `isolation` asks for more
-    # (gvisor, microvm) is refused, unless its tier is listed here: then it runs at
-    # container grade on purpose, and its start event says so.
+    # backend of `isolation: container` profiles (the netns backend, container grade);
+    # `isolation: microvm` profiles run in the microVM backend (launcher.microvm)
+    backend: Literal["netns"] = "netns"
+    microvm: MicrovmSettings = MicrovmSettings()
+    # A profile whose `isolation` asks for a tier this host cannot give (gvisor: no backend;
+    # microvm: launcher.microvm disabled, QEMU or the image missing) is refused, unless its
+    # tier is listed here: then it runs at container grade on purpose, and its start event
+    # says so.
     downgrade_isolation: list[Literal["gvisor", "microvm"]] = []
     address_pool: str = "10.213.0.0/16"  # carved into one /30 per sandbox
     # Unix socket (0600) of `stockade launcher serve` (started by `stockade up`)

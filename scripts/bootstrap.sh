@@ -29,6 +29,10 @@ if [ ${#missing[@]} -gt 0 ]; then
     done
 fi
 
+# the microVM backend's guest (Debian's kernel + a busybox initramfs); idempotent, into the
+# launcher's default launcher.microvm.image_dir
+bash vm-images/build.sh "${STOCKADE_VM_IMAGE_DIR:-/var/cache/stockade/vm}"
+
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     echo "bootstrap: creating .venv" >&2

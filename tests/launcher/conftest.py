@@ -141,6 +141,12 @@ def profiles() -> dict[str, Profile]:
         "short": Profile("short", "short ttl", limits=Limits(memory=64 * 2**20, disk=8 * 2**20,
                                                              pids=64, ttl=2)),
         "vm": Profile("vm", "asks for a microVM", isolation="microvm", limits=small),
+        "vm-short": Profile("vm-short", "a microVM with a short ttl", isolation="microvm",
+                            limits=Limits(cpus=1.0, memory=64 * 2**20, disk=8 * 2**20, pids=64,
+                                          ttl=20),
+                            exports=ExportPolicy(max_file_bytes=4096, max_total_bytes=6000,
+                                                 types=("text", "json"))),
+        "gv": Profile("gv", "asks for gVisor", isolation="gvisor", limits=small),
     }
 
 
@@ -174,7 +180,9 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
         "launcher": {"nft_table": f"stockade_lt{sfx}", "name_prefix": f"l{sfx[:3]}",
                      "cgroup_parent": f"stockade_lt{sfx}", "scratch_dir": str(tmp / "sbx"),
                      "address_pool": f"10.213.{octet}.0/24",
-                     "nflog_group": 7300 + secrets.randbelow(99)},
+                     "nflog_group": 7300 + secrets.randbelow(99),
+                     # KVM guests hang on the development VMs: the tests use TCG everywhere
+                     "microvm": {"accel": "tcg"}},
     })
     obs = Observed()
     greg, breg = TaskRegistry(), TaskRegistry()

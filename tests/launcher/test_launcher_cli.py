@@ -117,22 +117,29 @@ def test_sandbox_commands_from_another_process(lab: Lab, tmp_path: Path) -> None
 def test_run_refuses_a_stronger_isolation_and_names_the_way_out(
     lab: Lab, tmp_path: Path
 ) -> None:
-    """The shipped profiles ask for microvm: refused at once with the way out, and with
-    the downgrade configured they run (at container grade)."""
+    """A tier this host cannot give (gvisor: no backend; microvm with its backend disabled)
+    is refused at once with the way out, and with the downgrade configured it runs (at
+    container grade)."""
     rules = tmp_path / "rules"
     (rules / "profiles").mkdir(parents=True)
+    (rules / "profiles" / "gv.yaml").write_text(
+        PROFILE.replace("profile: cli", "profile: gv") + "isolation: gvisor\n")
     (rules / "profiles" / "vm.yaml").write_text(
         PROFILE.replace("profile: cli", "profile: vm") + "isolation: microvm\n")
     cfg = _config_file(lab, tmp_path)
-    p = _stockade("run", "--profile", "vm", "--rules", str(rules), "--config", str(cfg),
-                  "--", "true")
-    assert p.returncode == 2, p.stderr
-    assert "asks for isolation 'microvm'" in p.stderr
-    assert "launcher.downgrade_isolation" in p.stderr
     data = lab.config.model_dump()
-    data["launcher"]["downgrade_isolation"] = ["microvm"]
+    data["launcher"]["microvm"]["enabled"] = False
     cfg.write_text(yaml.safe_dump(data))
-    p = _stockade("run", "--profile", "vm", "--rules", str(rules), "--config", str(cfg),
+    for name, why in (("gv", "no gvisor backend exists"),
+                      ("vm", "launcher.microvm.enabled is false")):
+        p = _stockade("run", "--profile", name, "--rules", str(rules), "--config", str(cfg),
+                      "--", "true")
+        assert p.returncode == 2, p.stderr
+        assert f"asks for isolation '{'gvisor' if name == 'gv' else 'microvm'}'" in p.stderr
+        assert why in p.stderr and "launcher.downgrade_isolation" in p.stderr
+    data["launcher"]["downgrade_isolation"] = ["gvisor"]
+    cfg.write_text(yaml.safe_dump(data))
+    p = _stockade("run", "--profile", "gv", "--rules", str(rules), "--config", str(cfg),
                   "--json", "--", "echo", "ran")
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["stdout"] == "ran\n"

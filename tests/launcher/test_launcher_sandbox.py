@@ -213,12 +213,22 @@ def test_tcp_congestion_control_is_set_inside_the_sandbox(lab: Lab) -> None:
     assert Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip() == host
 
 
-def test_a_stronger_isolation_than_the_backend_gives_is_refused(lab: Lab) -> None:
+def test_a_tier_without_a_backend_is_refused(lab: Lab) -> None:
     from stockade.launcher import LauncherError, SandboxSpec
 
-    with pytest.raises(LauncherError, match=r"asks for isolation 'microvm'.*"
+    with pytest.raises(LauncherError, match=r"asks for isolation 'gvisor'.*no gvisor backend.*"
                        r"launcher\.downgrade_isolation"):
-        lab.launcher.run(SandboxSpec("vm", ["true"]), lab.ruleset)
+        lab.launcher.run(SandboxSpec("gv", ["true"]), lab.ruleset)
+    # microvm without its image: refused with how to build it, before anything is created
+    strict = lab.launcher.s
+    lab.launcher.s = strict.model_copy(update={"microvm": strict.microvm.model_copy(
+        update={"image_dir": str(lab.tmp / "no-image")})})
+    try:
+        with pytest.raises(LauncherError, match=r"asks for isolation 'microvm'.*"
+                           r"vm-images/build\.sh.*launcher\.downgrade_isolation"):
+            lab.launcher.run(SandboxSpec("vm", ["true"]), lab.ruleset)
+    finally:
+        lab.launcher.s = strict
     assert lab.launcher.list() == []  # refused before anything was created
 
 
@@ -226,17 +236,21 @@ def test_a_configured_downgrade_runs_and_the_start_event_says_so(lab: Lab) -> No
     from stockade.launcher import SandboxSpec
 
     strict = lab.launcher.s
-    lab.launcher.s = strict.model_copy(update={"downgrade_isolation": ["microvm"]})
+    lab.launcher.s = strict.model_copy(update={"downgrade_isolation": ["gvisor", "microvm"],
+                                               "microvm": strict.microvm.model_copy(
+                                                   update={"enabled": False})})
     try:
-        res = lab.launcher.run(SandboxSpec("vm", ["true"]), lab.ruleset)
+        res = lab.launcher.run(SandboxSpec("gv", ["true"]), lab.ruleset)
+        vm = lab.launcher.run(SandboxSpec("vm", ["true"]), lab.ruleset)
     finally:
         lab.launcher.s = strict
-    assert (res.exit_code, res.ended_by) == (0, "exit")
-    start = lab.events(res.task_id)[0]
-    assert start["stockade"]["lifecycle"] == "start"
-    assert start["stockade"]["isolation"] == "container"
-    assert start["stockade"]["isolation_requested"] == "microvm"
-    assert "container grade" in start["message"]
+    for r, tier in ((res, "gvisor"), (vm, "microvm")):
+        assert (r.exit_code, r.ended_by) == (0, "exit")
+        start = lab.events(r.task_id)[0]
+        assert start["stockade"]["lifecycle"] == "start"
+        assert start["stockade"]["isolation"] == "container"
+        assert start["stockade"]["isolation_requested"] == tier
+        assert "container grade" in start["message"]
     plain = lab.run(["true"])
     first = lab.events(plain.task_id)[0]["stockade"]
     assert first["isolation"] == "container" and "isolation_requested" not in first

@@ -92,7 +92,7 @@ def _serve(lab: Lab, tmp: Path) -> Iterator[Served]:
     rules = tmp / "rules"
     (rules / "profiles").mkdir(parents=True)
     (rules / "profiles" / "svc.yaml").write_text(PROFILE.format(name="svc"))
-    (rules / "profiles" / "vm.yaml").write_text(PROFILE.format(name="vm") + "isolation: microvm\n")
+    (rules / "profiles" / "gv.yaml").write_text(PROFILE.format(name="gv") + "isolation: gvisor\n")
     sfx = secrets.token_hex(3)
     launcher = lab.config.launcher.model_copy(update={
         "nft_table": f"stockade_sv{sfx}", "name_prefix": f"v{sfx[:3]}",
@@ -256,7 +256,7 @@ def _raw(path: str, request: bytes) -> tuple[int, dict[str, Any]]:
 def test_invalid_requests(served: Served) -> None:
     c = served.client
     for body, field in (({"profile": "nope", "argv": ["true"]}, "profile"),
-                        ({"profile": "vm", "argv": ["true"]}, "profile"),  # isolation tier
+                        ({"profile": "gv", "argv": ["true"]}, "profile"),  # isolation tier
                         ({"profile": "svc", "argv": []}, "argv"),
                         ({"profile": "svc", "argv": ["true"], "ttl": -1}, "ttl"),
                         ({"profile": "svc", "argv": ["true"], "inputs": ["/nonexistent/x"]},
@@ -267,7 +267,7 @@ def test_invalid_requests(served: Served) -> None:
         assert e.value.status == 400 and e.value.body["field"] == field, e.value.body
         assert e.value.body["error"] == "bad_request" and e.value.body["detail"]
     with pytest.raises(ControlError) as e:
-        c._call("POST", "/v1/sandboxes", {"profile": "vm", "argv": ["true"]})
+        c._call("POST", "/v1/sandboxes", {"profile": "gv", "argv": ["true"]})
     assert "launcher.downgrade_isolation" in e.value.body["detail"]
     status, body = _raw(served.config.launcher.control_socket,
                         b"POST /v1/sandboxes HTTP/1.1\r\nHost: x\r\nContent-Type: "

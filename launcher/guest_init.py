@@ -1,0 +1,160 @@
+"""The microVM guest's init (pid 1 after vm-images/init), run by the host's Python from the
+read-only /usr share with `-I -S`. The launcher copies it onto the config share.
+
+Only builtin modules (and `resource`): every import is read over 9p and run under
+emulation when the host has no KVM, where `json`, `ctypes` or `signal` (enum, re, ...)
+cost a second. vm-images/init has already built the filesystem, copied the plan to
+/sbx/run, unmounted the config share and made the root read-only.
+
+It reads the plan (`microvm.guest_plan`, marshal: the values are data, never parsed as
+shell), sets up eth0 with the sandbox's address (busybox `ip`, argument lists), puts the
+command in a cgroup with the profile's memory and pids limits and starts it through the
+host's util-linux `setpriv` as the unprivileged sandbox user (no supplementary groups,
+empty capability bounding set, no_new_privs) with the rlimits, its stdout and stderr on
+their virtio-serial ports. It waits for it, writes `<exit status> <oom kills> <pids limit
+hits>` to the status port and reboots (QEMU runs with -no-reboot: the VM ends).
+"""
+
+import _signal as signal  # the C module: `signal` would import enum (and re) first
+import marshal
+import os
+import resource
+
+RUN = "/sbx/run"
+BUSYBOX = "/sbx/busybox"
+CGROOT = "/sbx/cg"
+# links vm-images/init makes to the virtio-serial ports QEMU names so
+PORTS = {"stdout": "/sbx/port-stdout", "stderr": "/sbx/port-stderr", "status": "/sbx/port-status"}
+
+
+def write(path, value, best_effort=True):
+    try:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.write(fd, value.encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        if not best_effort:
+            raise
+
+
+def ip(*args):
+    rc = os.spawnv(os.P_WAIT, BUSYBOX, ["ip", *args])  # noqa: S606 - no shell on purpose
+    if rc != 0:
+        raise OSError(f"ip {' '.join(args)} failed ({rc})")
+
+
+def network(net):
+    ip("link", "set", "lo", "up")
+    ip("addr", "add", f"{net['ip']}/{net['prefixlen']}", "dev", "eth0")
+    ip("link", "set", "eth0", "up")
+    ip("route", "add", "default", "via", net["gateway"], "dev", "eth0")
+
+
+def command_cgroup(plan):
+    """A cgroup with the profile's memory and pids limits (the VM's RAM has headroom for the
+    guest kernel; this is what the command itself may use)."""
+    write(f"{CGROOT}/cgroup.subtree_control", "+memory +pids", best_effort=False)
+    d = f"{CGROOT}/task"
+    os.mkdir(d)
+    write(f"{d}/memory.max", str(plan["memory"]), best_effort=False)
+    write(f"{d}/memory.swap.max", "0")
+    write(f"{d}/pids.max", str(plan["pids"]), best_effort=False)
+    return d
+
+
+def counter(path, key):
+    try:
+        with open(path) as fh:
+            for line in fh:
+                k, _, v = line.partition(" ")
+                if k == key:
+                    return int(v)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def end(status_fd, line):
+    # no contextlib here: an import costs a lot under emulation
+    try:  # noqa: SIM105
+        os.write(status_fd, line.encode())
+    except OSError:
+        pass
+    try:  # noqa: SIM105
+        os.kill(-1, signal.SIGKILL)  # everything but pid 1
+    except OSError:
+        pass
+    os.execv(BUSYBOX, ["reboot", "-f"])  # noqa: S606 - syncs, then reboot(2): the VM ends
+
+
+def child(plan, cg, fds):
+    """In the forked child: join the cgroup, take the ports as stdio, drop to the sandbox
+    user through setpriv and run the command (setpriv searches PATH of `env`)."""
+    in_fd, out_fd, err_fd = fds
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
+        write(f"{cg}/cgroup.procs", "0", best_effort=False)
+        for name, value in plan["rlimits"].items():
+            resource.setrlimit(getattr(resource, "RLIMIT_" + name), (value, value))
+        os.dup2(in_fd, 0)
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
+        os.closerange(3, 1024)
+        os.umask(0o022)
+        os.chdir(plan["cwd"])
+        os.execve(plan["setpriv"], [  # noqa: S606 - no shell on purpose
+            "setpriv", f"--reuid={plan['uid']}", f"--regid={plan['gid']}", "--clear-groups",
+            "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs", "--", *plan["argv"],
+        ], plan["env"])
+    except Exception as e:
+        os.write(2, f"stockade: {plan['argv'][0]}: {getattr(e, 'strerror', None) or e}\n"
+                 .encode())
+        os._exit(126)
+
+
+def main():
+    # SIGCHLD blocked: the wait loop sleeps in sigtimedwait until a child changes state
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
+    status_fd = os.open(PORTS["status"], os.O_WRONLY)
+    out_fd = os.open(PORTS["stdout"], os.O_WRONLY)
+    err_fd = os.open(PORTS["stderr"], os.O_WRONLY)
+    try:
+        with open(f"{RUN}/plan", "rb") as fh:
+            plan = marshal.load(fh)  # noqa: S302 - written by the launcher; builtin, fast
+        network(plan["net"])
+        write("/proc/sys/kernel/hostname", plan["hostname"], best_effort=False)
+        write("/proc/sys/net/ipv4/ping_group_range", "0 2147483647")
+        if plan.get("congestion_control"):
+            write("/proc/sys/net/ipv4/tcp_congestion_control", plan["congestion_control"])
+        cg = command_cgroup(plan)
+        in_fd = os.open(f"{RUN}/stdin" if plan["stdin"] else "/dev/null", os.O_RDONLY)
+    except Exception as e:
+        os.write(err_fd, f"stockade-vm-init: {e}\n".encode())
+        end(status_fd, "125 0 0\n")
+    pid = os.fork()
+    if pid == 0:
+        child(plan, cg, (in_fd, out_fd, err_fd))
+    for fd in (in_fd, out_fd, err_fd):
+        os.close(fd)
+    # as pid 1, reap every orphan; leave when the command ends. Like the netns backend, a
+    # command that keeps hitting its pids limit (a fork bomb) is ended: the whole cgroup
+    limit = plan["pids_fail_kill"]
+    while True:
+        try:
+            got, st = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            end(status_fd, "125 0 0\n")
+        if got == pid:
+            rc = 128 + os.WTERMSIG(st) if os.WIFSIGNALED(st) else os.WEXITSTATUS(st)
+            ooms = counter(f"{cg}/memory.events", "oom_kill")
+            pids = counter(f"{cg}/pids.events", "max")
+            end(status_fd, f"{rc} {ooms} {pids}\n")
+        if got == 0:
+            if counter(f"{cg}/pids.events", "max") >= limit:
+                write(f"{cg}/cgroup.kill", "1")
+            signal.sigtimedwait([signal.SIGCHLD], 0.05)
+
+
+main()

@@ -1,0 +1,202 @@
+"""The QEMU microVM backend's pure core: the guest's layout, plan and mount table, the kernel
+command line and the QEMU argv. `core.py` does the I/O (netns, tap, cgroups, processes).
+
+One sandbox = the netns backend's network pieces (netns, veth, nft elements, registrations),
+but the netns holds no address: a tap there is joined to the netns end of the veth by two
+tc mirred redirects, so the guest's eth0 (the sandbox address and MAC) is what the host-side
+veth and its nft rules see. QEMU runs in that netns and in the sandbox's cgroups; the guest
+sees the host's system directories, its /etc and its scratch through 9p shares (the same
+scratch tmpfs as the netns backend), and talks back through virtio-serial ports: stdout,
+stderr and a status line. Nothing of the task reaches the kernel command line: argv, env
+and addresses travel in files of a read-only config share.
+"""
+
+from __future__ import annotations
+
+import marshal
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Accel = Literal["kvm", "tcg"]
+CFG_TAG = "stockade-cfg"
+# vm-images/init and guest_init.py use these names: keep them in step
+PORT_NAMES = ("stdout", "stderr", "status")
+TAP = "tap0"
+MIB = 2**20
+# a guest path ends up in the mount table as the rest of a line: no newline, no NUL
+_SAFE_TAG = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """A host directory the guest mounts over 9p (one virtio-9p-device)."""
+
+    tag: str
+    host: str
+    guest: str
+    readonly: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The guest's filesystem, in mount order."""
+
+    shares: tuple[Share, ...] = ()
+    # (kind, a, guest path): ("link", target, path), ("bind", src, path) read-only,
+    # ("bindrw", src, path), ("tmpfs", size, path); after every share is mounted
+    extra: tuple[tuple[str, str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class VmSpec:
+    qemu: str
+    accel: Accel
+    kernel: str
+    initrd: str
+    memory_mib: int
+    cpus: int
+    mac: str
+    cfg_dir: str  # host directory shared read-only as CFG_TAG
+    layout: Layout
+    # /proc/self/fd/N paths (pipes the launcher reads) of the console and the three ports
+    console: str
+    ports: tuple[str, str, str]
+    tsc_khz: int | None = None  # TCG: the host's TSC rate (the guest cannot calibrate it)
+    tb_size_mib: int = 64  # TCG translation cache (QEMU's default would be 1 GiB)
+    runas: tuple[int, int] | None = None  # QEMU drops to this uid:gid once set up
+    seccomp: bool = True  # QEMU's -sandbox filter
+    extra_cmdline: tuple[str, ...] = field(default_factory=tuple)
+
+
+def check_tag(tag: str) -> str:
+    if not _SAFE_TAG.match(tag):
+        raise ValueError(f"bad 9p tag {tag!r}")
+    return tag
+
+
+def check_guest_path(path: str) -> str:
+    if (not path.startswith("/") or any(c in path for c in "\n\r\0")
+            or "/../" in path + "/" or "/./" in path + "/" or path.rstrip("/") == ""):
+        raise ValueError(f"guest path must be absolute and normalised: {path!r}")
+    return path.rstrip("/")
+
+
+def guest_memory_mib(profile_memory: int, guest_kernel_mib: int) -> int:
+    """Guest RAM: the profile's memory (the command's cgroup inside the guest gets exactly
+    that) plus the guest kernel's own share."""
+    return math.ceil(profile_memory / MIB) + guest_kernel_mib
+
+
+def host_memory_limit(profile_memory: int, profile_disk: int, guest_kernel_mib: int,
+                      vmm_overhead_mib: int) -> int:
+    """The sandbox cgroup's memory limit on the host: guest RAM, QEMU's own memory, and the
+    scratch tmpfs (its pages are charged to QEMU, who writes them for the guest)."""
+    return ((guest_memory_mib(profile_memory, guest_kernel_mib) + vmm_overhead_mib) * MIB
+            + profile_disk)
+
+
+def vcpus(profile_cpus: float) -> int:
+    return max(1, math.ceil(profile_cpus))
+
+
+def kernel_cmdline(accel: Accel, tsc_khz: int | None, extra: tuple[str, ...] = ()) -> str:
+    """No task data here: the command line is visible to the guest (/proc/cmdline)."""
+    args = ["console=ttyS0", "quiet", "loglevel=1", "panic=-1", "reboot=t", "ipv6.disable=1",
+            "8250.nr_uarts=1", "random.trust_cpu=on"]
+    if accel == "tcg" and tsc_khz:
+        # under TCG the PIT calibration of the TSC fails now and then, and the kernel then
+        # hangs in its delay loop calibration; TCG's guest TSC is the host's
+        args += [f"tsc_early_khz={tsc_khz}", "tsc=reliable"]
+    return " ".join([*args, *extra])
+
+
+def mount_table(layout: Layout) -> str:
+    """vm-images/init's mount table: `9p TAG ro|rw PATH`, `link TARGET PATH`, `bind SRC PATH`,
+    `bindrw SRC PATH`, `tmpfs SIZE PATH`; the guest path is last (it may hold spaces)."""
+    lines = []
+    for s in layout.shares:
+        lines.append(f"9p {check_tag(s.tag)} {'ro' if s.readonly else 'rw'} "
+                     f"{check_guest_path(s.guest)}")
+    for kind, a, path in layout.extra:
+        if kind not in ("link", "bind", "bindrw", "tmpfs"):
+            raise ValueError(f"unknown mount kind {kind!r}")
+        if not a or any(c in a for c in " \t\n\r\0"):
+            raise ValueError(f"bad {kind} source {a!r}")
+        lines.append(f"{kind} {a} {check_guest_path(path)}")
+    return "".join(line + "\n" for line in lines)
+
+
+def guest_plan(*, argv: list[str], env: dict[str, str], uid: int, gid: int,
+               rlimits: dict[str, int], guest_ip: str, host_ip: str, prefixlen: int,
+               memory: int, pids: int, pids_fail_kill: int, stdin: bool, setpriv: str,
+               hostname: str = "sandbox", cwd: str = "/scratch",
+               congestion_control: str | None = None) -> dict[str, Any]:
+    """guest_init.py's plan: plain data (dict, list, str, int, bool, None)."""
+    if not argv:
+        raise ValueError("empty command")
+    if uid == 0 or gid == 0:
+        raise ValueError("the command never runs as root")
+    return {
+        "argv": list(argv), "env": dict(env), "uid": uid, "gid": gid, "rlimits": rlimits,
+        "cwd": cwd, "hostname": hostname, "stdin": stdin, "memory": memory, "pids": pids,
+        "pids_fail_kill": pids_fail_kill, "setpriv": setpriv,
+        "congestion_control": congestion_control,
+        "net": {"ip": guest_ip, "prefixlen": prefixlen, "gateway": host_ip},
+    }
+
+
+def encode_plan(plan: dict[str, Any]) -> bytes:
+    """marshal (a builtin the guest's Python reads without importing anything; format 4 is
+    what every Python 3.4+ reads), never a format parsed as shell."""
+    return marshal.dumps(plan, 4)
+
+
+def qemu_argv(v: VmSpec) -> list[str]:
+    machine = "microvm"
+    argv = [v.qemu, "-M", machine, "-nodefaults", "-no-user-config", "-nographic",
+            "-no-reboot"]
+    if v.accel == "kvm":
+        argv += ["-accel", "kvm", "-cpu", "host"]
+    else:
+        argv += ["-accel", f"tcg,tb-size={v.tb_size_mib}", "-cpu", "max"]
+    argv += ["-smp", str(v.cpus), "-m", f"{v.memory_mib}M",
+             "-kernel", v.kernel, "-initrd", v.initrd,
+             "-append", kernel_cmdline(v.accel, v.tsc_khz, v.extra_cmdline),
+             "-chardev", f"file,id=con,path={v.console}", "-serial", "chardev:con",
+             "-netdev", f"tap,id=net0,ifname={TAP},script=no,downscript=no,vhost=off",
+             "-device", f"virtio-net-device,netdev=net0,mac={v.mac}",
+             "-device", "virtio-serial-device,max_ports=4"]
+    for nr, (name, path) in enumerate(zip(PORT_NAMES, v.ports, strict=True), start=1):
+        argv += ["-chardev", f"file,id={name},path={path}",
+                 "-device", f"virtserialport,chardev={name},name={name},nr={nr}"]
+    shares = [Share(CFG_TAG, v.cfg_dir, "/sbx/cfg"), *v.layout.shares]
+    for i, s in enumerate(shares):
+        _no_comma(s.host)
+        argv += ["-fsdev", f"local,id=fs{i},path={s.host},security_model=none,"
+                           f"readonly={'on' if s.readonly else 'off'},multidevs=remap",
+                 "-device", f"virtio-9p-device,fsdev=fs{i},mount_tag={check_tag(s.tag)}"]
+    if v.seccomp:
+        # elevateprivileges stays allowed: QEMU's filter is installed before -runas drops
+        # root (which needs setuid); after the drop there is nothing to elevate to
+        argv += ["-sandbox", "on,obsolete=deny,spawn=deny,resourcecontrol=deny"]
+    if v.runas is not None:
+        argv += ["-runas", f"{v.runas[0]}:{v.runas[1]}"]
+    return argv
+
+
+def _no_comma(path: str) -> None:
+    # QEMU's option syntax splits on commas (",," escapes); refuse rather than escape
+    if "," in path or "\n" in path:
+        raise ValueError(f"host path not usable in a QEMU option: {path!r}")
+
+
+def parse_status(text: str) -> tuple[int, int, int] | None:
+    """guest_init's status line: (exit status, OOM kills, pids limit hits), or None."""
+    parts = text.split()
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        return None
+    rc, ooms, pids = (int(p) for p in parts)
+    return (rc, ooms, pids) if rc <= 255 else None
+

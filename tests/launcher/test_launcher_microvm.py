@@ -1,0 +1,289 @@
+"""The microVM backend with real QEMU (TCG: KVM guests hang on the development VMs), real
+netns, nftables and cgroups: a profile with `isolation: microvm` runs its command in a VM.
+
+Each VM boot costs seconds under TCG, so one boot checks many things where it can."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from stockade.launcher import LauncherError, SandboxSpec, vmimage
+
+from stockade.events import validate
+
+from .conftest import Lab
+from .test_launcher_escapes import PROMPT
+from .test_launcher_leak import EMPTY, leftovers
+
+pytestmark = [pytest.mark.netns, pytest.mark.slow]
+
+GUEST = r"""
+import errno, json, os, socket, sys, urllib.request
+def err(e):
+    if isinstance(e, TimeoutError) or e.errno is None:
+        return "ERR:timeout"
+    return "ERR:" + errno.errorcode.get(e.errno, str(e.errno))
+def tcp(h, p):
+    try:
+        s = socket.create_connection((h, p), timeout=5)
+        return s.recv(16).decode("latin1")
+    except OSError as e:
+        return err(e)
+def udp(h, p, data=b"x"):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(3)
+    try:
+        s.connect((h, p)); s.send(data); s.send(data)
+        return s.recv(100).decode("latin1")
+    except OSError as e:
+        return err(e)
+def write(p):
+    try:
+        open(p, "w").write("x")
+        return "WROTE"
+    except OSError as e:
+        return err(e)
+ip, udp_ip, udp_port, dns_ip = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+os.makedirs("/scratch/out", exist_ok=True)
+json.dump({"ok": True}, open("/scratch/out/result.json", "w"))
+out = {
+    "uid": os.getuid(), "gid": os.getgid(), "cwd": os.getcwd(),
+    "env": sorted(os.environ), "home": os.environ["HOME"],
+    "hostname": socket.gethostname(), "stdin": sys.stdin.read(),
+    "resolv": open("/etc/resolv.conf").read(),
+    "etc": sorted(os.listdir("/etc")),
+    "input_file": open("/inputs/f.txt").read(),
+    "input_dir": sorted(os.listdir("/inputs/d")),
+    "writes": [write(p) for p in ("/usr/x", "/etc/x", "/inputs/d/x", "/x", "/scratch/ok",
+                                  "/tmp/ok")],
+    "kernel_cmdline": open("/proc/cmdline").read(),
+    "broker": urllib.request.urlopen(os.environ["STOCKADE_BROKER"] + "/v1/whoami",
+                                     timeout=10).read().decode(),
+    "direct_tcp": tcp(ip, 443),
+    "udp": udp(udp_ip, udp_port),
+    "dns": udp(dns_ip, 53, b"\x12\x34query"),
+    "caps": [l for l in open("/proc/self/status") if l.startswith(("CapEff", "CapBnd"))],
+}
+print(json.dumps(out))
+print("to-stderr", file=sys.stderr)
+sys.exit(3)
+"""
+
+
+def _vm_proc_gone(task_id: str) -> bool:
+    # QEMU's argv names the sandbox's own directories: none may outlive the sandbox
+    return subprocess.run(["pgrep", "-f", f"/{task_id}/"], capture_output=True).returncode == 1
+
+
+def test_command_runs_in_a_microvm(lab: Lab, fake_internet: Any, tmp_path: Path) -> None:
+    data = tmp_path / "d"
+    data.mkdir()
+    (data / "a.txt").write_text("a")
+    (tmp_path / "f.txt").write_text("input file")
+    for p in (tmp_path, data, data / "a.txt", tmp_path / "f.txt"):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    ip = fake_internet.addresses["allowed.test"]
+    udp_ip, udp_port = fake_internet.udp_echo
+    export = tmp_path / "export"
+    res = lab.launcher.run(SandboxSpec(
+        "vm", ["python3", "-c", GUEST, ip, udp_ip, str(udp_port), fake_internet.dns_server],
+        inputs=[(str(tmp_path / "f.txt"), "/inputs/f.txt"), (str(data), "/inputs/d")],
+        stdin=b"from stdin", env={"EXTRA": "1"}, export_dir=str(export)), lab.ruleset)
+    assert (res.exit_code, res.ended_by) == (3, "exit"), res.stderr
+    assert res.stderr == "to-stderr\n"
+    out = json.loads(res.stdout)
+    # the sandbox user, no capabilities, the netns backend's environment and /etc
+    assert (out["uid"], out["gid"], out["cwd"], out["home"]) == (
+        65534, 65534, "/scratch", "/scratch/home")
+    assert all(line.split()[1] == "0000000000000000" for line in out["caps"])
+    assert set(out["env"]) <= {"PATH", "HOME", "TMPDIR", "STOCKADE_BROKER", "LANG", "LC_ALL",
+                               "TERM", "TZ", "PWD", "EXTRA"}
+    assert out["hostname"] == "sandbox" and out["stdin"] == "from stdin"
+    assert out["resolv"].startswith("nameserver <infra-address>")
+    assert "shadow" not in out["etc"] and "resolv.conf" in out["etc"]
+    assert (out["input_file"], out["input_dir"]) == ("input file", ["a.txt"])
+    assert out["writes"][:4] == ["ERR:EROFS"] * 4 and out["writes"][4:] == ["WROTE"] * 2
+    assert "scratch" not in out["kernel_cmdline"] and "10.2" not in out["kernel_cmdline"]
+    # the network: the broker sees the guest's address as the task; TCP to any address
+    # lands on the gateway's port; UDP is rejected and reported; DNS reaches the firewall
+    assert out["broker"] == res.task_id
+    assert out["direct_tcp"] == "GW\n"
+    assert out["udp"] in PROMPT
+    assert out["dns"] == "\x12\x34LAB-DNS"
+    start = lab.events(res.task_id)[0]
+    assert start["stockade"]["lifecycle"] == "start"
+    assert start["stockade"]["isolation"] == "microvm"
+    assert "isolation_requested" not in start["stockade"]
+    guest_ip = start["source"]["ip"]
+    assert (guest_ip, ip, 443) in lab.obs.tcp
+    bypass = [e for e in lab.bypass(res.task_id) if e["network"]["transport"] == "udp"
+              and e["destination"]["ip"] == udp_ip]
+    assert bypass and bypass[0]["source"]["ip"] == guest_ip
+    validate(bypass[0])
+    assert any(d["event"]["action"] == "bypass_attempt" for d in res.denials)
+    # exports: the scratch is the same tmpfs as the netns backend's
+    assert [(e.name, e.type) for e in res.exports] == [("result.json", "json")]
+    assert json.loads((export / "result.json").read_text()) == {"ok": True}
+    assert leftovers(lab) == EMPTY
+    assert _vm_proc_gone(res.task_id)
+
+
+def _background(lab: Lab, argv: list[str], **kw: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    box: dict[str, Any] = {}
+
+    def go() -> None:
+        box["result"] = lab.launcher.run(SandboxSpec("vm", argv, **kw), lab.ruleset)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    for _ in range(1000):
+        rows = [r for r in lab.launcher.list() if r["state"] == "running"]
+        if rows:
+            box.update(rows[0])
+            break
+        time.sleep(0.01)
+    assert "task_id" in box, "the microVM sandbox did not start"
+    return t, box
+
+
+SPOOF = r"""
+import socket, struct, sys
+def csum(b):
+    s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
+    s = (s >> 16) + (s & 0xffff)
+    return ~(s + (s >> 16)) & 0xffff
+def frame(src_mac, src_ip, dst_ip, port):
+    payload = b"spoof"
+    udp = struct.pack("!HHHH", 40000, port, 8 + len(payload), 0) + payload
+    hdr = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 1, 0, 64, 17, 0,
+                      socket.inet_aton(src_ip), socket.inet_aton(dst_ip))
+    hdr = hdr[:10] + struct.pack("!H", csum(hdr)) + hdr[12:]
+    return (bytes.fromhex(sys.argv[1].replace(":", "")) + bytes.fromhex(src_mac.replace(":", ""))
+            + b"\x08\x00" + hdr + udp)
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+s.bind(("eth0", 0))
+guest_ip, guest_mac, dst, port = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+for _ in range(3):
+    s.send(frame(guest_mac, "10.9.9.9", dst, port))         # forged address, own MAC
+    s.send(frame("02:66:66:66:66:66", guest_ip, dst, port + 1))  # own address, forged MAC
+"""
+
+
+def test_suspend_resume_spoof_and_kill(lab: Lab, fake_internet: Any) -> None:
+    """A running VM: suspended and resumed (cgroup freezer on QEMU), frames with a forged
+    source address or MAC sent the way the guest's frames leave (the netns end of the veth;
+    this stands for a guest that regained root: the guest's user cannot send raw frames)
+    are dropped and reported by the host's rules, then a kill removes everything."""
+    t, box = _background(lab, ["sh", "-c", "touch /scratch/started; exec sleep 600"])
+    tid = box["task_id"]
+    s = lab.config.launcher
+    started = Path(s.scratch_dir, tid, "scratch", "started")
+    for _ in range(1200):  # the guest boots (seconds under TCG); no timing is asserted
+        if started.exists() or not t.is_alive():
+            break
+        time.sleep(0.05)
+    try:
+        assert started.exists(), "the guest's command did not start"
+        assert lab.launcher.suspend(tid)
+        assert [r["state"] for r in lab.launcher.list()] == ["frozen"]
+        assert lab.launcher.resume(tid)
+        rec = lab.launcher.state.read()[tid]
+        host_mac = Path(f"/sys/class/net/{rec.ifname}/address").read_text().strip()
+        ip, port = fake_internet.udp_echo
+        spoof = subprocess.run(
+            ["ip", "netns", "exec", rec.netns, "python3", "-c", SPOOF, host_mac,
+             rec.guest_ip, rec.guest_mac, ip, str(port)], capture_output=True, text=True,
+            timeout=30)
+        assert spoof.returncode == 0, spoof.stderr
+        time.sleep(0.3)
+    finally:
+        assert lab.launcher.kill(tid)
+        t.join(timeout=60)
+    res = box["result"]
+    assert (res.ended_by, res.exit_code) == ("killed", 137)
+    spoofed = [e for e in lab.bypass(tid) if e["rule"]["id"] == "launcher:spoof"]
+    assert any(e["source"]["ip"] == "10.9.9.9" for e in spoofed), lab.bypass(tid)
+    assert any(e["source"]["ip"] == rec.guest_ip and e["destination"]["port"] == port + 1
+               for e in spoofed), spoofed
+    # nothing forged got past the guard (it would have been rejected as "blocked")
+    assert not any(e["rule"]["id"] == "launcher:blocked" for e in lab.bypass(tid))
+    lifecycle = [e["stockade"]["lifecycle"] for e in lab.events(tid)
+                 if e["event"]["action"] == "sandbox_lifecycle"]
+    assert lifecycle == ["start", "suspend", "resume", "kill", "end"]
+    assert leftovers(lab) == EMPTY
+    assert _vm_proc_gone(tid)
+
+
+def test_ttl_ends_a_looping_guest(lab: Lab) -> None:
+    res = lab.launcher.run(SandboxSpec("vm", ["sh", "-c", "while :; do :; done"], ttl=8),
+                           lab.ruleset)
+    assert (res.ended_by, res.exit_code) == ("ttl", 137)
+    end = [e for e in lab.events(res.task_id) if e["stockade"].get("lifecycle") == "end"]
+    assert end[0]["event"]["reason"] == "ttl_expired"
+    assert leftovers(lab) == EMPTY
+    assert _vm_proc_gone(res.task_id)
+
+
+def test_a_bad_kernel_is_a_clear_error_and_leaves_nothing(lab: Lab, tmp_path: Path) -> None:
+    good = lab.config.launcher.microvm.image_dir
+    bad = tmp_path / "image"
+    bad.mkdir()
+    (bad / vmimage.KERNEL).write_bytes(b"\x7fELF not a kernel" * 100)
+    shutil.copy(Path(good, vmimage.INITRD), bad / vmimage.INITRD)
+    (bad / vmimage.MANIFEST).write_text(json.dumps({"stamp": "broken"}))
+    strict = lab.launcher.s
+    lab.launcher.s = strict.model_copy(update={"microvm": strict.microvm.model_copy(
+        update={"image_dir": str(bad)})})
+    try:
+        with pytest.raises(LauncherError, match="the microVM failed"):
+            lab.launcher.run(SandboxSpec("vm", ["true"]), lab.ruleset)
+        # a kernel that vanished after the check: refused with how to build it
+        (bad / vmimage.MANIFEST).unlink()
+        with pytest.raises(LauncherError, match=r"vm-images/build\.sh"):
+            lab.launcher.run(SandboxSpec("vm", ["true"]), lab.ruleset)
+    finally:
+        lab.launcher.s = strict
+    assert leftovers(lab) == EMPTY
+
+
+def test_image_build_is_idempotent(lab: Lab) -> None:
+    image_dir = lab.config.launcher.microvm.image_dir
+    script = vmimage.BUILD_SCRIPT
+    subprocess.run(["bash", str(script), image_dir], check=True, capture_output=True)
+    before = {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in Path(image_dir).iterdir()}
+    again = subprocess.run(["bash", str(script), image_dir], check=True, capture_output=True,
+                           text=True)
+    assert "up to date" in again.stderr
+    after = {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in Path(image_dir).iterdir()}
+    assert after == before
+    assert set(after) == {vmimage.KERNEL, vmimage.INITRD, vmimage.MANIFEST}
+    image = vmimage.load_image(image_dir)
+    assert image.stamp and json.loads(Path(image_dir, vmimage.MANIFEST).read_text())["modules"]
+
+
+def test_accel_auto_is_probed_once_and_cached(lab: Lab, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    image = vmimage.load_image(lab.config.launcher.microvm.image_dir)
+    cache = tmp_path / "accel.json"
+    qemu = lab.config.launcher.microvm.qemu
+    got = vmimage.resolve_accel("auto", qemu, image, cache, timeout_s=5)
+    assert got in ("kvm", "tcg")
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        assert got == "tcg" and not cache.exists()
+        return
+    assert json.loads(cache.read_text())["accel"] == got
+
+    def no_probe(*a: object) -> bool:
+        raise AssertionError("probed again")
+
+    monkeypatch.setattr(vmimage, "probe_kvm", no_probe)
+    assert vmimage.resolve_accel("auto", qemu, image, cache, timeout_s=5) == got
+    assert vmimage.resolve_accel("tcg", qemu, image, cache, timeout_s=5) == "tcg"

@@ -1,0 +1,147 @@
+"""The microVM backend's pure core: backend choice, QEMU argv, kernel command line, guest
+plan and mount table, sizing, the netns wiring commands, the status line."""
+
+from __future__ import annotations
+
+import marshal
+
+import pytest
+from stockade.launcher import microvm, netns
+from stockade.launcher.core import LauncherError, decide_backend
+from stockade.launcher.settings import LauncherSettings
+
+MIB = 2**20
+
+
+def _spec(**kw: object) -> microvm.VmSpec:
+    base: dict[str, object] = dict(
+        qemu="/usr/bin/qemu-system-x86_64", accel="tcg", kernel="/img/vmlinux",
+        initrd="/img/initramfs.cpio.gz", memory_mib=128, cpus=1, mac="02:00:0a:d5:00:02",
+        cfg_dir="/sbx/t/cfg",
+        layout=microvm.Layout((microvm.Share("sys0", "/usr", "/usr"),
+                               microvm.Share("scratch", "/sbx/t/scratch", "/scratch",
+                                             readonly=False)),
+                              (("link", "usr/bin", "/bin"),)),
+        console="/proc/self/fd/5", ports=("/proc/self/fd/6", "/proc/self/fd/7",
+                                          "/proc/self/fd/8"),
+        tsc_khz=2300000, runas=(65534, 65534))
+    base.update(kw)
+    return microvm.VmSpec(**base)  # type: ignore[arg-type]
+
+
+def test_backend_per_isolation_tier() -> None:
+    s = LauncherSettings()
+    assert decide_backend(s, "p", "container", None) == ("netns", {"isolation": "container"})
+    assert decide_backend(s, "p", "microvm", None) == ("microvm", {"isolation": "microvm"})
+    with pytest.raises(LauncherError, match=r"microVM backend is unavailable here: no image.*"
+                       r"downgrade_isolation"):
+        decide_backend(s, "p", "microvm", "no image")
+    with pytest.raises(LauncherError, match="no gvisor backend"):
+        decide_backend(s, "p", "gvisor", None)
+    down = s.model_copy(update={"downgrade_isolation": ["gvisor", "microvm"]})
+    assert decide_backend(down, "p", "microvm", "no image") == (
+        "netns", {"isolation": "container", "isolation_requested": "microvm"})
+    assert decide_backend(down, "p", "gvisor", None)[1]["isolation_requested"] == "gvisor"
+    # a working microVM backend is used even when a downgrade would be accepted
+    assert decide_backend(down, "p", "microvm", None)[0] == "microvm"
+
+
+def test_qemu_argv() -> None:
+    argv = microvm.qemu_argv(_spec())
+    joined = " ".join(argv)
+    assert argv[:3] == ["/usr/bin/qemu-system-x86_64", "-M", "microvm"]
+    for flag in ("-nodefaults", "-no-user-config", "-nographic", "-no-reboot"):
+        assert flag in argv
+    assert argv[argv.index("-accel") + 1] == "tcg,tb-size=64"
+    assert argv[argv.index("-m") + 1] == "128M"
+    assert "tap,id=net0,ifname=tap0,script=no,downscript=no,vhost=off" in argv
+    assert "virtio-net-device,netdev=net0,mac=02:00:0a:d5:00:02" in argv
+    # the config share is read-only and first; the scratch is the only writable share
+    assert "local,id=fs0,path=/sbx/t/cfg,security_model=none,readonly=on,multidevs=remap" in argv
+    assert "virtio-9p-device,fsdev=fs0,mount_tag=stockade-cfg" in argv
+    assert joined.count("readonly=off") == 1 and "path=/sbx/t/scratch" in joined
+    for nr, name in enumerate(microvm.PORT_NAMES, start=1):
+        assert f"virtserialport,chardev={name},name={name},nr={nr}" in argv
+    assert argv[argv.index("-runas") + 1] == "65534:65534"
+    assert argv[argv.index("-sandbox") + 1].startswith("on,")
+    kvm = microvm.qemu_argv(_spec(accel="kvm", runas=None, seccomp=False))
+    assert kvm[kvm.index("-accel") + 1] == "kvm" and kvm[kvm.index("-cpu") + 1] == "host"
+    assert "-runas" not in kvm and "-sandbox" not in kvm
+    with pytest.raises(ValueError, match="QEMU option"):
+        microvm.qemu_argv(_spec(cfg_dir="/a,b"))
+
+
+def test_kernel_cmdline_has_no_task_data() -> None:
+    line = microvm.kernel_cmdline("tcg", 2300000)
+    assert "panic=-1" in line and "reboot=t" in line and "ipv6.disable=1" in line
+    assert "tsc_early_khz=2300000" in line
+    assert "tsc_early_khz" not in microvm.kernel_cmdline("kvm", 2300000)
+    argv = microvm.qemu_argv(_spec())
+    append = argv[argv.index("-append") + 1]
+    assert append == line  # nothing of the task (argv, env, addresses) on the command line
+    assert "10." not in append and "scratch" not in append
+
+
+def test_guest_plan_is_plain_data() -> None:
+    plan = microvm.guest_plan(
+        argv=["sh", "-c", "echo $HOME; rm -rf / #'\""], env={"A": "b c"}, uid=65534,
+        gid=65534, rlimits={"NOFILE": 4096}, guest_ip="10.0.0.2", host_ip="10.0.0.1",
+        prefixlen=30, memory=64 * MIB, pids=64, pids_fail_kill=32, stdin=False,
+        setpriv="/usr/bin/setpriv")
+    assert marshal.loads(microvm.encode_plan(plan)) == plan  # noqa: S302 - our own bytes
+    assert plan["argv"][2] == "echo $HOME; rm -rf / #'\""
+    assert plan["net"] == {"ip": "10.0.0.2", "prefixlen": 30, "gateway": "10.0.0.1"}
+    for bad in ({"argv": []}, {"uid": 0}, {"gid": 0}):
+        kw = dict(argv=["true"], env={}, uid=1000, gid=1000, rlimits={}, guest_ip="a",
+                  host_ip="b", prefixlen=30, memory=1, pids=1, pids_fail_kill=1,
+                  stdin=False, setpriv="/usr/bin/setpriv")
+        kw.update(bad)
+        with pytest.raises(ValueError):
+            microvm.guest_plan(**kw)  # type: ignore[arg-type]
+
+
+def test_mount_table() -> None:
+    layout = microvm.Layout(
+        (microvm.Share("sys0", "/usr", "/usr"),
+         microvm.Share("in0", "/data/my dir", "/inputs/my dir")),
+        (("link", "usr/bin", "/bin"), ("bindrw", "/scratch/tmp", "/tmp"),
+         ("tmpfs", "16777216", "/dev/shm")))
+    assert microvm.mount_table(layout) == (
+        "9p sys0 ro /usr\n9p in0 ro /inputs/my dir\nlink usr/bin /bin\n"
+        "bindrw /scratch/tmp /tmp\ntmpfs 16777216 /dev/shm\n")
+    for bad in (microvm.Layout((microvm.Share("sys0", "/usr", "/a\nb"),)),
+                microvm.Layout((microvm.Share("Bad Tag", "/usr", "/usr"),)),
+                microvm.Layout((), (("exec", "x", "/y"),)),
+                microvm.Layout((), (("link", "a b", "/y"),)),
+                microvm.Layout((microvm.Share("sys0", "/usr", "/a/../etc"),))):
+        with pytest.raises(ValueError):
+            microvm.mount_table(bad)
+
+
+def test_sizing() -> None:
+    assert microvm.guest_memory_mib(64 * MIB, 64) == 128
+    assert microvm.guest_memory_mib(64 * MIB + 1, 64) == 129
+    assert microvm.host_memory_limit(64 * MIB, 8 * MIB, 64, 192) == (128 + 192 + 8) * MIB
+    assert [microvm.vcpus(c) for c in (0.25, 1.0, 1.5, 2)] == [1, 1, 2, 2]
+
+
+def test_status_line() -> None:
+    assert microvm.parse_status("7 0 0\n") == (7, 0, 0)
+    assert microvm.parse_status("137 1 0") == (137, 1, 0)
+    for bad in ("", "7", "x 0 0", "300 0 0", "7 0 0 0"):
+        assert microvm.parse_status(bad) is None
+
+
+def test_netns_wiring_for_a_vm() -> None:
+    cmds = netns.tap_commands("tap0")
+    assert "tuntap add dev tap0 mode tap" in cmds
+    assert not any("addr add" in c for c in cmds)  # the netns itself holds no address
+    tc = netns.mirred_commands("tap0")
+    assert tc == [
+        "qdisc add dev eth0 ingress",
+        "filter add dev eth0 parent ffff: protocol all u32 match u32 0 0 "
+        "action mirred egress redirect dev tap0",
+        "qdisc add dev tap0 ingress",
+        "filter add dev tap0 parent ffff: protocol all u32 match u32 0 0 "
+        "action mirred egress redirect dev eth0",
+    ]
