@@ -42,6 +42,9 @@ exports: {max_file: 1MiB, max_total: 2MiB, types: [text, json]}
 # the same, for a tool that only works with an explicit proxy
 PROXY_PROFILE = PROFILE.replace("profile: agent", "profile: agent-proxy").replace(
     "  mode: enforce\n", "  mode: enforce\n  proxy_env: true\n")
+# the same rules in a microVM
+VM_PROFILE = PROFILE.replace("profile: agent", "profile: agent-vm").replace(
+    "isolation: container", "isolation: microvm")
 
 
 class Stack:
@@ -82,6 +85,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, fake_internet: Any) -> Itera
         (rules / d).mkdir(parents=True)
     (rules / "profiles" / "agent.yaml").write_text(PROFILE)
     (rules / "profiles" / "agent-proxy.yaml").write_text(PROXY_PROFILE)
+    (rules / "profiles" / "agent-vm.yaml").write_text(VM_PROFILE)
     (tmp / "token").write_text("not-a-real-token")
     sfx = secrets.token_hex(3)
     octet = 100 + secrets.randbelow(100)
@@ -104,7 +108,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, fake_internet: Any) -> Itera
         "launcher": {"nft_table": f"stockade_ls{sfx}", "name_prefix": f"s{sfx[:3]}",
                      "cgroup_parent": f"stockade_ls{sfx}", "scratch_dir": str(tmp / "sbx"),
                      "address_pool": f"10.214.{octet}.0/24",
-                     "nflog_group": 7200 + secrets.randbelow(99)},
+                     "nflog_group": 7200 + secrets.randbelow(99),
+                     "microvm": {"accel": "tcg"}},  # KVM guests hang on the development VMs
     }
     cfg_path = tmp / "stockade.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg_data))
@@ -296,3 +301,43 @@ def test_profile_without_proxy_env_has_no_proxy_variables(stack: Stack) -> None:
     assert "200" not in second, res.stdout + res.stderr
     gw = _gateway_events(stack, res.task_id)
     assert gw and all(e["stockade"]["listener"] == "transparent" for e in gw), gw
+
+
+def test_microvm_guest_through_the_real_gateway(stack: Stack, fake_internet: Any) -> None:
+    """One microVM: the allowed site through the transparent redirect and the DNS firewall;
+    a denied name, a direct-IP connection and UDP denied, each reported under the task."""
+    from stockade.events import read_events
+
+    ip = fake_internet.addresses["denied.test"]
+    udp_ip, udp_port = fake_internet.udp_echo
+    udp = ("import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+           f"s.settimeout(3)\ns.connect(({udp_ip!r}, {udp_port}))\ns.send(b'x')\n"
+           "try:\n    print('udp', s.recv(10))\nexcept OSError as e:\n"
+           "    print('udp', type(e).__name__)\n")
+    res = stack.run(["sh", "-c",
+                     "curl -sS --max-time 10 --cacert /inputs/ca.pem https://allowed.test/ "
+                     "-o /dev/null -w 'allowed %{http_code}\\n'; "
+                     "curl -sS --max-time 5 --cacert /inputs/ca.pem https://denied.test/ "
+                     "|| echo denied-name; "
+                     f"curl -sS --max-time 5 -k https://{ip}/ || echo denied-ip; "
+                     f"python3 -c \"{udp}\"; "
+                     # binaries run from the scratch share, like a build's own tools
+                     "cp /bin/true /scratch/t && /scratch/t && echo exec-ok"],
+                    profile="agent-vm")
+    lines = res.stdout.splitlines()
+    assert "allowed 200" in lines, res.stdout + res.stderr
+    assert {"denied-name", "denied-ip", "exec-ok"} <= set(lines), res.stdout + res.stderr
+    assert "udp b'x'" not in lines
+    comps = {(e["stockade"]["component"], e["event"]["action"]) for e in res.denials}
+    assert {("dns", "dns_decision"), ("gateway", "connection_decision"),
+            ("launcher", "bypass_attempt")} <= comps, res.denials
+    assert all(e["labels"]["task_id"] == res.task_id for e in res.denials)
+    # the name was refused by the DNS firewall: the gateway's denial is the direct IP's
+    # (a ClientHello without a name)
+    assert [e["event"]["action"] for e in res.denials
+            if e["stockade"]["component"] == "gateway"] == ["connection_decision"], res.denials
+    start = next(e for e in read_events(stack.config.events_file)
+                 if e.get("labels", {}).get("task_id") == res.task_id)
+    assert start["stockade"]["isolation"] == "microvm"
+    # every denial names the guest's address: the gateway identified the VM as the task
+    assert {e["source"]["ip"] for e in res.denials} == {start["source"]["ip"]}
