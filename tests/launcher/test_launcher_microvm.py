@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -287,3 +289,51 @@ def test_accel_auto_is_probed_once_and_cached(lab: Lab, tmp_path: Path,
     monkeypatch.setattr(vmimage, "probe_kvm", no_probe)
     assert vmimage.resolve_accel("auto", qemu, image, cache, timeout_s=5) == got
     assert vmimage.resolve_accel("tcg", qemu, image, cache, timeout_s=5) == "tcg"
+
+
+CRASHER = r"""
+import json, sys, types
+from stockade.config import Config
+from stockade.launcher import Launcher, SandboxSpec
+from stockade.policy.model import Limits, Profile
+cfg = Config.model_validate(json.loads(sys.argv[1]))
+rs = types.SimpleNamespace(profiles={"vm": Profile("vm", "t", isolation="microvm",
+                                                   limits=Limits(ttl=60))}, version="x")
+Launcher(cfg, nflog=False).run(SandboxSpec("vm", ["sleep", "60"]), rs)
+"""
+
+
+def test_reconcile_removes_a_crashed_launchers_vm(lab: Lab) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", CRASHER,
+                             json.dumps(lab.config.model_dump())])
+    tid = None
+    try:
+        for _ in range(1000):
+            rows = lab.launcher.list()
+            if rows and rows[0]["state"] == "running":
+                tid = rows[0]["task_id"]
+                break
+            time.sleep(0.01)
+        assert tid is not None, "the crasher did not start its microVM"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    left = leftovers(lab)
+    assert left["netns"] and left["cgroups"] and left["state"]  # the crash left pieces
+    assert not _vm_proc_gone(tid)  # and QEMU runs on (its own session)
+    removed = lab.launcher.reconcile()
+    assert removed["sandboxes"] == [tid]
+    assert leftovers(lab) == EMPTY
+    assert _vm_proc_gone(tid)
+
+
+def test_fork_bomb_in_the_guest_hits_the_profiles_pids_limit(lab: Lab) -> None:
+    """The profile's pids limit holds inside the guest (QEMU's own threads are counted in
+    the host cgroup instead): a fork bomb ends the sandbox with `limit`, not at the TTL."""
+    res = lab.launcher.run(SandboxSpec("vm", ["sh", "-c", "f() { f | f & }; f; sleep 60"],
+                                       ttl=120), lab.ruleset)
+    assert res.ended_by == "limit", (res.exit_code, res.stderr)
+    end = [e for e in lab.events(res.task_id) if e["stockade"].get("lifecycle") == "end"]
+    assert end[0]["event"]["reason"] == "resource_limit"
+    assert leftovers(lab) == EMPTY
+    assert _vm_proc_gone(res.task_id)
