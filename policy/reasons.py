@@ -32,6 +32,8 @@ class Reason(StrEnum):
     UPSTREAM_UNREACHABLE = "upstream_unreachable"
     CONNECTION_LIMIT = "connection_limit"
     UPLOAD_LIMIT = "upload_limit"
+    # the flow went to the L7 inspector; each request has its own request_decision event
+    INSPECTED = "inspected"
     TASK_ENDED = "task_ended"
     # DNS firewall
     QTYPE_REFUSED = "qtype_refused"

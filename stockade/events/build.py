@@ -19,6 +19,7 @@ Decision = Literal["allowed", "denied"]
 _CATEGORY = {
     "connection_decision": ["network"],
     "connection_close": ["network"],
+    "request_decision": ["network"],  # one request inside an inspected (L7) TLS flow
     "dns_decision": ["network"],
     "broker_call": ["network", "iam"],
     "secret_echo": ["network", "iam"],
