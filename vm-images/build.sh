@@ -38,8 +38,10 @@ case $(ldd "$busybox" 2>&1 || true) in *"not a dynamic executable"*) ;; *) false
     { log "$busybox is not a static binary (install busybox-static)"; exit 1; }
 
 # everything that decides the output: a change in any of them rebuilds
-stamp=$( { echo "$pkg $version"; sha256sum "$busybox" "$here/init" "$here/modules.txt" "$0"; } \
-         | sha256sum | cut -d' ' -f1)
+# (contents only: the same recipe in another clone or path is the same build)
+stamp=$( { echo "$pkg $version"
+           for f in "$busybox" "$here/init" "$here/modules.txt" "$0"; do sha256sum < "$f"; done
+         } | sha256sum | cut -d' ' -f1)
 if [ -f "$out/manifest.json" ] && grep -q "\"stamp\": \"$stamp\"" "$out/manifest.json" \
         && [ -f "$out/vmlinux" ] && [ -f "$out/initramfs.cpio.gz" ]; then
     log "up to date in $out ($pkg $version)"
