@@ -337,3 +337,23 @@ def test_fork_bomb_in_the_guest_hits_the_profiles_pids_limit(lab: Lab) -> None:
     assert end[0]["event"]["reason"] == "resource_limit"
     assert leftovers(lab) == EMPTY
     assert _vm_proc_gone(res.task_id)
+
+
+def test_ro_binds_with_etc_keeps_the_host_etc_in_a_microvm(lab: Lab) -> None:
+    """Listing /etc in ro_binds shares the host's /etc with the generated resolv.conf,
+    hosts and hostname over it, as in the netns backend."""
+    from stockade.launcher import Launcher
+
+    ls = lab.config.launcher
+    cfg = lab.config.model_copy(update={"launcher": ls.model_copy(
+        update={"ro_binds": [*ls.ro_binds, "/etc"]})})
+    other = Launcher(cfg, nflog=False)
+    try:
+        res = other.run(SandboxSpec("vm", ["sh", "-c", "test -d /etc/ssh && echo SSH; "
+                                           "cat /etc/resolv.conf /etc/hostname"]), lab.ruleset)
+    finally:
+        other.close()
+    assert res.exit_code == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0] == "SSH" and lines[1].startswith("nameserver ")
+    assert lines[-1] == "sandbox"
