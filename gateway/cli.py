@@ -28,6 +28,26 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
         help="diagnostic log level on stderr (events go to the events file)",
     )
     serve.set_defaults(func=run_serve)
+    ca = gsub.add_parser(
+        "ca",
+        help="print the path of the inspection CA certificate (sandboxes trust it)",
+        description="Print the path of the PEM certificate of the CA the gateway's L7 "
+        "inspector signs its certificates with, creating the CA (in the state directory, "
+        "key 0600) if it does not exist yet. Sandboxes must trust it for flows whose allow "
+        "entries have an `http:` block (SSL_CERT_FILE, REQUESTS_CA_BUNDLE, PIP_CERT, "
+        "NODE_EXTRA_CA_CERTS, GIT_SSL_CAINFO, CURL_CA_BUNDLE).",
+    )
+    ca.add_argument("--config", help="stockade.yaml (default: built-in defaults)")
+    ca.add_argument("--pem", action="store_true", help="print the certificate itself")
+    ca.set_defaults(func=run_ca)
+    insp = gsub.add_parser(
+        "inspector",
+        help="the L7 inspector child process (started by `gateway serve`, not by hand)",
+        description="Run the mitmproxy-based L7 inspector. The gateway starts it, writes its "
+        "spec (one JSON line with a signing key) on stdin and supervises it; it exits when "
+        "its stdin closes.",
+    )
+    insp.set_defaults(func=run_inspector)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -46,3 +66,19 @@ def run_serve(args: argparse.Namespace) -> int:
     config = config_or_fail(args.config, "gateway")
     # uvloop (gateway.uvloop, on by default) halves the per-connection loop overhead
     return run(serve(config, dns=not args.no_dns), uvloop=config.gateway.uvloop)
+
+
+def run_ca(args: argparse.Namespace) -> int:
+    from stockade.cli import config_or_fail
+
+    from .inspection import inspection_ca_cert
+
+    path = inspection_ca_cert(config_or_fail(args.config, "gateway ca"))
+    print(path.read_text() if args.pem else path, end="" if args.pem else "\n")
+    return 0
+
+
+def run_inspector(args: argparse.Namespace) -> int:
+    from .inspector import main
+
+    return main()

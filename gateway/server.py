@@ -25,7 +25,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import date
 from functools import lru_cache
 from typing import Any
@@ -45,6 +45,7 @@ from .deny import CONNECT_ESTABLISHED, TLS_ALERT_ACCESS_DENIED, http_denial
 from .dns.guards import GuardState, NameLimits, name_violation
 from .dns.settings import DnsSettings
 from .flow import FlowDecision, FlowInput, Listener, Protocol, decide_flow
+from .inspection import FlowMeta
 from .metrics import GatewayMetrics
 from .original_dst import original_destination
 from .relay import PipePool, Relay, UploadLimit, splice_works, wait_fd
@@ -115,6 +116,8 @@ class Gateway:
         self.address_policy = address_policy
         self.emit = emit
         self.metrics = metrics or GatewayMetrics()
+        # the L7 inspector (InspectorSupervisor), set by the service when inspection is on
+        self.inspector: Any = None
         # DNS-tunnelling guards for the names this path resolves; the service passes the
         # DNS firewall's GuardState so a task has one unresolvable-name budget for both
         dns_defaults = DnsSettings()
@@ -175,8 +178,10 @@ class Gateway:
                     max(1, math.ceil(self.settings.sniff_timeout_s)),
                 )
         set_congestion_control(
-            sock, self.settings.sandbox_congestion_control,
-            "gateway.sandbox_congestion_control", log,
+            sock,
+            self.settings.sandbox_congestion_control,
+            "gateway.sandbox_congestion_control",
+            log,
         )
         # accepted sockets inherit it (Linux): one setsockopt per listener, not per connection
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -230,6 +235,9 @@ class Gateway:
             "connections": len(self.conns),
             "rules_version": self.rules.current.version,
             "splice": self.pool is not None,
+            "inspector": None
+            if self.inspector is None
+            else {"ready": self.inspector.ready, "pid": self.inspector.pid},
         }
 
     # -- deferred events ---------------------------------------------------------------
@@ -396,7 +404,10 @@ class Gateway:
         if connect_head is not None:
             # decide on the authority alone first, so a denied CONNECT gets a 403
             pre = self._connect_verdict(connect_head, ruleset, task.profile)
-            if not pre.allowed:
+            # the inspector decides per request, not this (a CONNECT alone is "tcp")
+            l7 = self._inspectable(pre, "tcp")
+            if not pre.allowed and not l7:
+                pre = self._why_uninspected(pre)
                 self._decision_event(conn, pre, None)
                 await self._send_and_close(conn, http_denial(pre.reason, pre.rule_id, task.task_id))
                 return None, None, None
@@ -409,12 +420,14 @@ class Gateway:
             sent = _send_some(conn.client, CONNECT_ESTABLISHED)  # a new socket takes it all
             if sent < len(CONNECT_ESTABLISHED):
                 await loop.sock_sendall(conn.client, CONNECT_ESTABLISHED[sent:])
-            early = self._begin_dial(pre, task, ruleset)
+            if not l7:
+                early = self._begin_dial(pre, task, ruleset)
             conn.meta["tunnel"] = True  # from here a denial speaks the inner protocol
             try:
                 inner = await self._sniff(conn, deadline, initial=pending)
             except BaseException:
-                await _discard(early)
+                if early is not None:
+                    await _discard(early)
                 raise
         elif conn.listener == "transparent":
             inner = await self._sniff(conn, deadline)
@@ -430,14 +443,30 @@ class Gateway:
         )
         # with a CONNECT, the authority's verdict is reused when the inner flow names the
         # same host and port (the usual case): one rule-engine call per connection
-        decision = decide_flow(inp, ruleset, task.profile, prior=pre if early is not None else None)
-        if not decision.allowed:
+        decision = decide_flow(
+            inp, ruleset, task.profile, prior=pre if connect_head is not None else None
+        )
+        if self._inspectable(decision):
+            # method/path rules on a TLS flow: resolved and checked here, decided per
+            # request by the inspector (gateway/inspection.py)
             if early is not None:
                 await _discard(early)
+            guarded = self._name_guard(task, decision, ruleset)
+            if guarded is not None:
+                return await self._deny_resolved(conn, decision, *guarded)
+            result = await self._inspect(conn, task, ruleset, decision)
+            if result[0] is not None:
+                decision = replace(
+                    decision, allowed=True, reason=Reason.INSPECTED, report_only=False
+                )
+        elif not decision.allowed:
+            if early is not None:
+                await _discard(early)
+            decision = self._why_uninspected(decision)
             self._decision_event(conn, decision, None)
             await self._refuse(conn, decision.reason, decision.rule_id, decision.protocol)
             return None, None, None
-        if early is not None and (pre.host, pre.ip, pre.port) == (
+        elif early is not None and (pre.host, pre.ip, pre.port) == (
             decision.host,
             decision.ip,
             decision.port,
@@ -480,6 +509,59 @@ class Gateway:
             first_sent=sent,
         )
         return upstream, relay, (decision, dialled)
+
+    def _inspectable(self, d: FlowDecision, protocol: str = "tls") -> bool:
+        """Does this flow go to the L7 inspector? A named TLS flow whose matching allow
+        entries all need method/path (denied `inspection_unavailable`, or let through in
+        report mode), while the inspector is up. Everything else never touches it."""
+        return (
+            d.reason == Reason.INSPECTION_UNAVAILABLE
+            and d.protocol == protocol
+            and d.host is not None
+            and d.ip is None
+            and self.inspector is not None
+            and self.inspector.ready
+        )
+
+    def _why_uninspected(self, d: FlowDecision) -> FlowDecision:
+        """A denial `inspection_unavailable` with the inspector's state in its detail."""
+        if d.reason != Reason.INSPECTION_UNAVAILABLE:
+            return d
+        if self.inspector is None:
+            why = "L7 inspection is disabled (gateway.inspection.enabled)"
+        elif d.protocol == "http":
+            why = "the plain-HTTP request head gives no path to decide on"
+        else:
+            why = self.inspector.why or "the inspector is not ready"
+        return replace(d, detail=f"{d.detail}: {why}" if d.detail else why)
+
+    async def _inspect(
+        self, conn: Conn, task: Task, ruleset: RuleSet, d: FlowDecision
+    ) -> DialResult:
+        """Resolve and check like any flow, then hand the checked address to the inspector
+        (never the name, never the client's destination). The result's socket is the
+        inspector's end of the tunnel; the relay runs between it and the client."""
+        _, ip, failure = await self._checked_dial(d, task, ruleset, connect=False)
+        if failure is not None:
+            return None, "", failure
+        assert d.host is not None
+        meta = FlowMeta(
+            connection_id=conn.id,
+            task_id=task.task_id,
+            profile=task.profile,
+            host=d.host,
+            ip=ip,
+            port=d.port,
+            policy_version=d.policy_version,
+            source_ip=conn.peer[0],
+            source_port=conn.peer[1],
+            listener=conn.listener,
+        )
+        try:
+            sock = await self.inspector.handoff(meta)
+        except Exception as e:  # InspectorUnavailable, or a meta that cannot be encoded
+            return None, "", (Reason.INSPECTION_UNAVAILABLE, str(e) or type(e).__name__, 403)
+        return sock, ip, None
 
     def _connect_verdict(self, head: RequestHead, ruleset: RuleSet, profile: str) -> FlowDecision:
         """`decide_flow` for a CONNECT authority alone, memoised per rule set, profile,
@@ -530,9 +612,16 @@ class Gateway:
         return None
 
     async def _checked_dial(
-        self, d: FlowDecision, task: Task | None = None, ruleset: RuleSet | None = None
+        self,
+        d: FlowDecision,
+        task: Task | None = None,
+        ruleset: RuleSet | None = None,
+        *,
+        connect: bool = True,
     ) -> DialResult:
-        """Resolve (names) or check (cidr literals) and connect to a checked address."""
+        """Resolve (names) or check (cidr literals) and connect to a checked address.
+        `connect=False`: only resolve and check; the result is (None, the first checked
+        address, None) for the inspector to dial."""
         candidates: list[str]
         if d.ip is not None:
             category = self.address_policy.check(d.ip)
@@ -582,6 +671,8 @@ class Gateway:
                 detail = f"resolution failed: {res.error or 'no address'}"
                 return None, "", (Reason.RESOLVE_FAILED, detail, 403)
             candidates = list(res.addresses)
+        if not connect:
+            return None, candidates[0], None
         sock, ip = await self._dial(candidates, d.port)
         if sock is None:
             detail = "no checked address accepted the connection"

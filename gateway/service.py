@@ -24,6 +24,7 @@ from stockade.tasks import TaskRegistry, make_control_app, start_control_server
 
 from .addresses import AddressPolicy
 from .dns.guards import GuardState, NameLimits
+from .inspector_supervisor import InspectorSupervisor
 from .metrics import GatewayMetrics
 from .resolver import Resolver
 from .rulesource import RulesHolder
@@ -106,6 +107,12 @@ class GatewayService:
             guards=self.guards,
             name_limits=NameLimits.from_settings(dns),
         )
+        # L7 inspection: a supervised mitmproxy child for flows whose allow entries need
+        # method/path (gateway/inspection.py); without it they stay denied, fail closed
+        self.inspector: InspectorSupervisor | None = None
+        if gs.inspection.enabled:
+            self.inspector = InspectorSupervisor(config)
+            self.gateway.inspector = self.inspector
         self.dns: Any = None
         self._control: web.AppRunner | None = None
         self._metrics_runner: web.AppRunner | None = None
@@ -115,6 +122,8 @@ class GatewayService:
         self.rules.load_initial()  # RulesError: refuse to start rather than run without rules
         raise_nofile(self.config.gateway.max_open_files)
         await self.gateway.start()
+        if self.inspector is not None:
+            await self.inspector.start()  # ready a moment later; until then, fail closed
         if dns:
             await self._start_dns()
         app = make_control_app(self.registry, reload=self.reload, status=self.gateway.status)
@@ -166,6 +175,8 @@ class GatewayService:
 
     async def stop(self) -> None:
         await self.gateway.stop()
+        if self.inspector is not None:
+            await self.inspector.stop()
         if self.dns is not None:
             with contextlib.suppress(Exception):
                 await self.dns.stop()

@@ -1,9 +1,44 @@
 """The `gateway:` section of stockade.yaml."""
 
-from pydantic import BaseModel, ConfigDict, Field
+import ipaddress
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from stockade.listen import DnsServerAddress, ListenAddress
 from stockade.tcp import CONGESTION_CONTROL_NAME
+
+
+class InspectionSettings(BaseModel):
+    """L7 inspection (mitmproxy) of TLS flows whose allow entries have an `http:` block."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # run the inspector child process; off: such flows stay denied `inspection_unavailable`
+    enabled: bool = True
+    # where the inspector listens: loopback only (the gateway is its only client, and each
+    # hand-off is signed with a per-start key); port 0 = any free port
+    listen: ListenAddress = "127.0.0.1:0"
+    # extra CA bundle (PEM) trusted for upstream certificates, on top of the system CAs
+    upstream_ca_file: str | None = None
+    system_ca_dir: str | None = "/etc/ssl/certs"  # the system CAs (hashed dir); None: certifi
+    # the inspector's CA (key 0600), made once; default: <state_dir>/gateway/inspector-ca
+    ca_dir: str | None = None
+    handoff_timeout_s: float = Field(5.0, gt=0)  # connect + CONNECT answer from the inspector
+    start_timeout_s: float = Field(30.0, gt=0)  # from spawn to "ready" before it is restarted
+    restart_delay_s: float = Field(0.5, gt=0)  # first delay before a restart; doubles per failure
+    restart_delay_max_s: float = Field(10.0, gt=0)  # ... up to this
+
+    @field_validator("listen")
+    @classmethod
+    def _loopback_only(cls, v: str) -> str:
+        host = v.rpartition(":")[0].strip("[]")
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise ValueError("must be a loopback address (sandboxes must never reach it)")
+        return v
 
 
 class GatewaySettings(BaseModel):
@@ -35,3 +70,4 @@ class GatewaySettings(BaseModel):
     detect_own_addresses: bool = True  # add every non-loopback interface address (`ip -j addr`)
     registry_file: str | None = None  # default: <state_dir>/gateway-tasks.json
     max_open_files: int = Field(1048576, ge=1024)  # RLIMIT_NOFILE raised towards this at start
+    inspection: InspectionSettings = InspectionSettings()

@@ -32,6 +32,9 @@ def gw(
         rules_poll_interval_s=0.5,
         max_connections_per_task=8,
         dns={"ttl_min_s": 0},  # every connection re-resolves: rebinding is visible
+        # these tests pin what happens without L7 inspection (fail closed); the inspector
+        # has its own gateway in test_gw_inspection.py
+        inspection={"enabled": False},
     )
     h = GatewayHarness(cfg).start()
     try:

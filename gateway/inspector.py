@@ -1,0 +1,491 @@
+"""The L7 inspector: a mitmproxy master with a Stockade addon, run as a child process.
+
+`stockade gateway inspector` is started (and restarted) by the gateway service
+(`inspector_supervisor.py`); it is not meant to be run by hand. It reads its spec (one
+JSON line: rules dir, events file, CA dir, listen address, upstream CAs and the
+hand-off signing key) from stdin, prints `{"ready": PORT}` on stdout once it listens,
+and exits when stdin closes (the gateway went away).
+
+Why mitmproxy in a child: its proxy core is slow (hundreds of requests/s) and lives on
+its own event loop; in a child it can never stall the gateway's listeners, and a crash
+costs only the inspected flows (which then fail closed). Only flows whose allow entries
+need method/path ever come here (see `inspection.py` for the hand-off).
+
+Safety properties, each enforced here and not only by mitmproxy's defaults:
+- regular (explicit-proxy) mode on loopback only, `connection_strategy=lazy`,
+  `upstream_cert=false`: nothing is dialled before the client's first request, and the
+  only thing ever dialled is the checked address the signed hand-off names
+  (`server_connect` refuses anything else); no name is resolved (the address is a
+  literal; mitmproxy's DNS addons are not loaded).
+- the client's SNI must name the flow's host; the upstream gets that SNI and its
+  certificate is verified against it (system CAs + `upstream_ca_file`).
+- inside the tunnel only HTTP/1.x and HTTP/2 are served: a non-TLS first flight, non-HTTP
+  bytes after the handshake, CONNECT and upgrades (websocket, h2c) are refused.
+- every request is decided by `inspection.decide_request` on the gateway's rule set
+  version, with one `request_decision` event each (same events file, O_APPEND lines).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from stockade.policy.reasons import Reason
+from stockade.policy.ruleset import RuleSet
+
+from stockade.events import EventWriter, make_event
+
+from .inspection import (
+    CA_BASENAME,
+    FLOW_HEADER,
+    FlowMeta,
+    InnerRequest,
+    MetaError,
+    RequestDecision,
+    decide_request,
+    decode_meta,
+    denial_body,
+)
+
+log = logging.getLogger("stockade.gateway.inspector")
+Emit = Callable[[dict[str, Any]], None]
+
+# a denied request whose body is larger than this (or chunked) is answered by closing the
+# connection instead of a 403: mitmproxy would have to buffer the whole body first
+MAX_DENIED_BODY = 64 * 1024
+RULES_KEPT = 4  # rule set versions kept, so flows decided just before a reload still match
+RELOAD_MIN_INTERVAL_S = 0.5
+
+
+class RulesByVersion:
+    """The rule sets the inspector can decide with, by version. A version it does not
+    hold is looked for by loading the rules directory again (at most every
+    RELOAD_MIN_INTERVAL_S); a flow whose version is not found is denied (never decided on
+    other rules)."""
+
+    def __init__(self, rules_dir: str, loader: Callable[[str], RuleSet] | None = None) -> None:
+        self.rules_dir = rules_dir
+        self._load = loader or _load_rules
+        self._sets: OrderedDict[str, RuleSet] = OrderedDict()
+        self._last_load = 0.0
+        self.latest: RuleSet | None = None
+
+    def load(self) -> RuleSet | None:
+        self._last_load = time.monotonic()
+        try:
+            rs = self._load(self.rules_dir)
+        except Exception as e:  # an invalid rule set: keep what we have (fail closed)
+            log.warning("inspector: rules not loaded: %s", e)
+            return None
+        self._sets[rs.version] = rs
+        self._sets.move_to_end(rs.version)
+        while len(self._sets) > RULES_KEPT:
+            self._sets.popitem(last=False)
+        self.latest = rs
+        return rs
+
+    def get(self, version: str) -> RuleSet | None:
+        rs = self._sets.get(version)
+        if rs is None and time.monotonic() - self._last_load >= RELOAD_MIN_INTERVAL_S:
+            self.load()
+            rs = self._sets.get(version)
+        return rs
+
+
+def _load_rules(rules_dir: str) -> RuleSet:
+    from stockade.policy import load_rules
+
+    return load_rules(rules_dir)
+
+
+class StockadeAddon:
+    """Decides every request of every handed-over flow; see the module docstring."""
+
+    def __init__(self, key: bytes, rules: RulesByVersion, emit: Emit) -> None:
+        self.key = key
+        self.rules = rules
+        self.emit = emit
+        self.flows: dict[str, FlowMeta] = {}  # mitmproxy client connection id -> hand-off
+        self.requests_seen = 0  # requests decided (tests: flows without http never come)
+        self.handoffs = 0
+
+    # -- the hand-off ---------------------------------------------------------------------
+    def http_connect(self, flow: Any) -> None:
+        from mitmproxy import http
+
+        cid = flow.client_conn.id
+        meta = self.flows.get(cid)
+        if meta is not None:  # a CONNECT inside the tunnel
+            self._request_event(
+                meta, flow, _refused(Reason.PROTOCOL_UNRECOGNISED, meta, "CONNECT inside")
+            )
+            flow.response = _deny_response(http, Reason.PROTOCOL_UNRECOGNISED, None, meta)
+            return
+        try:
+            meta = decode_meta(flow.request.headers.get(FLOW_HEADER, ""), self.key)
+            if (flow.request.host, flow.request.port) != (meta.ip, meta.port):
+                raise MetaError("CONNECT target is not the signed address")
+        except MetaError as e:
+            # not from the gateway (or a bug): nothing is dialled, nothing is logged as a
+            # task's decision (there is no trustworthy task to name)
+            log.warning("inspector: hand-off refused: %s", e)
+            flow.response = http.Response.make(403, b"", {"Connection": "close"})
+            return
+        self.flows[cid] = meta
+        self.handoffs += 1
+
+    def client_disconnected(self, client: Any) -> None:
+        self.flows.pop(client.id, None)
+
+    def next_layer(self, nextlayer: Any) -> None:
+        """Inside a handed-over tunnel: TLS first, then HTTP, nothing else."""
+        from mitmproxy.proxy.layers import ClientTLSLayer, HttpLayer, ServerTLSLayer
+
+        ctx = nextlayer.context
+        meta = self.flows.get(ctx.client.id)
+        if meta is None or nextlayer.layer is None:
+            return  # before the hand-off (the CONNECT itself), or undecided yet
+        layer = nextlayer.layer
+        if not ctx.client.tls_established:  # (the TLS layers set `.tls` when built)
+            ok = isinstance(layer, ServerTLSLayer | ClientTLSLayer)
+            detail = "the tunnel does not start with a TLS ClientHello"
+        else:
+            ok = isinstance(layer, HttpLayer)
+            detail = "non-HTTP bytes inside the TLS tunnel"
+        if not ok:
+            self._flow_event(meta, Reason.PROTOCOL_UNRECOGNISED, detail)
+            nextlayer.layer = _Refuse(ctx)
+
+    def tls_start_client(self, data: Any) -> None:
+        """After TlsConfig built the client side: the SNI must name the flow's host."""
+        meta = self.flows.get(data.context.client.id)
+        if meta is None:
+            data.ssl_conn = None  # fails the connection
+            return
+        sni = data.context.client.sni
+        reason = None
+        if not sni:
+            reason, detail = Reason.SNI_MISSING, "TLS ClientHello without server name"
+        elif _norm(sni) != meta.host:
+            reason, detail = Reason.DESTINATION_MISMATCH, "SNI names another host"
+        if reason is not None:
+            self._flow_event(meta, reason, detail)
+            data.ssl_conn = None
+
+    def server_connect(self, data: Any) -> None:
+        """The only address ever dialled is the one the gateway checked and signed."""
+        meta = self.flows.get(data.client.id)
+        addr = data.server.address
+        if meta is None or addr is None or (addr[0], addr[1]) != (meta.ip, meta.port):
+            data.server.error = "stockade: destination not approved by the gateway"
+
+    def tls_start_server(self, data: Any) -> None:
+        """After TlsConfig: the upstream SNI (and name verified) is the flow's host."""
+        meta = self.flows.get(data.context.client.id)
+        sni = data.conn.sni
+        if meta is None or not sni or _norm(sni) != meta.host:
+            data.ssl_conn = None
+
+    # -- requests -----------------------------------------------------------------------
+    def requestheaders(self, flow: Any) -> None:
+        from mitmproxy import http
+
+        meta = self.flows.get(flow.client_conn.id)
+        if meta is None:
+            flow.kill()
+            return
+        self.requests_seen += 1
+        req = flow.request
+        if not flow.client_conn.tls_established or (req.host, req.port) != (meta.ip, meta.port):
+            d = _refused(Reason.DESTINATION_MISMATCH, meta, "request outside the checked tunnel")
+        else:
+            ruleset = self.rules.get(meta.policy_version)
+            if ruleset is None:
+                d = _refused(
+                    Reason.INSPECTION_UNAVAILABLE,
+                    meta,
+                    f"the inspector has no rule set {meta.policy_version}",
+                )
+            else:
+                d = decide_request(ruleset, meta, inner_request(req))
+        self._request_event(meta, flow, d)
+        if d.allowed:
+            req.stream = True  # bodies go through, never buffered here
+            return
+        req.stream = False
+        te = "transfer-encoding" in req.headers
+        try:
+            length = int(req.headers.get("content-length", "0") or 0)
+        except ValueError:
+            length = MAX_DENIED_BODY + 1
+        if te or length > MAX_DENIED_BODY:
+            flow.kill()  # no 403 without reading the body; the event says why
+            return
+        flow.response = _deny_response(http, d.reason, d.rule_id, meta)
+
+    def responseheaders(self, flow: Any) -> None:
+        if flow.response is not None:
+            flow.response.stream = True
+
+    # -- events -----------------------------------------------------------------------------
+    def _request_event(self, meta: FlowMeta, flow: Any, d: RequestDecision) -> None:
+        req = flow.request
+        path = req.path.split("?", 1)[0][:2048]
+        extra: dict[str, Any] = {
+            "connection_id": meta.connection_id,
+            "listener": meta.listener,
+            "inspected": True,
+            "http_version": req.http_version,
+        }
+        if d.reason == Reason.DESTINATION_MISMATCH:
+            extra["request_host"] = (req.headers.get("host") or req.authority or "")[:255]
+        self.emit(
+            make_event(
+                component="gateway",
+                action="request_decision",
+                decision="allowed" if d.allowed else "denied",
+                reason=str(d.reason),
+                task_id=meta.task_id,
+                profile=meta.profile,
+                policy_version=d.policy_version or meta.policy_version,
+                rule_id=d.rule_id,
+                report_only=d.report_only,
+                source_ip=meta.source_ip or None,
+                source_port=meta.source_port or None,
+                destination_domain=meta.host,
+                destination_ip=meta.ip,
+                destination_port=meta.port,
+                transport="tcp",
+                protocol="http",
+                http_method=req.method[:32],
+                url={"scheme": "https", "domain": meta.host, "port": meta.port, "path": path},
+                http_status=None if d.allowed else 403,
+                message=d.detail or None,
+                extra=extra,
+            )
+        )
+
+    def _flow_event(self, meta: FlowMeta, reason: Reason, detail: str) -> None:
+        """A refusal of the tunnel itself (no request to name)."""
+        self.emit(
+            make_event(
+                component="gateway",
+                action="request_decision",
+                decision="denied",
+                reason=str(reason),
+                task_id=meta.task_id,
+                profile=meta.profile,
+                policy_version=meta.policy_version,
+                source_ip=meta.source_ip or None,
+                source_port=meta.source_port or None,
+                destination_domain=meta.host,
+                destination_ip=meta.ip,
+                destination_port=meta.port,
+                transport="tcp",
+                protocol="tls",
+                message=detail,
+                extra={
+                    "connection_id": meta.connection_id,
+                    "listener": meta.listener,
+                    "inspected": True,
+                },
+            )
+        )
+
+
+def inner_request(req: Any) -> InnerRequest:
+    """The decision's view of a mitmproxy request."""
+    names = [v for v in req.headers.get_all("host")]
+    if req.authority:  # HTTP/2 :authority, or an absolute-form / authority-form target
+        names.append(req.authority)
+    upgrade = "upgrade" in req.headers or bool(req.headers.get(":protocol"))
+    return InnerRequest(req.method, req.path, tuple(names), upgrade)
+
+
+def _refused(reason: Reason, meta: FlowMeta, detail: str) -> RequestDecision:
+    return RequestDecision(False, reason, policy_version=meta.policy_version, detail=detail)
+
+
+def _deny_response(http: Any, reason: str, rule: str | None, meta: FlowMeta) -> Any:
+    return http.Response.make(
+        403,
+        denial_body(str(reason), rule, meta.task_id),
+        {"X-Stockade-Deny": str(reason), "Content-Type": "application/json"},
+    )
+
+
+def _norm(name: str) -> str | None:
+    from stockade.policy import HostError, normalize_host
+
+    try:
+        return normalize_host(name)
+    except HostError:
+        return None
+
+
+def _refuse_layer_class() -> type:
+    from mitmproxy.proxy import commands, events, layer
+
+    class Refuse(layer.Layer):
+        """Closes the client connection and ignores everything after."""
+
+        def _handle_event(self, event: Any) -> Any:
+            if isinstance(event, events.Start):
+                yield commands.CloseConnection(self.context.client)
+
+    return Refuse
+
+
+def _Refuse(ctx: Any) -> Any:  # a layer "class" built on first use
+    global _REFUSE
+    if _REFUSE is None:
+        _REFUSE = _refuse_layer_class()
+    return _REFUSE(ctx)
+
+
+_REFUSE: type | None = None
+
+
+def _tls_config_class() -> type:
+    from cryptography import x509
+    from mitmproxy.addons.tlsconfig import TlsConfig
+
+    class StockadeTlsConfig(TlsConfig):
+        """mitmproxy's TlsConfig, with leaf certificates naming only the SNI (never the
+        checked address, which the sandbox has no business seeing)."""
+
+        def get_cert(self, conn_context: Any) -> Any:
+            sni = conn_context.client.sni
+            if not sni:
+                raise ValueError("no SNI")  # the addon refuses these before a cert is made
+            name = x509.DNSName(sni.encode("idna").decode())
+            return self.certstore.get_cert(sni, [name], None)
+
+    return StockadeTlsConfig
+
+
+# -- the process -------------------------------------------------------------------------------
+
+
+def _options(spec: dict[str, Any]) -> dict[str, Any]:
+    host, _, port = spec["listen"].rpartition(":")
+    return {
+        "mode": [f"regular@{host.strip('[]')}:{int(port)}"],
+        "confdir": spec["ca_dir"],
+        "connection_strategy": "lazy",
+        "upstream_cert": False,
+        "http2": True,
+        "http3": False,
+        "websocket": False,
+        "rawtcp": True,  # so non-HTTP bytes get a TCP layer, which next_layer refuses
+        "ssl_insecure": False,
+        "ssl_verify_upstream_trusted_ca": spec.get("upstream_ca_file"),
+        "ssl_verify_upstream_trusted_confdir": spec.get("system_ca_dir"),
+        "validate_inbound_headers": True,
+        "stream_large_bodies": None,
+        "block_global": True,
+        "block_private": False,
+    }
+
+
+async def run_inspector(spec: dict[str, Any], stdin_eof: asyncio.Event | None = None) -> None:
+    from mitmproxy import options
+    from mitmproxy.addons import block, core, disable_h2c, next_layer, proxyserver
+    from mitmproxy.master import Master
+
+    key = bytes.fromhex(spec["key"])
+    ev = spec.get("events", {})
+    writer = EventWriter(
+        spec.get("events_file"),
+        max_bytes=int(ev.get("max_bytes", 50 * 2**20)),
+        backups=int(ev.get("backups", 5)),
+        stdout=False,  # stdout is the ready channel
+    )
+    rules = RulesByVersion(spec["rules_dir"])
+    rules.load()
+    opts = options.Options()
+    master = Master(opts)
+    addon = StockadeAddon(key, rules, writer.write)
+    master.addons.add(
+        core.Core(),
+        block.Block(),
+        disable_h2c.DisableH2C(),
+        proxyserver.Proxyserver(),
+        next_layer.NextLayer(),
+        _tls_config_class()(),
+        addon,
+    )
+    opts.update(**_options(spec))
+
+    class Ready:
+        def running(self) -> None:
+            ps = master.addons.get("proxyserver")
+            addrs = ps.listen_addrs()
+            port = addrs[0][1] if addrs else 0
+            sys.stdout.write(json.dumps({"ready": port}) + "\n")
+            sys.stdout.flush()
+
+    master.addons.add(Ready())
+    if stdin_eof is not None:
+
+        async def watch() -> None:
+            await stdin_eof.wait()
+            master.shutdown()
+
+        watcher = asyncio.ensure_future(watch())
+    try:
+        await master.run()
+    finally:
+        if stdin_eof is not None:
+            watcher.cancel()
+        writer.close()
+
+
+def main() -> int:
+    """`stockade gateway inspector`: the spec is the first line on stdin."""
+    line = sys.stdin.buffer.readline()
+    try:
+        spec = json.loads(line)
+        for k in ("key", "rules_dir", "ca_dir", "listen"):
+            if not isinstance(spec.get(k), str):
+                raise ValueError(k)
+        if not (Path(spec["ca_dir"]) / f"{CA_BASENAME}-ca.pem").exists():
+            raise ValueError("no CA in ca_dir (the gateway creates it)")
+    except ValueError as e:
+        sys.stderr.write(f"stockade gateway inspector: bad spec on stdin: {e}\n")
+        return 2
+    logging.basicConfig(
+        level=spec.get("log_level", "WARNING"),
+        stream=sys.stderr,
+        format="%(asctime)s inspector %(name)s %(levelname)s %(message)s",
+    )
+
+    async def go() -> None:
+        eof = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        fd = sys.stdin.fileno()
+
+        def readable() -> None:
+            try:
+                data = os.read(fd, 4096)
+            except OSError:
+                data = b""
+            if not data:
+                loop.remove_reader(fd)
+                eof.set()
+
+        loop.add_reader(fd, readable)
+        await run_inspector(spec, eof)
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(go())
+    return 0

@@ -1,0 +1,222 @@
+"""The gateway's side of L7 inspection: runs the inspector child and hands flows to it.
+
+`InspectorSupervisor` starts `stockade gateway inspector` (see `inspector.py`), writes
+its spec (with a fresh hand-off signing key) on the child's stdin, waits for its
+`{"ready": PORT}` line, and restarts it with a growing delay whenever it exits. While it
+is not ready, `ready` is False and `why` says why; the gateway then denies flows that
+need inspection `inspection_unavailable` (fail closed), with `why` in the event.
+
+`handoff` opens the loopback connection for one flow: `CONNECT <checked-ip>:<port>`
+with the signed metadata header, then waits for the inspector's `200`. Everything it
+does is bounded by `handoff_timeout_s`. The child never runs on the gateway's event
+loop; the gateway only waits on sockets and a pipe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+from typing import Any
+
+from stockade.config import Config
+
+from .inspection import FlowMeta, ca_dir, connect_request, ensure_ca
+from .relay import wait_fd
+from .settings import InspectionSettings
+
+log = logging.getLogger("stockade.gateway.inspector")
+
+MAX_ANSWER = 4096  # the inspector's answer to the hand-off CONNECT is a short head
+
+
+class InspectorUnavailable(Exception):
+    pass
+
+
+class InspectorSupervisor:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.settings: InspectionSettings = config.gateway.inspection
+        self.ca_dir = ca_dir(config.state_dir, self.settings.ca_dir)
+        self.ca_cert: str | None = None
+        self.port: int | None = None
+        self.key = b""
+        self.proc: asyncio.subprocess.Process | None = None
+        self.why = "the inspector has not started yet"
+        self.starts = 0
+        self.handoffs = 0  # flows handed over (metrics, tests)
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    @property
+    def ready(self) -> bool:
+        return self.port is not None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    async def start(self) -> None:
+        # the CA is made once (RSA key generation: off the loop) and reused afterwards
+        try:
+            self.ca_cert = str(await asyncio.to_thread(ensure_ca, self.ca_dir))
+        except OSError as e:
+            # the gateway serves on; flows that need inspection are denied with this reason
+            self.why = f"the inspection CA could not be created in {self.ca_dir}: {e.strerror}"
+            log.error("inspector: %s", self.why)
+            return
+        self._task = asyncio.ensure_future(self._supervise())
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self.port = None
+        self.why = "the gateway is stopping"
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        await self._terminate()
+
+    async def _terminate(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), 5)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+    def _spec(self) -> dict[str, Any]:
+        s = self.settings
+        ev = self.config.events
+        return {
+            "key": self.key.hex(),
+            "rules_dir": str(self.config.rules_dir),
+            "events_file": str(self.config.events_file),
+            "events": {"max_bytes": ev.max_bytes, "backups": ev.backups},
+            "ca_dir": str(self.ca_dir),
+            "listen": s.listen,
+            "upstream_ca_file": s.upstream_ca_file,
+            "system_ca_dir": s.system_ca_dir,
+            "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+        }
+
+    async def _supervise(self) -> None:
+        delay = self.settings.restart_delay_s
+        while not self._stopping:
+            ok = False
+            try:
+                ok = await self._run_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a failure to spawn: retry later
+                log.exception("inspector: could not be started")
+                self.why = f"the inspector could not be started ({type(e).__name__})"
+            self.port = None
+            if self._stopping:
+                return
+            delay = (
+                self.settings.restart_delay_s
+                if ok
+                else min(delay * 2, self.settings.restart_delay_max_s)
+            )
+            await asyncio.sleep(delay)
+
+    async def _run_once(self) -> bool:
+        """Start one child and wait until it exits; True if it had become ready."""
+        self.key = secrets.token_bytes(32)
+        self.starts += 1
+        self.proc = proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "stockade",
+            "gateway",
+            "inspector",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=None,  # the gateway's own stderr (journald)
+            start_new_session=True,  # a Ctrl-C to the gateway's terminal is the gateway's
+        )
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(json.dumps(self._spec()).encode() + b"\n")
+        await proc.stdin.drain()  # stdin stays open: its EOF tells the child to exit
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), self.settings.start_timeout_s)
+            port = int(json.loads(line)["ready"])
+        except (TimeoutError, ValueError, KeyError, TypeError):
+            self.why = "the inspector did not become ready"
+            log.warning("inspector: not ready after start (exit code %s)", proc.returncode)
+            await self._terminate()
+            return False
+        self.port = port
+        self.why = ""
+        log.info("inspector: ready on port %s (pid %s)", port, proc.pid)
+        code = await proc.wait()
+        self.port = None
+        self.why = f"the inspector exited (code {code}) and is being restarted"
+        log.warning("inspector: exited with code %s; restarting", code)
+        self.proc = None
+        return True
+
+    async def handoff(self, meta: FlowMeta) -> socket.socket:
+        """A connected socket whose far end is the inspector, tunnelled to meta's checked
+        address; InspectorUnavailable when it cannot be had within handoff_timeout_s."""
+        port = self.port
+        if port is None:
+            raise InspectorUnavailable(self.why or "the inspector is not running")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.handoff_timeout_s
+        host = self.settings.listen.rpartition(":")[0].strip("[]")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            err = sock.connect_ex((host, port))
+            if err not in (0, *_IN_PROGRESS):
+                raise OSError(err, os.strerror(err))
+            if err:
+                await wait_fd(loop, sock.fileno(), True, deadline)
+                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if err:
+                    raise OSError(err, os.strerror(err))
+            await loop.sock_sendall(sock, connect_request(meta, self.key))
+            answer = bytearray()
+            while b"\r\n\r\n" not in answer:
+                if len(answer) > MAX_ANSWER:
+                    raise InspectorUnavailable("the inspector's answer is too long")
+                await wait_fd(loop, sock.fileno(), False, deadline)
+                chunk = sock.recv(MAX_ANSWER)
+                if not chunk:
+                    raise InspectorUnavailable("the inspector closed the hand-off")
+                answer += chunk
+            head, _, rest = bytes(answer).partition(b"\r\n\r\n")
+            status = head.split(b"\r\n", 1)[0].split(b" ")
+            if len(status) < 2 or status[1] != b"200" or rest:
+                raise InspectorUnavailable("the inspector refused the hand-off")
+            self.handoffs += 1
+            return sock
+        except TimeoutError:
+            sock.close()
+            raise InspectorUnavailable("the inspector did not answer in time") from None
+        except OSError as e:
+            sock.close()
+            raise InspectorUnavailable(f"the inspector is unreachable ({e.strerror})") from None
+        except BaseException:
+            sock.close()
+            raise
+
+
+_IN_PROGRESS = (errno.EINPROGRESS, errno.EINTR, errno.EAGAIN)

@@ -1,0 +1,518 @@
+"""L7 inspection of TLS flows, end to end: a real gateway with its real inspector child
+(mitmproxy), a client namespace whose TCP nftables redirects to the gateway, and the fake
+internet's servers behind it. Clients are curl, Python ssl and pip; they trust the
+gateway's inspection CA, the inspector trusts the fake internet's CA upstream."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gw_harness import GatewayHarness, free_port, write_config
+
+from stockade.testnet import ClientNamespace, FakeInternet
+
+pytestmark = pytest.mark.netns
+
+L7 = """\
+profile: l7
+description: inspected echo and a pypi-style index
+egress:
+  presets: [pypi-test-readonly]
+  allow:
+    - host: echo.test
+      reason: inspected echo
+      http: {methods: [GET, HEAD], paths: ["/allowed/**", "/ok"]}
+    - host: allowed.test
+      ports: [443, 80]
+      reason: uninspected
+"""
+
+L7_WATCH = """\
+profile: l7watch
+description: report mode over an inspected entry
+egress:
+  mode: report
+  allow:
+    - host: echo.test
+      reason: inspected echo
+      http: {methods: [GET], paths: ["/allowed/**"]}
+"""
+
+PRESET = """\
+preset: pypi-test-readonly
+description: the fake internet's PEP 503 index, read-only (like pypi-readonly)
+allow:
+  - host: pypi.test
+    id: pypi-test-index
+    reason: index pages and the files it links to
+    http:
+      methods: [GET, HEAD]
+      paths: ["/simple/**", "/packages/**"]
+"""
+
+
+def write_l7_rules(root: Path) -> Path:
+    (root / "profiles").mkdir(parents=True, exist_ok=True)
+    (root / "presets").mkdir(parents=True, exist_ok=True)
+    (root / "profiles" / "l7.yaml").write_text(L7)
+    (root / "profiles" / "l7watch.yaml").write_text(L7_WATCH)
+    (root / "presets" / "pypi-test-readonly.yaml").write_text(PRESET)
+    return root
+
+
+def l7_config(tmp: Path, fi: FakeInternet, **inspection: Any) -> Path:
+    rules = write_l7_rules(tmp / "rules")
+    return write_config(
+        tmp,
+        rules,
+        transparent_listen=["0.0.0.0:0"],
+        proxy_listen=["0.0.0.0:0"],
+        resolvers=[fi.dns_server],
+        allow_addresses=[fi.subnet],
+        sniff_timeout_s=3.0,
+        dns={"ttl_min_s": 0},
+        inspection={"upstream_ca_file": fi.ca_pem, "restart_delay_s": 1.0, **inspection},
+    )
+
+
+def wait_ready(gw: GatewayHarness, timeout: float = 60) -> None:
+    insp = gw.svc.inspector  # type: ignore[union-attr]
+    assert insp is not None
+    end = time.monotonic() + timeout
+    while not insp.ready:
+        assert time.monotonic() < end, f"inspector not ready: {insp.why}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def l7gw(
+    fake_internet: FakeInternet, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayHarness]:
+    h = GatewayHarness(l7_config(tmp_path_factory.mktemp("l7gw"), fake_internet)).start()
+    try:
+        wait_ready(h)
+        yield h
+    finally:
+        h.stop()
+
+
+def _ns(gw: GatewayHarness) -> ClientNamespace:
+    return ClientNamespace(
+        name_suffix=f"l7{secrets.token_hex(3)}",
+        redirect_tcp_port=gw.port("transparent"),
+        redirect_dns_port=free_port(),
+        exempt_tcp_ports=(gw.port("proxy"),),
+    ).start()
+
+
+@pytest.fixture(scope="module")
+def l7ns(l7gw: GatewayHarness) -> Iterator[ClientNamespace]:
+    ns = _ns(l7gw)
+    try:
+        l7gw.register("t-l7", ns.address, "l7")
+        yield ns
+    finally:
+        l7gw.control.deregister("t-l7")
+        ns.stop()
+
+
+def ca(gw: GatewayHarness) -> str:
+    insp = gw.svc.inspector  # type: ignore[union-attr]
+    assert insp is not None and insp.ca_cert
+    return insp.ca_cert
+
+
+def curl(
+    ns: ClientNamespace, fi: FakeInternet, gw: GatewayHarness, name: str, *args: str, ip: str = ""
+) -> subprocess.CompletedProcess[str]:
+    """curl in the namespace, trusting only the Stockade CA; `name` resolves to `ip`
+    (default: its own fake address) through --resolve, so the client picks the address."""
+    pin = f"{name}:443:{ip or fi.addresses[name]}"
+    return ns.run(
+        ["curl", "-sS", "-i", "--max-time", "15", "--cacert", ca(gw), "--resolve", pin, *args],
+        capture_output=True,
+        text=True,
+        timeout=40,
+    )
+
+
+def split(r: subprocess.CompletedProcess[str]) -> tuple[int, dict[str, str], str]:
+    """Status, headers (lower-case names) and body of curl -i's last response."""
+    text = r.stdout.replace("\r\n", "\n")
+    head, _, body = text.partition("\n\n")
+    lines = head.split("\n")
+    status = int(lines[0].split()[1])
+    headers = {}
+    for line in lines[1:]:
+        k, _, v = line.partition(":")
+        headers[k.strip().lower()] = v.strip()
+    return status, headers, body
+
+
+def find_event(gw: GatewayHarness, action: str, **match: Any) -> dict[str, Any]:
+    """The newest event of `action` whose dotted fields (a__b) equal `match` (waits: the
+    inspector's and the gateway's events are written a moment after the fact)."""
+    for _ in range(100):
+        for ev in reversed(gw.events()):
+            if ev["event"]["action"] == action and all(_get(ev, k) == v for k, v in match.items()):
+                return ev
+        time.sleep(0.1)
+    raise AssertionError(f"no {action} event matching {match}")
+
+
+def _get(ev: dict[str, Any], dotted: str) -> Any:
+    cur: Any = ev
+    for part in dotted.split("__"):
+        cur = cur.get(part) if isinstance(cur, dict) else None
+    return cur
+
+
+def requests_of(gw: GatewayHarness, connection_id: int) -> list[dict[str, Any]]:
+    return [
+        e
+        for e in gw.events()
+        if e["event"]["action"] == "request_decision"
+        and e["stockade"].get("connection_id") == connection_id
+    ]
+
+
+# -- allowed, denied, fronting -----------------------------------------------------------------
+
+
+def test_allowed_get_is_inspected_and_dialled_at_the_checked_address(
+    l7gw: GatewayHarness, l7ns: ClientNamespace, fake_internet: FakeInternet
+) -> None:
+    """The client points echo.test at denied.test's address; the gateway resolves echo.test
+    itself and the inspector dials that checked address: echo.test answers."""
+    fi = fake_internet
+    spoofed = fi.addresses["denied.test"]
+    r = curl(l7ns, fi, l7gw, "echo.test", "https://echo.test/allowed/x?q=1", ip=spoofed)
+    assert r.returncode == 0, r.stderr
+    status, _, body = split(r)
+    assert status == 200
+    doc = json.loads(body)
+    assert doc["host"] == "echo.test" and doc["path"] == "/allowed/x"
+    assert not any(k.lower().startswith("stockade") for k in doc["headers"])
+    conn_ev = find_event(
+        l7gw,
+        "connection_decision",
+        labels__task_id="t-l7",
+        stockade__original_destination=f"{spoofed}:443",
+    )
+    assert conn_ev["event"]["reason"] == "inspected"
+    assert conn_ev["destination"]["ip"] == fi.addresses["echo.test"]
+    req = find_event(
+        l7gw,
+        "request_decision",
+        stockade__connection_id=conn_ev["stockade"]["connection_id"],
+    )
+    assert req["stockade"]["decision"] == "allowed"
+    assert req["event"]["reason"] == "allowed_by_rule"
+    assert req["http"]["request"]["method"] == "GET"
+    assert req["url"]["path"] == "/allowed/x"
+    assert req["destination"]["ip"] == fi.addresses["echo.test"]
+    assert req["rule"]["ruleset"] == l7gw.svc.rules.current.version  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("http", ["--http1.1", "--http2"])
+def test_post_and_other_paths_get_403_with_the_reason(
+    l7gw: GatewayHarness, l7ns: ClientNamespace, fake_internet: FakeInternet, http: str
+) -> None:
+    for args, reason in (
+        (["-X", "POST", "--data", "x=1", "https://echo.test/allowed/x"], "method_not_allowed"),
+        (["https://echo.test/elsewhere"], "path_not_allowed"),
+    ):
+        r = curl(l7ns, fake_internet, l7gw, "echo.test", http, *args)
+        assert r.returncode == 0, r.stderr
+        status, headers, body = split(r)
+        assert status == 403, r.stdout
+        assert headers["x-stockade-deny"] == reason
+        doc = json.loads(body)
+        assert set(doc) == {"error", "reason", "rule", "task"}
+        assert doc["reason"] == reason and doc["task"] == "t-l7"
+        assert fake_internet.addresses["echo.test"] not in r.stdout
+        ev = find_event(l7gw, "request_decision", event__reason=reason, labels__task_id="t-l7")
+        assert ev["stockade"]["decision"] == "denied"
+        assert ev["http"]["response"]["status_code"] == 403
+
+
+@pytest.mark.parametrize("http", ["--http1.1", "--http2"])
+def test_host_header_naming_another_host_inside_tls_is_refused(
+    l7gw: GatewayHarness, l7ns: ClientNamespace, fake_internet: FakeInternet, http: str
+) -> None:
+    """Domain fronting inside the tunnel: SNI echo.test, Host (HTTP/2: :authority)
+    allowed.test, which the profile allows without inspection."""
+    r = curl(
+        l7ns,
+        fake_internet,
+        l7gw,
+        "echo.test",
+        http,
+        "-H",
+        "Host: allowed.test",
+        "https://echo.test/allowed/x",
+    )
+    status, headers, _ = split(r)
+    assert status == 403 and headers["x-stockade-deny"] == "destination_mismatch", r.stdout
+    ev = find_event(
+        l7gw, "request_decision", event__reason="destination_mismatch", labels__task_id="t-l7"
+    )
+    assert ev["stockade"]["request_host"] == "allowed.test"
+
+
+def test_upgrade_inside_the_tunnel_is_refused(
+    l7gw: GatewayHarness, l7ns: ClientNamespace, fake_internet: FakeInternet
+) -> None:
+    r = curl(
+        l7ns,
+        fake_internet,
+        l7gw,
+        "echo.test",
+        "--http1.1",
+        "-H",
+        "Connection: Upgrade",
+        "-H",
+        "Upgrade: websocket",
+        "https://echo.test/allowed/ws",
+    )
+    status, headers, _ = split(r)
+    assert status == 403 and headers["x-stockade-deny"] == "protocol_unrecognised", r.stdout
+
+
+RAW_TLS = """
+import socket, ssl, sys
+ip, sni, ca, payload = sys.argv[1], sys.argv[2], sys.argv[3], bytes.fromhex(sys.argv[4])
+ctx = ssl.create_default_context(cafile=ca)
+s = ctx.wrap_socket(socket.create_connection((ip, 443), timeout=10), server_hostname=sni)
+s.sendall(payload)
+out = b""
+try:
+    while True:
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        out += chunk
+except (ssl.SSLError, OSError) as e:
+    out += repr(e).encode()
+print(out.decode("latin-1"))
+"""
+
+
+def test_non_http_bytes_inside_the_tunnel_are_refused(
+    l7gw: GatewayHarness, l7ns: ClientNamespace, fake_internet: FakeInternet
+) -> None:
+    payload = b"\x00\x01binary-not-http\xff\xfe" * 4
+    r = l7ns.run(
+        [
+            sys.executable,
+            "-c",
+            RAW_TLS,
+            fake_internet.addresses["echo.test"],
+            "echo.test",
+            ca(l7gw),
+            payload.hex(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=40,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "echo.test" not in r.stdout and "HTTP/" not in r.stdout
+    ev = find_event(
+        l7gw,
+        "request_decision",
+        event__reason="protocol_unrecognised",
+        network__protocol="tls",
+        labels__task_id="t-l7",
+    )
+    assert ev["stockade"]["decision"] == "denied"
+
+
+# -- flows that do not need inspection never reach the inspector --------------------------------
+
+
+def test_flows_without_http_blocks_are_not_routed_through_the_inspector(
+    l7gw: GatewayHarness, l7ns: ClientNamespace, fake_internet: FakeInternet
+) -> None:
+    insp = l7gw.svc.inspector  # type: ignore[union-attr]
+    assert insp is not None
+    before = insp.handoffs
+    r = l7ns.run(
+        [
+            "curl",
+            "-sS",
+            "--max-time",
+            "15",
+            "--cacert",
+            fake_internet.ca_pem,  # the upstream's own certificate: no interception
+            *fake_internet.resolve_args("allowed.test"),
+            "https://allowed.test/",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=40,
+    )
+    assert r.returncode == 0 and "Hello from allowed.test" in r.stdout, r.stderr
+    ev = find_event(
+        l7gw, "connection_decision", labels__task_id="t-l7", destination__domain="allowed.test"
+    )
+    assert ev["event"]["reason"] == "allowed_by_rule"
+    assert insp.handoffs == before
+    time.sleep(0.3)  # the inspector writes its events itself: give a stray one time to land
+    assert requests_of(l7gw, ev["stockade"]["connection_id"]) == []
+
+
+# -- report mode -------------------------------------------------------------------------------
+
+
+def test_report_mode_lets_the_request_through_and_says_it_would_deny(
+    l7gw: GatewayHarness, fake_internet: FakeInternet
+) -> None:
+    ns = _ns(l7gw)
+    try:
+        l7gw.register("t-l7watch", ns.address, "l7watch")
+        r = curl(
+            ns, fake_internet, l7gw, "echo.test", "-X", "POST", "--data", "a=b",
+            "https://echo.test/elsewhere",
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        status, _, body = split(r)
+        assert status == 200 and json.loads(body)["method"] == "POST"
+        ev = find_event(l7gw, "request_decision", labels__task_id="t-l7watch")
+        assert ev["stockade"]["decision"] == "allowed"
+        assert ev["stockade"]["report_only"] is True
+        assert ev["event"]["reason"] == "method_not_allowed"
+    finally:
+        l7gw.control.deregister("t-l7watch")
+        ns.stop()
+
+
+# -- pip through an inspected pypi-style preset --------------------------------------------------
+
+
+def test_pip_download_through_an_inspected_index(
+    l7gw: GatewayHarness, l7ns: ClientNamespace, fake_internet: FakeInternet, tmp_path: Path
+) -> None:
+    from stockade.testnet.wheel import PROJECT
+
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("PIP_") and k not in ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
+    }
+    env.update(
+        {
+            "HTTPS_PROXY": f"http://{l7ns.host_ip}:{l7gw.port('proxy')}",
+            "PIP_CERT": ca(l7gw),  # what the launcher sets in a sandbox
+            "PIP_NO_CACHE_DIR": "1",
+            "PIP_CONFIG_FILE": os.devnull,
+            "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+        }
+    )
+    before = len(l7gw.events())
+    r = l7ns.run(
+        [
+            sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(tmp_path),
+            "--index-url", "https://pypi.test/simple/", PROJECT,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert any(p.suffix == ".whl" for p in tmp_path.iterdir())
+    find_event(l7gw, "request_decision", labels__task_id="t-l7", url__domain="pypi.test")
+    reqs = [
+        e
+        for e in l7gw.events()[before:]
+        if e["event"]["action"] == "request_decision"
+        and e.get("url", {}).get("domain") == "pypi.test"
+    ]
+    paths = {e["url"]["path"].split("/")[1] for e in reqs}
+    assert paths == {"simple", "packages"}
+    assert all(e["stockade"]["decision"] == "allowed" for e in reqs)
+    assert all(e["rule"]["id"] == "pypi-test-index" for e in reqs)
+    assert all(e["stockade"]["listener"] == "proxy" for e in reqs)
+
+
+# -- supervision ---------------------------------------------------------------------------------
+
+
+def test_inspector_killed_fails_closed_then_restarts(
+    l7gw: GatewayHarness, l7ns: ClientNamespace, fake_internet: FakeInternet
+) -> None:
+    insp = l7gw.svc.inspector  # type: ignore[union-attr]
+    assert insp is not None
+    for _attempt in range(3):
+        pid = insp.pid
+        assert pid is not None and insp.ready
+        os.kill(pid, signal.SIGKILL)
+        end = time.monotonic() + 30
+        while insp.ready and insp.pid == pid:
+            assert time.monotonic() < end
+            time.sleep(0.005)
+        r = curl(l7ns, fake_internet, l7gw, "echo.test", "https://echo.test/allowed/down")
+        if insp.ready:  # restarted before the request came: try again
+            wait_ready(l7gw)
+            continue
+        assert r.returncode != 0 or "HTTP/" not in r.stdout, r.stdout
+        ev = find_event(
+            l7gw,
+            "connection_decision",
+            labels__task_id="t-l7",
+            event__reason="inspection_unavailable",
+            destination__domain="echo.test",
+        )
+        assert ev["stockade"]["decision"] == "denied"
+        assert "inspector" in ev["message"]
+        break
+    else:
+        pytest.fail("the inspector always restarted before a request could be made")
+    wait_ready(l7gw)
+    assert insp.pid != pid
+    r = curl(l7ns, fake_internet, l7gw, "echo.test", "https://echo.test/allowed/up")
+    assert r.returncode == 0 and split(r)[0] == 200, r.stdout + r.stderr
+
+
+# -- the CA ----------------------------------------------------------------------------------------
+
+
+def test_ca_is_made_once_and_persists_across_gateway_restarts(
+    fake_internet: FakeInternet, tmp_path: Path
+) -> None:
+    cfg = l7_config(tmp_path, fake_internet)
+    first = GatewayHarness(cfg).start()
+    try:
+        cert = Path(ca(first))
+        pem = cert.read_bytes()
+        key = cert.with_name("mitmproxy-ca.pem")
+        assert stat.S_IMODE(key.stat().st_mode) == 0o600
+        assert b"PRIVATE KEY" not in pem
+    finally:
+        first.stop()
+    second = GatewayHarness(cfg).start()
+    try:
+        assert Path(ca(second)) == cert and cert.read_bytes() == pem
+        wait_ready(second)
+    finally:
+        second.stop()
+    out = subprocess.run(
+        [sys.executable, "-m", "stockade", "gateway", "ca", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(cert)
