@@ -215,8 +215,12 @@ def decide_flow(
         return _deny(
             Reason.NO_MATCHING_RULE, proto, port, version, "IP literal without a cidr rule", host
         )
+    # plain HTTP: the first (and, by force_close, only) request head gives method and
+    # path, so entries with an `http:` block are decided on it, not refused for want of L7
+    head = inp.http if proto == "http" and inp.http is not None and inp.http.path else None
     if (
         prior is not None
+        and (head is None or prior.reason != Reason.INSPECTION_UNAVAILABLE)
         and prior.host == host
         and prior.port == port
         and prior.ip is None
@@ -237,7 +241,12 @@ def decide_flow(
             policy_version=prior.policy_version,
             detail=prior.detail,
         )
-    v = decide(ruleset, profile, RequestFacts(host=host, port=port), today=today)
+    facts = (
+        RequestFacts(host=host, port=port)
+        if head is None
+        else RequestFacts(host=host, port=port, method=head.method, path=head.path)
+    )
+    v = decide(ruleset, profile, facts, today=today)
     return FlowDecision(
         allowed=v.allowed,
         reason=v.reason,

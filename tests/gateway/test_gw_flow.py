@@ -173,6 +173,24 @@ def test_inspection_unavailable(rules: RuleSet) -> None:
     assert not d.allowed and d.reason == Reason.INSPECTION_UNAVAILABLE
 
 
+def test_plain_http_is_decided_on_its_method_and_path(rules: RuleSet) -> None:
+    """An entry with an `http:` block decides plain HTTP on the (only) request head."""
+    get = head(b"GET /x HTTP/1.1\r\nHost: inspect.test\r\n\r\n")
+    d = transparent(rules, http=get)
+    assert d.allowed and d.reason == Reason.ALLOWED_BY_RULE and d.protocol == "http"
+    post = head(b"POST /x HTTP/1.1\r\nHost: inspect.test\r\n\r\n")
+    d = transparent(rules, http=post)
+    assert not d.allowed and d.reason == Reason.METHOD_NOT_ALLOWED
+    # through a CONNECT, the authority's "needs inspection" verdict is not reused for it
+    connect = head(b"CONNECT inspect.test:443 HTTP/1.1\r\n\r\n")
+    pre = decide_flow(FlowInput("proxy", connect=connect), rules, "web")
+    assert pre.reason == Reason.INSPECTION_UNAVAILABLE
+    inner = FlowInput("proxy", connect=connect, http=post)
+    assert decide_flow(inner, rules, "web", prior=pre).reason == Reason.METHOD_NOT_ALLOWED
+    inner = FlowInput("proxy", connect=connect, http=get)
+    assert decide_flow(inner, rules, "web", prior=pre).allowed
+
+
 def test_report_mode(rules: RuleSet) -> None:
     d = decide_flow(
         FlowInput("transparent", "10.250.0.9", 443, tls=tls("denied.test")), rules, "watch"
