@@ -128,7 +128,3 @@ def probe_kvm(qemu: str, image: Image, timeout_s: float) -> bool:
     # the init, finding no config share, says so on the console and reboots
     return proc.returncode == 0 and b"stockade-vm-init" in proc.stdout
 
-
-def build(image_dir: str) -> None:
-    """Run vm-images/build.sh (idempotent) into image_dir; CalledProcessError on failure."""
-    subprocess.run(["bash", str(BUILD_SCRIPT), image_dir], check=True)
