@@ -357,3 +357,27 @@ def test_ro_binds_with_etc_keeps_the_host_etc_in_a_microvm(lab: Lab) -> None:
     lines = res.stdout.splitlines()
     assert lines[0] == "SSH" and lines[1].startswith("nameserver ")
     assert lines[-1] == "sandbox"
+
+
+def test_output_cap_and_a_memory_bomb_in_the_guest(lab: Lab) -> None:
+    """max_output_bytes holds for the guest's stdout (the rest is drained, the guest never
+    stalls), and a memory bomb is OOM-killed by the guest's cgroup of limits.memory:
+    `limit`, not a failed VM."""
+    from stockade.launcher import Launcher
+
+    ls = lab.config.launcher
+    cfg = lab.config.model_copy(update={"launcher": ls.model_copy(
+        update={"max_output_bytes": 1024})})
+    other = Launcher(cfg, nflog=False)
+    try:
+        res = other.run(SandboxSpec("vm", ["sh", "-c",
+                                           "head -c 3000000 /dev/zero | tr '\\0' x; "
+                                           "echo drained >&2; python3 -c 'b = []\n"
+                                           "while True: b.append(bytearray(1 << 20))'"]),
+                        lab.ruleset)
+    finally:
+        other.close()
+    assert res.stdout == "x" * 1024
+    assert res.stderr.startswith("drained\n")
+    assert (res.ended_by, res.exit_code) == ("limit", 137), res.stderr
+    assert leftovers(lab) == EMPTY
