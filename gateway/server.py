@@ -405,7 +405,7 @@ class Gateway:
             # decide on the authority alone first, so a denied CONNECT gets a 403
             pre = self._connect_verdict(connect_head, ruleset, task.profile)
             # the inspector decides per request, not this (a CONNECT alone is "tcp")
-            l7 = self._inspectable(pre, "tcp")
+            l7 = pre.reason is Reason.INSPECTION_UNAVAILABLE and self._inspectable(pre, "tcp")
             if not pre.allowed and not l7:
                 pre = self._why_uninspected(pre)
                 self._decision_event(conn, pre, None)
@@ -446,7 +446,7 @@ class Gateway:
         decision = decide_flow(
             inp, ruleset, task.profile, prior=pre if connect_head is not None else None
         )
-        if self._inspectable(decision):
+        if decision.reason is Reason.INSPECTION_UNAVAILABLE and self._inspectable(decision):
             # method/path rules on a TLS flow: resolved and checked here, decided per
             # request by the inspector (gateway/inspection.py)
             if early is not None:

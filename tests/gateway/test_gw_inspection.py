@@ -9,6 +9,8 @@ import json
 import os
 import secrets
 import signal
+import socket
+import ssl
 import stat
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from typing import Any
 
 import pytest
 from gw_harness import GatewayHarness, free_port, write_config
+from stockade.gateway.inspection import FlowMeta, connect_request
 
 from stockade.testnet import ClientNamespace, FakeInternet
 
@@ -516,3 +519,119 @@ def test_ca_is_made_once_and_persists_across_gateway_restarts(
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(cert)
+
+
+# -- the inspector's own checks, driven directly (as a local process could) ------------------------
+
+
+def _inspector_port(gw: GatewayHarness) -> int:
+    insp = gw.svc.inspector  # type: ignore[union-attr]
+    assert insp is not None and insp.port is not None
+    return int(insp.port)
+
+
+def _handoff(gw: GatewayHarness, request: bytes) -> tuple[socket.socket, bytes]:
+    sock = socket.create_connection(("127.0.0.1", _inspector_port(gw)), timeout=10)
+    sock.sendall(request)
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        head += chunk
+    return sock, head
+
+
+def _meta(gw: GatewayHarness, fi: FakeInternet, **kw: Any) -> FlowMeta:
+    base: dict[str, Any] = {
+        "connection_id": 900_000 + secrets.randbelow(1000),
+        "task_id": "t-direct",
+        "profile": "l7",
+        "host": "echo.test",
+        "ip": fi.addresses["echo.test"],
+        "port": 443,
+        "policy_version": gw.svc.rules.current.version,  # type: ignore[union-attr]
+    }
+    base.update(kw)
+    return FlowMeta(**base)
+
+
+def test_a_handoff_without_the_gateways_key_is_refused(
+    l7gw: GatewayHarness, fake_internet: FakeInternet
+) -> None:
+    m = _meta(l7gw, fake_internet)
+    other_target = fake_internet.addresses["denied.test"]
+    for request in (
+        f"CONNECT {m.authority} HTTP/1.1\r\nHost: {m.authority}\r\n\r\n".encode(),
+        connect_request(m, b"not the key"),
+        # signed by the real key, but for another address than the CONNECT names
+        connect_request(m, l7gw.svc.inspector.key).replace(  # type: ignore[union-attr]
+            m.authority.encode(), f"{other_target}:443".encode()
+        ),
+    ):
+        sock, head = _handoff(l7gw, request)
+        sock.close()
+        assert head.startswith(b"HTTP/1.1 403"), head
+
+
+def _tls_through(
+    gw: GatewayHarness, m: FlowMeta, sni: str | None, payload: bytes
+) -> tuple[bytes, str]:
+    sock, head = _handoff(gw, connect_request(m, gw.svc.inspector.key))  # type: ignore[union-attr]
+    assert head.startswith(b"HTTP/1.1 200"), head
+    ctx = ssl.create_default_context(cafile=ca(gw))
+    if sni is None:
+        ctx.check_hostname = False
+    try:
+        tls = ctx.wrap_socket(sock, server_hostname=sni)
+    except (ssl.SSLError, OSError) as e:
+        sock.close()
+        return b"", type(e).__name__
+    try:
+        tls.sendall(payload)
+        out = b""
+        while True:
+            chunk = tls.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+        return out, ""
+    except (ssl.SSLError, OSError) as e:
+        return b"", type(e).__name__
+    finally:
+        tls.close()
+
+
+def test_the_inspector_refuses_a_missing_or_other_sni(
+    l7gw: GatewayHarness, fake_internet: FakeInternet
+) -> None:
+    get = b"GET /allowed/x HTTP/1.1\r\nHost: echo.test\r\nConnection: close\r\n\r\n"
+    for sni, reason in ((None, "sni_missing"), ("other.test", "destination_mismatch")):
+        m = _meta(l7gw, fake_internet)
+        out, err = _tls_through(l7gw, m, sni, get)
+        assert out == b"" and err, (out, err)
+        ev = find_event(l7gw, "request_decision", stockade__connection_id=m.connection_id)
+        assert ev["event"]["reason"] == reason and ev["stockade"]["decision"] == "denied"
+    # the same hand-off with the right SNI is served: the refusals above were the SNI's
+    m = _meta(l7gw, fake_internet)
+    out, err = _tls_through(l7gw, m, "echo.test", get)
+    assert out.startswith(b"HTTP/1.1 200"), (out[:200], err)
+
+
+def test_connect_inside_the_tunnel_is_not_served(
+    l7gw: GatewayHarness, fake_internet: FakeInternet
+) -> None:
+    m = _meta(l7gw, fake_internet)
+    out, _ = _tls_through(
+        l7gw, m, "echo.test", b"CONNECT allowed.test:443 HTTP/1.1\r\nHost: allowed.test\r\n\r\n"
+    )
+    assert not out.startswith(b"HTTP/1.1 2"), out[:200]
+
+
+def test_a_stale_policy_version_is_denied(
+    l7gw: GatewayHarness, fake_internet: FakeInternet
+) -> None:
+    m = _meta(l7gw, fake_internet, policy_version="0123456789abcdef")
+    get = b"GET /allowed/x HTTP/1.1\r\nHost: echo.test\r\nConnection: close\r\n\r\n"
+    out, _ = _tls_through(l7gw, m, "echo.test", get)
+    assert out.startswith(b"HTTP/1.1 403") and b"inspection_unavailable" in out, out[:300]
