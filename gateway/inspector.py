@@ -232,6 +232,23 @@ class StockadeAddon:
             return
         flow.response = _deny_response(http, d.reason, d.rule_id, meta)
 
+    def error(self, flow: Any) -> None:
+        """mitmproxy would answer an upstream failure (refused, certificate not valid for
+        the name) with an error page naming the address it dialled: the flow is killed
+        instead, so the sandbox sees the connection (HTTP/2: the stream) end, and the
+        detail goes to the inspector's log only."""
+        meta = self.flows.get(flow.client_conn.id)
+        if meta is not None and flow.response is None:
+            log.warning(
+                "inspector: task %s connection %s to %s: %s",
+                meta.task_id,
+                meta.connection_id,
+                meta.host,
+                flow.error.msg if flow.error else "error",
+            )
+        if flow.killable:
+            flow.kill()
+
     def responseheaders(self, flow: Any) -> None:
         if flow.response is not None:
             flow.response.stream = True

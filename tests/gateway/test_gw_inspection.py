@@ -635,3 +635,18 @@ def test_a_stale_policy_version_is_denied(
     get = b"GET /allowed/x HTTP/1.1\r\nHost: echo.test\r\nConnection: close\r\n\r\n"
     out, _ = _tls_through(l7gw, m, "echo.test", get)
     assert out.startswith(b"HTTP/1.1 403") and b"inspection_unavailable" in out, out[:300]
+
+
+def test_upstream_failures_never_show_the_sandbox_an_address(
+    l7gw: GatewayHarness, fake_internet: FakeInternet
+) -> None:
+    """The inspector verifies the upstream's certificate against the flow's host (here it
+    dials denied.test's server, whose certificate does not name echo.test), and a refused
+    connection or a failed verification ends the flow without mitmproxy's error page
+    (which names the address it dialled)."""
+    get = b"GET /allowed/x HTTP/1.1\r\nHost: echo.test\r\nConnection: close\r\n\r\n"
+    wrong_cert = _meta(l7gw, fake_internet, ip=fake_internet.addresses["denied.test"])
+    refused = _meta(l7gw, fake_internet, ip=fake_internet.raw_echo_ip)  # nothing on 443
+    for m in (wrong_cert, refused):
+        out, _ = _tls_through(l7gw, m, "echo.test", get)
+        assert out == b"", out[:300]
