@@ -785,7 +785,21 @@ class Launcher:
         if not host_etc:  # the guest's /etc is this directory: the allowlist copied in
             for b in self._etc_binds():
                 _copy_into(b, etc / os.path.relpath(b.target, HOST_ETC))
-        layout = self._vm_layout(base, inputs, staged, host_etc)
+        overlay = tuple(n for n in initscript.HOST_ETC_OVERLAY
+                        if os.path.exists(os.path.join(HOST_ETC, n)))
+        try:
+            layout, copies = microvm.guest_layout(
+                system=self._system_binds(), etc_dir=str(etc), host_etc=host_etc,
+                host_etc_overlay=overlay, scratch=str(base / "scratch"), inputs=inputs,
+                staged_dir=str(staged), shm_size=self.s.shm_size)
+            mount_table = microvm.mount_table(layout)
+        except ValueError as e:
+            raise LauncherError(f"cannot start the microVM: {e}") from None
+        if copies:  # file inputs: copied into one staged share (9p shares directories)
+            staged.mkdir(mode=0o755)
+            for src, dest in copies:
+                shutil.copyfile(src, dest)
+                os.chmod(dest, 0o644)
         env = self._env(spec, a.host_ip, proxy=proxy_env)
         if spec.stdin is not None:
             (cfg / "stdin").write_bytes(spec.stdin)
@@ -799,7 +813,7 @@ class Launcher:
             stdin=spec.stdin is not None, setpriv=setpriv,
             congestion_control=self._congestion_control)
         (cfg / "plan").write_bytes(microvm.encode_plan(plan))
-        (cfg / "mounts").write_text(microvm.mount_table(layout))
+        (cfg / "mounts").write_text(mount_table)
         (cfg / "python").write_text(self.s.init_python + "\n")
         (cfg / "guest_init.py").write_text(_guest_init_source())
         for f in cfg.iterdir():
@@ -839,42 +853,6 @@ class Launcher:
         finally:
             for _, w in pipes:
                 os.close(w)
-
-    def _vm_layout(self, base: Path, inputs: list[initscript.Bind], staged: Path,
-                   host_etc: bool) -> microvm.Layout:
-        """The guest's filesystem: `ro_binds` (directories over 9p, symlinks as symlinks),
-        /etc, /scratch (the scratch tmpfs, read-write), /tmp in it, inputs read-only
-        (directories over 9p; files copied to one staged share), /dev/shm."""
-        shares: list[microvm.Share] = []
-        extra: list[tuple[str, str, str]] = []
-        for i, b in enumerate(self._system_binds()):
-            if b.symlink_to is not None:
-                extra.append(("link", b.symlink_to, b.target))
-            elif b.is_dir:
-                shares.append(microvm.Share(f"sys{i}", b.source, b.target))
-        if host_etc:
-            shares.append(microvm.Share("etc", HOST_ETC, HOST_ETC))
-            shares.append(microvm.Share("etc-gen", str(base / "etc"), "/sbx/etc"))
-            for name in initscript.HOST_ETC_OVERLAY:
-                if os.path.exists(os.path.join(HOST_ETC, name)):
-                    extra.append(("bind", f"/sbx/etc/{name}", f"/etc/{name}"))
-        else:
-            shares.append(microvm.Share("etc", str(base / "etc"), HOST_ETC))
-        shares.append(microvm.Share("scratch", str(base / "scratch"), initscript.SCRATCH,
-                                    readonly=False))
-        extra.append(("bindrw", initscript.SCRATCH + initscript.TMP, initscript.TMP))
-        for i, b in enumerate(inputs):
-            if b.is_dir:
-                shares.append(microvm.Share(f"in{i}", b.source, b.target))
-            else:
-                staged.mkdir(mode=0o755, exist_ok=True)
-                shutil.copyfile(b.source, staged / str(i))
-                os.chmod(staged / str(i), 0o644)
-                extra.append(("bind", f"/sbx/in/{i}", b.target))
-        if staged.exists():
-            shares.append(microvm.Share("inputs", str(staged), "/sbx/in"))
-        extra.append(("tmpfs", str(self.s.shm_size), "/dev/shm"))  # noqa: S108 - in the guest
-        return microvm.Layout(tuple(shares), tuple(extra))
 
     def _vm_outcome(self, vm: _VmPipes, qemu_rc: int, console: bytes, qemu_err: bytes,
                     ended_by: str, host_oom: bool) -> tuple[int, bool, str | None]:

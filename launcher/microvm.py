@@ -16,8 +16,11 @@ from __future__ import annotations
 import marshal
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from .initscript import SCRATCH, TMP, Bind
 
 Accel = Literal["kvm", "tcg"]
 CFG_TAG = "stockade-cfg"
@@ -68,6 +71,45 @@ class VmSpec:
     runas: tuple[int, int] | None = None  # QEMU drops to this uid:gid once set up
     seccomp: bool = True  # QEMU's -sandbox filter
     extra_cmdline: tuple[str, ...] = field(default_factory=tuple)
+
+
+def guest_layout(*, system: Sequence[Bind], etc_dir: str, host_etc: bool,
+                 host_etc_overlay: Sequence[str], scratch: str, inputs: Sequence[Bind],
+                 staged_dir: str, shm_size: int) -> tuple[Layout, list[tuple[str, str]]]:
+    """The guest's filesystem, and the (host file, staged path) copies it needs.
+
+    `system` (`ro_binds`): directories over 9p read-only, symlinks recreated; /etc: the
+    sandbox's generated files plus the allowlist copies (`etc_dir`), or with `host_etc` the
+    host's /etc with the generated `host_etc_overlay` files bound over it; /scratch (the
+    scratch tmpfs) read-write, /tmp in it; inputs read-only: directories over 9p, files
+    copied into one staged share (9p shares directories) and bound at their targets;
+    /dev/shm a tmpfs of `shm_size`.
+    """
+    shares: list[Share] = []
+    extra: list[tuple[str, str, str]] = []
+    copies: list[tuple[str, str]] = []
+    for i, b in enumerate(system):
+        if b.symlink_to is not None:
+            extra.append(("link", b.symlink_to, b.target))
+        elif b.is_dir:
+            shares.append(Share(f"sys{i}", b.source, b.target))
+    if host_etc:
+        shares += [Share("etc", "/etc", "/etc"), Share("etc-gen", etc_dir, "/sbx/etc")]
+        extra += [("bind", f"/sbx/etc/{n}", f"/etc/{n}") for n in host_etc_overlay]
+    else:
+        shares.append(Share("etc", etc_dir, "/etc"))
+    shares.append(Share("scratch", scratch, SCRATCH, readonly=False))
+    extra.append(("bindrw", SCRATCH + TMP, TMP))
+    for i, b in enumerate(inputs):
+        if b.is_dir:
+            shares.append(Share(f"in{i}", b.source, b.target))
+        else:
+            copies.append((b.source, f"{staged_dir}/{i}"))
+            extra.append(("bind", f"/sbx/in/{i}", b.target))
+    if copies:
+        shares.append(Share("inputs", staged_dir, "/sbx/in"))
+    extra.append(("tmpfs", str(shm_size), "/dev/shm"))  # noqa: S108 - in the guest
+    return Layout(tuple(shares), tuple(extra)), copies
 
 
 def check_tag(tag: str) -> str:

@@ -145,3 +145,30 @@ def test_netns_wiring_for_a_vm() -> None:
         "filter add dev tap0 parent ffff: protocol all u32 match u32 0 0 "
         "action mirred egress redirect dev eth0",
     ]
+
+
+def test_guest_layout() -> None:
+    from stockade.launcher.initscript import Bind
+
+    system = [Bind("/usr", "/usr"), Bind("/bin", "/bin", symlink_to="usr/bin"),
+              Bind("/x.conf", "/x.conf", is_dir=False)]
+    inputs = [Bind("/data/d", "/inputs/d"), Bind("/data/f.txt", "/inputs/f.txt", is_dir=False)]
+    layout, copies = microvm.guest_layout(
+        system=system, etc_dir="/s/etc", host_etc=False, host_etc_overlay=(),
+        scratch="/s/scratch", inputs=inputs, staged_dir="/s/inputs", shm_size=4096)
+    assert microvm.mount_table(layout) == (
+        "9p sys0 ro /usr\n9p etc ro /etc\n9p scratch rw /scratch\n9p in0 ro /inputs/d\n"
+        "9p inputs ro /sbx/in\n"
+        "link usr/bin /bin\nbindrw /scratch/tmp /tmp\nbind /sbx/in/1 /inputs/f.txt\n"
+        "tmpfs 4096 /dev/shm\n")
+    assert copies == [("/data/f.txt", "/s/inputs/1")]
+    # the scratch is the only writable share
+    assert [s.tag for s in layout.shares if not s.readonly] == ["scratch"]
+    host, copies = microvm.guest_layout(
+        system=system[:1], etc_dir="/s/etc", host_etc=True,
+        host_etc_overlay=("resolv.conf", "hosts"), scratch="/s/scratch", inputs=[],
+        staged_dir="/s/inputs", shm_size=4096)
+    table = microvm.mount_table(host)
+    assert "9p etc ro /etc\n9p etc-gen ro /sbx/etc\n" in table
+    assert "bind /sbx/etc/resolv.conf /etc/resolv.conf\nbind /sbx/etc/hosts /etc/hosts\n" in table
+    assert copies == [] and "/sbx/in" not in table
