@@ -450,6 +450,9 @@ async def run_inspector(spec: dict[str, Any], stdin_eof: asyncio.Event | None = 
             port = addrs[0][1] if addrs else 0
             sys.stdout.write(json.dumps({"ready": port}) + "\n")
             sys.stdout.flush()
+            # nobody reads the pipe from here on: anything else written to stdout goes to
+            # stderr, so a full pipe can never block the inspector
+            os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
 
     master.addons.add(Ready())
     if stdin_eof is not None:

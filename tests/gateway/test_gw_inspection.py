@@ -650,3 +650,33 @@ def test_upstream_failures_never_show_the_sandbox_an_address(
     for m in (wrong_cert, refused):
         out, _ = _tls_through(l7gw, m, "echo.test", get)
         assert out == b"", out[:300]
+
+
+def test_a_denied_upload_is_cut_off_not_buffered(
+    l7gw: GatewayHarness, l7ns: ClientNamespace, fake_internet: FakeInternet, tmp_path: Path
+) -> None:
+    """A denied request with a large body gets no 403 (that would mean reading the body
+    first): the connection ends, and the event says why."""
+    big = tmp_path / "big.bin"
+    big.write_bytes(b"x" * (256 * 1024))
+    r = curl(
+        l7ns, fake_internet, l7gw, "echo.test", "--http1.1", "-X", "PUT",
+        "--data-binary", f"@{big}", "https://echo.test/allowed/upload",
+    )  # fmt: skip
+    assert r.returncode != 0 and "HTTP/" not in r.stdout, r.stdout
+    ev = find_event(
+        l7gw,
+        "request_decision",
+        labels__task_id="t-l7",
+        http__request__method="PUT",
+        url__path="/allowed/upload",
+    )
+    assert ev["stockade"]["decision"] == "denied"
+    assert ev["event"]["reason"] == "method_not_allowed"
+
+
+def test_health_reports_the_inspector(l7gw: GatewayHarness) -> None:
+    health = l7gw.control.health()
+    insp = l7gw.svc.inspector  # type: ignore[union-attr]
+    assert insp is not None
+    assert health["inspector"] == {"ready": True, "pid": insp.pid}
