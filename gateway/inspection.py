@@ -156,7 +156,8 @@ def decode_meta(value: str, key: bytes) -> FlowMeta:
     payload, sep, sig = value.partition(".")
     if not sep:
         raise MetaError("unsigned")
-    _unb64(sig)  # shape check only; the comparison below is on the text
+    _unb64(sig)  # shape checks (base64url text only) before anything is computed
+    _unb64(payload)
     if not hmac.compare_digest(_sign(key, payload), sig):
         raise MetaError("bad signature")
     try:
@@ -320,3 +321,41 @@ def inspection_ca_cert(config: Any) -> Path:
     if missing). `config` is a stockade.config.Config."""
     insp = config.gateway.inspection
     return ensure_ca(ca_dir(config.state_dir, insp.ca_dir))
+
+
+# what a sandbox needs to trust the inspection CA: a bundle with the public CAs (for
+# uninspected flows, which keep the upstream's own certificate) and the inspection CA,
+# and every client's variable pointing at it
+TRUST_ENV_VARS = (
+    "SSL_CERT_FILE",  # OpenSSL-based clients (Python ssl, curl with OpenSSL, Ruby, ...)
+    "REQUESTS_CA_BUNDLE",  # requests (pip's vendored copy too)
+    "PIP_CERT",  # pip
+    "CURL_CA_BUNDLE",  # curl
+    "GIT_SSL_CAINFO",  # git over HTTPS
+    "NODE_EXTRA_CA_CERTS",  # node/npm (adds to its built-in CAs)
+)
+SYSTEM_BUNDLES = (
+    "/etc/ssl/certs/ca-certificates.crt",  # Debian, Ubuntu, Alpine
+    "/etc/pki/tls/certs/ca-bundle.crt",  # Fedora, RHEL
+)
+
+
+def trust_bundle(ca_cert: str | os.PathLike[str], system_bundle: str | None = None) -> bytes:
+    """The PEM bundle a sandbox should trust: the system's CAs, then the inspection CA.
+    `system_bundle` defaults to the first of SYSTEM_BUNDLES that exists (else certifi's)."""
+    if system_bundle is None:
+        system_bundle = next((p for p in SYSTEM_BUNDLES if os.path.exists(p)), None)
+    if system_bundle is None:
+        import certifi
+
+        system_bundle = certifi.where()
+    public = Path(system_bundle).read_bytes()
+    if public and not public.endswith(b"\n"):
+        public += b"\n"
+    return public + Path(ca_cert).read_bytes()
+
+
+def trust_env(bundle_path: str) -> dict[str, str]:
+    """The environment that points every client in TRUST_ENV_VARS at `bundle_path` (a
+    path as the sandbox sees it)."""
+    return dict.fromkeys(TRUST_ENV_VARS, bundle_path)

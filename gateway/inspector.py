@@ -134,7 +134,7 @@ class StockadeAddon:
             meta = decode_meta(flow.request.headers.get(FLOW_HEADER, ""), self.key)
             if (flow.request.host, flow.request.port) != (meta.ip, meta.port):
                 raise MetaError("CONNECT target is not the signed address")
-        except MetaError as e:
+        except (MetaError, ValueError) as e:
             # not from the gateway (or a bug): nothing is dialled, nothing is logged as a
             # task's decision (there is no trustworthy task to name)
             log.warning("inspector: hand-off refused: %s", e)

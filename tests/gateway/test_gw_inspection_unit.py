@@ -19,6 +19,8 @@ from stockade.gateway.inspection import (
     decode_meta,
     encode_meta,
     ensure_ca,
+    trust_bundle,
+    trust_env,
 )
 from stockade.gateway.inspector import RulesByVersion, inner_request
 from stockade.gateway.settings import InspectionSettings
@@ -271,3 +273,15 @@ def test_ca_is_made_once_with_a_private_key(tmp_path: Path) -> None:
     for key in d.glob("mitmproxy-ca.*"):
         assert stat.S_IMODE(key.stat().st_mode) == 0o600
     assert ensure_ca(d) == cert and cert.read_bytes() == pem
+
+
+def test_trust_bundle_holds_the_public_cas_and_the_inspection_ca(tmp_path: Path) -> None:
+    cert = ensure_ca(tmp_path / "ca")
+    system = tmp_path / "system.pem"
+    system.write_bytes(b"-----BEGIN CERTIFICATE-----\npublic\n-----END CERTIFICATE-----")
+    bundle = trust_bundle(cert, str(system))
+    assert bundle.startswith(system.read_bytes() + b"\n") and bundle.endswith(cert.read_bytes())
+    assert b"PRIVATE KEY" not in trust_bundle(cert)  # the host's real bundle
+    env = trust_env("/etc/stockade-ca-bundle.pem")
+    assert set(env) >= {"SSL_CERT_FILE", "PIP_CERT", "NODE_EXTRA_CA_CERTS", "GIT_SSL_CAINFO"}
+    assert set(env.values()) == {"/etc/stockade-ca-bundle.pem"}
