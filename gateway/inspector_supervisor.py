@@ -53,6 +53,7 @@ class InspectorSupervisor:
         self.why = "the inspector has not started yet"
         self.starts = 0
         self.handoffs = 0  # flows handed over (metrics, tests)
+        self.attempts = 0  # hand-offs begun, whether or not the inspector took them
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
 
@@ -173,6 +174,7 @@ class InspectorSupervisor:
     async def handoff(self, meta: FlowMeta) -> socket.socket:
         """A connected socket whose far end is the inspector, tunnelled to meta's checked
         address; InspectorUnavailable when it cannot be had within handoff_timeout_s."""
+        self.attempts += 1
         port = self.port
         if port is None:
             raise InspectorUnavailable(self.why or "the inspector is not running")
