@@ -568,10 +568,15 @@ def test_a_handoff_without_the_gateways_key_is_refused(
         connect_request(m, l7gw.svc.inspector.key).replace(  # type: ignore[union-attr]
             m.authority.encode(), f"{other_target}:443".encode()
         ),
+        # a plain proxy request: never forwarded
+        b"GET http://echo.test/allowed/x HTTP/1.1\r\nHost: echo.test\r\n\r\n",
     ):
         sock, head = _handoff(l7gw, request)
         sock.close()
-        assert head.startswith(b"HTTP/1.1 403"), head
+        if request.startswith(b"CONNECT"):
+            assert head.startswith(b"HTTP/1.1 403"), head
+        else:
+            assert not head.startswith(b"HTTP/1.1 2") and b"echo.test" not in head, head
 
 
 def _tls_through(
