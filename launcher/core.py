@@ -793,6 +793,7 @@ class Launcher:
                 host_etc_overlay=overlay, scratch=str(base / "scratch"), inputs=inputs,
                 staged_dir=str(staged), shm_size=self.s.shm_size)
             mount_table = microvm.mount_table(layout)
+            input_table = microvm.input_table(layout)
         except ValueError as e:
             raise LauncherError(f"cannot start the microVM: {e}") from None
         if copies:  # file inputs: copied into one staged share (9p shares directories)
@@ -811,9 +812,11 @@ class Launcher:
             guest_ip=a.guest_ip, host_ip=a.host_ip, prefixlen=a.prefixlen,
             memory=limits.memory, pids=limits.pids, pids_fail_kill=self.s.pids_fail_kill,
             stdin=spec.stdin is not None, setpriv=setpriv,
-            congestion_control=self._congestion_control)
+            congestion_control=self._congestion_control,
+            reserved=(*initscript.RESERVED, *self.s.ro_binds))
         (cfg / "plan").write_bytes(microvm.encode_plan(plan))
         (cfg / "mounts").write_text(mount_table)
+        (cfg / "inputs").write_text(input_table)
         (cfg / "python").write_text(self.s.init_python + "\n")
         (cfg / "guest_init.py").write_text(_guest_init_source())
         for f in cfg.iterdir():
@@ -896,7 +899,7 @@ class Launcher:
             if not os.path.exists(hp):
                 raise LauncherError(f"input does not exist: {host}")
             try:
-                initscript.check_input_target(guest)
+                initscript.check_input_target(guest, extra=self.s.ro_binds)
             except ValueError as e:
                 raise LauncherError(str(e)) from None
             out.append(initscript.Bind(hp, guest, is_dir=os.path.isdir(hp)))

@@ -8,11 +8,16 @@ cost a second. vm-images/init has already built the filesystem, copied the plan 
 
 It reads the plan (`microvm.guest_plan`, marshal: the values are data, never parsed as
 shell), sets up eth0 with the sandbox's address (busybox `ip`, argument lists), puts the
-command in a cgroup with the profile's memory and pids limits and starts it through the
-host's util-linux `setpriv` as the unprivileged sandbox user (no supplementary groups,
-empty capability bounding set, no_new_privs) with the rlimits, its stdout and stderr on
-their virtio-serial ports. It waits for it, writes `<exit status> <oom kills> <pids limit
-hits>` to the status port and reboots (QEMU runs with -no-reboot: the VM ends).
+command in a cgroup with the profile's memory and pids limits, opens the host's util-linux
+`setpriv`, and only then mounts the inputs (their table from the config share; a target
+at or under a reserved path, or one reached through a symlink, is refused): from there on
+it execs, as root, only the opened setpriv (fexecve) and /sbx/busybox of the initramfs,
+so an input can replace nothing it runs. setpriv starts the command as the unprivileged
+sandbox user (no supplementary groups, empty capability bounding set, no_new_privs) with
+the rlimits, its stdout and stderr on their virtio-serial ports; loader variables (LD_*)
+reach the command through `env`, run after the drop, never setpriv itself. It waits for
+the command, writes `<exit status> <oom kills> <pids limit hits>` to the status port and
+reboots (QEMU runs with -no-reboot: the VM ends).
 """
 
 import _signal as signal  # the C module: `signal` would import enum (and re) first
@@ -39,10 +44,53 @@ def write(path, value, best_effort=True):
             raise
 
 
-def ip(*args):
-    rc = os.spawnv(os.P_WAIT, BUSYBOX, ["ip", *args])  # noqa: S606 - no shell on purpose
+def bb(*args):
+    rc = os.spawnv(os.P_WAIT, BUSYBOX, list(args))  # noqa: S606 - no shell on purpose
     if rc != 0:
-        raise OSError(f"ip {' '.join(args)} failed ({rc})")
+        raise OSError(f"{' '.join(args)} failed ({rc})")
+
+
+def ip(*args):
+    bb("ip", *args)
+
+
+def reserved_target(path, reserved):
+    if not path.startswith("/") or path == "/" or "/../" in path + "/" or "/./" in path + "/":
+        return True
+    return any(path == r or path.startswith(r + "/") for r in reserved)
+
+
+def mount_inputs(table, reserved):
+    """The input table (`microvm.input_table`): `9p TAG PATH`, `bind SRC PATH`. Each target is
+    created on the (briefly writable) root and must resolve to itself: no symlink of an
+    earlier input may lead a mount onto a reserved path."""
+    entries = []
+    for line in table.splitlines():
+        kind, a, path = line.split(" ", 2)
+        if kind not in ("9p", "bind") or reserved_target(path, reserved):
+            raise OSError(f"input target {path!r} refused")
+        entries.append((kind, a, path))
+    if not entries:
+        return
+    bb("mount", "-o", "remount,rw", "/")
+    try:
+        for kind, a, path in entries:
+            if kind == "9p":
+                os.makedirs(path, 0o755, exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(path), 0o755, exist_ok=True)
+                if not os.path.lexists(path):
+                    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            if os.path.realpath(path) != path:
+                raise OSError(f"input target {path!r} goes through a symlink")
+            if kind == "9p":
+                bb("mount", "-t", "9p", "-o", "trans=virtio,version=9p2000.L,msize=512000,"
+                   "cache=loose,ro,nosuid,nodev", a, path)
+            else:
+                bb("mount", "-o", "bind", a, path)
+                bb("mount", "-o", "remount,bind,ro,nosuid,nodev", path)
+    finally:
+        bb("mount", "-o", "remount,ro", "/")
 
 
 def network(net):
@@ -89,9 +137,10 @@ def end(status_fd, line):
     os.execv(BUSYBOX, ["reboot", "-f"])  # noqa: S606 - syncs, then reboot(2): the VM ends
 
 
-def child(plan, cg, fds):
+def child(plan, cg, fds, setpriv_fd):
     """In the forked child: join the cgroup, take the ports as stdio, drop to the sandbox
-    user through setpriv and run the command (setpriv searches PATH of `env`)."""
+    user through the setpriv opened before the inputs were mounted and run the command
+    (setpriv searches PATH of `env`)."""
     in_fd, out_fd, err_fd = fds
     try:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
@@ -101,13 +150,19 @@ def child(plan, cg, fds):
         os.dup2(in_fd, 0)
         os.dup2(out_fd, 1)
         os.dup2(err_fd, 2)
-        os.closerange(3, 1024)
+        os.closerange(3, setpriv_fd)  # setpriv_fd is close-on-exec: the command never has it
+        os.closerange(setpriv_fd + 1, 1024)
         os.umask(0o022)
         os.chdir(plan["cwd"])
-        os.execve(plan["setpriv"], [  # noqa: S606 - no shell on purpose
+        # the dynamic loader honours LD_* (LD_PRELOAD...) in setpriv, which runs as root:
+        # they go to the command through `env`, exec'd after the drop
+        env = {k: v for k, v in plan["env"].items() if not k.startswith("LD_")}
+        loader = [f"{k}={v}" for k, v in plan["env"].items() if k.startswith("LD_")]
+        argv = [plan["env_bin"], *loader, *plan["argv"]] if loader else plan["argv"]
+        os.execve(setpriv_fd, [  # noqa: S606 - no shell on purpose
             "setpriv", f"--reuid={plan['uid']}", f"--regid={plan['gid']}", "--clear-groups",
-            "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs", "--", *plan["argv"],
-        ], plan["env"])
+            "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs", "--", *argv,
+        ], env)
     except Exception as e:
         os.write(2, f"stockade: {plan['argv'][0]}: {getattr(e, 'strerror', None) or e}\n"
                  .encode())
@@ -128,15 +183,21 @@ def main():
         write("/proc/sys/net/ipv4/ping_group_range", "0 2147483647")
         if plan.get("congestion_control"):
             write("/proc/sys/net/ipv4/tcp_congestion_control", plan["congestion_control"])
+        if plan["uid"] == 0 or plan["gid"] == 0:
+            raise OSError("the command never runs as root")
         cg = command_cgroup(plan)
         in_fd = os.open(f"{RUN}/stdin" if plan["stdin"] else "/dev/null", os.O_RDONLY)
+        # opened before any input exists in the guest (os.open: close-on-exec)
+        setpriv_fd = os.open(plan["setpriv"], os.O_RDONLY)
+        with open(f"{RUN}/inputs") as fh:
+            mount_inputs(fh.read(), plan["reserved"])
     except Exception as e:
         os.write(err_fd, f"stockade-vm-init: {e}\n".encode())
         end(status_fd, "125 0 0\n")
     pid = os.fork()
     if pid == 0:
-        child(plan, cg, (in_fd, out_fd, err_fd))
-    for fd in (in_fd, out_fd, err_fd):
+        child(plan, cg, (in_fd, out_fd, err_fd), setpriv_fd)
+    for fd in (in_fd, out_fd, err_fd, setpriv_fd):
         os.close(fd)
     # as pid 1, reap every orphan; leave when the command ends. Like the netns backend, a
     # command that keeps hitting its pids limit (a fork bomb) is ended: the whole cgroup

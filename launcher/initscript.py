@@ -16,13 +16,26 @@ then the root tmpfs is remounted read-only. The values are data, never parsed as
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 SCRATCH = "/scratch"
 TMP = "/tmp"  # noqa: S108 - a path inside the sandbox
-RESERVED = (SCRATCH, TMP, "/proc", "/dev", "/.oldroot")
+# what an input may not be mounted at or under, in either backend: the sandbox's own mounts
+# (scratch, /tmp, /proc, /dev, /sys), the netns init's old root, the microVM guest's init
+# (/init, /sbx: its busybox, plan, ports, cgroup) and everything the init relies on while it
+# is still root: the system directories (the Python that runs it, setpriv, the dynamic
+# loader and the libraries are there) and /etc (ld.so.preload, ld.so.cache). `ro_binds`
+# entries are added by the launcher (`check_input_target(..., extra=)`). In the microVM an
+# input there would be mounted before the guest's root init execs its Python and setpriv
+# (a forged plan on /sbx/cfg, a fake python3 on /usr/bin: guest root). In the netns backend
+# the init has already started and drops privileges before it execs anything, so such an
+# input would only break the command's own tools; it is refused there too (one rule, one
+# error, and no input can hide the generated /etc files).
+RESERVED = (SCRATCH, TMP, "/proc", "/dev", "/sys", "/.oldroot", "/init", "/sbx", "/etc",
+            "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 OLDROOT = ".oldroot"
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
@@ -111,12 +124,15 @@ def etc_content(nameserver: str, hostname: str, uid: int, gid: int) -> dict[str,
     }
 
 
-def check_input_target(path: str) -> str:
-    """Inputs may not shadow the sandbox's own mounts (scratch, /proc, /dev)."""
+def check_input_target(path: str, extra: Iterable[str] = ()) -> str:
+    """Inputs may not shadow the sandbox's own mounts nor anything its init relies on
+    (`RESERVED`, plus `extra`: the configured `ro_binds`)."""
     p = _guest(path)
-    for r in RESERVED:
-        if p == r or p.startswith(r + "/"):
-            raise ValueError(f"input target {path!r} is inside reserved {r}")
+    for r in (*RESERVED, *(x.rstrip("/") for x in extra)):
+        if r and (p == r or p.startswith(r + "/")):
+            raise ValueError(f"input target {path!r} is inside reserved {r}, which the "
+                             f"sandbox's init relies on (input targets may not be at or "
+                             f"under {', '.join(RESERVED)} or a ro_binds entry)")
     return p
 
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .initscript import SCRATCH, TMP, Bind
+from .initscript import RESERVED, SCRATCH, TMP, Bind
 
 Accel = Literal["kvm", "tcg"]
 CFG_TAG = "stockade-cfg"
@@ -50,6 +50,11 @@ class Layout:
     # (kind, a, guest path): ("link", target, path), ("bind", src, path) read-only,
     # ("bindrw", src, path), ("tmpfs", size, path); after every share is mounted
     extra: tuple[tuple[str, str, str], ...] = ()
+    # the inputs, mounted by guest_init.py only once it has read the plan and opened what
+    # it execs as root (vm-images/init mounts `shares` and `extra` before it starts it):
+    # directories over 9p, then the staged files bound read-only (source, guest path)
+    input_shares: tuple[Share, ...] = ()
+    input_binds: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,16 +105,18 @@ def guest_layout(*, system: Sequence[Bind], etc_dir: str, host_etc: bool,
         shares.append(Share("etc", etc_dir, "/etc"))
     shares.append(Share("scratch", scratch, SCRATCH, readonly=False))
     extra.append(("bindrw", SCRATCH + TMP, TMP))
+    input_shares: list[Share] = []
+    input_binds: list[tuple[str, str]] = []
     for i, b in enumerate(inputs):
         if b.is_dir:
-            shares.append(Share(f"in{i}", b.source, b.target))
+            input_shares.append(Share(f"in{i}", b.source, b.target))
         else:
             copies.append((b.source, f"{staged_dir}/{i}"))
-            extra.append(("bind", f"/sbx/in/{i}", b.target))
-    if copies:
+            input_binds.append((f"/sbx/in/{i}", b.target))
+    if copies:  # the staged copies' share itself lives in the init's /sbx
         shares.append(Share("inputs", staged_dir, "/sbx/in"))
     extra.append(("tmpfs", str(shm_size), "/dev/shm"))  # noqa: S108 - in the guest
-    return Layout(tuple(shares), tuple(extra)), copies
+    return Layout(tuple(shares), tuple(extra), tuple(input_shares), tuple(input_binds)), copies
 
 
 def check_tag(tag: str) -> str:
@@ -170,12 +177,26 @@ def mount_table(layout: Layout) -> str:
     return "".join(line + "\n" for line in lines)
 
 
+def input_table(layout: Layout) -> str:
+    """guest_init.py's input table: `9p TAG PATH` (read-only directory shares), then
+    `bind SRC PATH` (staged files, read-only); the guest path is last."""
+    lines = [f"9p {check_tag(s.tag)} {check_guest_path(s.guest)}" for s in layout.input_shares]
+    for src, path in layout.input_binds:
+        if not src or any(c in src for c in " \t\n\r\0"):
+            raise ValueError(f"bad bind source {src!r}")
+        lines.append(f"bind {src} {check_guest_path(path)}")
+    return "".join(line + "\n" for line in lines)
+
+
 def guest_plan(*, argv: list[str], env: dict[str, str], uid: int, gid: int,
                rlimits: dict[str, int], guest_ip: str, host_ip: str, prefixlen: int,
                memory: int, pids: int, pids_fail_kill: int, stdin: bool, setpriv: str,
                hostname: str = "sandbox", cwd: str = "/scratch",
-               congestion_control: str | None = None) -> dict[str, Any]:
-    """guest_init.py's plan: plain data (dict, list, str, int, bool, None)."""
+               congestion_control: str | None = None,
+               reserved: Sequence[str] = RESERVED,
+               env_bin: str = "/usr/bin/env") -> dict[str, Any]:
+    """guest_init.py's plan: plain data (dict, list, str, int, bool, None). `reserved`: the
+    paths no input may be mounted at or under (the guest checks its input table again)."""
     if not argv:
         raise ValueError("empty command")
     if uid == 0 or gid == 0:
@@ -183,8 +204,9 @@ def guest_plan(*, argv: list[str], env: dict[str, str], uid: int, gid: int,
     return {
         "argv": list(argv), "env": dict(env), "uid": uid, "gid": gid, "rlimits": rlimits,
         "cwd": cwd, "hostname": hostname, "stdin": stdin, "memory": memory, "pids": pids,
-        "pids_fail_kill": pids_fail_kill, "setpriv": setpriv,
+        "pids_fail_kill": pids_fail_kill, "setpriv": setpriv, "env_bin": env_bin,
         "congestion_control": congestion_control,
+        "reserved": [r.rstrip("/") for r in reserved if r.rstrip("/")],
         "net": {"ip": guest_ip, "prefixlen": prefixlen, "gateway": host_ip},
     }
 
@@ -213,7 +235,7 @@ def qemu_argv(v: VmSpec) -> list[str]:
     for nr, (name, path) in enumerate(zip(PORT_NAMES, v.ports, strict=True), start=1):
         argv += ["-chardev", f"file,id={name},path={path}",
                  "-device", f"virtserialport,chardev={name},name={name},nr={nr}"]
-    shares = [Share(CFG_TAG, v.cfg_dir, "/sbx/cfg"), *v.layout.shares]
+    shares = [Share(CFG_TAG, v.cfg_dir, "/sbx/cfg"), *v.layout.shares, *v.layout.input_shares]
     for i, s in enumerate(shares):
         _no_comma(s.host)
         argv += ["-fsdev", f"local,id=fs{i},path={s.host},security_model=none,"

@@ -73,6 +73,11 @@ out = {
     "udp": udp(udp_ip, udp_port),
     "dns": udp(dns_ip, 53, b"\x12\x34query"),
     "caps": [l for l in open("/proc/self/status") if l.startswith(("CapEff", "CapBnd"))],
+    "sysctl": {k: open("/proc/sys/" + k).read().strip() for k in (
+        "kernel/modules_disabled", "user/max_user_namespaces", "kernel/kptr_restrict",
+        "kernel/dmesg_restrict", "kernel/unprivileged_bpf_disabled", "kernel/modprobe")},
+    "userns": subprocess.run(["unshare", "-Ur", "true"], capture_output=True).returncode,
+    "ld_env": os.environ.get("LD_BIND_NOW"),
 }
 print(json.dumps(out))
 print("to-stderr", file=sys.stderr)
@@ -98,7 +103,8 @@ def test_command_runs_in_a_microvm(lab: Lab, fake_internet: Any, tmp_path: Path)
     res = lab.launcher.run(SandboxSpec(
         "vm", ["python3", "-c", GUEST, ip, udp_ip, str(udp_port), fake_internet.dns_server],
         inputs=[(str(tmp_path / "f.txt"), "/inputs/f.txt"), (str(data), "/inputs/d")],
-        stdin=b"from stdin", env={"EXTRA": "1"}, export_dir=str(export)), lab.ruleset)
+        stdin=b"from stdin", env={"EXTRA": "1", "LD_BIND_NOW": "1"},
+        export_dir=str(export)), lab.ruleset)
     assert (res.exit_code, res.ended_by) == (3, "exit"), res.stderr
     assert res.stderr == "to-stderr\n"
     out = json.loads(res.stdout)
@@ -107,7 +113,16 @@ def test_command_runs_in_a_microvm(lab: Lab, fake_internet: Any, tmp_path: Path)
         65534, 65534, "/scratch", "/scratch/home")
     assert all(line.split()[1] == "0000000000000000" for line in out["caps"])
     assert set(out["env"]) <= {"PATH", "HOME", "TMPDIR", "STOCKADE_BROKER", "LANG", "LC_ALL",
-                               "TERM", "TZ", "PWD", "EXTRA"}
+                               "TERM", "TZ", "PWD", "EXTRA", "LD_BIND_NOW"}
+    # a loader variable reaches the command (through env, after the drop), never setpriv
+    assert out["ld_env"] == "1"
+    # the guest kernel's surface: no modules (nor a modprobe helper), no user namespaces,
+    # no kernel pointers or log, no unprivileged BPF
+    assert out["sysctl"] == {
+        "kernel/modules_disabled": "1", "user/max_user_namespaces": "0",
+        "kernel/kptr_restrict": "2", "kernel/dmesg_restrict": "1",
+        "kernel/unprivileged_bpf_disabled": "1", "kernel/modprobe": ""}
+    assert out["userns"] != 0  # unshare -Ur fails
     assert out["hostname"] == "sandbox" and out["stdin"] == "from stdin"
     assert out["resolv"].startswith("nameserver <infra-address>")
     assert "shadow" not in out["etc"] and "resolv.conf" in out["etc"]
@@ -134,6 +149,46 @@ def test_command_runs_in_a_microvm(lab: Lab, fake_internet: Any, tmp_path: Path)
     # exports: the scratch is the same tmpfs as the netns backend's
     assert [(e.name, e.type) for e in res.exports] == [("result.json", "json")]
     assert json.loads((export / "result.json").read_text()) == {"ok": True}
+    assert leftovers(lab) == EMPTY
+    assert _vm_proc_gone(res.task_id)
+
+
+def test_inputs_cannot_shadow_what_the_guest_init_runs(lab: Lab, tmp_path: Path) -> None:
+    """The review's demonstrations: a forged plan (uid 0) on the config share's mount point,
+    a fake python3 where the guest's root init finds its interpreter. Both are refused
+    before anything exists, in both backends; so are the other paths the init relies on."""
+    forged = tmp_path / "cfg"
+    forged.mkdir()
+    (forged / "plan").write_bytes(b"forged")
+    fake = tmp_path / "python3"
+    fake.write_text("#!/sbx/busybox sh\nid\n")
+    fake.chmod(0o755)
+    cases = [(str(forged), "/sbx/cfg"), (str(tmp_path), "/usr/bin"),
+             (str(fake), "/usr/bin/python3"), (str(fake), "/etc/ld.so.preload"),
+             (str(fake), "/lib64/ld-linux-x86-64.so.2"), (str(fake), "/init")]
+    for profile in ("vm", "test"):
+        for host, guest in cases:
+            with pytest.raises(LauncherError, match="which the sandbox's init relies on"):
+                lab.launcher.run(SandboxSpec(profile, ["true"], inputs=[(host, guest)]),
+                                 lab.ruleset)
+    assert leftovers(lab) == EMPTY
+
+
+def test_an_input_reached_through_a_symlink_is_refused_in_the_guest(lab: Lab,
+                                                                     tmp_path: Path) -> None:
+    """An input directory holding a symlink to /usr, a second input below that symlink:
+    the launcher sees only /inputs paths, the guest's init finds the target resolves onto
+    /usr and refuses before anything runs."""
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "b").symlink_to("/usr")
+    for p in (tmp_path, d):
+        p.chmod(0o755)
+    res = lab.launcher.run(SandboxSpec("vm", ["touch", "/scratch/ran"], inputs=[
+        (str(d), "/inputs/d"), (str(tmp_path), "/inputs/d/b/lib")]), lab.ruleset)
+    # the guest's start-up failure: status 125 with the reason, the command never ran
+    assert res.exit_code == 125, res.stderr
+    assert "goes through a symlink" in res.stderr
     assert leftovers(lab) == EMPTY
     assert _vm_proc_gone(res.task_id)
 

@@ -91,6 +91,8 @@ def test_guest_plan_is_plain_data() -> None:
     assert marshal.loads(microvm.encode_plan(plan)) == plan  # noqa: S302 - our own bytes
     assert plan["argv"][2] == "echo $HOME; rm -rf / #'\""
     assert plan["net"] == {"ip": "10.0.0.2", "prefixlen": 30, "gateway": "10.0.0.1"}
+    # the guest checks its input table against these again
+    assert {"/sbx", "/usr", "/etc", "/lib64", "/scratch"} <= set(plan["reserved"])
     for bad in ({"argv": []}, {"uid": 0}, {"gid": 0}):
         kw = dict(argv=["true"], env={}, uid=1000, gid=1000, rlimits={}, guest_ip="a",
                   host_ip="b", prefixlen=30, memory=1, pids=1, pids_fail_kill=1,
@@ -156,12 +158,16 @@ def test_guest_layout() -> None:
     layout, copies = microvm.guest_layout(
         system=system, etc_dir="/s/etc", host_etc=False, host_etc_overlay=(),
         scratch="/s/scratch", inputs=inputs, staged_dir="/s/inputs", shm_size=4096)
+    # vm-images/init's table never holds an input: guest_init.py mounts them from their own
+    # table once it has read the plan and opened setpriv
     assert microvm.mount_table(layout) == (
-        "9p sys0 ro /usr\n9p etc ro /etc\n9p scratch rw /scratch\n9p in0 ro /inputs/d\n"
-        "9p inputs ro /sbx/in\n"
-        "link usr/bin /bin\nbindrw /scratch/tmp /tmp\nbind /sbx/in/1 /inputs/f.txt\n"
-        "tmpfs 4096 /dev/shm\n")
+        "9p sys0 ro /usr\n9p etc ro /etc\n9p scratch rw /scratch\n9p inputs ro /sbx/in\n"
+        "link usr/bin /bin\nbindrw /scratch/tmp /tmp\ntmpfs 4096 /dev/shm\n")
+    assert microvm.input_table(layout) == "9p in0 /inputs/d\nbind /sbx/in/1 /inputs/f.txt\n"
     assert copies == [("/data/f.txt", "/s/inputs/1")]
+    # QEMU still gets every share, the inputs' included
+    argv = microvm.qemu_argv(_spec(layout=layout))
+    assert "virtio-9p-device,fsdev=fs5,mount_tag=in0" in argv
     # the scratch is the only writable share
     assert [s.tag for s in layout.shares if not s.readonly] == ["scratch"]
     host, copies = microvm.guest_layout(

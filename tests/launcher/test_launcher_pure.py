@@ -282,7 +282,12 @@ def test_init_plan_binds_each_input_verbatim_read_only(
 
 
 @pytest.mark.parametrize("bad", ["relative", "/scratch", "/scratch/x", "/proc", "/dev/x",
-                                 "/a/../b", "/", "/tmp/x"])
+                                 "/a/../b", "/", "/tmp/x", "/sys/x",
+                                 # what the guest's (or the netns) init runs as root with
+                                 "/sbx", "/sbx/cfg", "/init", "/usr", "/usr/bin",
+                                 "/usr/lib/python3.11", "/bin", "/sbin/x", "/lib",
+                                 "/lib64/ld-linux-x86-64.so.2", "/lib32", "/etc",
+                                 "/etc/ld.so.preload"])
 def test_input_targets_cannot_shadow_sandbox_mounts(bad: str) -> None:
     with pytest.raises(ValueError):
         initscript.check_input_target(bad)
@@ -290,6 +295,11 @@ def test_input_targets_cannot_shadow_sandbox_mounts(bad: str) -> None:
 
 def test_input_target_ok() -> None:
     assert initscript.check_input_target("/inputs/data/") == "/inputs/data"
+    for ok in ("/usrx", "/sbxdata", "/etcetera/x", "/opt/x"):
+        assert initscript.check_input_target(ok) == ok
+    # the configured ro_binds are reserved too
+    with pytest.raises(ValueError, match="/opt"):
+        initscript.check_input_target("/opt/x", extra=["/opt/"])
 
 
 # -- state ----------------------------------------------------------------------------
