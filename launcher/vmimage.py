@@ -36,8 +36,9 @@ class Image:
 
 
 def load_image(image_dir: str) -> Image:
-    """The built image, or ValueError saying what is missing."""
-    d = Path(image_dir)
+    """The built image, or ValueError saying what is missing. `image_dir` is resolved first
+    (build.sh swaps a symlink): kernel, initramfs and stamp come from one build."""
+    d = Path(image_dir).resolve()
     try:
         manifest = json.loads((d / MANIFEST).read_text())
     except (OSError, ValueError):

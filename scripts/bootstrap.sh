@@ -31,7 +31,13 @@ fi
 
 # the microVM backend's guest (Debian's kernel + a busybox initramfs); idempotent, into the
 # launcher's default launcher.microvm.image_dir
-bash vm-images/build.sh "${STOCKADE_VM_IMAGE_DIR:-/var/cache/stockade/vm}"
+# (no mirror, no kernel package: a warning, not a failed bootstrap; microvm profiles are then
+# refused with the reason until the image is built)
+if ! bash vm-images/build.sh "${STOCKADE_VM_IMAGE_DIR:-/var/cache/stockade/vm}"; then
+    echo "bootstrap: WARNING: the microVM guest image could not be built (see above);" \
+         "profiles with isolation: microvm are refused until vm-images/build.sh succeeds" \
+         "(or list microvm in launcher.downgrade_isolation)" >&2
+fi
 
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then

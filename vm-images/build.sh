@@ -11,12 +11,24 @@
 # manifest.json (what the launcher checks).
 # STOCKADE_VM_KERNEL_PACKAGE overrides the kernel package (default: what linux-image-amd64
 # depends on, e.g. linux-image-6.1.0-57-amd64).
+#
+# OUT_DIR is a symlink to a complete build (.<name>.<stamp> next to it), replaced by one
+# rename(2): a sandbox starting during a build sees the old image or the new one, never a
+# half-written one. Builds of one OUT_DIR take turns (flock on .<name>.lock next to it); the
+# previous build stays (a sandbox may be starting on it), older ones are removed.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-/var/cache/stockade/vm}
+out=${out%/}
 busybox=${STOCKADE_VM_BUSYBOX:-/bin/busybox}
+parent=$(dirname "$out")
+name=$(basename "$out")
 
 log() { echo "vm-images: $*" >&2; }
+
+mkdir -p "$parent"
+exec 9> "$parent/.$name.lock"
+flock 9
 
 find_kernel() {
     pkg=${STOCKADE_VM_KERNEL_PACKAGE:-}
@@ -28,10 +40,17 @@ find_kernel() {
     [ -n "$pkg" ] && version=$(apt-cache policy "$pkg" 2>/dev/null | awk '/Candidate:/ {print $2}')
     [ -n "$version" ] && [ "$version" != "(none)" ]
 }
-if ! find_kernel; then
-    # a fresh machine may not have package lists yet
+refreshed=
+refresh() {
+    # only when the package lists do not know the kernel (a fresh machine) or its download
+    # failed (lists older than the mirror): never on every build
+    [ -z "$refreshed" ] || return 1
+    refreshed=1
     log "refreshing the apt package lists"
-    apt-get update -qq
+    apt-get update -qq || { log "apt-get update failed"; return 1; }
+}
+if ! find_kernel; then
+    refresh || true
     find_kernel || { log "cannot find the kernel package (apt-cache depends linux-image-amd64)"; exit 1; }
 fi
 case $(ldd "$busybox" 2>&1 || true) in *"not a dynamic executable"*) ;; *) false ;; esac || \
@@ -51,8 +70,12 @@ fi
 log "building $pkg $version into $out"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-( cd "$work" && apt-get download -q "$pkg=$version" >/dev/null 2>&1 ) || \
-    ( cd "$work" && apt-get download "$pkg=$version" )  # again, to show apt's error
+download() { ( cd "$work" && apt-get download -q "$pkg=$version" >/dev/null 2>&1 ); }
+if ! download; then
+    # stale lists name a version the mirror no longer has: refresh once, look again
+    refresh && find_kernel && download || \
+        ( cd "$work" && apt-get download "$pkg=$version" )  # again, to show apt's error
+fi
 dpkg-deb -x "$work"/*.deb "$work/deb"
 kver=${pkg#linux-image-}
 moddir="$work/deb/lib/modules/$kver"
@@ -117,17 +140,37 @@ PY
 grep -q '^CONFIG_PVH=y' "$work/deb/boot/config-$kver" || \
     { log "the kernel has no PVH entry (CONFIG_PVH): QEMU cannot boot it directly"; exit 1; }
 
-mkdir -p "$out"
-install -m 0644 "$work/vmlinux" "$out/vmlinux.new"
-install -m 0644 "$work/initramfs.cpio.gz" "$out/initramfs.cpio.gz.new"
-cat > "$out/manifest.json.new" <<JSON
+# the new build in a directory of its own next to OUT_DIR, then one rename of a symlink
+build="$parent/.$name.${stamp:0:16}"
+rm -rf "$build"
+mkdir -p "$build.tmp"
+install -m 0644 "$work/vmlinux" "$work/initramfs.cpio.gz" "$build.tmp/"
+cat > "$build.tmp/manifest.json" <<JSON
 {"stamp": "$stamp", "kernel_package": "$pkg", "kernel_version": "$version",
  "modules": [$(printf '"%s",' $(cat "$root/sbx/modules.list") | sed 's/,$//')]}
 JSON
-# the manifest goes first and comes back last: it only ever names complete files
-rm -f "$out/manifest.json"
-mv -f "$out/vmlinux.new" "$out/vmlinux"
-rm -f "$out/vmlinuz"  # an older recipe's compressed kernel
-mv -f "$out/initramfs.cpio.gz.new" "$out/initramfs.cpio.gz"
-mv -f "$out/manifest.json.new" "$out/manifest.json"
+sync -f "$build.tmp/vmlinux" 2>/dev/null || sync
+chmod 0755 "$build.tmp"
+mv -T "$build.tmp" "$build"
+previous=
+if [ -L "$out" ]; then
+    previous=$(readlink "$out")
+elif [ -e "$out" ]; then
+    # an older recipe's plain directory: moved aside (a sandbox starting in this instant
+    # finds no image and is refused), removed below
+    previous=".$name.old.$$"
+    mv -T "$out" "$parent/$previous"
+fi
+ln -sfn ".$name.${stamp:0:16}" "$parent/.$name.link.$$"
+mv -T "$parent/.$name.link.$$" "$out"
+# keep the new build and the previous one (a sandbox may be starting on it); an older
+# recipe's plain directory is nobody's any more (OUT_DIR's paths lead to the new build)
+for d in "$parent/.$name."*; do
+    case ${d##*/} in
+        ".$name.${stamp:0:16}"|".$name.lock") ;;
+        ".$name.old."*) rm -rf "$d" ;;
+        "$previous") ;;
+        *) rm -rf "$d" ;;
+    esac
+done
 log "built $out ($(du -sh "$out/initramfs.cpio.gz" | cut -f1) initramfs)"

@@ -311,19 +311,35 @@ def test_a_bad_kernel_is_a_clear_error_and_leaves_nothing(lab: Lab, tmp_path: Pa
     assert leftovers(lab) == EMPTY
 
 
-def test_image_build_is_idempotent(lab: Lab) -> None:
-    image_dir = lab.config.launcher.microvm.image_dir
+def test_image_build_is_idempotent_and_atomic(tmp_path: Path) -> None:
+    """vm-images/build.sh into a directory of the test's own (never the shared image): two
+    concurrent builds take turns (one builds, the other then finds it up to date), the
+    image is a symlink to one complete build, and a third run changes nothing."""
+    image_dir = tmp_path / "vm"
     script = vmimage.BUILD_SCRIPT
-    subprocess.run(["bash", str(script), image_dir], check=True, capture_output=True)
-    before = {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in Path(image_dir).iterdir()}
-    again = subprocess.run(["bash", str(script), image_dir], check=True, capture_output=True,
-                           text=True)
+    procs = [subprocess.Popen(["bash", str(script), str(image_dir)], stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    assert sorted("up to date" in e for e in errs) == [False, True], errs
+    assert image_dir.is_symlink()
+    build = image_dir.resolve()
+    assert build.parent == tmp_path and build.name.startswith(".vm.")
+
+    def files() -> dict[str, tuple[int, int]]:
+        return {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in image_dir.iterdir()}
+
+    before = files()
+    again = subprocess.run(["bash", str(script), str(image_dir)], check=True,
+                           capture_output=True, text=True)
     assert "up to date" in again.stderr
-    after = {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in Path(image_dir).iterdir()}
-    assert after == before
-    assert set(after) == {vmimage.KERNEL, vmimage.INITRD, vmimage.MANIFEST}
-    image = vmimage.load_image(image_dir)
-    assert image.stamp and json.loads(Path(image_dir, vmimage.MANIFEST).read_text())["modules"]
+    assert files() == before and image_dir.resolve() == build
+    assert set(before) == {vmimage.KERNEL, vmimage.INITRD, vmimage.MANIFEST}
+    # nothing half-built is left next to it: the build, its lock
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([build.name, ".vm.lock", "vm"])
+    image = vmimage.load_image(str(image_dir))
+    assert image.kernel == str(build / vmimage.KERNEL)
+    assert image.stamp and json.loads((build / vmimage.MANIFEST).read_text())["modules"]
 
 
 def test_accel_auto_is_probed_once_and_cached(lab: Lab, tmp_path: Path,
