@@ -229,7 +229,10 @@ def qemu_argv(v: VmSpec) -> list[str]:
              "-kernel", v.kernel, "-initrd", v.initrd,
              "-append", kernel_cmdline(v.accel, v.tsc_khz, v.extra_cmdline),
              "-chardev", f"file,id=con,path={v.console}", "-serial", "chardev:con",
-             "-netdev", f"tap,id=net0,ifname={TAP},script=no,downscript=no,vhost=off",
+             # no virtio-net header: the guest gets no offloads (GSO, checksum) to hand the
+             # host's kernel; plain frames only
+             "-netdev", f"tap,id=net0,ifname={TAP},script=no,downscript=no,vhost=off,"
+                        "vnet_hdr=off",
              "-device", f"virtio-net-device,netdev=net0,mac={v.mac}",
              "-device", "virtio-serial-device,max_ports=4"]
     for nr, (name, path) in enumerate(zip(PORT_NAMES, v.ports, strict=True), start=1):

@@ -7,6 +7,7 @@ host-visible temporary interface exists; IPv6 link-local generation is off on bo
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import subprocess
 from pathlib import Path
@@ -67,17 +68,39 @@ def tap_commands(tap: str) -> list[str]:
     ]
 
 
-def mirred_commands(tap: str) -> list[str]:
-    """`tc -batch`: every frame arriving on one of eth0/tap leaves unchanged through the
-    other (u32 match-all + mirred, both widely built in), so the guest's frames reach the
-    host-side veth with the guest's own address and MAC, and nft judges them as it judges a
-    netns sandbox's."""
-    out = []
-    for src, dst in ((GUEST_IF, tap), (tap, GUEST_IF)):
-        out += [f"qdisc add dev {src} ingress",
-                f"filter add dev {src} parent ffff: protocol all u32 match u32 0 0 "
-                f"action mirred egress redirect dev {dst}"]
-    return out
+def mirred_commands(tap: str, a: SlotAddresses) -> list[str]:
+    """`tc -batch`: frames pass unchanged between eth0 and the tap (u32 + mirred, both widely
+    built in), so the guest's frames reach the host-side veth with the guest's own address
+    and MAC, and nft judges them as it judges a netns sandbox's. Towards the host only what
+    the guest may send passes: IPv4 from its MAC, and ARP from its MAC and address asking
+    for the host side's; anything else (another MAC, IPv6, other ethertypes, ARP for other
+    addresses) matches no filter and ends in this netns, which has no address to answer
+    and forwards nothing."""
+    mac = a.guest_mac
+    spa = ipaddress.IPv4Address(a.guest_ip).packed
+    tpa = int(ipaddress.IPv4Address(a.host_ip))
+    redirect = f"action mirred egress redirect dev {GUEST_IF}"
+    return [
+        f"qdisc add dev {GUEST_IF} ingress",
+        f"filter add dev {GUEST_IF} parent ffff: protocol all u32 match u32 0 0 "
+        f"action mirred egress redirect dev {tap}",
+        f"qdisc add dev {tap} ingress",
+        f"filter add dev {tap} parent ffff: protocol ip prio 1 u32 match ether src {mac} "
+        f"{redirect}",
+        # ARP (offsets from the ARP header): sender address at 14 (2-byte aligned: two
+        # u16), target address at 24
+        f"filter add dev {tap} parent ffff: protocol arp prio 2 u32 match ether src {mac} "
+        f"match u16 0x{spa[:2].hex()} 0xffff at 14 match u16 0x{spa[2:].hex()} 0xffff at 16 "
+        f"match u32 0x{tpa:08x} 0xffffffff at 24 {redirect}",
+    ]
+
+
+def harden_host_side(ifname: str) -> None:
+    """The host-side veth answers ARP only for its own address on it (arp_ignore=2: the
+    target address must be on this interface and in the sender's subnet) and announces
+    only that one (arp_announce=2): a sandbox cannot map the host's other addresses."""
+    for name, value in (("arp_ignore", "2"), ("arp_announce", "2")):
+        Path(f"/proc/sys/net/ipv4/conf/{ifname}/{name}").write_text(value)
 
 
 def _tc_batch(lines: list[str], netns: str) -> None:
@@ -95,11 +118,15 @@ def create(netns: str, ifname: str, a: SlotAddresses, tap: str | None = None) ->
     # IPv6 stays enabled (without any address) on the host side on purpose: with it
     # disabled the kernel drops IPv6 before netfilter and the attempt would go unreported
     _batch(host_commands(netns, ifname, a))
+    try:
+        harden_host_side(ifname)
+    except OSError as e:
+        raise NetnsError(f"cannot set the ARP sysctls of {ifname}: {e}") from None
     if tap is None:
         _batch(guest_commands(a), netns=netns)
     else:
         _batch(tap_commands(tap), netns=netns)
-        _tc_batch(mirred_commands(tap), netns)
+        _tc_batch(mirred_commands(tap, a), netns)
     return int(Path(f"/sys/class/net/{ifname}/ifindex").read_text())
 
 

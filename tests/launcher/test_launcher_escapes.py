@@ -13,6 +13,7 @@ import json
 import subprocess
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -239,8 +240,15 @@ def test_spoofed_source_address_and_mac(lab: Lab, fake_internet: Any) -> None:
     ip, port = fake_internet.udp_echo
     t, box = _background(lab, ["sleep", "30"])
     ns = _netns_of(lab, box["task_id"])
+    rec = lab.launcher.state.read()[box["task_id"]]
+    host_mac = Path(f"/sys/class/net/{rec.ifname}/address").read_text().strip()
     try:
-        _as_root_in(ns, "ip addr add 10.9.9.9/32 dev eth0; python3 -c \"import socket; "
+        # the host side answers no ARP from a sender outside the sandbox's /30
+        # (arp_ignore=2): a regained root resolves it from its own address first, which
+        # leaves the same neighbour entry as this
+        _as_root_in(ns, f"ip neigh replace {rec.host_ip} lladdr {host_mac} dev eth0 "
+                        "nud permanent; "
+                        "ip addr add 10.9.9.9/32 dev eth0; python3 -c \"import socket; "
                         "s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); "
                         f"s.bind(('10.9.9.9',0)); s.sendto(b'x', ('{ip}', {port}))\"; "
                         "ip link set eth0 address 02:66:66:66:66:66; "

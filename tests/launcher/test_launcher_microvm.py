@@ -279,6 +279,96 @@ def test_suspend_resume_spoof_and_kill(lab: Lab, fake_internet: Any) -> None:
     assert _vm_proc_gone(tid)
 
 
+# stands in for guest_init.py (test-only, through the launcher's own hook for its source):
+# a guest that regained root, with raw sockets, on the guest's real eth0 behind the tap
+ROOT_GUEST = r"""
+import marshal, os, socket, struct, time
+out = os.open("/sbx/port-stdout", os.O_WRONLY)
+plan = marshal.load(open("/sbx/run/plan", "rb"))
+net = plan["net"]
+os.spawnv(os.P_WAIT, "/sbx/busybox", ["ip", "link", "set", "eth0", "up"])
+def csum(b):
+    s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
+    s = (s >> 16) + (s & 0xffff)
+    return ~(s + (s >> 16)) & 0xffff
+def udp(src_mac, src_ip, dst_ip, port):
+    payload = b"spoof"
+    u = struct.pack("!HHHH", 40000, port, 8 + len(payload), 0) + payload
+    h = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(u), 1, 0, 64, 17, 0,
+                    socket.inet_aton(src_ip), socket.inet_aton(dst_ip))
+    h = h[:10] + struct.pack("!H", csum(h)) + h[12:]
+    return b"\xff" * 6 + src_mac + b"\x08\x00" + h + u
+def arp(src_mac, src_ip, target):
+    a = struct.pack("!HHBBH6s4s6s4s", 1, 0x0800, 6, 4, 1, src_mac, socket.inet_aton(src_ip),
+                    b"\0" * 6, socket.inet_aton(target))
+    return b"\xff" * 6 + src_mac + b"\x08\x06" + a
+try:
+    s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0806))
+    s.bind(("eth0", 0))
+    mac = s.getsockname()[4]
+    forged = bytes.fromhex("026666666666")
+    dst, port = DST, PORT
+    time.sleep(0.5)
+    for _ in range(3):
+        s.send(udp(mac, "10.9.9.9", dst, port))           # forged address, own MAC
+        s.send(udp(forged, net["ip"], dst, port + 1))     # own address, forged MAC
+        for t in [net["gateway"], *TARGETS]:
+            s.send(arp(mac, net["ip"], t))                # who has each host address?
+        s.send(arp(mac, "10.9.9.9", net["gateway"]))     # forged ARP sender
+        s.send(arp(forged, net["ip"], net["gateway"]))   # forged ARP sender MAC
+    s.settimeout(0.2)
+    seen = set()
+    end = time.time() + 3
+    while time.time() < end:
+        try:
+            f = s.recv(2048)
+        except OSError:
+            continue
+        if f[12:14] == b"\x08\x06" and f[20:22] == b"\x00\x02":
+            seen.add((socket.inet_ntoa(f[28:32]), socket.inet_ntoa(f[38:42])))
+    for who, to in sorted(seen):
+        os.write(out, ("ARP-REPLY %s %s\n" % (who, to)).encode())
+    os.write(out, b"DONE\n")
+except Exception as e:
+    os.write(out, ("ERR %r\n" % (e,)).encode())
+os.write(os.open("/sbx/port-status", os.O_WRONLY), b"0 0 0\n")
+os.execv("/sbx/busybox", ["reboot", "-f"])
+"""
+
+
+def test_a_root_guest_cannot_spoof_or_map_the_host(lab: Lab, fake_internet: Any,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Raw frames from inside the guest (a stand-in init runs as the guest's root): a forged
+    source address with the guest's MAC passes the tap's filter and is dropped and
+    reported by the host's guard; a forged MAC never leaves the sandbox's netns (no
+    event: the tap's ingress filter passes only the guest's MAC); ARP is answered only for
+    the host side's address of this sandbox (arp_ignore=2; other host addresses, a forged
+    ARP sender: no answer)."""
+    from stockade.launcher import core
+
+    ip, port = fake_internet.udp_echo
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True,
+                         check=True).stdout
+    targets = sorted({f.split()[3].split("/")[0] for f in out.splitlines()}
+                     - {"127.0.0.1"})[:16]
+    src = (ROOT_GUEST.replace("DST", repr(ip)).replace("PORT", str(port))
+           .replace("TARGETS", repr(targets)))
+    monkeypatch.setattr(core, "_guest_init_source", lambda: src)
+    res = lab.launcher.run(SandboxSpec("vm", ["true"]), lab.ruleset)
+    assert res.exit_code == 0 and "DONE" in res.stdout, res.stdout
+    guest_ip = lab.events(res.task_id)[0]["source"]["ip"]
+    replies = [line.split()[1:] for line in res.stdout.splitlines()
+               if line.startswith("ARP-REPLY")]
+    # the scrubber hides the host side's address in output: only it answered, to the guest
+    assert replies == [["<infra-address>", guest_ip]], res.stdout
+    bypass = lab.bypass(res.task_id)
+    spoofed = [e for e in bypass if e["rule"]["id"] == "launcher:spoof"]
+    assert any(e["source"]["ip"] == "10.9.9.9" for e in spoofed), bypass
+    assert not any(e.get("destination", {}).get("port") == port + 1 for e in bypass), bypass
+    assert not any(e["rule"]["id"] == "launcher:blocked" for e in bypass), bypass
+    assert leftovers(lab) == EMPTY
+
+
 def test_ttl_ends_a_looping_guest(lab: Lab) -> None:
     res = lab.launcher.run(SandboxSpec("vm", ["sh", "-c", "while :; do :; done"], ttl=8),
                            lab.ruleset)

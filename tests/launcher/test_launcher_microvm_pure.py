@@ -54,7 +54,7 @@ def test_qemu_argv() -> None:
         assert flag in argv
     assert argv[argv.index("-accel") + 1] == "tcg,tb-size=64"
     assert argv[argv.index("-m") + 1] == "128M"
-    assert "tap,id=net0,ifname=tap0,script=no,downscript=no,vhost=off" in argv
+    assert "tap,id=net0,ifname=tap0,script=no,downscript=no,vhost=off,vnet_hdr=off" in argv
     assert "virtio-net-device,netdev=net0,mac=02:00:0a:d5:00:02" in argv
     # the config share is read-only and first; the scratch is the only writable share
     assert "local,id=fs0,path=/sbx/t/cfg,security_model=none,readonly=on,multidevs=remap" in argv
@@ -138,7 +138,12 @@ def test_netns_wiring_for_a_vm() -> None:
     cmds = netns.tap_commands("tap0")
     assert "tuntap add dev tap0 mode tap" in cmds
     assert not any("addr add" in c for c in cmds)  # the netns itself holds no address
-    tc = netns.mirred_commands("tap0")
+    from stockade.launcher.addresses import slot_addresses
+
+    a = slot_addresses("10.213.0.0/16", 0x7a00 // 4)
+    assert (a.host_ip, a.guest_ip, a.guest_mac) == ("10.213.122.1", "10.213.122.2",
+                                                   "02:00:0a:d5:7a:02")
+    tc = netns.mirred_commands("tap0", a)
     assert tc == [
         "qdisc add dev eth0 ingress",
         "filter add dev eth0 parent ffff: protocol all u32 match u32 0 0 "
