@@ -3,7 +3,8 @@
 Hand-written because fnmatch lets `*` cross `/`, which turns `/repos/*/issues` into
 `/repos/a/b/c/issues`. Here `*` and `?` stay inside one path segment and `**` spans
 segments. Paths that could mean something else to the upstream (dot segments, encoded
-slashes or dots, backslashes) never match: fail closed.
+slashes or dots, backslashes, ';' parameters, double or overlong encodings, fragments,
+non-ASCII) never match: fail closed (see `request_path`).
 """
 
 from __future__ import annotations
@@ -11,8 +12,12 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-_AMBIGUOUS = re.compile(r"(?:^|/)\.\.?(?:/|$)|%2[ef]|%5c|\\|//", re.IGNORECASE)
-
+_AMBIGUOUS = re.compile(r"(?:^|/)\.\.?(?:/|$)|\\|//|;", re.IGNORECASE)
+_PCT = re.compile(r"%(.?.?)")
+# what a percent-encoding may not decode to: anything that changes how the path splits
+# into segments or decodes again (/ \ . ; % # ?), controls and non-ASCII (%c0%ae, an
+# overlong '.', and every other byte >= 0x80)
+_PCT_FORBIDDEN = frozenset(b"/\\.;%#?")
 
 class GlobError(ValueError):
     pass
@@ -44,12 +49,29 @@ def compile_glob(pattern: str) -> re.Pattern[str]:
 
 
 def request_path(path: str) -> str | None:
-    """The part of a request target that globs see (no query/fragment); None = ambiguous."""
-    p = path.split("?", 1)[0].split("#", 1)[0]
+    """The part of a request target that globs see (no query); None = ambiguous.
+
+    Ambiguous (never matches any glob, fail closed): a fragment ('#' cannot be in a
+    request target; cutting at it would let `/ok/#/../../x` match `/ok/**`), dot
+    segments, empty segments, backslashes, ';' path parameters (`/ok/..;/x` is `/x` to
+    some servers), anything outside printable ASCII, a '%' not followed by two hex digits
+    (`%u002e`), and a percent-encoding that decodes to a structural character (/ \\ . ;
+    % # ?), a control or a byte >= 0x80 (`%2e%2e`, `%252e`, `%c0%ae`).
+    """
+    if not isinstance(path, str) or "#" in path:
+        return None
+    p = path.split("?", 1)[0]
     if not p.startswith("/") or _AMBIGUOUS.search(p):
         return None
-    if any(ord(c) < 0x21 or ord(c) == 0x7F for c in p):
+    if any(ord(c) < 0x21 or ord(c) > 0x7E for c in p):
         return None
+    for m in _PCT.finditer(p):
+        hx = m.group(1)
+        if len(hx) != 2 or not all(c in "0123456789abcdefABCDEF" for c in hx):
+            return None
+        b = int(hx, 16)
+        if b < 0x20 or b > 0x7E or b in _PCT_FORBIDDEN:
+            return None
     return p
 
 
