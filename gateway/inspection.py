@@ -273,6 +273,41 @@ def decide_request(
     )
 
 
+# RFC 9110 5.6.2: token = 1*tchar
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
+def request_syntax_error(
+    method: bytes, target: bytes, fields: Any, trailers: Any = None
+) -> str | None:
+    """Why this request head must not go upstream (None: it may be decided).
+
+    mitmproxy (h2 4.1.0 underneath) accepts CR, LF and NUL inside HTTP/2 header values and
+    inside :method / :path, and writes them verbatim when the upstream speaks HTTP/1.1: a
+    second, undecided request could be smuggled behind an allowed one. So, for HTTP/1 and
+    HTTP/2 alike: the method and every header name must be RFC 9110 tokens, no header
+    value may hold CR, LF or NUL (or other controls but HTAB) or start/end with
+    whitespace, and the request target must be printable ASCII without SP or '#'.
+    Trailers are refused outright. `fields` is a sequence of (name, value) bytes pairs.
+    """
+    if not isinstance(method, bytes) or not _TOKEN.fullmatch(method):
+        return "the method is not an RFC 9110 token"
+    if not isinstance(target, bytes) or not target:
+        return "empty request target"
+    if any(b <= 0x20 or b >= 0x7F for b in target) or b"#" in target:
+        return "the request target holds whitespace, a control, '#' or non-ASCII"
+    for name, value in fields:
+        if not _TOKEN.fullmatch(name):
+            return "a header name is not an RFC 9110 token"
+        if any((b < 0x20 and b != 0x09) or b == 0x7F for b in value):
+            return "a header value holds CR, LF, NUL or another control character"
+        if value[:1] in (b" ", b"\t") or value[-1:] in (b" ", b"\t"):
+            return "a header value starts or ends with whitespace"
+    if trailers:
+        return "trailers are not allowed"
+    return None
+
+
 def denial_body(reason: str, rule: str | None, task: str | None) -> bytes:
     """The same small JSON body the gateway sends to plain-HTTP clients (gateway/deny.py)."""
     return json.dumps(

@@ -54,14 +54,14 @@ from .inspection import (
     decide_request,
     decode_meta,
     denial_body,
+    request_syntax_error,
 )
 
 log = logging.getLogger("stockade.gateway.inspector")
 Emit = Callable[[dict[str, Any]], None]
 
-# a denied request whose body is larger than this (or chunked) is answered by closing the
-# connection instead of a 403: mitmproxy would have to buffer the whole body first
-MAX_DENIED_BODY = 64 * 1024
+# flow.metadata key: this request was denied at its headers (its body is never read)
+DENIED_EARLY = "stockade_denied_early"
 RULES_KEPT = 4  # rule set versions kept, so flows decided just before a reload still match
 RELOAD_MIN_INTERVAL_S = 0.5
 
@@ -205,7 +205,21 @@ class StockadeAddon:
             return
         self.requests_seen += 1
         req = flow.request
-        if not flow.client_conn.tls_established or (req.host, req.port) != (meta.ip, meta.port):
+        syntax = request_syntax_error(req.data.method, req.data.path, req.data.headers.fields)
+        if flow.error is not None:
+            # mitmproxy's own validation refused the head (duplicate or invalid
+            # Content-Length, Content-Length with Transfer-Encoding, ...): it answers 400
+            # (with our body, see _install_error_pages); the event says so
+            msg = flow.error.msg[:200]
+            d = _refused(Reason.PROTOCOL_UNRECOGNISED, meta, msg)
+            self._request_event(meta, flow, d, status=400)
+            return
+        if syntax is not None:  # before anything else: nothing of it may reach the upstream
+            d = _refused(Reason.PROTOCOL_UNRECOGNISED, meta, syntax)
+        elif not flow.client_conn.tls_established or (req.host, req.port) != (
+            meta.ip,
+            meta.port,
+        ):
             d = _refused(Reason.DESTINATION_MISMATCH, meta, "request outside the checked tunnel")
         else:
             ruleset = self.rules.get(meta.policy_version)
@@ -222,15 +236,24 @@ class StockadeAddon:
             req.stream = True  # bodies go through, never buffered here
             return
         req.stream = False
-        te = "transfer-encoding" in req.headers
-        try:
-            length = int(req.headers.get("content-length", "0") or 0)
-        except ValueError:
-            length = MAX_DENIED_BODY + 1
-        if te or length > MAX_DENIED_BODY:
-            flow.kill()  # no 403 without reading the body; the event says why
-            return
+        # a body still to come is never read: the stream patch (see _install_stream_patch)
+        # sends this 403 at once and then resets the stream (HTTP/1: closes the connection)
         flow.response = _deny_response(http, d.reason, d.rule_id, meta)
+        flow.metadata[DENIED_EARLY] = True
+
+    def request(self, flow: Any) -> None:
+        """The whole request went through (allowed ones stream): trailers are refused (a
+        trailer could carry what header checks refuse, and is written verbatim to an
+        HTTP/1.1 upstream); they are dropped before they are sent, and the flow ends."""
+        meta = self.flows.get(flow.client_conn.id)
+        if flow.request.trailers:
+            flow.request.trailers = None
+            if meta is not None:
+                self._request_event(
+                    meta, flow, _refused(Reason.PROTOCOL_UNRECOGNISED, meta, "request trailers")
+                )
+            if flow.killable:
+                flow.kill()
 
     def error(self, flow: Any) -> None:
         """mitmproxy would answer an upstream failure (refused, certificate not valid for
@@ -254,7 +277,9 @@ class StockadeAddon:
             flow.response.stream = True
 
     # -- events -----------------------------------------------------------------------------
-    def _request_event(self, meta: FlowMeta, flow: Any, d: RequestDecision) -> None:
+    def _request_event(
+        self, meta: FlowMeta, flow: Any, d: RequestDecision, status: int = 403
+    ) -> None:
         req = flow.request
         path = req.path.split("?", 1)[0][:2048]
         extra: dict[str, Any] = {
@@ -285,7 +310,7 @@ class StockadeAddon:
                 protocol="http",
                 http_method=req.method[:32],
                 url={"scheme": "https", "domain": meta.host, "port": meta.port, "path": path},
-                http_status=None if d.allowed else 403,
+                http_status=None if d.allowed else status,
                 message=d.detail or None,
                 extra=extra,
             )
@@ -347,6 +372,99 @@ def _norm(name: str) -> str | None:
         return normalize_host(name)
     except HostError:
         return None
+
+
+_PATCHED = False
+
+
+def _install_stream_patch() -> None:
+    """mitmproxy answers a response set in `requestheaders` only after it has read (and
+    buffered) the whole request body: a denied upload of any size would sit in the
+    inspector's memory. This wraps HttpStream's header state so that, for a request the
+    addon denied (DENIED_EARLY) whose body is still to come, the 403 goes out at once, the
+    stream is reset (HTTP/2 RST_STREAM; HTTP/1 closes the connection) and whatever body
+    arrives later is dropped unread. Checked against mitmproxy 11.0.x."""
+    global _PATCHED
+    if _PATCHED:
+        return
+    from mitmproxy.http import status_codes
+    from mitmproxy.proxy.layers.http import HttpStream, ResponseEndOfMessage, SendHttp
+    from mitmproxy.proxy.layers.http._events import ResponseProtocolError
+
+    orig = HttpStream.state_wait_for_request_headers
+
+    def state_wait_for_request_headers(self: Any, event: Any) -> Any:
+        yield from orig(self, event)
+        f = getattr(self, "flow", None)
+        if (
+            f is None
+            or f.response is None
+            or not f.metadata.get(DENIED_EARLY)
+            or getattr(event, "end_stream", True)
+            or self.client_state != self.state_consume_request_body
+        ):
+            return
+        self.client_state = self.state_errored  # the body: dropped unread
+        yield from self.send_response()
+        self.server_state = self.state_errored
+        yield SendHttp(ResponseEndOfMessage(self.stream_id), self.context.client)
+        yield SendHttp(
+            ResponseProtocolError(self.stream_id, "denied", status_codes.NO_RESPONSE),
+            self.context.client,
+        )
+        f.live = False
+
+    state_wait_for_request_headers.__name__ = orig.__name__
+    HttpStream.state_wait_for_request_headers = state_wait_for_request_headers  # type: ignore[method-assign]
+    _install_error_pages()
+    _PATCHED = True
+
+
+def _stockade_error_response(status_code: int, message: str = "") -> bytes:
+    """mitmproxy's HTTP/1 error page (an HTML page with `Server: mitmproxy <version>` and
+    its parser's message) replaced by Stockade's small JSON body; the message goes to the
+    inspector's log only."""
+    from mitmproxy import http
+    from mitmproxy.net.http import http1
+
+    log.info("inspector: client protocol error %s: %s", status_code, message)
+    resp = http.Response.make(
+        status_code,
+        denial_body(str(Reason.PROTOCOL_UNRECOGNISED), None, None),
+        {
+            "Connection": "close",
+            "Content-Type": "application/json",
+            "X-Stockade-Deny": str(Reason.PROTOCOL_UNRECOGNISED),
+        },
+    )
+    return http1.assemble_response(resp)
+
+
+def _install_error_pages() -> None:
+    """No mitmproxy error page, version or parser message ever reaches the sandbox:
+    HTTP/1 error responses and HTTP/2 error streams carry Stockade's JSON body with
+    `Server: stockade`, and an HTTP/2 GOAWAY carries no debug text."""
+    import types
+
+    import h2.errors
+    from mitmproxy.proxy.commands import Log, SendData
+    from mitmproxy.proxy.layers.http import _http1, _http2
+
+    _http1.make_error_response = _stockade_error_response
+    _http2.format_error = lambda code, message: denial_body(  # type: ignore[assignment]
+        str(Reason.PROTOCOL_UNRECOGNISED), None, None
+    )
+    _http2.version = types.SimpleNamespace(MITMPROXY="stockade")  # type: ignore[assignment]
+
+    def protocol_error(
+        self: Any, message: str, error_code: int = h2.errors.ErrorCodes.PROTOCOL_ERROR
+    ) -> Any:
+        yield Log(f"inspector: HTTP/2 protocol error: {message}")
+        self.h2_conn.close_connection(error_code)  # no additional_data: no message
+        yield SendData(self.conn, self.h2_conn.data_to_send())
+        yield from self.close_connection(message)
+
+    _http2.Http2Connection.protocol_error = protocol_error  # type: ignore[method-assign]
 
 
 def _refuse_layer_class() -> type:
@@ -428,6 +546,7 @@ async def run_inspector(spec: dict[str, Any], stdin_eof: asyncio.Event | None = 
     )
     rules = RulesByVersion(spec["rules_dir"])
     rules.load()
+    _install_stream_patch()
     opts = options.Options()
     master = Master(opts)
     addon = StockadeAddon(key, rules, writer.write)
