@@ -455,7 +455,10 @@ class Launcher:
                    "duration_s": round(duration, 6)},
         ))
         if vm_failed is not None:  # torn down above, like any sandbox that fails to start
-            raise LauncherError(vm_failed)
+            # QEMU's and the console's words go to the orchestrator without host paths (the
+            # raw line is in the launcher's log, see _vm_outcome)
+            raise LauncherError(_scrub_vm_error(vm_failed, self._scrubber(rec, spec),
+                                                self.s.microvm.image_dir))
         scrubber = self._scrubber(rec, spec)
         stdout = scrub.scrub(bytes(out_cap.buf).decode("utf-8", "replace") if out_cap else "",
                              scrubber)
@@ -839,9 +842,15 @@ class Launcher:
             except ValueError as e:
                 raise LauncherError(f"cannot start the microVM: {e}") from None
             # QEMU joins the sandbox's cgroups before it allocates anything (a shell that
-            # moves itself, then execs), then enters the netns; the paths are arguments
+            # moves itself, then execs), then enters the netns, and runs as pid 1 of a pid
+            # namespace of its own with its own /proc (it sees no host process; its end
+            # ends the namespace) in a private mount namespace; the paths are arguments.
+            # No chroot: QEMU 7.2's 9p server still resolves some operations (file
+            # creation) by path, and the scratch share fails under -chroot
             argv = ["sh", "-c", _JOIN_CGROUPS, "sh", *cg.procs_files(), "--",
-                    "nsenter", f"--net={netns.NETNS_DIR}/{rec.netns}", "--", *qargv]
+                    "nsenter", f"--net={netns.NETNS_DIR}/{rec.netns}", "--",
+                    "unshare", "--pid", "--fork", "--kill-child", "--mount",
+                    "--propagation", "private", "--mount-proc", "--", *qargv]
             live.proc = subprocess.Popen(
                 argv, env={"PATH": SANDBOX_PATH}, stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, close_fds=True,
@@ -1200,6 +1209,19 @@ def _copy_into(b: initscript.Bind, dest: Path) -> None:
 @functools.cache
 def _init_source() -> str:
     return (Path(__file__).with_name("sandbox_init.py")).read_text()
+
+
+_ABS_PATH = re.compile(r"(?<![\w.])/[^\s,:;'\"()\[\]]+")
+
+
+def _scrub_vm_error(text: str, scrubber: scrub.Scrubber, image_dir: str) -> str:
+    """A failed microVM's reason (QEMU's last error line or the console's) for the caller:
+    every absolute path (QEMU names its shares, kernel, fd paths) becomes <host-path>, then
+    the sandbox's scrubbing (addresses, environment values, the host name; the image's
+    directory too, in case a path hides in some other shape)."""
+    text = _ABS_PATH.sub("<host-path>", text)
+    extra = scrub.build(host_paths=[os.path.realpath(image_dir), image_dir])
+    return scrub.scrub(scrub.scrub(text, scrubber), extra)
 
 
 def _lifecycle_reason(ended_by: str) -> str | None:

@@ -149,8 +149,13 @@ def test_netns_wiring_for_a_vm() -> None:
         "filter add dev eth0 parent ffff: protocol all u32 match u32 0 0 "
         "action mirred egress redirect dev tap0",
         "qdisc add dev tap0 ingress",
-        "filter add dev tap0 parent ffff: protocol all u32 match u32 0 0 "
-        "action mirred egress redirect dev eth0",
+        # towards the host: IPv4 from the guest's MAC, ARP from its MAC and address for the
+        # host side's only; nothing else leaves the netns
+        "filter add dev tap0 parent ffff: protocol ip prio 1 u32 match ether src "
+        "02:00:0a:d5:7a:02 action mirred egress redirect dev eth0",
+        "filter add dev tap0 parent ffff: protocol arp prio 2 u32 match ether src "
+        "02:00:0a:d5:7a:02 match u16 0x0ad5 0xffff at 14 match u16 0x7a02 0xffff at 16 "
+        "match u32 0x0ad57a01 0xffffffff at 24 action mirred egress redirect dev eth0",
     ]
 
 
@@ -183,3 +188,16 @@ def test_guest_layout() -> None:
     assert "9p etc ro /etc\n9p etc-gen ro /sbx/etc\n" in table
     assert "bind /sbx/etc/resolv.conf /etc/resolv.conf\nbind /sbx/etc/hosts /etc/hosts\n" in table
     assert copies == [] and "/sbx/in" not in table
+
+
+def test_a_failed_vms_reason_carries_no_host_path() -> None:
+    from stockade.launcher import scrub
+    from stockade.launcher.core import _scrub_vm_error
+
+    raw = ("the microVM failed: qemu-system-x86_64: -fsdev local,id=fs3,path=/data/in put,"
+           "security_model=none: cannot open '/var/cache/stockade/vm/.vm.1/vmlinux': "
+           "(fd /proc/self/fd/5) from 10.1.2.3")
+    got = _scrub_vm_error(raw, scrub.build(addresses=["10.1.2.3"]), "/var/cache/stockade/vm")
+    assert got == ("the microVM failed: qemu-system-x86_64: -fsdev local,id=fs3,"
+                   "path=<host-path> put,security_model=none: cannot open '<host-path>': "
+                   "(fd <host-path>) from <infra-address>")
