@@ -130,6 +130,7 @@ class Relay:
         on_activity: Callable[[], None],
         first: bytes = b"",
         first_sent: int = 0,
+        up_limit: int | None = None,
     ) -> None:
         self.client = client
         self.upstream = upstream
@@ -142,6 +143,9 @@ class Relay:
         self.bytes_down = 0
         self._up_waiter: asyncio.Future[None] | None = None  # the upload side's wait
         self._failed: BaseException | None = None  # the download side's failure
+        # at most this many bytes (with `first`) ever go upstream; the client's bytes
+        # after them are never read (a plain-HTTP request's framed end, see server.py)
+        self.up_left = None if up_limit is None else max(0, up_limit - len(first))
 
     async def run(self) -> None:
         """Return when both directions are done; raise UploadLimit / OSError on failure.
@@ -205,6 +209,9 @@ class Relay:
 
     async def _pump(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
         loop = asyncio.get_running_loop()
+        if up and self.up_left is not None:
+            await self._pump_limited(loop, src, dst)
+            return
         # the client has just sent its first message and usually waits for an answer:
         # wait for more instead of asking (an EAGAIN syscall per connection)
         await self._wait_up(loop, src.fileno(), write=False)
@@ -249,6 +256,33 @@ class Relay:
             finally:
                 if not clean:
                     self.pool.discard(pipe)  # bytes may remain inside: never reuse
+
+    async def _pump_limited(
+        self, loop: asyncio.AbstractEventLoop, src: socket.socket, dst: socket.socket
+    ) -> None:
+        """The upload direction with `up_left`: copies that many bytes, then stops reading
+        the client (no half-close: some servers take it for an aborted request). The
+        client's EOF before that is passed on as usual."""
+        assert self.up_left is not None
+        buf = bytearray(CHUNK)
+        view = memoryview(buf)
+        while self.up_left > 0:
+            try:
+                n = src.recv_into(view[: min(CHUNK, self.up_left)])
+            except BlockingIOError:
+                await self._wait_up(loop, src.fileno(), write=False)
+                continue
+            except InterruptedError:
+                continue
+            if n == 0:
+                with contextlib.suppress(OSError):
+                    dst.shutdown(socket.SHUT_WR)
+                return
+            if not self.count_up(n):
+                raise UploadLimit
+            await self._send_all(loop, dst, view[:n])
+            self.up_left -= n
+            self._account(n, True)
 
     async def _pump_copy(
         self, loop: asyncio.AbstractEventLoop, src: socket.socket, dst: socket.socket, up: bool

@@ -53,7 +53,7 @@ from .resolver import Resolver
 from .rulesource import RulesHolder
 from .settings import GatewaySettings
 from .sniff_common import NEED_MORE, SniffError
-from .sniff_http import HttpSniffer, RequestHead, force_close, looks_like_http
+from .sniff_http import HttpSniffer, RequestHead, body_length, force_close, looks_like_http
 from .sniff_tls import ClientHello, TlsSniffer, looks_like_tls
 
 log = logging.getLogger("stockade.gateway")
@@ -406,7 +406,7 @@ class Gateway:
             pre = self._connect_verdict(connect_head, ruleset, task.profile)
             # the inspector decides per request, not this (a CONNECT alone is "tcp")
             l7 = pre.reason is Reason.INSPECTION_UNAVAILABLE and self._inspectable(pre, "tcp")
-            if not pre.allowed and not l7:
+            if (not pre.allowed or pre.reason is Reason.INSPECTION_UNAVAILABLE) and not l7:
                 pre = self._why_uninspected(pre)
                 self._decision_event(conn, pre, None)
                 await self._send_and_close(conn, http_denial(pre.reason, pre.rule_id, task.task_id))
@@ -446,6 +446,21 @@ class Gateway:
         decision = decide_flow(
             inp, ruleset, task.profile, prior=pre if connect_head is not None else None
         )
+        if (
+            decision.allowed
+            and decision.protocol == "http"
+            and inner.http is not None
+            and body_length(inner.http) is None
+        ):
+            # only the first request of a plain-HTTP connection is decided, and the relay
+            # forwards exactly its head and body: a body it cannot count is refused
+            decision = replace(
+                decision,
+                allowed=False,
+                reason=Reason.PROTOCOL_UNRECOGNISED,
+                report_only=False,
+                detail="plain-HTTP request body without a plain Content-Length (chunked)",
+            )
         if decision.reason is Reason.INSPECTION_UNAVAILABLE and self._inspectable(decision):
             # method/path rules on a TLS flow: resolved and checked here, decided per
             # request by the inspector (gateway/inspection.py)
@@ -459,7 +474,10 @@ class Gateway:
                 decision = replace(
                     decision, allowed=True, reason=Reason.INSPECTED, report_only=False
                 )
-        elif not decision.allowed:
+        elif not decision.allowed or decision.reason is Reason.INSPECTION_UNAVAILABLE:
+            # (report mode lets a policy denial through, never a flow that needs the
+            # inspector while it is down or disabled: the Host/SNI checks inside TLS and
+            # the per-request decisions would be skipped)
             if early is not None:
                 await _discard(early)
             decision = self._why_uninspected(decision)
@@ -485,9 +503,15 @@ class Gateway:
             reason, detail, status = failure
             return await self._deny_resolved(conn, decision, reason, detail, status=status)
         elapsed = time.monotonic() - conn.started
+        up_limit: int | None = None
         if inner.http is not None and decision.protocol == "http":
-            # one inspected request per plain-HTTP connection (see sniff_http.force_close)
-            inner.data = force_close(inner.http, inner.data)
+            # one decided request per plain-HTTP connection (see sniff_http.force_close):
+            # its head and Content-Length body go upstream, nothing the client sends after
+            # (a pipelined second request) is ever read from it
+            closed = force_close(inner.http, inner.data)
+            head_len = inner.http.head_len + len(closed) - len(inner.data)
+            up_limit = head_len + (body_length(inner.http) or 0)
+            inner.data = closed[:up_limit]
         if inner.data and not self._count_up(task, len(inner.data)):
             upstream.close()
             self._decision_event(conn, decision, dialled)
@@ -507,6 +531,7 @@ class Gateway:
             on_activity=lambda: _touch(conn),
             first=inner.data,
             first_sent=sent,
+            up_limit=up_limit,
         )
         return upstream, relay, (decision, dialled)
 
@@ -527,6 +552,7 @@ class Gateway:
         """A denial `inspection_unavailable` with the inspector's state in its detail."""
         if d.reason != Reason.INSPECTION_UNAVAILABLE:
             return d
+        d = replace(d, allowed=False, report_only=False)  # enforced in report mode too
         if self.inspector is None:
             why = "L7 inspection is disabled (gateway.inspection.enabled)"
         elif d.protocol == "http":

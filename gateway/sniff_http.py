@@ -248,3 +248,27 @@ def force_close(head: RequestHead, data: bytes) -> bytes:
     ]
     kept.append(b"Connection: close")
     return b"\r\n".join(kept) + b"\r\n\r\n" + data[head.head_len :]
+
+
+_DIGITS = frozenset("0123456789")
+
+
+def body_length(head: RequestHead) -> int | None:
+    """The length of the request body that follows `head`, from its framing headers; None
+    when it is not a plain Content-Length the gateway can count (Transfer-Encoding, with
+    or without Content-Length, or Content-Length values that are not one decimal number).
+    No Content-Length and no Transfer-Encoding: no body (RFC 9112 6.3)."""
+    lengths: set[str] = set()
+    for name, value in head.headers:
+        n = name.lower()
+        if n == "transfer-encoding":
+            return None
+        if n == "content-length":
+            for part in value.split(","):
+                v = part.strip()
+                if not v or not set(v) <= _DIGITS or len(v) > 15:
+                    return None
+                lengths.add(v.lstrip("0") or "0")
+    if len(lengths) > 1:
+        return None
+    return int(lengths.pop()) if lengths else 0
