@@ -218,7 +218,10 @@ def encode_plan(plan: dict[str, Any]) -> bytes:
 
 
 def qemu_argv(v: VmSpec) -> list[str]:
-    machine = "microvm"
+    # no legacy PIT and PIC (the guest's timers: TSC (its rate on the command line under
+    # TCG) and the local APIC; interrupts: the I/O APIC), no option ROMs; the RTC stays: it
+    # is the guest's only wall clock under TCG (no kvmclock), and TLS needs the date
+    machine = "microvm,pit=off,pic=off,x-option-roms=off"
     argv = [v.qemu, "-M", machine, "-nodefaults", "-no-user-config", "-nographic",
             "-no-reboot"]
     if v.accel == "kvm":

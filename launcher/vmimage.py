@@ -11,6 +11,7 @@ process until the kernel, image or QEMU changes.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from .microvm import Accel
 
@@ -93,30 +95,57 @@ def _mtime(path: str | None) -> float:
         return 0.0
 
 
+# a probe that timed out (a host busy enough to slow a KVM boot, or KVM guests that hang)
+# is tried again after this long; a probe that failed outright is kept until the key changes
+TIMEOUT_RETRY_S = 3600.0
+Probe = Literal["ok", "failed", "timeout"]
+
+
+def _cached(cache_file: Path, key: str) -> Accel | None:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        cached = json.loads(cache_file.read_text())
+        expires = cached.get("expires_at")
+        if (cached.get("key") == key and cached.get("accel") in ("kvm", "tcg")
+                and (expires is None or time.time() < expires)):
+            return cached["accel"]  # type: ignore[no-any-return]
+    return None
+
+
 def resolve_accel(setting: str, qemu: str, image: Image, cache_file: Path,
                   timeout_s: float) -> Accel:
-    """`kvm`/`tcg` as configured; `auto`: the cached probe's answer (probing when unknown)."""
+    """`kvm`/`tcg` as configured; `auto`: the cached probe's answer (probing when unknown).
+    Concurrent first sandboxes (any launcher process) probe once: the probe runs under a
+    flock of `<cache_file>.lock`, and whoever waited finds the answer cached."""
     if setting in ("kvm", "tcg"):
         return setting  # type: ignore[return-value]
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
         return "tcg"
     key = probe_key(qemu, image)
-    with contextlib.suppress(OSError, ValueError):
-        cached = json.loads(cache_file.read_text())
-        if cached.get("key") == key and cached.get("accel") in ("kvm", "tcg"):
-            return cached["accel"]  # type: ignore[no-any-return]
-    accel: Accel = "kvm" if probe_kvm(qemu, image, timeout_s) else "tcg"
-    with contextlib.suppress(OSError):
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=cache_file.parent, prefix=".accel.")
-        with os.fdopen(fd, "w") as fh:
-            json.dump({"key": key, "accel": accel, "probed_at": time.time()}, fh)
-        os.replace(tmp, cache_file)
+    hit = _cached(cache_file, key)
+    if hit is not None:
+        return hit
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(cache_file.with_name(cache_file.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        hit = _cached(cache_file, key)  # probed by another process while we waited
+        if hit is not None:
+            return hit
+        result = probe_kvm(qemu, image, timeout_s)
+        accel: Accel = "kvm" if result == "ok" else "tcg"
+        now = time.time()
+        entry = {"key": key, "accel": accel, "probed_at": now, "probe": result,
+                 "expires_at": now + TIMEOUT_RETRY_S if result == "timeout" else None}
+        with contextlib.suppress(OSError):
+            fd, tmp = tempfile.mkstemp(dir=cache_file.parent, prefix=".accel.")
+            with os.fdopen(fd, "w") as fh:
+                json.dump(entry, fh)
+            os.replace(tmp, cache_file)
     return accel
 
 
-def probe_kvm(qemu: str, image: Image, timeout_s: float) -> bool:
-    """True when a KVM guest boots to its init and ends within `timeout_s`."""
+def probe_kvm(qemu: str, image: Image, timeout_s: float) -> Probe:
+    """"ok" when a KVM guest boots to its init and ends within `timeout_s`, "timeout" when it
+    does not end in time, "failed" otherwise."""
     argv = [qemu, "-M", "microvm", "-nodefaults", "-no-user-config", "-nographic",
             "-no-reboot", "-accel", "kvm", "-cpu", "host", "-m", "128M", "-smp", "1",
             "-kernel", image.kernel, "-initrd", image.initrd,
@@ -124,8 +153,10 @@ def probe_kvm(qemu: str, image: Image, timeout_s: float) -> bool:
     try:
         proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
                               timeout=timeout_s, check=False)
-    except (subprocess.TimeoutExpired, OSError):
-        return False
+    except subprocess.TimeoutExpired:
+        return "timeout"
+    except OSError:
+        return "failed"
     # the init, finding no config share, says so on the console and reboots
-    return proc.returncode == 0 and b"stockade-vm-init" in proc.stdout
+    return "ok" if proc.returncode == 0 and b"stockade-vm-init" in proc.stdout else "failed"
 

@@ -86,8 +86,10 @@ sys.exit(3)
 
 
 def _vm_proc_gone(task_id: str) -> bool:
-    # QEMU's argv names the sandbox's own directories: none may outlive the sandbox
-    return subprocess.run(["pgrep", "-f", f"/{task_id}/"], capture_output=True).returncode == 1
+    # QEMU's argv names the sandbox's own directories: no QEMU of it may outlive the
+    # sandbox (matched on QEMU's own command line, not a wrapper's that names the paths)
+    return subprocess.run(["pgrep", "-f", rf"^\S*qemu-system-\S+ .*/{task_id}/"],
+                          capture_output=True).returncode == 1
 
 
 def test_command_runs_in_a_microvm(lab: Lab, fake_internet: Any, tmp_path: Path) -> None:
@@ -461,18 +463,50 @@ def test_accel_auto_is_probed_once_and_cached(lab: Lab, tmp_path: Path,
     image = vmimage.load_image(lab.config.launcher.microvm.image_dir)
     cache = tmp_path / "accel.json"
     qemu = lab.config.launcher.microvm.qemu
-    got = vmimage.resolve_accel("auto", qemu, image, cache, timeout_s=5)
-    assert got in ("kvm", "tcg")
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
-        assert got == "tcg" and not cache.exists()
+        assert vmimage.resolve_accel("auto", qemu, image, cache, timeout_s=5) == "tcg"
+        assert not cache.exists()
         return
-    assert json.loads(cache.read_text())["accel"] == got
+    # the real probe boot (KVM guests hang on the development VMs: a timeout there)
+    assert vmimage.probe_kvm(qemu, image, 5) in ("ok", "failed", "timeout")
+    calls: list[object] = []
 
-    def no_probe(*a: object) -> bool:
+    def slow_timeout(*a: object) -> str:
+        calls.append(a)
+        time.sleep(0.3)
+        return "timeout"
+
+    # concurrent first sandboxes: one probe (under the flock), every one gets its answer
+    monkeypatch.setattr(vmimage, "probe_kvm", slow_timeout)
+    got: list[str] = []
+    threads = [threading.Thread(target=lambda: got.append(
+        vmimage.resolve_accel("auto", qemu, image, cache, timeout_s=5))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == ["tcg"] * 4 and len(calls) == 1
+    entry = json.loads(cache.read_text())
+    assert (entry["accel"], entry["probe"]) == ("tcg", "timeout")
+    assert entry["expires_at"] > time.time()
+
+    def no_probe(*a: object) -> str:
         raise AssertionError("probed again")
 
+    # the next run uses the cached answer
     monkeypatch.setattr(vmimage, "probe_kvm", no_probe)
-    assert vmimage.resolve_accel("auto", qemu, image, cache, timeout_s=5) == got
+    assert vmimage.resolve_accel("auto", qemu, image, cache, timeout_s=5) == "tcg"
+    # a timed-out answer expires (a loaded host is not stuck with TCG): probed again
+    cache.write_text(json.dumps({**entry, "expires_at": time.time() - 1}))
+    monkeypatch.setattr(vmimage, "probe_kvm", lambda *a: "ok")
+    assert vmimage.resolve_accel("auto", qemu, image, cache, timeout_s=5) == "kvm"
+    assert json.loads(cache.read_text())["expires_at"] is None  # a success is kept
+    monkeypatch.setattr(vmimage, "probe_kvm", no_probe)
+    assert vmimage.resolve_accel("auto", qemu, image, cache, timeout_s=5) == "kvm"
+    # another image (another key) is probed anew; a configured accel never probes
+    other = vmimage.Image(image.kernel, image.initrd, "another-stamp")
+    with pytest.raises(AssertionError, match="probed again"):
+        vmimage.resolve_accel("auto", qemu, other, cache, timeout_s=5)
     assert vmimage.resolve_accel("tcg", qemu, image, cache, timeout_s=5) == "tcg"
 
 

@@ -49,7 +49,9 @@ def test_backend_per_isolation_tier() -> None:
 def test_qemu_argv() -> None:
     argv = microvm.qemu_argv(_spec())
     joined = " ".join(argv)
-    assert argv[:3] == ["/usr/bin/qemu-system-x86_64", "-M", "microvm"]
+    # no legacy PIT, PIC, option ROMs; the RTC (the guest's wall clock under TCG) stays
+    assert argv[:3] == ["/usr/bin/qemu-system-x86_64", "-M",
+                        "microvm,pit=off,pic=off,x-option-roms=off"]
     for flag in ("-nodefaults", "-no-user-config", "-nographic", "-no-reboot"):
         assert flag in argv
     assert argv[argv.index("-accel") + 1] == "tcg,tb-size=64"
