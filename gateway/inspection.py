@@ -49,6 +49,9 @@ from stockade.policy.ruleset import RuleSet
 from .sniff_http import AuthorityError, parse_authority
 
 FLOW_HEADER = "Stockade-Flow"
+# the supervisor's liveness probe: `CONNECT <HEALTH_HOST>:1` without FLOW_HEADER, answered
+# 403 by the inspector's event loop (never dialled: .invalid never resolves, nothing does)
+HEALTH_HOST = "health.stockade.invalid"
 META_VERSION = 1
 _B64 = re.compile(r"^[A-Za-z0-9_-]{1,4096}$")
 _PROFILE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")  # policy/schema.py NAME_PATTERN
@@ -334,11 +337,12 @@ def ca_cert_file(directory: Path) -> Path:
 
 
 def ensure_ca(directory: Path) -> Path:
-    """Create the inspector's CA once (key files 0600, directory 0700) and return the
-    path of its certificate. An existing CA is reused, so sandboxes keep trusting it
-    across gateway restarts."""
-    directory.mkdir(parents=True, exist_ok=True)
-    os.chmod(directory, 0o755)  # noqa: S103 - the certificate is public; keys are 0600
+    """Create the inspector's CA once (key files 0600) and return the path of its
+    certificate. A missing directory is made 0700; an existing one (an operator's
+    `ca_dir`) keeps its mode and owner: it is never loosened. An existing CA is reused,
+    so sandboxes keep trusting it across gateway restarts."""
+    if not directory.is_dir():
+        directory.mkdir(parents=True, mode=0o700, exist_ok=True)
     key_file = directory / f"{CA_BASENAME}-ca.pem"
     if not key_file.exists():
         from mitmproxy.certs import CertStore  # only where a CA is actually made

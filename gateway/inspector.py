@@ -47,6 +47,7 @@ from stockade.events import EventWriter, make_event
 from .inspection import (
     CA_BASENAME,
     FLOW_HEADER,
+    HEALTH_HOST,
     FlowMeta,
     InnerRequest,
     MetaError,
@@ -129,6 +130,10 @@ class StockadeAddon:
                 meta, flow, _refused(Reason.PROTOCOL_UNRECOGNISED, meta, "CONNECT inside")
             )
             flow.response = _deny_response(http, Reason.PROTOCOL_UNRECOGNISED, None, meta)
+            return
+        if FLOW_HEADER not in flow.request.headers and flow.request.host == HEALTH_HOST:
+            # the supervisor's liveness probe: answered by the event loop, nothing logged
+            flow.response = http.Response.make(403, b"", {"Connection": "close"})
             return
         try:
             meta = decode_meta(flow.request.headers.get(FLOW_HEADER, ""), self.key)

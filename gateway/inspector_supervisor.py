@@ -28,7 +28,7 @@ from typing import Any
 
 from stockade.config import Config
 
-from .inspection import FlowMeta, ca_dir, connect_request, ensure_ca
+from .inspection import HEALTH_HOST, FlowMeta, ca_dir, connect_request, ensure_ca
 from .relay import wait_fd
 from .settings import InspectionSettings
 
@@ -56,6 +56,8 @@ class InspectorSupervisor:
         self.attempts = 0  # hand-offs begun, whether or not the inspector took them
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self.hung = 0  # children killed because they stopped answering the health probe
+        self.delay = 0.0  # the last restart delay (tests, health)
 
     @property
     def ready(self) -> bool:
@@ -115,11 +117,11 @@ class InspectorSupervisor:
         }
 
     async def _supervise(self) -> None:
-        delay = self.settings.restart_delay_s
+        delay = 0.0
         while not self._stopping:
-            ok = False
+            uptime = 0.0
             try:
-                ok = await self._run_once()
+                uptime = await self._run_once()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a failure to spawn: retry later
@@ -128,15 +130,13 @@ class InspectorSupervisor:
             self.port = None
             if self._stopping:
                 return
-            delay = (
-                self.settings.restart_delay_s
-                if ok
-                else min(delay * 2, self.settings.restart_delay_max_s)
-            )
+            delay = next_delay(delay, uptime, self.settings)
+            self.delay = delay
             await asyncio.sleep(delay)
 
-    async def _run_once(self) -> bool:
-        """Start one child and wait until it exits; True if it had become ready."""
+    async def _run_once(self) -> float:
+        """Start one child and wait until it exits (or is killed as hung); the seconds it
+        was ready (0: it never became ready)."""
         self.key = secrets.token_bytes(32)
         self.starts += 1
         self.proc = proc = await asyncio.create_subprocess_exec(
@@ -160,16 +160,65 @@ class InspectorSupervisor:
             self.why = "the inspector did not become ready"
             log.warning("inspector: not ready after start (exit code %s)", proc.returncode)
             await self._terminate()
-            return False
+            return 0.0
+        loop = asyncio.get_running_loop()
+        ready_at = loop.time()
         self.port = port
         self.why = ""
         log.info("inspector: ready on port %s (pid %s)", port, proc.pid)
-        code = await proc.wait()
+        exited = asyncio.ensure_future(proc.wait())
+        try:
+            failures = 0
+            while not exited.done():
+                await asyncio.wait({exited}, timeout=self.settings.health_interval_s)
+                if exited.done():
+                    break
+                if await self._probe(port):
+                    failures = 0
+                    continue
+                failures += 1
+                if failures >= self.settings.health_failures:
+                    self.port = None
+                    self.hung += 1
+                    self.why = "the inspector stopped answering and is being restarted"
+                    log.error(
+                        "inspector: pid %s did not answer %d health probes; killing it",
+                        proc.pid,
+                        failures,
+                    )
+                    await self._terminate()
+                    break
+            code = await exited
+        finally:
+            if not exited.done():
+                exited.cancel()
         self.port = None
-        self.why = f"the inspector exited (code {code}) and is being restarted"
-        log.warning("inspector: exited with code %s; restarting", code)
+        if self.why == "":
+            self.why = f"the inspector exited (code {code}) and is being restarted"
+            log.warning("inspector: exited with code %s; restarting", code)
         self.proc = None
-        return True
+        return loop.time() - ready_at
+
+    async def _probe(self, port: int) -> bool:
+        """Does the inspector's event loop answer a hand-off connection in time?"""
+        host = self.settings.listen.rpartition(":")[0].strip("[]")
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port), self.settings.health_timeout_s
+            )
+        except (OSError, TimeoutError):
+            return False
+        try:
+            target = f"{HEALTH_HOST}:1"
+            writer.write(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+            line = await asyncio.wait_for(reader.readline(), self.settings.health_timeout_s)
+            return line.startswith(b"HTTP/1.1 ")
+        except (OSError, TimeoutError):
+            return False
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
 
     async def handoff(self, meta: FlowMeta) -> socket.socket:
         """A connected socket whose far end is the inspector, tunnelled to meta's checked
@@ -222,3 +271,12 @@ class InspectorSupervisor:
 
 
 _IN_PROGRESS = (errno.EINPROGRESS, errno.EINTR, errno.EAGAIN)
+
+
+def next_delay(previous: float, uptime: float, s: InspectionSettings) -> float:
+    """The wait before the next start: restart_delay_s after a child that was up for
+    stable_after_s, else double the previous delay (up to restart_delay_max_s), so a
+    child that crashes soon after ready (a crash loop) is not restarted every 0.5 s."""
+    if uptime >= s.stable_after_s or previous <= 0:
+        return s.restart_delay_s
+    return min(previous * 2, s.restart_delay_max_s)

@@ -567,10 +567,20 @@ class Gateway:
         """Resolve and check like any flow, then hand the checked address to the inspector
         (never the name, never the client's destination). The result's socket is the
         inspector's end of the tunnel; the relay runs between it and the client."""
-        _, ip, failure = await self._checked_dial(d, task, ruleset, connect=False)
+        _, checked, failure = await self._checked_dial(d, task, ruleset, connect=False)
         if failure is not None:
             return None, "", failure
         assert d.host is not None
+        addresses = checked.split()
+        ip = addresses[0]
+        if len(addresses) > 1:
+            # the inspector dials one address, lazily: pick the first that accepts a
+            # connection (as _dial does for every other flow) before handing it over
+            probe, ip = await self._dial(addresses, d.port)
+            if probe is None:
+                detail = "no checked address accepted the connection"
+                return None, "", (Reason.UPSTREAM_UNREACHABLE, detail, 502)
+            probe.close()
         meta = FlowMeta(
             connection_id=conn.id,
             task_id=task.task_id,
@@ -646,8 +656,8 @@ class Gateway:
         connect: bool = True,
     ) -> DialResult:
         """Resolve (names) or check (cidr literals) and connect to a checked address.
-        `connect=False`: only resolve and check; the result is (None, the first checked
-        address, None) for the inspector to dial."""
+        `connect=False`: only resolve and check; the result is (None, the checked
+        addresses separated by spaces, None) for `_inspect`."""
         candidates: list[str]
         if d.ip is not None:
             category = self.address_policy.check(d.ip)
@@ -698,7 +708,7 @@ class Gateway:
                 return None, "", (Reason.RESOLVE_FAILED, detail, 403)
             candidates = list(res.addresses)
         if not connect:
-            return None, candidates[0], None
+            return None, " ".join(candidates), None
         sock, ip = await self._dial(candidates, d.port)
         if sock is None:
             detail = "no checked address accepted the connection"

@@ -27,6 +27,14 @@ class InspectionSettings(BaseModel):
     start_timeout_s: float = Field(30.0, gt=0)  # from spawn to "ready" before it is restarted
     restart_delay_s: float = Field(0.5, gt=0)  # first delay before a restart; doubles per failure
     restart_delay_max_s: float = Field(10.0, gt=0)  # ... up to this
+    # a child that stays up this long after ready counts as healthy: the next restart
+    # delay starts from restart_delay_s again (a crash loop keeps doubling it)
+    stable_after_s: float = Field(30.0, gt=0)
+    # liveness: a probe hand-off every health_interval_s; a child that does not answer
+    # within health_timeout_s, health_failures times in a row, is killed and restarted
+    health_interval_s: float = Field(5.0, gt=0)
+    health_timeout_s: float = Field(5.0, gt=0)
+    health_failures: int = Field(2, ge=1)
 
     @field_validator("listen")
     @classmethod

@@ -3,14 +3,18 @@ inspector is disabled, and plain HTTP (decided by the gateway on its first reque
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from gw_harness import GatewayHarness
 from stockade.gateway.sniff_http import RequestHead, body_length, parse_head
-from test_gw_inspection import _ns, find_event, l7_config, wait_ready
+from test_gw_inspection import _ns, curl, find_event, l7_config, split, wait_ready
 
 from stockade.testnet import ClientNamespace, FakeInternet
 
@@ -220,3 +224,64 @@ def test_body_length(framing: bytes, want: int | None) -> None:
     head = parse_head(b"POST /x HTTP/1.1\r\nHost: a\r\n" + framing + b"\r\n")
     assert isinstance(head, RequestHead)
     assert body_length(head) == want
+
+
+# -- supervision ---------------------------------------------------------------------------------
+
+
+def test_the_inspector_gets_the_first_checked_address_that_accepts(
+    plaingw: GatewayHarness, fake_internet: FakeInternet
+) -> None:
+    """echo.test resolves to an address with nothing on 443 first, then its own: the
+    hand-off names the second (the inspector dials lazily and only the one address)."""
+    from stockade.gateway.resolver import Resolution
+
+    fi = fake_internet
+    dead, live = fi.raw_echo_ip, fi.addresses["echo.test"]
+    res = Resolution("echo.test", (), (dead, live), (), 300, None, time.monotonic() + 300)
+    plaingw.svc.resolver._cache["echo.test"] = res  # type: ignore[union-attr]
+    ns = _ns(plaingw)
+    try:
+        plaingw.register("t-two", ns.address, "l7")
+        r = curl(ns, fi, plaingw, "echo.test", "https://echo.test/allowed/two")
+        assert r.returncode == 0 and split(r)[0] == 200, r.stdout + r.stderr
+        ev = find_event(plaingw, "connection_decision", labels__task_id="t-two")
+        assert ev["event"]["reason"] == "inspected" and ev["destination"]["ip"] == live
+    finally:
+        plaingw.svc.resolver._cache.pop("echo.test", None)  # type: ignore[union-attr]
+        plaingw.control.deregister("t-two")
+        ns.stop()
+
+
+def test_a_hung_inspector_is_detected_killed_and_restarted(
+    fake_internet: FakeInternet, tmp_path: Path
+) -> None:
+    cfg = l7_config(
+        tmp_path, fake_internet, health_interval_s=0.3, health_timeout_s=1.0, health_failures=2
+    )
+    h = GatewayHarness(cfg).start()
+    try:
+        wait_ready(h)
+        insp = h.svc.inspector  # type: ignore[union-attr]
+        assert insp is not None
+        pid = insp.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)  # alive, but its event loop answers nothing
+        end = time.monotonic() + 60
+        while insp.hung == 0:
+            assert time.monotonic() < end, "the hung inspector was not detected"
+            time.sleep(0.05)
+        wait_ready(h)
+        assert insp.pid != pid
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # the hung child is gone, not left behind
+        ns = _ns(h)
+        try:
+            h.register("t-hung", ns.address, "l7")
+            r = curl(ns, fake_internet, h, "echo.test", "https://echo.test/allowed/after")
+            assert r.returncode == 0 and split(r)[0] == 200, r.stdout + r.stderr
+        finally:
+            h.control.deregister("t-hung")
+            ns.stop()
+    finally:
+        h.stop()

@@ -3,6 +3,7 @@ decision (gateway/inspection.py), the inspector's rule-set cache, the CA files."
 
 from __future__ import annotations
 
+import os
 import stat
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from stockade.gateway.inspection import (
     trust_env,
 )
 from stockade.gateway.inspector import RulesByVersion, inner_request
+from stockade.gateway.inspector_supervisor import next_delay
 from stockade.gateway.settings import InspectionSettings
 from stockade.policy import load_rules
 from stockade.policy.reasons import Reason
@@ -273,6 +275,28 @@ def test_ca_is_made_once_with_a_private_key(tmp_path: Path) -> None:
     for key in d.glob("mitmproxy-ca.*"):
         assert stat.S_IMODE(key.stat().st_mode) == 0o600
     assert ensure_ca(d) == cert and cert.read_bytes() == pem
+
+
+def test_ca_dir_is_made_private_and_an_existing_one_is_never_loosened(tmp_path: Path) -> None:
+    made = tmp_path / "new" / "ca"
+    ensure_ca(made)
+    assert stat.S_IMODE(made.stat().st_mode) == 0o700
+    existing = tmp_path / "operator-ca"
+    existing.mkdir(mode=0o750)
+    os.chmod(existing, 0o750)  # noqa: S103 - an operator's choice, kept as it is
+    ensure_ca(existing)
+    assert stat.S_IMODE(existing.stat().st_mode) == 0o750
+
+
+def test_restart_delay_backs_off_in_a_crash_loop() -> None:
+    s = InspectionSettings(restart_delay_s=0.5, restart_delay_max_s=10.0, stable_after_s=30.0)
+    d, seen = 0.0, []
+    for _ in range(7):  # each child crashes 1 s after ready
+        d = next_delay(d, 1.0, s)
+        seen.append(d)
+    assert seen == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+    assert next_delay(10.0, 0.0, s) == 10.0  # never ready: still backing off
+    assert next_delay(10.0, 31.0, s) == 0.5  # was up long enough: start over
 
 
 def test_trust_bundle_holds_the_public_cas_and_the_inspection_ca(tmp_path: Path) -> None:
