@@ -185,6 +185,11 @@ def main():
             write("/proc/sys/net/ipv4/tcp_congestion_control", plan["congestion_control"])
         if plan["uid"] == 0 or plan["gid"] == 0:
             raise OSError("the command never runs as root")
+        # an image built by an older vm-images/init neither locks the kernel down nor
+        # leaves the inputs to this init: refuse it rather than run with less
+        with open("/proc/sys/kernel/modules_disabled") as fh:
+            if fh.read().strip() != "1" or not os.path.exists(f"{RUN}/inputs"):
+                raise OSError("the guest image is outdated: rebuild it with vm-images/build.sh")
         cg = command_cgroup(plan)
         in_fd = os.open(f"{RUN}/stdin" if plan["stdin"] else "/dev/null", os.O_RDONLY)
         # opened before any input exists in the guest (os.open: close-on-exec)

@@ -238,9 +238,10 @@ for _ in range(3):
 
 def test_suspend_resume_spoof_and_kill(lab: Lab, fake_internet: Any) -> None:
     """A running VM: suspended and resumed (cgroup freezer on QEMU), frames with a forged
-    source address or MAC sent the way the guest's frames leave (the netns end of the veth;
-    this stands for a guest that regained root: the guest's user cannot send raw frames)
-    are dropped and reported by the host's rules, then a kill removes everything."""
+    source address or MAC sent from the netns end of the veth (behind the tap's filter:
+    the host's own guard must hold too; frames from inside the guest are
+    test_a_root_guest_cannot_spoof_or_map_the_host's) are dropped and reported by the
+    host's rules, then a kill removes everything."""
     t, box = _background(lab, ["sh", "-c", "touch /scratch/started; exec sleep 600"])
     tid = box["task_id"]
     s = lab.config.launcher
