@@ -33,8 +33,8 @@ class InspectionSettings(BaseModel):
     # liveness: a probe hand-off every health_interval_s; a child that does not answer
     # within health_timeout_s, health_failures times in a row, is killed and restarted
     health_interval_s: float = Field(5.0, gt=0)
-    health_timeout_s: float = Field(5.0, gt=0)
-    health_failures: int = Field(2, ge=1)
+    health_timeout_s: float = Field(5.0, gt=0)  # connect + answer of one liveness probe
+    health_failures: int = Field(2, ge=1)  # missed probes in a row before a restart
 
     @field_validator("listen")
     @classmethod
