@@ -459,6 +459,20 @@ def test_image_build_is_idempotent_and_atomic(tmp_path: Path) -> None:
     assert image.stamp and json.loads((build / vmimage.MANIFEST).read_text())["modules"]
 
 
+def test_a_failed_image_build_changes_nothing(tmp_path: Path) -> None:
+    """A build that cannot finish (here: a busybox that is not static) says why, exits
+    non-zero (scripts/bootstrap.sh then warns and goes on) and leaves the image in place."""
+    old = tmp_path / ".vm.previous"
+    old.mkdir()
+    (tmp_path / "vm").symlink_to(".vm.previous")
+    res = subprocess.run(["bash", str(vmimage.BUILD_SCRIPT), str(tmp_path / "vm")],
+                         capture_output=True, text=True,
+                         env={**os.environ, "STOCKADE_VM_BUSYBOX": "/bin/sh"})
+    assert res.returncode != 0 and "not a static binary" in res.stderr
+    assert os.readlink(tmp_path / "vm") == ".vm.previous"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".vm.lock", ".vm.previous", "vm"]
+
+
 def test_accel_auto_is_probed_once_and_cached(lab: Lab, tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     image = vmimage.load_image(lab.config.launcher.microvm.image_dir)
