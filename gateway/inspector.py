@@ -412,7 +412,11 @@ def _install_stream_patch() -> None:
         self.client_state = self.state_errored  # the body: dropped unread
         yield from self.send_response()
         self.server_state = self.state_errored
-        yield SendHttp(ResponseEndOfMessage(self.stream_id), self.context.client)
+        if f.request.is_http2:
+            # HTTP/2: end the response, then reset the stream (the client stops sending).
+            # HTTP/1: no end-of-message (the connection would start reading the next
+            # request); the error below closes the connection after the response.
+            yield SendHttp(ResponseEndOfMessage(self.stream_id), self.context.client)
         yield SendHttp(
             ResponseProtocolError(self.stream_id, "denied", status_codes.NO_RESPONSE),
             self.context.client,
