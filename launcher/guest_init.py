@@ -75,6 +75,9 @@ def mount_inputs(table, reserved):
     bb("mount", "-o", "remount,rw", "/")
     try:
         for kind, a, path in entries:
+            # before anything is created: realpath resolves the missing part lexically
+            if os.path.realpath(path) != path:
+                raise OSError(f"input target {path!r} goes through a symlink")
             if kind == "9p":
                 os.makedirs(path, 0o755, exist_ok=True)
             else:

@@ -191,7 +191,11 @@ def build(plan: InitPlan) -> dict[str, Any]:
         ["bind", plan.scratch + TMP, r + TMP, False, False],
     ]
     for b in plan.inputs:
-        ops += _bind(b, r, check_input_target(b.target))
+        t = check_input_target(b.target)
+        # the mount point must resolve to itself, checked before it is created: a symlink
+        # inside an earlier input must not lead the init (root, still in the host's tree)
+        # to create directories or files elsewhere, nor the bind onto the host's /dev
+        ops += [["confined", r + t, r], *_bind(b, r, t)]
     d = r + "/dev"
     ops += [
         ["mkdir", r + "/proc", 0o555],

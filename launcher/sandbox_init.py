@@ -73,6 +73,10 @@ def do(op):
         os.chdir("/")
         check(libc.umount2(b"/" + op[2].encode(), MNT_DETACH), "umount old root")
         os.rmdir("/" + op[2])
+    elif kind == "confined":  # [confined, path, root]: path resolves to itself under root
+        want = os.path.realpath(op[2]) + op[1][len(op[2]):]
+        if os.path.realpath(op[1]) != want:
+            raise OSError(f"input target {op[1][len(op[2]):]} goes through a symlink")
     elif kind == "chdir":
         os.chdir(op[1])
     else:

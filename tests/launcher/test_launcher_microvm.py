@@ -192,6 +192,18 @@ def test_an_input_reached_through_a_symlink_is_refused_in_the_guest(lab: Lab,
     assert res.exit_code == 125, res.stderr
     assert "goes through a symlink" in res.stderr
     assert leftovers(lab) == EMPTY
+    # the netns backend's init (root, still in the host's tree while it builds the root):
+    # a symlink to a host directory must not make it create anything there
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (d / "v").symlink_to(victim)
+    (tmp_path / "f").write_text("x")
+    res = lab.launcher.run(SandboxSpec("test", ["true"], inputs=[
+        (str(d), "/inputs/d"), (str(tmp_path / "f"), "/inputs/d/v/planted"),
+        ]), lab.ruleset)
+    assert res.exit_code == 125 and "goes through a symlink" in res.stderr, res.stderr
+    assert list(victim.iterdir()) == []
+    assert leftovers(lab) == EMPTY
     assert _vm_proc_gone(res.task_id)
 
 

@@ -278,6 +278,9 @@ def test_init_plan_binds_each_input_verbatim_read_only(
     ops = initscript.build(plan)["ops"]
     for b in binds:
         assert ["bind", b.source, "/r" + b.target, True, False] in ops
+        # checked before its mount point is created
+        checked = [(op[1], ops[j + 2]) for j, op in enumerate(ops) if op[0] == "confined"]
+        assert ("/r" + b.target, ["bind", b.source, "/r" + b.target, True, False]) in checked
     assert initscript.build(plan) == initscript.build(plan)  # pure
 
 
