@@ -380,6 +380,7 @@ def _norm(name: str) -> str | None:
 
 
 _PATCHED = False
+_ADDON: StockadeAddon | None = None  # for the patched HTTP/2 protocol_error's event
 
 
 def _install_stream_patch() -> None:
@@ -469,6 +470,13 @@ def _install_error_pages() -> None:
         self: Any, message: str, error_code: int = h2.errors.ErrorCodes.PROTOCOL_ERROR
     ) -> Any:
         yield Log(f"inspector: HTTP/2 protocol error: {message}")
+        addon = _ADDON
+        if addon is not None and self.conn is self.context.client:  # the sandbox's side
+            meta = addon.flows.get(self.conn.id)
+            if meta is not None:
+                addon._flow_event(
+                    meta, Reason.PROTOCOL_UNRECOGNISED, "HTTP/2 protocol error (GOAWAY)"
+                )
         self.h2_conn.close_connection(error_code)  # no additional_data: no message
         yield SendData(self.conn, self.h2_conn.data_to_send())
         yield from self.close_connection(message)
@@ -559,6 +567,8 @@ async def run_inspector(spec: dict[str, Any], stdin_eof: asyncio.Event | None = 
     opts = options.Options()
     master = Master(opts)
     addon = StockadeAddon(key, rules, writer.write)
+    global _ADDON
+    _ADDON = addon
     master.addons.add(
         core.Core(),
         block.Block(),

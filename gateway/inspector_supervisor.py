@@ -57,6 +57,7 @@ class InspectorSupervisor:
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self.hung = 0  # children killed because they stopped answering the health probe
+        self.probes_ok = 0  # health probes answered (tests)
         self.delay = 0.0  # the last restart delay (tests, health)
 
     @property
@@ -175,6 +176,7 @@ class InspectorSupervisor:
                     break
                 if await self._probe(port):
                     failures = 0
+                    self.probes_ok += 1
                     continue
                 failures += 1
                 if failures >= self.settings.health_failures:

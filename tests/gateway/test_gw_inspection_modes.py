@@ -266,6 +266,11 @@ def test_a_hung_inspector_is_detected_killed_and_restarted(
         assert insp is not None
         pid = insp.pid
         assert pid is not None
+        end = time.monotonic() + 60
+        while insp.probes_ok < 3:  # a live inspector answers its probes
+            assert time.monotonic() < end, "the health probe never succeeded"
+            time.sleep(0.05)
+        assert insp.hung == 0 and insp.pid == pid
         os.kill(pid, signal.SIGSTOP)  # alive, but its event loop answers nothing
         end = time.monotonic() + 60
         while insp.hung == 0:

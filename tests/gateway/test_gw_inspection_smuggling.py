@@ -257,6 +257,9 @@ def test_h2_heads_that_could_smuggle_are_refused(
         t.close()
         assert status is None
         assert upstream.take() == b""
+        ev = find_event(sgw, "request_decision", stockade__connection_id=conn)
+        assert ev["stockade"]["decision"] == "denied"
+        assert ev["event"]["reason"] == "protocol_unrecognised"
         return
     # the same connection still serves a clean request (so the upstream was reachable)
     c.send_headers(3, _req(b"GET", b"/allowed/clean"), end_stream=True)
