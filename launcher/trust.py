@@ -26,13 +26,20 @@ SANDBOX_ETC = "/etc"
 
 
 def write_trust_bundle(
-    config: Any, etc_dir: str | os.PathLike[str], system_bundle: str | None = None
+    config: Any,
+    etc_dir: str | os.PathLike[str],
+    system_bundle: str | None = None,
+    sandbox_dir: str = SANDBOX_ETC,
 ) -> tuple[str, dict[str, str]] | None:
     """Write `<etc_dir>/TRUST_BUNDLE_NAME` and return (TRUST_BUNDLE_NAME, env), or None
-    when `config.gateway.inspection.enabled` is off. `config` is a stockade.config.Config;
+    when `config.gateway.inspection.enabled` is off. The env points at
+    `<sandbox_dir>/TRUST_BUNDLE_NAME` (default /etc: where the generated etc files are
+    bound). `config` is a stockade.config.Config;
     the inspection CA is created if the gateway has not made it yet (the gateway reuses
     it). The file is replaced atomically (a sandbox never sees half a bundle) and never
     written through a symlink."""
+    if not sandbox_dir.startswith("/") or sandbox_dir != os.path.normpath(sandbox_dir):
+        raise ValueError(f"sandbox_dir must be a normalised absolute path: {sandbox_dir!r}")
     if not config.gateway.inspection.enabled:
         return None
     data = trust_bundle(inspection_ca_cert(config), system_bundle)
@@ -48,4 +55,4 @@ def write_trust_bundle(
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return TRUST_BUNDLE_NAME, trust_env(f"{SANDBOX_ETC}/{TRUST_BUNDLE_NAME}")
+    return TRUST_BUNDLE_NAME, trust_env(f"{sandbox_dir.rstrip('/')}/{TRUST_BUNDLE_NAME}")

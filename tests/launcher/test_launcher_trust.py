@@ -80,3 +80,14 @@ def test_an_existing_file_or_symlink_is_replaced_not_followed(
     first = (etc / TRUST_BUNDLE_NAME).read_bytes()
     write_trust_bundle(cfg, etc, system_bundle)  # again: same CA, same bundle
     assert (etc / TRUST_BUNDLE_NAME).read_bytes() == first
+
+
+def test_another_in_sandbox_directory(tmp_path: Path, system_bundle: str) -> None:
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    out = write_trust_bundle(_config(tmp_path), etc, system_bundle, sandbox_dir="/sbx/trust")
+    assert out is not None
+    assert set(out[1].values()) == {f"/sbx/trust/{TRUST_BUNDLE_NAME}"}
+    for bad in ("relative", "/a/../b", "/a/"):
+        with pytest.raises(ValueError):
+            write_trust_bundle(_config(tmp_path), etc, system_bundle, sandbox_dir=bad)
