@@ -747,7 +747,7 @@ class Launcher:
         # the plan travels in a memfd, not argv: /proc/1/cmdline shows no host paths
         plan_fd = os.memfd_create("stockade-init-plan", 0)
         try:
-            os.write(plan_fd, marshal.dumps(initscript.build(plan), 4))
+            os.write(plan_fd, marshal.dumps({**initscript.build(plan), "env": env}, 4))
             os.lseek(plan_fd, 0, os.SEEK_SET)
             argv = ["nsenter", f"--net={netns.NETNS_DIR}/{rec.netns}", "--",
                     "unshare", "--mount", "--pid", "--ipc", "--uts", "--fork",
@@ -755,7 +755,7 @@ class Launcher:
                     self._init_python(), "-I", "-S", "-c", _init_source(), str(plan_fd),
                     *spec.argv]
             live.proc = subprocess.Popen(
-                argv, env=env, stdin=subprocess.PIPE if spec.stdin is not None
+                argv, env={"PATH": SANDBOX_PATH}, stdin=subprocess.PIPE if spec.stdin is not None
                 else subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 close_fds=True, pass_fds=(plan_fd,), start_new_session=True, cwd="/",
             )

@@ -100,14 +100,14 @@ def become(uid, gid, rlimits):
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
 
 
-def execvp(argv):
+def execvp(argv, env):
     """PATH search by hand: os.execvp imports modules the new root no longer has."""
     if "/" in argv[0]:
-        os.execv(argv[0], argv)  # noqa: S606 - no shell on purpose
+        os.execve(argv[0], argv, env)  # noqa: S606 - no shell on purpose
     err = FileNotFoundError(2, "command not found")
-    for d in os.environ.get("PATH", "/usr/bin:/bin").split(":"):
+    for d in env.get("PATH", "/usr/bin:/bin").split(":"):
         try:
-            os.execv(os.path.join(d or ".", argv[0]), argv)  # noqa: S606 - no shell on purpose
+            os.execve(os.path.join(d or ".", argv[0]), argv, env)  # noqa: S606 - no shell
         except (FileNotFoundError, NotADirectoryError):
             continue
         except PermissionError as e:
@@ -133,7 +133,9 @@ def main():
         try:
             os.umask(umask)
             become(plan["uid"], plan["gid"], plan.get("rlimits", {}))
-            execvp(argv)
+            # the command's environment comes with the plan: this init (root) never runs
+            # with it, so the loader never applies the caller's LD_* to a root process
+            execvp(argv, plan.get("env", dict(os.environ)))
         except Exception as e:
             os.write(2, f"stockade: {argv[0]}: {getattr(e, 'strerror', None) or e}\n".encode())
             os._exit(127 if isinstance(e, FileNotFoundError) else 126)

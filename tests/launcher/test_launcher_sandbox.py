@@ -254,3 +254,18 @@ def test_a_configured_downgrade_runs_and_the_start_event_says_so(lab: Lab) -> No
     plain = lab.run(["true"])
     first = lab.events(plain.task_id)[0]["stockade"]
     assert first["isolation"] == "container" and "isolation_requested" not in first
+
+
+def test_loader_variables_reach_the_command_not_the_root_init(lab: Lab, tmp_path: Path) -> None:
+    """LD_PRELOAD naming a host file (e.g. one any local user could plant in the host's
+    /tmp): the netns init, root and still in the host's tree, never runs with the caller's
+    environment, so the loader never opens it there; the command gets the variable (the
+    file does not exist in the sandbox)."""
+    bogus = tmp_path / "preload.so"
+    bogus.write_bytes(b"not an ELF object" * 10)
+    bogus.chmod(0o644)
+    res = lab.run(["sh", "-c", 'echo "$LD_PRELOAD"'], env={"LD_PRELOAD": str(bogus)})
+    assert res.exit_code == 0, res.stderr
+    assert res.stdout.strip() in (str(bogus), "<host-path>/preload.so")
+    # the root init would have opened the host file: "invalid ELF header"
+    assert "ELF" not in res.stderr, res.stderr
