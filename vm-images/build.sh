@@ -166,8 +166,12 @@ mv -T "$parent/.$name.link.$$" "$out"
 # keep the new build and the previous one (a sandbox may be starting on it); an older
 # recipe's plain directory is nobody's any more (OUT_DIR's paths lead to the new build)
 for d in "$parent/.$name."*; do
-    case ${d##*/} in
-        ".$name.${stamp:0:16}"|".$name.lock") ;;
+    base=${d##*/}
+    rest=${base#".$name."}
+    # only this OUT_DIR's own leftovers (another OUT_DIR named "$name.x" shares the prefix)
+    [[ $rest =~ ^([0-9a-f]{16}(\.tmp)?|old\.[0-9]+|link\.[0-9]+)$ ]] || continue
+    case $base in
+        ".$name.${stamp:0:16}") ;;
         ".$name.old."*) rm -rf "$d" ;;
         "$previous") ;;
         *) rm -rf "$d" ;;

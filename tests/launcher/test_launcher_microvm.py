@@ -446,6 +446,9 @@ def test_image_build_is_idempotent_and_atomic(tmp_path: Path) -> None:
     image is a symlink to one complete build, and a third run changes nothing."""
     image_dir = tmp_path / "vm"
     script = vmimage.BUILD_SCRIPT
+    # a crashed build's temporary directory goes; another OUT_DIR's ("vm.x") build stays
+    (tmp_path / ".vm.0123456789abcdef.tmp").mkdir()
+    (tmp_path / ".vm.x.0123456789abcdef").mkdir()
     procs = [subprocess.Popen(["bash", str(script), str(image_dir)], stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
     errs = [p.communicate(timeout=300)[1] for p in procs]
@@ -464,8 +467,9 @@ def test_image_build_is_idempotent_and_atomic(tmp_path: Path) -> None:
     assert "up to date" in again.stderr
     assert files() == before and image_dir.resolve() == build
     assert set(before) == {vmimage.KERNEL, vmimage.INITRD, vmimage.MANIFEST}
-    # nothing half-built is left next to it: the build, its lock
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([build.name, ".vm.lock", "vm"])
+    # nothing half-built is left next to it: the build, its lock (and the other OUT_DIR's)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [build.name, ".vm.lock", "vm", ".vm.x.0123456789abcdef"])
     image = vmimage.load_image(str(image_dir))
     assert image.kernel == str(build / vmimage.KERNEL)
     assert image.stamp and json.loads((build / vmimage.MANIFEST).read_text())["modules"]
