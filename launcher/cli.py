@@ -23,7 +23,10 @@ def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
     run.add_argument("--rules", help="rules directory (default: config rules_dir)")
     run.add_argument("--config", help="stockade.yaml (default: embedded defaults)")
     run.add_argument("--input", action="append", default=[], metavar="HOST_PATH[:GUEST_PATH]",
-                     help="mount read-only (default guest path /inputs/<name>); repeatable")
+                     help="mount read-only (default guest path /inputs/<name>); repeatable; "
+                          "never at or under what the sandbox's init relies on (`/usr`, `/bin`, "
+                          "`/sbin`, `/lib*`, `/etc`, `/sbx`, `/init`, `ro_binds`, the scratch, "
+                          "`/tmp`, `/proc`, `/dev`, `/sys`)")
     run.add_argument("--export", metavar="DIR", help="copy allowed files of scratch/out here")
     run.add_argument("--ttl", type=int, metavar="SECONDS",
                      help="wall-clock limit (capped by the profile's limits.ttl)")

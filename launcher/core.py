@@ -36,7 +36,7 @@ from stockade.events import EventWriter, make_event
 from stockade.procs import pid_alive
 from stockade.tasks import ControlClient, Task
 
-from . import cgroups, exports, initscript, microvm, mounts, netns, nft, scrub, vmimage
+from . import cgroups, exports, initscript, microvm, mounts, netns, nft, scrub, trust, vmimage
 from .addresses import free_slot, slot_addresses
 from .nflog import LogRecord, NflogSocket
 from .state import SandboxRecord, StateFile
@@ -690,6 +690,12 @@ class Launcher:
             for name in etc_names:
                 (etc / name).write_text(content[name])
                 os.chmod(etc / name, 0o644)  # root's, readable: the bind is read-only too
+            # the gateway's inspection CA, so clients verify inspected TLS flows; with the
+            # host's whole /etc bound there is no generated /etc to put it in (docs/launcher.md)
+            trusted = None if host_etc else trust.write_trust_bundle(self.config, etc)
+            trust_vars = {} if trusted is None else trusted[1]
+            if trusted is not None:
+                etc_names = (*etc_names, trusted[0])
             rec.ifindex = netns.create(rec.netns, rec.ifname, a,
                                         tap=microvm.TAP if backend == "microvm" else None)
             self._ifindex[rec.ifindex] = (task_id, profile.name)
@@ -704,9 +710,10 @@ class Launcher:
                         raise LauncherError(f"cannot register task with {path}: "
                                             f"{type(e).__name__}") from None
             if backend == "microvm":
-                self._start_vm(live, spec, profile, a, inputs, proxy_env, host_etc)
+                self._start_vm(live, spec, profile, a, inputs, proxy_env, host_etc, trust_vars)
             else:
-                self._start_netns(live, spec, a, inputs, proxy_env, host_etc, etc_names)
+                self._start_netns(live, spec, a, inputs, proxy_env, host_etc, etc_names,
+                                  trust_vars)
             with self.state.locked() as records:
                 if task_id in records:
                     records[task_id].pid = live.proc.pid  # type: ignore[union-attr]
@@ -727,7 +734,7 @@ class Launcher:
 
     def _start_netns(self, live: _Live, spec: SandboxSpec, a: Any,
                      inputs: list[initscript.Bind], proxy_env: bool, host_etc: bool,
-                     etc_names: tuple[str, ...]) -> None:
+                     etc_names: tuple[str, ...], trust_vars: dict[str, str]) -> None:
         """The command in its own mount/pid/ipc/uts namespaces, `sandbox_init.py` as pid 1."""
         rec, cg = live.record, live.cg
         base = Path(rec.scratch)
@@ -743,7 +750,7 @@ class Launcher:
                      ("MEMLOCK", self.s.rlimit_memlock)),
             congestion_control=self._congestion_control,
         )
-        env = self._env(spec, a.host_ip, proxy=proxy_env)
+        env = self._env(spec, a.host_ip, proxy=proxy_env, trust=trust_vars)
         # the plan travels in a memfd, not argv: /proc/1/cmdline shows no host paths
         plan_fd = os.memfd_create("stockade-init-plan", 0)
         try:
@@ -764,7 +771,8 @@ class Launcher:
 
 
     def _start_vm(self, live: _Live, spec: SandboxSpec, profile: Any, a: Any,
-                  inputs: list[initscript.Bind], proxy_env: bool, host_etc: bool) -> None:
+                  inputs: list[initscript.Bind], proxy_env: bool, host_etc: bool,
+                  trust_vars: dict[str, str]) -> None:
         """QEMU in the sandbox's netns and cgroups, its guest wired to the tap (see microvm.py).
 
         Raises LauncherError for anything that stops the VM from starting; the caller tears
@@ -804,7 +812,7 @@ class Launcher:
             for src, dest in copies:
                 shutil.copyfile(src, dest)
                 os.chmod(dest, 0o644)
-        env = self._env(spec, a.host_ip, proxy=proxy_env)
+        env = self._env(spec, a.host_ip, proxy=proxy_env, trust=trust_vars)
         if spec.stdin is not None:
             (cfg / "stdin").write_bytes(spec.stdin)
         setpriv = self._guest_setpriv()
@@ -931,12 +939,14 @@ class Launcher:
                     out.setdefault(p, b)
         return list(out.values())
 
-    def _env(self, spec: SandboxSpec, host_ip: str, proxy: bool = False) -> dict[str, str]:
+    def _env(self, spec: SandboxSpec, host_ip: str, proxy: bool = False,
+             trust: dict[str, str] | None = None) -> dict[str, str]:
         """The command's environment. `proxy` (the profile's `egress.proxy_env`): point
         HTTP(S)_PROXY at the gateway's explicit proxy on the host-side veth address (the
         nft exemption of `SET_PROXY` lets exactly that through); the broker stays direct."""
         env = {k: os.environ[k] for k in self.s.env_allowlist if k in os.environ}
         env.update(spec.env)
+        env.update(trust or {})  # after spec.env: a caller's value must not break inspection
         env.update({
             "PATH": SANDBOX_PATH,
             "HOME": f"{initscript.SCRATCH}/home",

@@ -50,10 +50,15 @@ class Service:
         )
 
     def healthy(self) -> bool:
+        """Answers ok, and a gateway's L7 inspector (when it runs one) is ready: until then
+        flows that need inspection are refused, so a sandbox must not start before."""
         try:
-            return bool(ControlClient(self.control_socket, timeout=1.0).health().get("ok"))
+            body = ControlClient(self.control_socket, timeout=1.0).health()
         except (OSError, ValueError, RuntimeError):
             return False
+        inspector = body.get("inspector")
+        return bool(body.get("ok")) and (not isinstance(inspector, dict)
+                                         or bool(inspector.get("ready")))
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

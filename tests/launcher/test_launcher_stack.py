@@ -37,6 +37,10 @@ egress:
     - host: allowed.test
       ports: [443, 80]
       reason: the stack test's allowed site
+    - host: echo.test
+      ports: [443]
+      reason: read-only, decided per request by the gateway's L7 inspector
+      http: {methods: [GET], paths: ["/echo"]}
 exports: {max_file: 1MiB, max_total: 2MiB, types: [text, json]}
 """
 # the same, for a tool that only works with an explicit proxy
@@ -68,10 +72,13 @@ def _wait_healthy(path: str, proc: subprocess.Popen[bytes], name: str) -> None:
             err = proc.stderr.read().decode() if proc.stderr else ""
             raise RuntimeError(f"{name} exited: {err}")
         try:
-            ControlClient(path, timeout=1).health()
-            return
+            body = ControlClient(path, timeout=1).health()
+            inspector = body.get("inspector")
+            if not isinstance(inspector, dict) or inspector.get("ready"):
+                return  # the gateway's L7 inspector too (inspected flows fail until then)
         except OSError:
-            time.sleep(0.05)
+            pass
+        time.sleep(0.05)
     raise RuntimeError(f"{name} did not become healthy")
 
 
@@ -98,7 +105,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, fake_internet: Any) -> Itera
                     "control_socket": str(tmp / "run" / "gateway.sock"),
                     "metrics_listen": f"127.0.0.1:{free_port('0.0.0.0')}",
                     "resolvers": [fake_internet.dns_server],
-                    "allow_addresses": [fake_internet.subnet]},
+                    "allow_addresses": [fake_internet.subnet],
+                    # the inspector verifies the fake internet's certificates upstream
+                    "inspection": {"upstream_ca_file": fake_internet.ca_pem}},
         "dns": {"listen": [f"0.0.0.0:{free_dual_port()}"]},
         "broker": {"listen": f"0.0.0.0:{free_port('0.0.0.0')}",
                    "control_socket": str(tmp / "run" / "broker.sock"),
@@ -150,6 +159,29 @@ def test_allowed_site_through_gateway(stack: Stack) -> None:
     assert res.exit_code == 0, res.stderr
     assert res.stdout
     assert res.denials == []
+
+
+# what an inspected request and a refused one print: no --cacert, the sandbox's own trust
+INSPECTED = ("curl -sS --max-time 10 https://echo.test/echo -o /dev/null "
+             "-w 'inspected %{http_code}\\n'; "
+             "curl -sS --max-time 10 -X POST -d x https://echo.test/echo -D - -o /dev/null "
+             "| tr -d '\\r' | grep -i '^x-stockade-deny'")
+
+
+def _inspected_ok(res: RunResult) -> None:
+    """The sandbox trusted the inspector's certificate (no --cacert) and got the GET
+    through; the POST was refused by the inspector with its reason header."""
+    lines = res.stdout.lower().splitlines()
+    assert "inspected 200" in lines, (res.stdout + res.stderr, res.denials)
+    assert "x-stockade-deny: method_not_allowed" in lines, res.stdout + res.stderr
+    assert any(e["event"]["action"] == "request_decision"
+               and e["event"]["reason"] == "method_not_allowed" for e in res.denials), res.denials
+
+
+def test_inspected_tls_flow_with_the_sandbox_trusting_the_inspection_ca(stack: Stack) -> None:
+    res = stack.run(["sh", "-c", "echo ssl=$SSL_CERT_FILE; " + INSPECTED])
+    assert "ssl=/etc/stockade-ca-bundle.pem" in res.stdout.splitlines(), res.stdout
+    _inspected_ok(res)
 
 
 def test_gateway_and_dns_denials_carry_the_task(stack: Stack, fake_internet: Any) -> None:
@@ -322,20 +354,23 @@ def test_microvm_guest_through_the_real_gateway(stack: Stack, fake_internet: Any
                      f"curl -sS --max-time 5 -k https://{ip}/ || echo denied-ip; "
                      f"python3 -c \"{udp}\"; "
                      # binaries run from the scratch share, like a build's own tools
-                     "cp /bin/true /scratch/t && /scratch/t && echo exec-ok"],
+                     "cp /bin/true /scratch/t && /scratch/t && echo exec-ok; "
+                     + INSPECTED],
                     profile="agent-vm")
     lines = res.stdout.splitlines()
     assert "allowed 200" in lines, res.stdout + res.stderr
     assert {"denied-name", "denied-ip", "exec-ok"} <= set(lines), res.stdout + res.stderr
+    _inspected_ok(res)
     assert "udp b'x'" not in lines
     comps = {(e["stockade"]["component"], e["event"]["action"]) for e in res.denials}
     assert {("dns", "dns_decision"), ("gateway", "connection_decision"),
             ("launcher", "bypass_attempt")} <= comps, res.denials
     assert all(e["labels"]["task_id"] == res.task_id for e in res.denials)
-    # the name was refused by the DNS firewall: the gateway's denial is the direct IP's
-    # (a ClientHello without a name)
+    # the name was refused by the DNS firewall: the gateway's denials are the direct IP's
+    # (a ClientHello without a name) and the inspector's refusal of the POST
     assert [e["event"]["action"] for e in res.denials
-            if e["stockade"]["component"] == "gateway"] == ["connection_decision"], res.denials
+            if e["stockade"]["component"] == "gateway"] == ["connection_decision",
+                                                              "request_decision"], res.denials
     start = next(e for e in read_events(stack.config.events_file)
                  if e.get("labels", {}).get("task_id") == res.task_id)
     assert start["stockade"]["isolation"] == "microvm"
