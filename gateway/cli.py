@@ -34,8 +34,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
         description="Print the path of the PEM certificate of the CA the gateway's L7 "
         "inspector signs its certificates with, creating the CA (in the state directory, "
         "key 0600) if it does not exist yet. Sandboxes must trust it for flows whose allow "
-        "entries have an `http:` block (SSL_CERT_FILE, REQUESTS_CA_BUNDLE, PIP_CERT, "
-        "NODE_EXTRA_CA_CERTS, GIT_SSL_CAINFO, CURL_CA_BUNDLE).",
+        "entries have an `http:` block (the system bundle path, SSL_CERT_FILE, PIP_CERT, "
+        "NODE_EXTRA_CA_CERTS).",
     )
     ca.add_argument("--config", help="stockade.yaml (default: built-in defaults)")
     ca.add_argument("--pem", action="store_true", help="print the certificate itself")

@@ -363,14 +363,15 @@ def inspection_ca_cert(config: Any) -> Path:
 
 
 # what a sandbox needs to trust the inspection CA: a bundle with the public CAs (for
-# uninspected flows, which keep the upstream's own certificate) and the inspection CA,
-# and every client's variable pointing at it
+# uninspected flows, which keep the upstream's own certificate) and the inspection CA. The
+# launcher also puts it over the system's default bundle path (curl, git, OpenSSL, Debian's
+# requests and pip read that). Only variables that never override a CA a tool was given
+# explicitly: requests reads REQUESTS_CA_BUNDLE and CURL_CA_BUNDLE even when its caller
+# passed verify=<file> (so `pip --cert` stops working), and GIT_SSL_CAINFO beats
+# git config's http.sslCAInfo
 TRUST_ENV_VARS = (
-    "SSL_CERT_FILE",  # OpenSSL-based clients (Python ssl, curl with OpenSSL, Ruby, ...)
-    "REQUESTS_CA_BUNDLE",  # requests (pip's vendored copy too)
-    "PIP_CERT",  # pip
-    "CURL_CA_BUNDLE",  # curl
-    "GIT_SSL_CAINFO",  # git over HTTPS
+    "SSL_CERT_FILE",  # OpenSSL's default file (Python ssl's default context, Ruby, ...)
+    "PIP_CERT",  # pip with its own certifi (a venv's pip); `pip --cert` still wins
     "NODE_EXTRA_CA_CERTS",  # node/npm (adds to its built-in CAs)
 )
 SYSTEM_BUNDLES = (

@@ -745,6 +745,7 @@ class Launcher:
             system=tuple(self._system_binds()), inputs=tuple(inputs),
             etc_files=etc_names, host_etc=host_etc,
             etc=() if host_etc else tuple(self._etc_binds()),
+            etc_over=((trust.TRUST_BUNDLE_NAME, trust.DEFAULT_BUNDLE),) if trust_vars else (),
             shm_size=self.s.shm_size, cgroup_procs=tuple(cg.procs_files()),
             rlimits=(("NOFILE", self.s.rlimit_nofile), ("CORE", self.s.rlimit_core),
                      ("MEMLOCK", self.s.rlimit_memlock)),
@@ -796,6 +797,13 @@ class Launcher:
         if not host_etc:  # the guest's /etc is this directory: the allowlist copied in
             for b in self._etc_binds():
                 _copy_into(b, etc / os.path.relpath(b.target, HOST_ETC))
+            default = etc / trust.DEFAULT_BUNDLE
+            if trust_vars and default.is_file() and not default.is_symlink():
+                # the trust bundle over the system's default one, as the netns backend binds it
+                tmp = default.with_name(f".{default.name}.stockade")
+                shutil.copyfile(etc / trust.TRUST_BUNDLE_NAME, tmp)
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, default)
         overlay = tuple(n for n in initscript.HOST_ETC_OVERLAY
                         if os.path.exists(os.path.join(HOST_ETC, n)))
         try:
@@ -945,8 +953,8 @@ class Launcher:
         HTTP(S)_PROXY at the gateway's explicit proxy on the host-side veth address (the
         nft exemption of `SET_PROXY` lets exactly that through); the broker stays direct."""
         env = {k: os.environ[k] for k in self.s.env_allowlist if k in os.environ}
+        env.update(trust or {})  # before spec.env: a task's own CA for a private mirror wins
         env.update(spec.env)
-        env.update(trust or {})  # after spec.env: a caller's value must not break inspection
         env.update({
             "PATH": SANDBOX_PATH,
             "HOME": f"{initscript.SCRATCH}/home",

@@ -73,6 +73,9 @@ class InitPlan:
     cgroup_procs: tuple[str, ...] = ()  # joined first, before anything else runs
     rlimits: tuple[tuple[str, int], ...] = ()  # ("NOFILE", 4096): RLIMIT_<name>, soft = hard
     congestion_control: str | None = None  # the netns' TCP default; None: left as it is
+    # (etc_dir file name, path under /etc) bound read-only over an allowlisted host file
+    # that exists there (the trust bundle over ssl/certs/ca-certificates.crt)
+    etc_over: tuple[tuple[str, str], ...] = ()
 
 
 def _guest(path: str) -> str:
@@ -183,6 +186,10 @@ def build(plan: InitPlan) -> dict[str, Any]:
             # a glob such as host* must not shadow a generated file
             if not any(t == g or t.startswith(g + "/") for g in generated):
                 ops += _bind(b, r, t)
+        for name, rel in plan.etc_over:
+            t = _guest("/etc/" + rel)
+            # only over a file the allowlist brought in (the read-only bind cannot grow one)
+            ops.append(["bind", f"{plan.etc_dir}/{name}", r + t, True, True])
     ops += [
         ["mkdir", r + SCRATCH, 0o755],
         ["mkdir", r + TMP, 0o755],

@@ -22,6 +22,9 @@ from typing import Any
 from stockade.gateway.inspection import inspection_ca_cert, trust_bundle, trust_env
 
 TRUST_BUNDLE_NAME = "stockade-ca-bundle.pem"
+# the system's default bundle (relative to /etc) that the launcher puts the bundle over
+# when the sandbox's /etc has it: curl, git, OpenSSL and Debian's requests and pip read it
+DEFAULT_BUNDLE = "ssl/certs/ca-certificates.crt"
 SANDBOX_ETC = "/etc"
 
 

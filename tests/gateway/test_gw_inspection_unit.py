@@ -307,5 +307,7 @@ def test_trust_bundle_holds_the_public_cas_and_the_inspection_ca(tmp_path: Path)
     assert bundle.startswith(system.read_bytes() + b"\n") and bundle.endswith(cert.read_bytes())
     assert b"PRIVATE KEY" not in trust_bundle(cert)  # the host's real bundle
     env = trust_env("/etc/stockade-ca-bundle.pem")
-    assert set(env) >= {"SSL_CERT_FILE", "PIP_CERT", "NODE_EXTRA_CA_CERTS", "GIT_SSL_CAINFO"}
+    assert set(env) == {"SSL_CERT_FILE", "PIP_CERT", "NODE_EXTRA_CA_CERTS"}
+    # these override a CA a tool was given explicitly (requests ignores verify=<file>)
+    assert not set(env) & {"REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO"}
     assert set(env.values()) == {"/etc/stockade-ca-bundle.pem"}

@@ -75,6 +75,17 @@ def test_env_without_the_option_has_no_proxy_variable(
     assert la.params.proxy_port == 3130
 
 
+def test_trust_variables_yield_to_the_callers_own(tmp_path: Path) -> None:
+    """The inspection CA's variables are defaults: a task's own CA for a private mirror
+    (here PIP_CERT) wins, the others stay."""
+    la = _launcher(tmp_path, ["0.0.0.0:3130"])
+    trust = {"SSL_CERT_FILE": "/etc/b.pem", "PIP_CERT": "/etc/b.pem"}
+    spec = SandboxSpec("p", ["true"], env={"PIP_CERT": "/inputs/mirror-ca.pem"})
+    env = la._env(spec, "10.213.0.1", trust=trust)
+    assert env["PIP_CERT"] == "/inputs/mirror-ca.pem"
+    assert env["SSL_CERT_FILE"] == "/etc/b.pem"
+
+
 @pytest.mark.netns
 def test_loopback_proxy_listen_refuses_a_proxy_env_sandbox(lab: Lab) -> None:
     # the lab's gateway settings keep the default proxy_listen 127.0.0.1:3128

@@ -200,6 +200,25 @@ def test_init_plan_builds_a_minimal_etc() -> None:
         initscript.build(dataclasses.replace(plan, etc=(initscript.Bind("/x", "/usr/x"),)))
 
 
+def test_init_plan_binds_the_trust_bundle_over_the_system_one() -> None:
+    plan = initscript.InitPlan(
+        root="/r", scratch="/s", etc_dir="/e", uid=65534, gid=65534,
+        etc_files=(*initscript.GENERATED_ETC, "stockade-ca-bundle.pem"),
+        etc=(initscript.Bind("/etc/ssl/certs", "/etc/ssl/certs"),),
+        etc_over=(("stockade-ca-bundle.pem", "ssl/certs/ca-certificates.crt"),),
+    )
+    ops = initscript.build(plan)["ops"]
+    over = ["bind", "/e/stockade-ca-bundle.pem", "/r/etc/ssl/certs/ca-certificates.crt",
+            True, True]  # read-only, and only where the allowlisted file exists
+    # after the directory it lands in, and never a file the init would have to create
+    assert ops.index(over) > ops.index(["bind", "/etc/ssl/certs", "/r/etc/ssl/certs", True, False])
+    assert ["touch", "/r/etc/ssl/certs/ca-certificates.crt"] not in ops
+    assert ["bind", "/e/stockade-ca-bundle.pem", "/r/etc/stockade-ca-bundle.pem", True,
+            False] in ops
+    with pytest.raises(ValueError):
+        initscript.build(dataclasses.replace(plan, etc_over=(("b", "../x"),)))
+
+
 def test_init_plan_with_host_etc_overlays_only() -> None:
     """ro_binds listing /etc: the old behaviour, the launcher's files over the host's."""
     plan = initscript.InitPlan(root="/r", scratch="/s", etc_dir="/e", uid=1, gid=1,
