@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from stockade.gateway.inspection import TRUST_ENV_VARS
 from stockade.launcher import LauncherError, SandboxSpec, vmimage
 
 from stockade.events import validate
@@ -115,7 +116,7 @@ def test_command_runs_in_a_microvm(lab: Lab, fake_internet: Any, tmp_path: Path)
         65534, 65534, "/scratch", "/scratch/home")
     assert all(line.split()[1] == "0000000000000000" for line in out["caps"])
     assert set(out["env"]) <= {"PATH", "HOME", "TMPDIR", "STOCKADE_BROKER", "LANG", "LC_ALL",
-                               "TERM", "TZ", "PWD", "EXTRA", "LD_BIND_NOW"}
+                               "TERM", "TZ", "PWD", "EXTRA", "LD_BIND_NOW", *TRUST_ENV_VARS}
     # a loader variable reaches the command (through env, after the drop), never setpriv
     assert out["ld_env"] == "1"
     # the guest kernel's surface: no modules (nor a modprobe helper), no user namespaces,

@@ -9,7 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
+from stockade.gateway.inspection import TRUST_ENV_VARS
 from stockade.launcher import initscript
+from stockade.launcher.trust import TRUST_BUNDLE_NAME
 
 from .conftest import Lab
 
@@ -30,8 +32,9 @@ def test_runs_command_registered_with_both_services(lab: Lab) -> None:
     out = json.loads(res.stdout)
     # the broker saw the sandbox's own address, already registered as this task
     assert out["broker_says"] == res.task_id
+    # (and the inspection CA's bundle for clients: launcher/trust.py)
     assert set(out["env"]) <= {"PATH", "HOME", "TMPDIR", "STOCKADE_BROKER", "LANG", "LC_ALL",
-                               "TERM", "TZ", "PWD"}
+                               "TERM", "TZ", "PWD", *TRUST_ENV_VARS}
     assert out["env"]["HOME"] == "/scratch/home"
     assert "PROXY" not in " ".join(out["env"]).upper()
     assert out["uid"] == 65534 and out["cwd"] == "/scratch"
@@ -86,7 +89,7 @@ def test_minimal_etc_hides_host_configuration(lab: Lab) -> None:
     assert set(initscript.GENERATED_ETC) <= names
     # nothing beyond the generated files and the allowlist's first path segments
     allowed = {e.split("/")[0] for e in s.etc_allowlist}
-    extra = {n for n in names - set(initscript.GENERATED_ETC)
+    extra = {n for n in names - {*initscript.GENERATED_ETC, TRUST_BUNDLE_NAME}
              if not any(fnmatch.fnmatch(n, a) for a in allowed)}
     assert extra == set()
 
