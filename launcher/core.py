@@ -436,9 +436,11 @@ class Launcher:
                 exit_code = 128 + signal.SIGKILL
             elif ended_by == "exit" and (
                 guest_limit or live.cg.oom_kills() > 0
+                # a fork bomb whose shell died of a failed fork between two polls above
+                or (vm is None and live.cg.pids_failures() >= limits_pids_fail)
                 or (exit_code != 0 and self._scratch_full(rec))
             ):
-                ended_by = "limit"  # OOM kill, or the command failed on a full scratch
+                ended_by = "limit"  # OOM kill, pids limit, or a failure on a full scratch
             if spec.export_dir is not None:
                 exported = self._export(rec, profile, spec.export_dir, policy_version)
         finally:
