@@ -287,12 +287,7 @@ class StockadeAddon:
     ) -> None:
         req = flow.request
         path = req.path.split("?", 1)[0][:2048]
-        extra: dict[str, Any] = {
-            "connection_id": meta.connection_id,
-            "listener": meta.listener,
-            "inspected": True,
-            "http_version": req.http_version,
-        }
+        extra = {**_flow_extra(meta), "http_version": req.http_version}
         if d.reason == Reason.DESTINATION_MISMATCH:
             extra["request_host"] = (req.headers.get("host") or req.authority or "")[:255]
         self.emit(
@@ -301,23 +296,16 @@ class StockadeAddon:
                 action="request_decision",
                 decision="allowed" if d.allowed else "denied",
                 reason=str(d.reason),
-                task_id=meta.task_id,
-                profile=meta.profile,
                 policy_version=d.policy_version or meta.policy_version,
                 rule_id=d.rule_id,
                 report_only=d.report_only,
-                source_ip=meta.source_ip or None,
-                source_port=meta.source_port or None,
-                destination_domain=meta.host,
-                destination_ip=meta.ip,
-                destination_port=meta.port,
-                transport="tcp",
                 protocol="http",
                 http_method=req.method[:32],
                 url={"scheme": "https", "domain": meta.host, "port": meta.port, "path": path},
                 http_status=None if d.allowed else status,
                 message=d.detail or None,
                 extra=extra,
+                **_flow_fields(meta),
             )
         )
 
@@ -329,24 +317,32 @@ class StockadeAddon:
                 action="request_decision",
                 decision="denied",
                 reason=str(reason),
-                task_id=meta.task_id,
-                profile=meta.profile,
                 policy_version=meta.policy_version,
-                source_ip=meta.source_ip or None,
-                source_port=meta.source_port or None,
-                destination_domain=meta.host,
-                destination_ip=meta.ip,
-                destination_port=meta.port,
-                transport="tcp",
                 protocol="tls",
                 message=detail,
-                extra={
-                    "connection_id": meta.connection_id,
-                    "listener": meta.listener,
-                    "inspected": True,
-                },
+                extra=_flow_extra(meta),
+                **_flow_fields(meta),
             )
         )
+
+
+def _flow_fields(meta: FlowMeta) -> dict[str, Any]:
+    """The flow's identity in every inspector event: task, source and the checked
+    destination the gateway handed over."""
+    return {
+        "task_id": meta.task_id,
+        "profile": meta.profile,
+        "source_ip": meta.source_ip or None,
+        "source_port": meta.source_port or None,
+        "destination_domain": meta.host,
+        "destination_ip": meta.ip,
+        "destination_port": meta.port,
+        "transport": "tcp",
+    }
+
+
+def _flow_extra(meta: FlowMeta) -> dict[str, Any]:
+    return {"connection_id": meta.connection_id, "listener": meta.listener, "inspected": True}
 
 
 def inner_request(req: Any) -> InnerRequest:
