@@ -4,6 +4,9 @@ blocking clients (curl, urllib, pip) and the real control socket."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Coroutine
 from pathlib import Path
@@ -16,6 +19,7 @@ from stockade.config import load_config
 from stockade.events import read_events, validate
 from stockade.ports import free_port
 from stockade.tasks import ControlClient, Task
+from stockade.testnet import ClientNamespace
 
 
 def write_config(
@@ -93,3 +97,38 @@ class GatewayHarness:
             if e["event"]["action"] == "connection_decision"
             and (task_id is None or e.get("labels", {}).get("task_id") == task_id)
         ]
+
+
+def pip_download(
+    ns: ClientNamespace, dest: Path, proxy: str, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`pip download` of the fake index's project into `dest`, from inside `ns` through the
+    explicit proxy `proxy`, with `args` before the project and `env` on top. A clean pip: no
+    host pip.conf/indexes, and no CA-bundle variables (requests lets REQUESTS_CA_BUNDLE
+    override --cert)."""
+    from stockade.testnet.wheel import PROJECT
+
+    run_env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("PIP_") and k not in ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
+    }
+    run_env.update(
+        {
+            "HTTPS_PROXY": proxy,
+            "PIP_NO_CACHE_DIR": "1",
+            "PIP_CONFIG_FILE": os.devnull,
+            "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+            **(env or {}),
+        }
+    )
+    return ns.run(
+        [
+            sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(dest),
+            "--index-url", "https://pypi.test/simple/", *args, PROJECT,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=run_env,
+    )  # fmt: skip

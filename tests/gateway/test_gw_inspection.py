@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gw_harness import GatewayHarness, free_port, write_config
+from gw_harness import GatewayHarness, free_port, pip_download, write_config
 from stockade.gateway.inspection import FlowMeta, connect_request
 
 from stockade.testnet import ClientNamespace, FakeInternet
@@ -411,33 +411,11 @@ def test_report_mode_lets_the_request_through_and_says_it_would_deny(
 def test_pip_download_through_an_inspected_index(
     l7gw: GatewayHarness, l7ns: ClientNamespace, fake_internet: FakeInternet, tmp_path: Path
 ) -> None:
-    from stockade.testnet.wheel import PROJECT
-
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("PIP_") and k not in ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
-    }
-    env.update(
-        {
-            "HTTPS_PROXY": f"http://{l7ns.host_ip}:{l7gw.port('proxy')}",
-            "PIP_CERT": ca(l7gw),  # what the launcher sets in a sandbox
-            "PIP_NO_CACHE_DIR": "1",
-            "PIP_CONFIG_FILE": os.devnull,
-            "PIP_DISABLE_PIP_VERSION_CHECK": "1",
-        }
-    )
     before = len(l7gw.events())
-    r = l7ns.run(
-        [
-            sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(tmp_path),
-            "--index-url", "https://pypi.test/simple/", PROJECT,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )  # fmt: skip
+    r = pip_download(
+        l7ns, tmp_path, f"http://{l7ns.host_ip}:{l7gw.port('proxy')}",
+        env={"PIP_CERT": ca(l7gw)},  # what the launcher sets in a sandbox
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert any(p.suffix == ".whl" for p in tmp_path.iterdir())
     find_event(l7gw, "request_decision", labels__task_id="t-l7", url__domain="pypi.test")

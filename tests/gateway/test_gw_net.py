@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gw_harness import GatewayHarness, free_port
+from gw_harness import GatewayHarness, free_port, pip_download
 
 from stockade.testnet import ClientNamespace, FakeInternet
 
@@ -538,43 +538,7 @@ def test_python_urllib_through_proxy(
 def test_pip_download_through_proxy(
     gw: GatewayHarness, sandbox: ClientNamespace, fake_internet: FakeInternet, tmp_path: Path
 ) -> None:
-    # a clean pip: no host pip.conf/indexes, and no CA-bundle variables (requests lets
-    # REQUESTS_CA_BUNDLE override --cert)
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("PIP_") and k not in ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
-    }
-    env.update(
-        {
-            "HTTPS_PROXY": proxy_url(gw, sandbox),
-            "PIP_NO_CACHE_DIR": "1",
-            "PIP_CONFIG_FILE": os.devnull,
-            "PIP_DISABLE_PIP_VERSION_CHECK": "1",
-        }
-    )
-    from stockade.testnet.wheel import PROJECT
-
-    r = sandbox.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "-d",
-            str(tmp_path),
-            "--index-url",
-            "https://pypi.test/simple/",
-            "--cert",
-            fake_internet.ca_pem,
-            PROJECT,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    r = pip_download(sandbox, tmp_path, proxy_url(gw, sandbox), "--cert", fake_internet.ca_pem)
     assert r.returncode == 0, r.stdout + r.stderr
     assert any(p.suffix == ".whl" for p in tmp_path.iterdir())
 
