@@ -25,9 +25,8 @@ from .conftest import Lab
 
 pytestmark = pytest.mark.netns
 
-PROBE = r"""
-import errno, json, os, socket, sys
-GW = os.environ["STOCKADE_BROKER"].split("//")[1].split(":")[0]  # host side of the veth
+# the probes both backends' escape tests run inside a sandbox (errno names, not texts)
+NET_PROBES = r"""
 def err(e):
     if isinstance(e, TimeoutError) or e.errno is None:
         return "ERR:timeout"
@@ -46,7 +45,12 @@ def udp(h, p, data=b"x"):
         return s.recv(100).decode("latin1")
     except OSError as e:
         return err(e)
-def icmp(h):
+"""
+
+PROBE = r"""
+import errno, json, os, socket, sys
+GW = os.environ["STOCKADE_BROKER"].split("//")[1].split(":")[0]  # host side of the veth
+""" + NET_PROBES + r"""def icmp(h):
     try:
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP)
         s.settimeout(3); s.connect((h, 0))

@@ -23,32 +23,15 @@ from stockade.launcher import LauncherError, SandboxSpec, vmimage
 from stockade.events import validate
 
 from .conftest import Lab
-from .test_launcher_escapes import PROMPT
+from .test_launcher_escapes import NET_PROBES, PROMPT
 from .test_launcher_leak import EMPTY, leftovers
+from .test_launcher_sandbox import check_ro_binds_with_etc
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 GUEST = r"""
 import errno, json, os, socket, subprocess, sys, urllib.request
-def err(e):
-    if isinstance(e, TimeoutError) or e.errno is None:
-        return "ERR:timeout"
-    return "ERR:" + errno.errorcode.get(e.errno, str(e.errno))
-def tcp(h, p):
-    try:
-        s = socket.create_connection((h, p), timeout=5)
-        return s.recv(16).decode("latin1")
-    except OSError as e:
-        return err(e)
-def udp(h, p, data=b"x"):
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.settimeout(3)
-    try:
-        s.connect((h, p)); s.send(data); s.send(data)
-        return s.recv(100).decode("latin1")
-    except OSError as e:
-        return err(e)
-def write(p):
+""" + NET_PROBES + r"""def write(p):
     try:
         open(p, "w").write("x")
         return "WROTE"
@@ -593,21 +576,7 @@ def test_fork_bomb_in_the_guest_hits_the_profiles_pids_limit(lab: Lab) -> None:
 def test_ro_binds_with_etc_keeps_the_host_etc_in_a_microvm(lab: Lab) -> None:
     """Listing /etc in ro_binds shares the host's /etc with the generated resolv.conf,
     hosts and hostname over it, as in the netns backend."""
-    from stockade.launcher import Launcher
-
-    ls = lab.config.launcher
-    cfg = lab.config.model_copy(update={"launcher": ls.model_copy(
-        update={"ro_binds": [*ls.ro_binds, "/etc"]})})
-    other = Launcher(cfg, nflog=False)
-    try:
-        res = other.run(SandboxSpec("vm", ["sh", "-c", "test -d /etc/ssh && echo SSH; "
-                                           "cat /etc/resolv.conf /etc/hostname"]), lab.ruleset)
-    finally:
-        other.close()
-    assert res.exit_code == 0, res.stderr
-    lines = res.stdout.splitlines()
-    assert lines[0] == "SSH" and lines[1].startswith("nameserver ")
-    assert lines[-1] == "sandbox"
+    check_ro_binds_with_etc(lab, "vm")
 
 
 def test_output_cap_and_a_memory_bomb_in_the_guest(lab: Lab) -> None:

@@ -145,8 +145,9 @@ def test_ordinary_tools_find_their_etc(lab: Lab) -> None:
     assert pip.exit_code == 0, pip.stderr
 
 
-def test_ro_binds_with_etc_keeps_the_host_etc(lab: Lab) -> None:
-    """Listing /etc in ro_binds explicitly keeps the whole host /etc (documented)."""
+def check_ro_binds_with_etc(lab: Lab, profile: str) -> None:
+    """With /etc listed in ro_binds, a sandbox of `profile` sees the host's whole /etc with
+    the generated resolv.conf, hosts and hostname over it (both backends)."""
     from stockade.launcher import Launcher, SandboxSpec
 
     ls = lab.config.launcher
@@ -154,14 +155,19 @@ def test_ro_binds_with_etc_keeps_the_host_etc(lab: Lab) -> None:
         update={"ro_binds": [*ls.ro_binds, "/etc"]})})
     other = Launcher(cfg, nflog=False)
     try:
-        res = other.run(SandboxSpec("test", ["sh", "-c", "test -d /etc/ssh && echo SSH; "
-                                            "cat /etc/resolv.conf /etc/hostname"]), lab.ruleset)
+        res = other.run(SandboxSpec(profile, ["sh", "-c", "test -d /etc/ssh && echo SSH; "
+                                             "cat /etc/resolv.conf /etc/hostname"]), lab.ruleset)
     finally:
         other.close()
     assert res.exit_code == 0, res.stderr
     lines = res.stdout.splitlines()
     assert lines[0] == "SSH" and lines[1].startswith("nameserver ")
     assert lines[-1] == "sandbox"
+
+
+def test_ro_binds_with_etc_keeps_the_host_etc(lab: Lab) -> None:
+    """Listing /etc in ro_binds explicitly keeps the whole host /etc (documented)."""
+    check_ro_binds_with_etc(lab, "test")
 
 
 def test_control_sockets_not_reachable(lab: Lab) -> None:
