@@ -542,23 +542,30 @@ def test_reconcile_removes_a_crashed_launchers_vm(lab: Lab) -> None:
                              json.dumps(lab.config.model_dump())])
     tid = None
     try:
-        for _ in range(1000):
-            rows = lab.launcher.list()
-            if rows and rows[0]["state"] == "running":
-                tid = rows[0]["task_id"]
-                break
-            time.sleep(0.01)
-        assert tid is not None, "the crasher did not start its microVM"
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    left = leftovers(lab)
-    assert left["netns"] and left["cgroups"] and left["state"]  # the crash left pieces
-    assert not _vm_proc_gone(tid)  # and QEMU runs on (its own session)
-    removed = lab.launcher.reconcile()
-    assert removed["sandboxes"] == [tid]
-    assert leftovers(lab) == EMPTY
-    assert _vm_proc_gone(tid)
+        try:
+            # "running" is recorded once the sh/nsenter/unshare chain is spawned; QEMU
+            # itself execs a moment later (longer on a loaded host): wait for QEMU
+            for _ in range(3000):
+                rows = lab.launcher.list()
+                if rows and rows[0]["state"] == "running":
+                    tid = rows[0]["task_id"]
+                    if not _vm_proc_gone(tid):
+                        break
+                time.sleep(0.01)
+            assert tid is not None and not _vm_proc_gone(tid), \
+                "the crasher did not start its microVM"
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        left = leftovers(lab)
+        assert left["netns"] and left["cgroups"] and left["state"]  # the crash left pieces
+        assert not _vm_proc_gone(tid)  # and QEMU runs on (its own session)
+        removed = lab.launcher.reconcile()
+        assert removed["sandboxes"] == [tid]
+        assert leftovers(lab) == EMPTY
+        assert _vm_proc_gone(tid)
+    finally:  # a failure here must not leave the crash to the next test's leftovers check
+        lab.launcher.reconcile()
 
 
 def test_fork_bomb_in_the_guest_hits_the_profiles_pids_limit(lab: Lab) -> None:
