@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -376,6 +377,7 @@ def _norm(name: str) -> str | None:
 
 
 _PATCHED = False
+_HEAD_CONN: list[Any] = [None]  # the client connection whose HTTP/1 head is being read
 _ADDON: StockadeAddon | None = None  # for the patched HTTP/2 protocol_error's event
 
 
@@ -434,6 +436,17 @@ def _stockade_error_response(status_code: int, message: str = "") -> bytes:
     from mitmproxy.net.http import http1
 
     log.info("inspector: client protocol error %s: %s", status_code, message)
+    conn, addon = _HEAD_CONN[0], _ADDON
+    if conn is not None and addon is not None:
+        # an HTTP/1 head mitmproxy could not parse: there is no flow (so no
+        # requestheaders event); the denial is logged for the sandbox's connection
+        meta = addon.flows.get(conn.id)
+        if meta is not None:
+            addon._flow_event(
+                meta,
+                Reason.PROTOCOL_UNRECOGNISED,
+                f"unparseable HTTP/1 request head: {message}"[:200],
+            )
     resp = http.Response.make(
         status_code,
         denial_body(str(Reason.PROTOCOL_UNRECOGNISED), None, None),
@@ -454,9 +467,20 @@ def _install_error_pages() -> None:
 
     import h2.errors
     from mitmproxy.proxy.commands import Log, SendData
-    from mitmproxy.proxy.layers.http import _http1, _http2
+    from mitmproxy.proxy.layers.http import ResponseProtocolError, _http1, _http2
 
     _http1.make_error_response = _stockade_error_response
+    read_headers = _http1.Http1Server.read_headers
+
+    def read_headers_of(self: Any, event: Any) -> Any:
+        # the client connection published for _stockade_error_response, which mitmproxy
+        # calls without it (no flow exists yet for a head it cannot parse)
+        def publish(on: bool) -> None:
+            _HEAD_CONN[0] = self.conn if on else None
+
+        return (yield from _stepped(read_headers(self, event), publish))
+
+    _http1.Http1Server.read_headers = read_headers_of  # type: ignore[method-assign]
     _http2.format_error = lambda code, message: denial_body(  # type: ignore[assignment]
         str(Reason.PROTOCOL_UNRECOGNISED), None, None
     )
@@ -478,6 +502,50 @@ def _install_error_pages() -> None:
         yield from self.close_connection(message)
 
     _http2.Http2Connection.protocol_error = protocol_error  # type: ignore[method-assign]
+    handle_event = _http2.Http2Connection._handle_event
+
+    def handle_event_of(self: Any, event: Any) -> Any:
+        if not isinstance(event, ResponseProtocolError):
+            return (yield from handle_event(self, event))
+        # an error stream: mitmproxy's headers (text/html, its name) swapped for ours while
+        # it sends them (the body is format_error's, above)
+        h2c = self.h2_conn
+
+        def swap(on: bool) -> None:
+            if on:
+                h2c.send_headers = functools.partial(_json_error_headers, h2c)
+            else:
+                h2c.__dict__.pop("send_headers", None)
+
+        return (yield from _stepped(handle_event(self, event), swap))
+
+    _http2.Http2Connection._handle_event = handle_event_of  # type: ignore[method-assign]
+
+
+def _stepped(gen: Any, around: Callable[[bool], None]) -> Any:
+    """Run a mitmproxy command generator with `around(True)` before and `around(False)`
+    after each of its steps (state that must hold only while its own code runs)."""
+    sent: Any = None
+    while True:
+        around(True)
+        try:
+            cmd = gen.send(sent)
+        except StopIteration as stop:
+            return stop.value
+        finally:
+            around(False)
+        sent = yield cmd
+
+
+def _json_error_headers(h2c: Any, stream_id: int, headers: list[Any], **kw: Any) -> Any:
+    """HTTP/2 error-stream headers as Stockade's denials carry them."""
+    status = [(k, v) for k, v in headers if k == b":status"]
+    ours = [
+        (b"server", b"stockade"),
+        (b"content-type", b"application/json"),
+        (b"x-stockade-deny", str(Reason.PROTOCOL_UNRECOGNISED).encode()),
+    ]
+    return type(h2c).send_headers(h2c, stream_id, status + ours, **kw)
 
 
 def _refuse_layer_class() -> type:

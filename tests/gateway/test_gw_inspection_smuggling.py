@@ -165,9 +165,14 @@ def _h2(t: ssl.SSLSocket) -> h2.connection.H2Connection:
     return c
 
 
-def _h2_answer(t: ssl.SSLSocket, c: h2.connection.H2Connection, sid: int) -> tuple[Any, bytes]:
+def _h2_answer(
+    t: ssl.SSLSocket,
+    c: h2.connection.H2Connection,
+    sid: int,
+    headers: dict[bytes, bytes] | None = None,
+) -> tuple[Any, bytes]:
     """The :status and body of stream `sid` (None if it was reset or the connection
-    ended first)."""
+    ended first); its response headers go into `headers` when given."""
     status: Any = None
     body = b""
     t.settimeout(10)
@@ -183,6 +188,8 @@ def _h2_answer(t: ssl.SSLSocket, c: h2.connection.H2Connection, sid: int) -> tup
                 continue
             if isinstance(ev, h2.events.ResponseReceived):
                 status = dict(ev.headers)[b":status"]
+                if headers is not None:
+                    headers.update(ev.headers)
             elif isinstance(ev, h2.events.DataReceived):
                 body += ev.data
                 c.acknowledge_received_data(ev.flow_controlled_length, sid)
@@ -252,7 +259,8 @@ def test_h2_heads_that_could_smuggle_are_refused(
     c = _h2(t)
     c.send_headers(1, H2_HEADS[case], end_stream=True)
     t.sendall(c.data_to_send())
-    status, body = _h2_answer(t, c, 1)
+    headers: dict[bytes, bytes] = {}
+    status, body = _h2_answer(t, c, 1, headers)
     if case in H2_REFUSED_BY_H2:
         t.close()
         assert status is None
@@ -272,6 +280,10 @@ def test_h2_heads_that_could_smuggle_are_refused(
     assert status in (b"403", b"400"), (status, body)
     assert json.loads(body)["reason"] == "protocol_unrecognised"
     assert b"mitmproxy" not in body
+    # mitmproxy's own error stream says text/html and names itself: ours is JSON
+    assert headers[b"content-type"] == b"application/json", headers
+    assert headers[b"x-stockade-deny"] == b"protocol_unrecognised", headers
+    assert b"mitmproxy" not in headers.get(b"server", b""), headers
     assert clean == b"200"
     assert b"/allowed/clean" in seen
     evs = [e for e in sgw.events() if e["stockade"].get("connection_id") == conn]
@@ -556,3 +568,25 @@ def test_mitmproxys_error_page_never_reaches_the_sandbox(
     ev = find_event(sgw, "request_decision", stockade__connection_id=conn)
     assert ev["event"]["reason"] == "protocol_unrecognised"
     assert ev["stockade"]["decision"] == "denied"
+
+
+@pytest.mark.parametrize(
+    "head", [b"NOT A REQUEST LINE\r\n\r\n", b"GET /allowed/x HTTP/1.1\r\nno colon here\r\n\r\n"]
+)
+def test_an_unparseable_h1_head_is_answered_and_logged(
+    sgw: GatewayHarness, upstream: RecordingUpstream, head: bytes
+) -> None:
+    """mitmproxy's parser refuses the head before any flow exists: the sandbox gets
+    Stockade's 400 and the SOC still gets a denial event for the connection."""
+    upstream.take()
+    t, conn = _tunnel(sgw, "http/1.1")
+    t.sendall(head)
+    out = _h1_answer(t)
+    t.close()
+    assert out.startswith(b"HTTP/1.1 400"), out[:300]
+    assert b"mitmproxy" not in out.lower(), out
+    assert upstream.take() == b""
+    ev = find_event(sgw, "request_decision", stockade__connection_id=conn)
+    assert ev["event"]["reason"] == "protocol_unrecognised"
+    assert ev["stockade"]["decision"] == "denied"
+    assert "unparseable HTTP/1 request head" in ev["message"]
