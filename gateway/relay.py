@@ -141,8 +141,6 @@ class Relay:
         self.on_activity = on_activity
         self.bytes_up = len(first)
         self.bytes_down = 0
-        self._up_waiter: asyncio.Future[None] | None = None  # the upload side's wait
-        self._failed: BaseException | None = None  # the download side's failure
         # at most this many bytes (with `first`) ever go upstream; the client's bytes
         # after them are never read (a plain-HTTP request's framed end, see server.py)
         self.up_left = None if up_limit is None else max(0, up_limit - len(first))
@@ -150,55 +148,27 @@ class Relay:
     async def run(self) -> None:
         """Return when both directions are done; raise UploadLimit / OSError on failure.
 
-        The upload direction runs in the caller's coroutine; the download direction is
-        driven by reader/writer callbacks (`_DownPump`), with no task of its own. It starts
-        before the caller's first await, so the upstream's first bytes are relayed from
-        the very readiness callback that reports them (no task wake-up, no per-chunk
-        reader churn). A failure of the download side fails the upload side's current
-        wait with the same exception, which tears the tunnel down. (Not by cancelling the
-        caller's task: a connection's first step may run before it has one.)
+        Each direction is a callback state machine (`_Pump`) driven by reader/writer
+        readiness, with no task of its own: bytes are moved from the very callback that
+        reports them (no task wake-up, no per-chunk reader churn, and a tunnel's end costs
+        no loop rounds of its own). Both start before the caller's first await, so the
+        upstream's first bytes are relayed as soon as they arrive. The caller awaits one
+        future: done when both directions reached EOF (or the upload its limit), failed
+        with the first error of either, which stops the other.
         """
         loop = asyncio.get_running_loop()
-        down = _DownPump(self, loop)
-
-        def down_done(f: asyncio.Future[None]) -> None:
-            if f.cancelled() or f.exception() is None:
-                return
-            self._failed = f.exception()
-            waiter = self._up_waiter
-            if waiter is not None and not waiter.done():
-                waiter.set_exception(self._failed)  # type: ignore[arg-type]
-
-        down.done.add_done_callback(down_done)
-        down.start()  # listening for the upstream's answer before the rest can be sent
+        finished: asyncio.Future[None] = loop.create_future()
+        down = _Pump(self, loop, up=False, finished=finished)
+        up = _Pump(self, loop, up=True, finished=finished, seed=self.first)
+        self.first = b""
+        down.other, up.other = up, down
+        down.start()  # listening for the upstream's answer before the rest is sent
+        up.start()
         try:
-            if self.first:
-                first, self.first = self.first, b""
-                await self._send_all(loop, self.upstream, memoryview(first))
-            await self._pump(self.client, self.upstream, True)
-            await down.done
+            await finished
         finally:
-            if not down.done.done():
-                down.done.remove_done_callback(down_done)
             down.close()
-
-    def _track(self, waiter: asyncio.Future[None] | None) -> None:
-        self._up_waiter = waiter
-
-    async def _wait_up(self, loop: asyncio.AbstractEventLoop, fd: int, write: bool) -> None:
-        """The upload side's waits: failed at once by a download-side failure."""
-        if self._failed is not None:
-            raise self._failed
-        await wait_fd(loop, fd, write, track=self._track)
-
-    async def _send_all(
-        self, loop: asyncio.AbstractEventLoop, dst: socket.socket, data: memoryview
-    ) -> None:
-        while data:
-            try:
-                data = data[dst.send(data) :]
-            except (BlockingIOError, InterruptedError):
-                await self._wait_up(loop, dst.fileno(), write=True)
+            up.close()
 
     def _account(self, n: int, up: bool) -> None:
         if up:
@@ -207,132 +177,61 @@ class Relay:
             self.bytes_down += n
         self.on_activity()
 
-    async def _pump(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
-        loop = asyncio.get_running_loop()
-        if up and self.up_left is not None:
-            await self._pump_limited(loop, src, dst)
-            return
-        # the client has just sent its first message and usually waits for an answer:
-        # wait for more instead of asking (an EAGAIN syscall per connection)
-        await self._wait_up(loop, src.fileno(), write=False)
-        if self.pool is not None:
-            await self._pump_splice(loop, src, dst, up)
-        else:
-            await self._pump_copy(loop, src, dst, up)
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_WR)
 
-    async def _pump_splice(
-        self, loop: asyncio.AbstractEventLoop, src: socket.socket, dst: socket.socket, up: bool
-    ) -> None:
-        assert self.pool is not None
-        sfd, dfd = src.fileno(), dst.fileno()
-        while True:
-            pipe = self.pool.get()
-            clean = False
-            try:
-                try:
-                    n = os.splice(sfd, pipe[1], self.pool.size, flags=_SPLICE_FLAGS)
-                except BlockingIOError:
-                    clean = True
-                    self.pool.put(pipe)
-                    await self._wait_up(loop, sfd, write=False)
-                    continue
-                if n == 0:
-                    clean = True
-                    self.pool.put(pipe)
-                    return  # EOF
-                if up and not self.count_up(n):
-                    raise UploadLimit
-                left = n
-                while left:
-                    try:
-                        left -= os.splice(pipe[0], dfd, left, flags=_SPLICE_FLAGS)
-                    except BlockingIOError:
-                        await self._wait_up(loop, dfd, write=True)
-                self._account(n, up)
-                clean = True
-                self.pool.put(pipe)
-            finally:
-                if not clean:
-                    self.pool.discard(pipe)  # bytes may remain inside: never reuse
+class _Pump:
+    """One direction (client -> upstream when `up`, else upstream -> client) as a
+    callback state machine.
 
-    async def _pump_limited(
-        self, loop: asyncio.AbstractEventLoop, src: socket.socket, dst: socket.socket
-    ) -> None:
-        """The upload direction with `up_left`: copies that many bytes, then stops reading
-        the client (no half-close: some servers take it for an aborted request). The
-        client's EOF before that is passed on as usual."""
-        assert self.up_left is not None
-        buf = bytearray(CHUNK)
-        view = memoryview(buf)
-        while self.up_left > 0:
-            try:
-                n = src.recv_into(view[: min(CHUNK, self.up_left)])
-            except BlockingIOError:
-                await self._wait_up(loop, src.fileno(), write=False)
-                continue
-            except InterruptedError:
-                continue
-            if n == 0:
-                with contextlib.suppress(OSError):
-                    dst.shutdown(socket.SHUT_WR)
-                return
-            if not self.count_up(n):
-                raise UploadLimit
-            await self._send_all(loop, dst, view[:n])
-            self.up_left -= n
-            self._account(n, True)
-
-    async def _pump_copy(
-        self, loop: asyncio.AbstractEventLoop, src: socket.socket, dst: socket.socket, up: bool
-    ) -> None:
-        buf = bytearray(CHUNK)
-        view = memoryview(buf)
-        while True:
-            try:
-                n = src.recv_into(buf)
-            except BlockingIOError:
-                await self._wait_up(loop, src.fileno(), write=False)
-                continue
-            except InterruptedError:
-                continue
-            if n == 0:
-                return
-            if up and not self.count_up(n):
-                raise UploadLimit
-            await self._send_all(loop, dst, view[:n])
-            self._account(n, up)
-
-
-class _DownPump:
-    """The download direction (upstream -> client) as a callback state machine.
-
-    Reading: a reader on the upstream stays registered while the client takes the bytes;
-    each readiness callback moves data until the upstream has none (EAGAIN), the client
-    would block (then: writer on the client, upstream reader off, so a level-triggered
-    reader never spins on unread data) or EOF (shutdown(SHUT_WR) on the client, done).
-    Splice mode holds a pipe only while a chunk is in flight, as the coroutine pump does.
+    Reading: a reader on the source stays registered while the destination takes the
+    bytes; each readiness callback moves data until the source has none (EAGAIN), the
+    destination would block (then: writer on the destination, source reader off, so a
+    level-triggered reader never spins on unread data) or EOF (shutdown(SHUT_WR) on the
+    destination, done). Splice mode holds a pipe only while a chunk is in flight.
+    Upload only: `count_up` is asked before a chunk leaves (the cap is exact), and with
+    `relay.up_left` the client is read in copy mode up to that many bytes, then no more
+    (no half-close: some servers take it for an aborted request).
     """
 
-    def __init__(self, relay: Relay, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        relay: Relay,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        up: bool,
+        finished: asyncio.Future[None],
+        seed: bytes = b"",
+    ) -> None:
         self.relay = relay
         self.loop = loop
-        self.done: asyncio.Future[None] = loop.create_future()
-        self.sfd = relay.upstream.fileno()
-        self.dfd = relay.client.fileno()
+        self.up = up
+        self.finished = finished  # shared by both directions (see Relay.run)
+        self.other: _Pump | None = None
+        self.src, self.dst = (
+            (relay.client, relay.upstream) if up else (relay.upstream, relay.client)
+        )
+        self.sfd = self.src.fileno()
+        self.dfd = self.dst.fileno()
+        self.done = False
         self.reading = False
         self.writing = False
+        self.limited = up and relay.up_left is not None
+        self.splice = relay.pool is not None and not self.limited
         self.pipe: tuple[int, int] | None = None  # splice: a chunk in flight
-        self.left = 0  # bytes of that chunk (or of `pending`) not yet written
-        self.buf: bytearray | None = None if relay.pool is not None else bytearray(CHUNK)
-        self.pending: memoryview | None = None  # copy mode: a chunk not yet fully sent
+        self.left = 0  # bytes of that chunk not yet written
+        self.buf: bytearray | None = None if self.splice else bytearray(CHUNK)
+        # copy mode, and the first bytes (already counted): a chunk not yet fully sent
+        self.pending: memoryview | None = memoryview(seed) if seed else None
         self.chunk = 0  # size of the chunk in flight (accounted once fully written)
 
     def start(self) -> None:
-        # nothing to move yet (the upstream has not been sent the first bytes, or has
-        # only just been): listen instead of asking and hearing EAGAIN
-        self._watch(read=True, write=False)
+        if self.pending is not None:  # the first bytes' rest: send when writable
+            self._watch(read=False, write=True)
+        elif self.limited and self.relay.up_left is not None and self.relay.up_left <= 0:
+            self.done = True  # the first bytes were all it may send: never read the client
+        else:
+            # nothing to move yet (the upstream has only just been sent the first bytes,
+            # the client waits for the answer): listen instead of hearing EAGAIN
+            self._watch(read=True, write=False)
 
     def close(self) -> None:
         """Stop (the tunnel is being torn down); releases a half-moved chunk's pipe."""
@@ -340,8 +239,6 @@ class _DownPump:
         if self.pipe is not None:
             PipePool.discard(self.pipe)  # bytes may remain inside: never reuse
             self.pipe = None
-        if not self.done.done():
-            self.done.cancel()
 
     def _watch(self, *, read: bool, write: bool) -> None:
         if read != self.reading:
@@ -358,31 +255,54 @@ class _DownPump:
             self.writing = write
 
     def _run(self) -> None:
-        if self.done.done():
+        if self.finished.done():
             self._watch(read=False, write=False)
             return
         try:
-            state = self._move_splice() if self.relay.pool is not None else self._move_copy()
-        except Exception as e:  # a reset, or a bug: either way the tunnel ends (fail closed)
-            self.close_with(e)
+            if self.pending is not None and self.buf is None:  # the first bytes, splice mode
+                state = self._send_pending()
+                if state is None:
+                    state = self._move_splice()
+            elif self.splice:
+                state = self._move_splice()
+            else:
+                state = self._move_copy()
+        except Exception as e:  # a reset, the upload cap, or a bug: the tunnel ends
+            self._fail(e)
             return
-        if state == "eof":
+        if state in ("eof", "limit"):
             self._watch(read=False, write=False)
-            with contextlib.suppress(OSError):
-                self.relay.client.shutdown(socket.SHUT_WR)
-            self.done.set_result(None)
+            if state == "eof":
+                with contextlib.suppress(OSError):
+                    self.dst.shutdown(socket.SHUT_WR)
+            self.done = True
+            if self.other is not None and self.other.done and not self.finished.done():
+                self.finished.set_result(None)
         elif state == "read":
             self._watch(read=True, write=False)
-        else:  # "write": the client is not taking bytes
+        else:  # "write": the destination is not taking bytes
             self._watch(read=False, write=True)
 
-    def close_with(self, exc: BaseException) -> None:
-        self._watch(read=False, write=False)
-        if self.pipe is not None:
-            PipePool.discard(self.pipe)
-            self.pipe = None
-        if not self.done.done():
-            self.done.set_exception(exc)
+    def _fail(self, exc: BaseException) -> None:
+        self.close()
+        if self.other is not None:
+            self.other.close()
+        if not self.finished.done():
+            self.finished.set_exception(exc)
+
+    def _send_pending(self) -> str | None:
+        """Send what is left of `pending`; "write" if the destination is full."""
+        while self.pending:
+            try:
+                sent = self.dst.send(self.pending)
+            except (BlockingIOError, InterruptedError):
+                return "write"
+            self.pending = self.pending[sent:]
+        self.pending = None
+        if self.chunk:
+            self.relay._account(self.chunk, self.up)
+            self.chunk = 0
+        return None
 
     def _move_splice(self) -> str:
         pool = self.relay.pool
@@ -401,6 +321,9 @@ class _DownPump:
                 if n == 0:
                     pool.put(pipe)
                     return "eof"
+                if self.up and not self.relay.count_up(n):
+                    PipePool.discard(pipe)  # the bytes inside never leave
+                    raise UploadLimit
                 self.pipe, self.left = pipe, n
                 self.chunk = n
             while self.left:
@@ -410,28 +333,34 @@ class _DownPump:
                     return "write"
             pool.put(self.pipe)
             self.pipe = None
-            self.relay._account(self.chunk, False)
+            self.relay._account(self.chunk, self.up)
 
     def _move_copy(self) -> str:
         assert self.buf is not None
+        relay = self.relay
         while True:
             if self.pending is None:
+                want = CHUNK
+                if self.limited:
+                    assert relay.up_left is not None
+                    if relay.up_left <= 0:
+                        return "limit"
+                    want = min(CHUNK, relay.up_left)
                 try:
-                    n = self.relay.upstream.recv_into(self.buf)
+                    n = self.src.recv_into(self.buf, want)
                 except (BlockingIOError, InterruptedError):
                     return "read"
                 if n == 0:
                     return "eof"
+                if self.up and not relay.count_up(n):
+                    raise UploadLimit
+                if self.limited:
+                    relay.up_left -= n  # type: ignore[operator]
                 self.pending = memoryview(self.buf)[:n]
                 self.chunk = n
-            while self.pending:
-                try:
-                    sent = self.relay.client.send(self.pending)
-                except (BlockingIOError, InterruptedError):
-                    return "write"
-                self.pending = self.pending[sent:]
-            self.pending = None
-            self.relay._account(self.chunk, False)
+            state = self._send_pending()
+            if state is not None:
+                return state
 
 
 def splice_works() -> bool:
