@@ -216,6 +216,7 @@ class Bench:
     def __init__(self, upstream_port: int, hello: bytes) -> None:
         self.upstream_port = upstream_port
         self.hello = hello
+        self.opened_at = 0.0  # perf_counter when the last open() had its tunnel
 
     def open(self, proxy: Proxy, cmd: bytes) -> socket.socket:
         if proxy.port is None:
@@ -232,6 +233,7 @@ class Bench:
                 head += chunk
             if not head.startswith((b"HTTP/1.1 200", b"HTTP/1.0 200")):
                 raise RuntimeError(f"{proxy.name}: CONNECT refused: {head[:80]!r}")
+        self.opened_at = time.perf_counter()
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         s.sendall(self.hello + cmd)
         return s
@@ -251,15 +253,16 @@ class Bench:
         s.close()
         return nbytes / elapsed / 2**20
 
-    def latency(self, proxy: Proxy, runs: int) -> list[float]:
-        """Seconds from connect() to the first upstream byte through the tunnel."""
-        out: list[float] = []
+    def latency(self, proxy: Proxy, runs: int) -> list[tuple[float, float]]:
+        """Seconds from connect() to the first upstream byte through the tunnel, and of
+        that, to the tunnel being open (connected; through a proxy: its `200` read)."""
+        out: list[tuple[float, float]] = []
         for _ in range(runs):
             t0 = time.perf_counter()
             s = self.open(proxy, b"P")
             if s.recv(1) != b"!":
                 raise RuntimeError(f"{proxy.name}: no first byte")
-            out.append(time.perf_counter() - t0)
+            out.append((time.perf_counter() - t0, self.opened_at - t0))
             s.close()
         return out
 
@@ -499,6 +502,22 @@ def start_tinyproxy(tmp: Path, upstream_port: int) -> Proxy | None:
     return Proxy("tinyproxy (CONNECT allowlist)", port, proc, thread_per_conn=True)
 
 
+def start_floor(upstream_port: int) -> Proxy:
+    """bench/floor_proxy.py: the hops of a CONNECT proxy with no work of its own."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("floor_proxy.py")),
+            str(port),
+            str(upstream_port),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    wait_port(port, proc, timeout=30)
+    return Proxy("python relay floor (no policy)", port, proc)
+
+
 @contextlib.contextmanager
 def upstream(tmp: Path, cc: str) -> Iterator[int]:
     blob = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp
@@ -553,7 +572,8 @@ def main() -> int:
     )
     ap.add_argument(
         "--only",
-        help="comma-separated subset: direct,gateway,gateway-copy,mitmproxy,squid,tinyproxy "
+        help="comma-separated subset: "
+        "direct,gateway,gateway-copy,floor,mitmproxy,squid,tinyproxy "
         "(a --baseline always runs)",
     )
     args = ap.parse_args()
@@ -581,16 +601,19 @@ def main() -> int:
                 ),
                 (
                     "baseline",
-                    lambda: start_gateway(
-                        tmp,
-                        f"gateway @ {args.baseline} (splice)",
-                        up_port,
-                        True,
-                        baseline_tree(tmp, args.baseline),
-                    )
-                    if args.baseline
-                    else None,
+                    lambda: (
+                        start_gateway(
+                            tmp,
+                            f"gateway @ {args.baseline} (splice)",
+                            up_port,
+                            True,
+                            baseline_tree(tmp, args.baseline),
+                        )
+                        if args.baseline
+                        else None
+                    ),
                 ),
+                ("floor", lambda: start_floor(up_port)),
                 ("mitmproxy", lambda: start_mitmproxy(tmp)),
                 ("squid", lambda: start_squid(tmp, up_port)),
                 ("tinyproxy", lambda: start_tinyproxy(tmp, up_port)),
@@ -634,7 +657,7 @@ def measure(
     """Interleaved rounds (every path once per round), so drift on a shared machine
     affects all paths alike; then the idle-tunnel test, one proxy at a time."""
     tputs: dict[str, list[float]] = {k: [] for k, _ in proxies}
-    lats: dict[str, list[float]] = {k: [] for k, _ in proxies}
+    lats: dict[str, list[tuple[float, float]]] = {k: [] for k, _ in proxies}
     cpu: dict[str, float] = {k: 0.0 for k, _ in proxies}
     for _ in range(max(args.runs, 1)):
         for key, proxy in proxies:
@@ -649,14 +672,18 @@ def measure(
             cpu[key] += proxy.cpu() - before
     rows: list[dict[str, object]] = []
     for key, proxy in proxies:
+        totals = [t for t, _ in lats[key]]
         row: dict[str, object] = {
             "name": proxy.name,
             "key": key,
             "tput": statistics.median(tputs[key]),
             "tput_range": (min(tputs[key]), max(tputs[key])),
-            "p50": statistics.median(lats[key]) * 1000,
-            "p90": statistics.quantiles(lats[key], n=10)[-1] * 1000,
-            "cpu_us": cpu[key] / len(lats[key]) * 1e6 if proxy.proc else None,
+            "p50": statistics.median(totals) * 1000,
+            "p90": statistics.quantiles(totals, n=10)[-1] * 1000,
+            # where the set-up time goes: to an open tunnel, then first bytes -> answer
+            "open_p50": statistics.median(o for _, o in lats[key]) * 1000,
+            "answer_p50": statistics.median(t - o for t, o in lats[key]) * 1000,
+            "cpu_us": cpu[key] / len(totals) * 1e6 if proxy.proc else None,
         }
         if proxy.proc is not None and (key == "gateway" or args.idle_all):
             row["idle_n"], row["idle_kib"] = bench.idle(proxy, idle_n)
@@ -684,7 +711,7 @@ def print_table(rows: list[dict[str, object]], nbytes: int, args: argparse.Names
     hdr = (
         f"{'path':32} {'MiB/s':>8} {'vs direct':>9} {'vs mitm':>8} "
         f"{'p50 ms':>7} {'+p50 ms':>8} {'p90 ms':>7} {'CPU us/conn':>11} "
-        f"{'idle KiB/tunnel':>18}  {'MiB/s min-max':>13}"
+        f"{'idle KiB/tunnel':>18}  {'MiB/s min-max':>13} {'open p50':>8} {'answer p50':>10}"
     )
     print(hdr)
     print("-" * len(hdr))
@@ -705,9 +732,12 @@ def print_table(rows: list[dict[str, object]], nbytes: int, args: argparse.Names
         print(
             f"{r['name']:32} {tput:8.0f} {vs_direct:>9} {vs_mitm:>8} {p50:7.3f} "
             f"{added:>8} {float(r['p90']):7.3f} {cpu:>11} {idle:>18}  "
-            f"{span:>13}"
+            f"{span:>13} {float(r['open_p50']):8.3f} {float(r['answer_p50']):10.3f}"  # type: ignore[arg-type]
         )  # type: ignore[arg-type]
-    print()
+    print(
+        "open p50: connect() to an open tunnel (through a proxy: its 200 read); answer p50: "
+        "the ClientHello sent to the first byte back (medians of each part)"
+    )
 
 
 if __name__ == "__main__":
