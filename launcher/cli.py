@@ -128,9 +128,10 @@ def _list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows))
         return 0
-    print(f"{'TASK':<12} {'PROFILE':<20} {'ADDRESS':<16} STATE")
+    print(f"{'TASK':<12} {'PROFILE':<20} {'ADDRESS':<16} {'ISOLATION':<10} STATE")
     for r in rows:
-        print(f"{r['task_id']:<12} {r['profile']:<20} {r['address']:<16} {r['state']}")
+        print(f"{r['task_id']:<12} {r['profile']:<20} {r['address']:<16} "
+              f"{r['isolation']:<10} {r['state']}")
     return 0
 
 

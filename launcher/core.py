@@ -477,8 +477,8 @@ class Launcher:
     def list(self) -> list[dict[str, Any]]:
         return [
             {"task_id": r.task_id, "profile": r.profile, "address": r.guest_ip,
-             "state": r.state, "started_at": r.started_at, "expires_at": r.expires_at,
-             "owner_pid": r.owner_pid}
+             "state": r.state, "isolation": r.isolation, "started_at": r.started_at,
+             "expires_at": r.expires_at, "owner_pid": r.owner_pid}
             for r in self.state.read().values()
         ]
 
@@ -656,7 +656,7 @@ class Launcher:
                 netns=self._netns(task_id), host_ip=a.host_ip, guest_ip=a.guest_ip,
                 guest_mac=a.guest_mac, owner_pid=os.getpid(),
                 scratch=str(self.scratch_base / task_id), cgroups=cg.paths,
-                started_at=now, expires_at=now + ttl,
+                started_at=now, expires_at=now + ttl, isolation=isolation["isolation"],
             )
             # known as live before the record is visible: a concurrent kill() finds it
             live = _Live(rec, cg)

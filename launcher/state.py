@@ -34,6 +34,7 @@ class SandboxRecord:
     started_at: float = 0.0
     expires_at: float | None = None
     state: str = "starting"  # starting | running | frozen | ending
+    isolation: str = "container"  # the tier it runs at: container (netns) | microvm
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> SandboxRecord:

@@ -101,9 +101,12 @@ def test_sandbox_commands_from_another_process(lab: Lab, tmp_path: Path) -> None
         time.sleep(0.01)
     rows = json.loads(_stockade("sandbox", "list", "--json", "--config", str(cfg)).stdout)
     assert len(rows) == 1 and rows[0]["profile"] == "test"
+    assert rows[0]["isolation"] == "container"  # the tier it runs at (netns backend)
     tid = rows[0]["task_id"]
     table = _stockade("sandbox", "list", "--config", str(cfg)).stdout
     assert tid in table and "running" in table
+    assert table.split("\n")[0].split() == ["TASK", "PROFILE", "ADDRESS", "ISOLATION", "STATE"]
+    assert table.split("\n")[1].split()[3:] == ["container", "running"]
     assert _stockade("sandbox", "suspend", tid, "--config", str(cfg)).returncode == 0
     assert lab.launcher.list()[0]["state"] == "frozen"
     assert _stockade("sandbox", "resume", tid, "--config", str(cfg)).returncode == 0

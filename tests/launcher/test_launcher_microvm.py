@@ -206,6 +206,7 @@ def _background(lab: Lab, argv: list[str], **kw: Any) -> tuple[threading.Thread,
             break
         time.sleep(0.01)
     assert "task_id" in box, "the microVM sandbox did not start"
+    assert box["isolation"] == "microvm"  # what `stockade sandbox list` shows
     return t, box
 
 
