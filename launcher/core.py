@@ -312,7 +312,7 @@ class Launcher:
         with self._start_lock:
             if self._started:
                 return
-            self.scratch_base.mkdir(parents=True, exist_ok=True, mode=0o700)
+            mounts.private_dir(self.scratch_base)
             nft.apply_table(self.params)
             self.reconcile()
             if self.use_nflog:

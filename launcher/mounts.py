@@ -26,6 +26,18 @@ def mount_tmpfs(target: str, size: int, uid: int, gid: int, mode: int = 0o700) -
         raise OSError(e, f"mount tmpfs on {target}: {os.strerror(e)}")
 
 
+def private_dir(path: str | os.PathLike[str]) -> None:
+    """Create `path` (and parents) as root's 0700 directory, tightening an existing one.
+
+    The sandboxes' scratch root: QEMU (which runs as sandbox_uid, with no chroot) opens
+    its shares before it drops privileges, and a netns sandbox sees only its own binds, so
+    nothing needs to pass it; 0700 leaves no path from one sandbox to another's files even
+    where an operator created the directory with a laxer mode.
+    """
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
+
+
 def umount(target: str) -> bool:
     """Lazy unmount; False when nothing was mounted there."""
     return bool(_libc.umount2(target.encode(), MNT_DETACH) == 0)

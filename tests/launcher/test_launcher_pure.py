@@ -361,3 +361,18 @@ def test_congestion_control_must_be_permitted_in_a_netns(caplog: pytest.LogCaptu
     with caplog.at_level(logging.WARNING, logger="stockade.launcher"):
         assert permitted("nosuchcc") is None
     assert "'nosuchcc' is not in net.ipv4.tcp_allowed_congestion_control" in caplog.text
+
+
+def test_the_scratch_root_is_made_private_even_when_it_exists(tmp_path: Path) -> None:
+    """No path may lead from one sandbox (QEMU runs as sandbox_uid without a chroot) to
+    another's scratch: the root is 0700, tightened when an operator made it 0755."""
+    from stockade.launcher import mounts
+
+    fresh = tmp_path / "a" / "sandboxes"
+    mounts.private_dir(fresh)
+    assert fresh.stat().st_mode & 0o777 == 0o700
+    lax = tmp_path / "lax"
+    lax.mkdir(mode=0o755)
+    lax.chmod(0o755)
+    mounts.private_dir(lax)
+    assert lax.stat().st_mode & 0o777 == 0o700
