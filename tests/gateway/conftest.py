@@ -3,12 +3,11 @@ internet, and a client namespace whose TCP nftables redirects to it."""
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gw_harness import GatewayHarness, free_port, write_config
+from gw_harness import GatewayHarness, registered_client, write_config
 from gw_rules import write_rules
 
 from stockade.testnet import ClientNamespace, FakeInternet
@@ -46,19 +45,8 @@ def gw(
 @pytest.fixture(scope="module")
 def sandbox(gw: GatewayHarness) -> Iterator[ClientNamespace]:
     """A client namespace registered as task `t-web` (profile `web`)."""
-    ns = ClientNamespace(
-        name_suffix=f"gw{secrets.token_hex(3)}",
-        redirect_tcp_port=gw.port("transparent"),
-        redirect_dns_port=free_port(),
-        exempt_tcp_ports=(gw.port("proxy"),),
-    )
-    ns.start()
-    try:
-        gw.register("t-web", ns.address, "web")
+    with registered_client(gw, "t-web", "web") as ns:
         yield ns
-    finally:
-        gw.control.deregister("t-web")
-        ns.stop()
 
 
 @pytest.fixture

@@ -4,11 +4,13 @@ blocking clients (curl, urllib, pip) and the real control socket."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import secrets
 import subprocess
 import sys
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +99,40 @@ class GatewayHarness:
             if e["event"]["action"] == "connection_decision"
             and (task_id is None or e.get("labels", {}).get("task_id") == task_id)
         ]
+
+
+def dotted(ev: dict[str, Any], path: str) -> Any:
+    """An event's field by a dotted path written with `__` (labels__task_id), or None."""
+    cur: Any = ev
+    for part in path.split("__"):
+        cur = cur.get(part) if isinstance(cur, dict) else None
+    return cur
+
+
+def client_namespace(gw: GatewayHarness, tag: str = "gw") -> ClientNamespace:
+    """A started client namespace whose TCP (but the proxy port) and DNS nftables
+    redirect to `gw`: a sandbox as the launcher wires it."""
+    return ClientNamespace(
+        name_suffix=f"{tag}{secrets.token_hex(3)}",
+        redirect_tcp_port=gw.port("transparent"),
+        redirect_dns_port=free_port(),
+        exempt_tcp_ports=(gw.port("proxy"),),
+    ).start()
+
+
+@contextlib.contextmanager
+def registered_client(
+    gw: GatewayHarness, task: str, profile: str, tag: str = "gw"
+) -> Iterator[ClientNamespace]:
+    """`client_namespace`, registered with `gw` as `task` (`profile`) while in use;
+    deregistered and removed afterwards."""
+    ns = client_namespace(gw, tag)
+    try:
+        gw.register(task, ns.address, profile)
+        yield ns
+    finally:
+        gw.control.deregister(task)
+        ns.stop()
 
 
 def pip_download(

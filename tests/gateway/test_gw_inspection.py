@@ -20,7 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gw_harness import GatewayHarness, free_port, pip_download, write_config
+from gw_harness import (
+    GatewayHarness,
+    dotted,
+    pip_download,
+    registered_client,
+    write_config,
+)
 from stockade.gateway.inspection import FlowMeta, connect_request
 
 from stockade.testnet import ClientNamespace, FakeInternet
@@ -110,24 +116,10 @@ def l7gw(
         h.stop()
 
 
-def _ns(gw: GatewayHarness) -> ClientNamespace:
-    return ClientNamespace(
-        name_suffix=f"l7{secrets.token_hex(3)}",
-        redirect_tcp_port=gw.port("transparent"),
-        redirect_dns_port=free_port(),
-        exempt_tcp_ports=(gw.port("proxy"),),
-    ).start()
-
-
 @pytest.fixture(scope="module")
 def l7ns(l7gw: GatewayHarness) -> Iterator[ClientNamespace]:
-    ns = _ns(l7gw)
-    try:
-        l7gw.register("t-l7", ns.address, "l7")
+    with registered_client(l7gw, "t-l7", "l7", "l7") as ns:
         yield ns
-    finally:
-        l7gw.control.deregister("t-l7")
-        ns.stop()
 
 
 def ca(gw: GatewayHarness) -> str:
@@ -168,17 +160,11 @@ def find_event(gw: GatewayHarness, action: str, **match: Any) -> dict[str, Any]:
     inspector's and the gateway's events are written a moment after the fact)."""
     for _ in range(100):
         for ev in reversed(gw.events()):
-            if ev["event"]["action"] == action and all(_get(ev, k) == v for k, v in match.items()):
+            matches = all(dotted(ev, k) == v for k, v in match.items())
+            if ev["event"]["action"] == action and matches:
                 return ev
         time.sleep(0.1)
     raise AssertionError(f"no {action} event matching {match}")
-
-
-def _get(ev: dict[str, Any], dotted: str) -> Any:
-    cur: Any = ev
-    for part in dotted.split("__"):
-        cur = cur.get(part) if isinstance(cur, dict) else None
-    return cur
 
 
 def requests_of(gw: GatewayHarness, connection_id: int) -> list[dict[str, Any]]:
@@ -386,9 +372,7 @@ def test_flows_without_http_blocks_are_not_routed_through_the_inspector(
 def test_report_mode_lets_the_request_through_and_says_it_would_deny(
     l7gw: GatewayHarness, fake_internet: FakeInternet
 ) -> None:
-    ns = _ns(l7gw)
-    try:
-        l7gw.register("t-l7watch", ns.address, "l7watch")
+    with registered_client(l7gw, "t-l7watch", "l7watch", "l7") as ns:
         r = curl(
             ns, fake_internet, l7gw, "echo.test", "-X", "POST", "--data", "a=b",
             "https://echo.test/elsewhere",
@@ -400,9 +384,6 @@ def test_report_mode_lets_the_request_through_and_says_it_would_deny(
         assert ev["stockade"]["decision"] == "allowed"
         assert ev["stockade"]["report_only"] is True
         assert ev["event"]["reason"] == "method_not_allowed"
-    finally:
-        l7gw.control.deregister("t-l7watch")
-        ns.stop()
 
 
 # -- pip through an inspected pypi-style preset --------------------------------------------------

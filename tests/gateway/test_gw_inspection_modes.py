@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gw_harness import GatewayHarness
+from gw_harness import GatewayHarness, registered_client
 from stockade.gateway.sniff_http import RequestHead, body_length, parse_head
-from test_gw_inspection import _ns, curl, find_event, l7_config, split, wait_ready
+from test_gw_inspection import curl, find_event, l7_config, split, wait_ready
 
 from stockade.testnet import ClientNamespace, FakeInternet
 
@@ -44,10 +44,8 @@ def test_report_mode_does_not_dial_an_inspected_entry_directly_when_inspection_i
     """A report-mode profile's TLS flow to an `http:` entry would have gone straight out
     (decide said allowed/report_only, inspection_unavailable), skipping the Host/SNI
     checks inside TLS: it is denied, in report mode too."""
-    ns = _ns(offgw)
     task = f"t-off{int(proxy)}"
-    try:
-        offgw.register(task, ns.address, "l7watch")
+    with registered_client(offgw, task, "l7watch", "l7") as ns:
         args = ["curl", "-sS", "--max-time", "15", "--cacert", fake_internet.ca_pem]
         if proxy:
             args += ["--proxy", f"http://{ns.host_ip}:{offgw.port('proxy')}"]
@@ -62,9 +60,6 @@ def test_report_mode_does_not_dial_an_inspected_entry_directly_when_inspection_i
         assert ev["stockade"]["decision"] == "denied"
         assert not ev["stockade"].get("report_only")
         assert "disabled" in ev["message"]
-    finally:
-        offgw.control.deregister(task)
-        ns.stop()
 
 
 # -- plain HTTP: one decided request per connection ------------------------------------------------
@@ -124,13 +119,8 @@ def plaingw(
 
 @pytest.fixture(scope="module")
 def plainns(plaingw: GatewayHarness) -> Iterator[ClientNamespace]:
-    ns = _ns(plaingw)
-    try:
-        plaingw.register("t-plain", ns.address, "plain")
+    with registered_client(plaingw, "t-plain", "plain", "l7") as ns:
         yield ns
-    finally:
-        plaingw.control.deregister("t-plain")
-        ns.stop()
 
 
 # sends the payload, then reads what comes back (the echo: exactly what the upstream got)
@@ -240,17 +230,14 @@ def test_the_inspector_gets_the_first_checked_address_that_accepts(
     dead, live = fi.raw_echo_ip, fi.addresses["echo.test"]
     res = Resolution("echo.test", (), (dead, live), (), 300, None, time.monotonic() + 300)
     plaingw.svc.resolver._cache["echo.test"] = res  # type: ignore[union-attr]
-    ns = _ns(plaingw)
     try:
-        plaingw.register("t-two", ns.address, "l7")
-        r = curl(ns, fi, plaingw, "echo.test", "https://echo.test/allowed/two")
-        assert r.returncode == 0 and split(r)[0] == 200, r.stdout + r.stderr
-        ev = find_event(plaingw, "connection_decision", labels__task_id="t-two")
-        assert ev["event"]["reason"] == "inspected" and ev["destination"]["ip"] == live
+        with registered_client(plaingw, "t-two", "l7", "l7") as ns:
+            r = curl(ns, fi, plaingw, "echo.test", "https://echo.test/allowed/two")
+            assert r.returncode == 0 and split(r)[0] == 200, r.stdout + r.stderr
+            ev = find_event(plaingw, "connection_decision", labels__task_id="t-two")
+            assert ev["event"]["reason"] == "inspected" and ev["destination"]["ip"] == live
     finally:
         plaingw.svc.resolver._cache.pop("echo.test", None)  # type: ignore[union-attr]
-        plaingw.control.deregister("t-two")
-        ns.stop()
 
 
 def test_a_hung_inspector_is_detected_killed_and_restarted(
@@ -280,13 +267,8 @@ def test_a_hung_inspector_is_detected_killed_and_restarted(
         assert insp.pid != pid
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # the hung child is gone, not left behind
-        ns = _ns(h)
-        try:
-            h.register("t-hung", ns.address, "l7")
+        with registered_client(h, "t-hung", "l7", "l7") as ns:
             r = curl(ns, fake_internet, h, "echo.test", "https://echo.test/allowed/after")
             assert r.returncode == 0 and split(r)[0] == 200, r.stdout + r.stderr
-        finally:
-            h.control.deregister("t-hung")
-            ns.stop()
     finally:
         h.stop()

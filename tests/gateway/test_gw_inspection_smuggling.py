@@ -24,9 +24,9 @@ import h2.exceptions
 import h2.settings
 import pytest
 import trustme
-from gw_harness import GatewayHarness
+from gw_harness import GatewayHarness, registered_client
 from stockade.gateway.inspection import FlowMeta, connect_request
-from test_gw_inspection import _handoff, _ns, ca, find_event, l7_config, wait_ready
+from test_gw_inspection import _handoff, ca, find_event, l7_config, wait_ready
 
 from stockade.testnet import FakeInternet
 
@@ -388,9 +388,7 @@ def test_smuggling_through_the_gateway_is_refused(
 ) -> None:
     """The reviewer's demonstration, from a sandbox namespace through the transparent
     listener: the head with CRLF in a value gets 403, the connection goes on serving."""
-    ns = _ns(sgw)
-    try:
-        sgw.register("t-smug", ns.address, "l7")
+    with registered_client(sgw, "t-smug", "l7", "l7") as ns:
         r = ns.run(
             [
                 sys.executable, "-c", SMUGGLE_CLIENT, fake_internet.addresses["echo.test"],
@@ -419,9 +417,6 @@ def test_smuggling_through_the_gateway_is_refused(
             and e.get("labels", {}).get("task_id") == "t-smug"
             and e.get("url", {}).get("path", "").startswith("/upload")
         ]
-    finally:
-        sgw.control.deregister("t-smug")
-        ns.stop()
 
 
 # -- a denied body is never read -------------------------------------------------------------

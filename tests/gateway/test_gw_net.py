@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gw_harness import GatewayHarness, free_port, pip_download
+from gw_harness import GatewayHarness, client_namespace, dotted, pip_download
 
 from stockade.testnet import ClientNamespace, FakeInternet
 
@@ -49,36 +48,19 @@ def last_decision(gw: GatewayHarness, task: str, **match: Any) -> dict[str, Any]
     for _ in range(50):
         evs = gw.decisions(task)
         for ev in reversed(evs):
-            if all(_get(ev, k) == v for k, v in match.items()):
+            if all(dotted(ev, k) == v for k, v in match.items()):
                 return ev
         time.sleep(0.1)
     raise AssertionError(f"no decision event for {task} matching {match}")
-
-
-def _get(ev: dict[str, Any], dotted: str) -> Any:
-    cur: Any = ev
-    for part in dotted.split("__"):
-        cur = cur.get(part) if isinstance(cur, dict) else None
-    return cur
 
 
 def ip(fi: FakeInternet, name: str) -> str:
     return fi.addresses[name]
 
 
-def make_ns(gw: GatewayHarness) -> ClientNamespace:
-    ns = ClientNamespace(
-        name_suffix=f"gw{secrets.token_hex(3)}",
-        redirect_tcp_port=gw.port("transparent"),
-        redirect_dns_port=free_port(),
-        exempt_tcp_ports=(gw.port("proxy"),),
-    )
-    return ns.start()
-
-
 @pytest.fixture
 def fresh_ns(gw: GatewayHarness) -> Iterator[ClientNamespace]:
-    ns = make_ns(gw)
+    ns = client_namespace(gw)
     try:
         yield ns
     finally:
