@@ -18,6 +18,7 @@ import socket
 import struct
 import subprocess
 import threading
+import time
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -120,6 +121,29 @@ class Lab:
 
     def py(self, code: str, profile: str = "test", **kw: Any) -> RunResult:
         return self.run(["python3", "-c", code], profile=profile, **kw)
+
+    def background(
+        self, argv: list[str], profile: str = "test", polls: int = 500, **kw: Any
+    ) -> tuple[threading.Thread, dict[str, Any]]:
+        """Run a sandbox in a thread: the thread, and a box with the sandbox's `list()` row
+        once it is running (polled every 10 ms, `polls` times) and, when it ends, its
+        `result`."""
+        box: dict[str, Any] = {}
+        known = {r["task_id"] for r in self.launcher.list()}
+
+        def go() -> None:
+            box["result"] = self.run(argv, profile=profile, **kw)
+
+        t = threading.Thread(target=go, daemon=True)
+        t.start()
+        for _ in range(polls):
+            new = [r for r in self.launcher.list()
+                   if r["task_id"] not in known and r["state"] == "running"]
+            if new:
+                box.update(new[0])
+                return t, box
+            time.sleep(0.01)
+        raise AssertionError(f"the {profile} sandbox did not start")
 
     def events(self, task_id: str) -> list[dict[str, Any]]:
         evs = [e for e in read_events(self.config.events_file)

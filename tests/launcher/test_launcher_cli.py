@@ -5,14 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
-from stockade.launcher import SandboxSpec
 from stockade.launcher.cli import _parse_input
 
 from stockade.events import validate
@@ -88,17 +84,7 @@ def test_run_plain_and_errors(lab: Lab, tmp_path: Path) -> None:
 
 def test_sandbox_commands_from_another_process(lab: Lab, tmp_path: Path) -> None:
     cfg = _config_file(lab, tmp_path)
-    box: dict[str, Any] = {}
-
-    def go() -> None:
-        box["r"] = lab.launcher.run(SandboxSpec("test", ["sleep", "60"]), lab.ruleset)
-
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    for _ in range(500):
-        if [r for r in lab.launcher.list() if r["state"] == "running"]:
-            break
-        time.sleep(0.01)
+    t, box = lab.background(["sleep", "60"])
     rows = json.loads(_stockade("sandbox", "list", "--json", "--config", str(cfg)).stdout)
     assert len(rows) == 1 and rows[0]["profile"] == "test"
     assert rows[0]["isolation"] == "container"  # the tier it runs at (netns backend)
@@ -112,7 +98,7 @@ def test_sandbox_commands_from_another_process(lab: Lab, tmp_path: Path) -> None
     assert _stockade("sandbox", "resume", tid, "--config", str(cfg)).returncode == 0
     assert _stockade("sandbox", "kill", tid, "--config", str(cfg)).returncode == 0
     t.join(timeout=20)
-    assert box["r"].ended_by == "killed"
+    assert box["result"].ended_by == "killed"
     p = _stockade("sandbox", "kill", tid, "--config", str(cfg))
     assert p.returncode == 1 and "no sandbox" in p.stderr
 

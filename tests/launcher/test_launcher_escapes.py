@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from stockade.launcher import RunResult, SandboxSpec
+from stockade.launcher import RunResult
 
 from stockade.events import validate
 
@@ -155,22 +155,7 @@ def test_host_service_ports(lab: Lab) -> None:
 
 
 def _background(lab: Lab, argv: list[str]) -> tuple[threading.Thread, dict[str, Any]]:
-    box: dict[str, Any] = {}
-
-    def go() -> None:
-        box["result"] = lab.launcher.run(SandboxSpec("test", argv), lab.ruleset)
-
-    known = {r["task_id"] for r in lab.launcher.list()}
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    for _ in range(500):
-        new = [r for r in lab.launcher.list() if r["task_id"] not in known
-               and r["state"] == "running"]
-        if new:
-            box.update(new[0])
-            break
-        time.sleep(0.01)
-    assert "task_id" in box, "background sandbox did not start"
+    t, box = lab.background(argv)
     time.sleep(0.3)  # let its init reach the command
     return t, box
 

@@ -4,10 +4,8 @@ and leaves the host as it was (no processes, cgroups, namespaces or scratch behi
 from __future__ import annotations
 
 import os
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from stockade.launcher import RunResult, SandboxSpec
@@ -75,25 +73,8 @@ def test_host_unaffected_after_bombs(lab: Lab) -> None:
     assert (res.exit_code, res.stdout, res.ended_by) == (0, "alive\n", "exit")
 
 
-def _start(lab: Lab, argv: list[str]) -> tuple[threading.Thread, dict[str, Any]]:
-    box: dict[str, Any] = {}
-
-    def go() -> None:
-        box["result"] = lab.launcher.run(SandboxSpec("test", argv), lab.ruleset)
-
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    for _ in range(500):
-        rows = [r for r in lab.launcher.list() if r["state"] == "running"]
-        if rows:
-            box.update(rows[0])
-            return t, box
-        time.sleep(0.01)
-    raise AssertionError("sandbox did not start")
-
-
 def test_kill(lab: Lab) -> None:
-    t, box = _start(lab, ["sleep", "60"])
+    t, box = lab.background(["sleep", "60"])
     assert lab.launcher.kill(box["task_id"])
     t.join(timeout=20)
     res = box["result"]
@@ -103,7 +84,7 @@ def test_kill(lab: Lab) -> None:
 
 
 def test_suspend_resume(lab: Lab) -> None:
-    t, box = _start(lab, ["sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /scratch/n; "
+    t, box = lab.background(["sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /scratch/n; "
                           "sleep 0.02; done"])
     tid = box["task_id"]
     counter = Path(lab.config.launcher.scratch_dir, tid, "scratch", "n")

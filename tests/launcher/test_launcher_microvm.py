@@ -192,38 +192,32 @@ def test_an_input_reached_through_a_symlink_is_refused_in_the_guest(lab: Lab,
 
 
 def _background(lab: Lab, argv: list[str], **kw: Any) -> tuple[threading.Thread, dict[str, Any]]:
-    box: dict[str, Any] = {}
-
-    def go() -> None:
-        box["result"] = lab.launcher.run(SandboxSpec("vm", argv, **kw), lab.ruleset)
-
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    for _ in range(1000):
-        rows = [r for r in lab.launcher.list() if r["state"] == "running"]
-        if rows:
-            box.update(rows[0])
-            break
-        time.sleep(0.01)
-    assert "task_id" in box, "the microVM sandbox did not start"
+    t, box = lab.background(argv, "vm", polls=1000, **kw)
     assert box["isolation"] == "microvm"  # what `stockade sandbox list` shows
     return t, box
 
 
-SPOOF = r"""
-import socket, struct, sys
+# an IPv4 UDP datagram (header with its checksum) carrying b"spoof": both spoofing
+# scripts below put it in an Ethernet frame of their own
+IPV4_UDP = r"""
+import socket, struct
 def csum(b):
     s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
     s = (s >> 16) + (s & 0xffff)
     return ~(s + (s >> 16)) & 0xffff
-def frame(src_mac, src_ip, dst_ip, port):
+def ipv4_udp(src_ip, dst_ip, port):
     payload = b"spoof"
-    udp = struct.pack("!HHHH", 40000, port, 8 + len(payload), 0) + payload
-    hdr = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 1, 0, 64, 17, 0,
-                      socket.inet_aton(src_ip), socket.inet_aton(dst_ip))
-    hdr = hdr[:10] + struct.pack("!H", csum(hdr)) + hdr[12:]
+    u = struct.pack("!HHHH", 40000, port, 8 + len(payload), 0) + payload
+    h = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(u), 1, 0, 64, 17, 0,
+                    socket.inet_aton(src_ip), socket.inet_aton(dst_ip))
+    return h[:10] + struct.pack("!H", csum(h)) + h[12:] + u
+"""
+
+SPOOF = IPV4_UDP + r"""
+import sys
+def frame(src_mac, src_ip, dst_ip, port):
     return (bytes.fromhex(sys.argv[1].replace(":", "")) + bytes.fromhex(src_mac.replace(":", ""))
-            + b"\x08\x00" + hdr + udp)
+            + b"\x08\x00" + ipv4_udp(src_ip, dst_ip, port))
 s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
 s.bind(("eth0", 0))
 guest_ip, guest_mac, dst, port = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
@@ -298,23 +292,14 @@ def test_suspend_resume_spoof_and_kill(lab: Lab, fake_internet: Any) -> None:
 
 # stands in for guest_init.py (test-only, through the launcher's own hook for its source):
 # a guest that regained root, with raw sockets, on the guest's real eth0 behind the tap
-ROOT_GUEST = r"""
-import marshal, os, socket, struct, time
+ROOT_GUEST = IPV4_UDP + r"""
+import marshal, os, time
 out = os.open("/sbx/port-stdout", os.O_WRONLY)
 plan = marshal.load(open("/sbx/run/plan", "rb"))
 net = plan["net"]
 os.spawnv(os.P_WAIT, "/sbx/busybox", ["ip", "link", "set", "eth0", "up"])
-def csum(b):
-    s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
-    s = (s >> 16) + (s & 0xffff)
-    return ~(s + (s >> 16)) & 0xffff
 def udp(src_mac, src_ip, dst_ip, port):
-    payload = b"spoof"
-    u = struct.pack("!HHHH", 40000, port, 8 + len(payload), 0) + payload
-    h = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(u), 1, 0, 64, 17, 0,
-                    socket.inet_aton(src_ip), socket.inet_aton(dst_ip))
-    h = h[:10] + struct.pack("!H", csum(h)) + h[12:]
-    return b"\xff" * 6 + src_mac + b"\x08\x00" + h + u
+    return b"\xff" * 6 + src_mac + b"\x08\x00" + ipv4_udp(src_ip, dst_ip, port)
 def arp(src_mac, src_ip, target):
     a = struct.pack("!HHBBH6s4s6s4s", 1, 0x0800, 6, 4, 1, src_mac, socket.inet_aton(src_ip),
                     b"\0" * 6, socket.inet_aton(target))
