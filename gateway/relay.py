@@ -90,14 +90,11 @@ async def wait_fd(
     fd: int,
     write: bool,
     deadline: float | None = None,
-    *,
-    track: Callable[[asyncio.Future[None] | None], None] | None = None,
 ) -> None:
     """Wait until `fd` is readable (writable); TimeoutError at `deadline` (loop time).
 
     Not `asyncio.timeout`: that needs a current task, and the gateway's connections run
-    their first step before they have one (see stockade.eager). `track` is told the
-    waiter (and None after), so someone else can fail the wait (see `Relay.run`).
+    their first step before they have one (see stockade.eager).
     """
     fut: asyncio.Future[None] = loop.create_future()
     add, remove = (
@@ -105,16 +102,12 @@ async def wait_fd(
     )
     add(fd, _wake, fut)
     timer = loop.call_at(deadline, _expire, fut) if deadline is not None else None
-    if track is not None:
-        track(fut)
     try:
         await fut
     finally:
         remove(fd)
         if timer is not None:
             timer.cancel()
-        if track is not None:
-            track(None)
 
 
 class Relay:
