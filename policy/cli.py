@@ -13,7 +13,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-KINDS = ("profiles", "presets", "apis", "tests")
+KINDS = ("profiles", "presets", "apis", "tests", "catalogues")
 
 
 def _date(text: str) -> date:
@@ -44,8 +44,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
         description="Validate rule directories. Prints one 'file:line:col: message' line per "
         "problem. Exit 1 when there is an error; warnings (expired, soon expiring or "
         "shadowed entries, upload hosts without an http block, unused presets, report-mode "
-        "profiles) do not fail.",
+        "profiles, uninspected entries on a shared front-end of rules/catalogues/) do not "
+        "fail, nor do notes (an entry's accept_fronting).",
     )  # fmt: skip
+    lint.add_argument("--strict", action="store_true",
+                      help="an uninspected entry on a shared front-end without "
+                      "'accept_fronting' is an error")  # fmt: skip
     lint.add_argument("paths", nargs="*", metavar="PATH",
                       help="rules directory (or a file inside one); default ./rules")  # fmt: skip
     lint.add_argument("--rules", metavar="DIR", help="rules directory (same as PATH)")
@@ -129,16 +133,18 @@ def cmd_lint(args: argparse.Namespace) -> int:
         except RulesError as e:
             problems.extend(e.problems)
             continue
-        problems.extend(lint_ruleset(rs, args.today, args.expiring_within))
+        problems.extend(lint_ruleset(rs, args.today, args.expiring_within, args.strict))
     errors = sum(p.severity == "error" for p in problems)
-    warnings = len(problems) - errors
+    notes = sum(p.severity == "note" for p in problems)
+    warnings = len(problems) - errors - notes
     if args.json:
-        print(json.dumps({"errors": errors, "warnings": warnings,
+        print(json.dumps({"errors": errors, "warnings": warnings, "notes": notes,
                           "problems": [_problem_json(p) for p in problems]}, indent=2))  # fmt: skip
     else:
         for p in problems:
             print(p)
-        print(f"{errors} error(s), {warnings} warning(s)", file=sys.stderr)
+        tail = f", {notes} note(s)" if notes else ""
+        print(f"{errors} error(s), {warnings} warning(s){tail}", file=sys.stderr)
     return 1 if errors else 0
 
 
@@ -228,7 +234,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
             req += f" {facts.method} {facts.path}"
         print(f"request:  {req}")
         if v.needs_inspection:
-            print("note:     the entry has an http block: the gateway inspects this flow (L7)")
+            print("note:     the entry is inspected (an http block or host_must_match_sni): "
+                  "the gateway decides each request of this flow (L7)")
         print(f"policy:   {v.policy_version}")
     return 0 if v.allowed else 1
 

@@ -34,7 +34,8 @@ def decide(
     ruleset: RuleSet, profile_name: str, facts: RequestFacts, today: date | None = None
 ) -> Verdict:
     """May this request/flow go out? Name entries match `facts.host`; cidr entries match
-    `facts.ip` (or an IP-literal host). Entries with an `http` block need method and path."""
+    `facts.ip` (or an IP-literal host). Inspected entries (an `http` block, or
+    `host_must_match_sni`) need method and path: only the inspector knows them for TLS."""
     cp = ruleset.compiled.get(profile_name)
     if cp is None:
         return Verdict(False, Reason.UNKNOWN_PROFILE, ruleset.version)
@@ -75,17 +76,18 @@ def decide(
     if not on_port:
         return cp.verdict(False, Reason.PORT_NOT_ALLOWED, candidates[0])
     for e in on_port:
-        if e.http is None:
+        if e.http is None and not e.host_must_match_sni:
             return cp.verdict(True, Reason.ALLOWED_BY_RULE, e)
 
-    # every entry that matched wants L7 facts
+    # every entry that matched wants L7 facts (method/path, or Host == SNI per request)
     if facts.method is None or facts.path is None:
         return cp.verdict(False, Reason.INSPECTION_UNAVAILABLE, on_port[0], True)
     method = facts.method.upper()
     path_fail: EgressEntry | None = None
     for e in on_port:
         http = e.http
-        assert http is not None
+        if http is None:  # host_must_match_sni alone: any method, any path
+            return cp.verdict(True, Reason.ALLOWED_BY_RULE, e, True)
         method_ok = not http.methods or method in http.methods
         path_ok = not http.paths or path_matches(http.paths, facts.path)
         if method_ok and path_ok:

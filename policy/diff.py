@@ -25,10 +25,14 @@ def describe(e: EgressEntry) -> str:
         methods = ",".join(sorted(e.http.methods)) or "any method"
         paths = " ".join(e.http.paths) or "any path"
         text += f" [{methods} {paths}]"
+    elif e.host_must_match_sni:
+        text += " [Host = SNI]"
     return text
 
 
 def _http_covers(outer: EgressEntry, inner: EgressEntry) -> bool:
+    if outer.inspected and not inner.inspected:
+        return False  # inner lets a request inside TLS name any Host; outer does not
     if outer.http is None:
         return True
     if inner.http is None:

@@ -1,7 +1,9 @@
 """Warnings about rule sets that load fine but are probably not what the author meant.
 
 Warnings never refuse a rule set: expired entries, allow entries a deny fully shadows,
-allow entries without an `http` block on hosts known to accept uploads, unused presets.
+allow entries without an `http` block on hosts known to accept uploads, unused presets,
+uninspected entries on a shared front-end of the catalogue (`rules/catalogues/`; an
+error with `strict`). Notes only inform: an entry's explicit `accept_fronting`.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from collections.abc import Iterable
 from datetime import date
 
 from .decide import in_force, utc_today
-from .model import EgressEntry, Profile
+from .model import EgressEntry, Profile, SharedFrontend
 from .problems import Problem
 from .ruleset import RuleSet
 
@@ -73,13 +75,52 @@ def _warn(e: EgressEntry, message: str) -> Problem:
     return Problem(f, line, col, message, "warning")
 
 
-def _defined_entries(rs: RuleSet) -> Iterable[EgressEntry]:
+def shared_frontend(e: EgressEntry, catalogue: Iterable[SharedFrontend]) -> SharedFrontend | None:
+    """The catalogue item `e` reaches: a name pattern either covers the other (an entry
+    `*.net` reaches `*.fastly.net`), or the entry's range overlaps a front-end range."""
+    for f in catalogue:
+        if e.host is not None and f.host is not None:
+            hit = pattern_covers(f.host, e.host) or pattern_covers(e.host, f.host)
+        elif e.cidr is not None and f.cidr is not None:
+            hit = e.cidr.version == f.cidr.version and e.cidr.overlaps(f.cidr)  # type: ignore[arg-type]
+        else:
+            hit = False
+        if hit:
+            return f
+    return None
+
+
+def _frontend_problem(e: EgressEntry, f: SharedFrontend, strict: bool) -> Problem | None:
+    """An uninspected entry on a shared front-end: a warning (strict: an error), or a
+    note when the entry says why it accepts fronting. Inspected entries are fine."""
+    if e.inspected:
+        return None
+    file, line, col = _where(e)
+    where = f"{f} ({f.provider}, {f.source})"
+    if e.accept_fronting is not None:
+        msg = (f"entry {e.id!r} reaches the shared front-end {where} uninspected by choice "
+               f"(accept_fronting: {e.accept_fronting})")  # fmt: skip
+        return Problem(file, line, col, msg, "note")
+    if e.host is not None:
+        fix = "set 'host_must_match_sni: true' (or an 'http' block) or declare"
+    else:
+        fix = "allow its names with 'host_must_match_sni: true' instead, or declare"
+    msg = (f"entry {e.id!r} reaches the shared front-end {where} without inspection: a "
+           "request inside TLS can name any other site behind it in its Host (domain "
+           f"fronting); {fix} 'accept_fronting: <why>'")  # fmt: skip
+    return Problem(file, line, col, msg, "error" if strict else "warning")
+
+
+def _defined_entries(rs: RuleSet, deny: bool = True) -> Iterable[EgressEntry]:
+    """Each entry once, where it is written (a preset's entries are not repeated for
+    every profile that uses it); deny entries too unless `deny` is False."""
     for preset in rs.presets.values():
         yield from preset.allow
-        yield from preset.deny
+        if deny:
+            yield from preset.deny
     for p in rs.profiles.values():
         origin = f"profile:{p.name}"
-        yield from (e for e in p.allow + p.deny if e.origin == origin)
+        yield from (e for e in p.allow + (p.deny if deny else ()) if e.origin == origin)
 
 
 def shadowing_deny(profile: Profile, entry: EgressEntry, today: date) -> EgressEntry | None:
@@ -90,16 +131,22 @@ def shadowing_deny(profile: Profile, entry: EgressEntry, today: date) -> EgressE
 
 
 def lint_ruleset(
-    rs: RuleSet, today: date | None = None, expiring_within: int = 14
+    rs: RuleSet, today: date | None = None, expiring_within: int = 14, strict: bool = False
 ) -> list[Problem]:
     """Warnings for a loaded rule set; `expiring_within` days ahead flags entries about to
-    lapse (0 turns that off)."""
+    lapse (0 turns that off). `strict` makes an uninspected entry on a shared front-end
+    without `accept_fronting` an error."""
     today = today or utc_today()
     out: dict[tuple[str, int, int, str], Problem] = {}
 
     def add(p: Problem) -> None:
         out.setdefault((p.file, p.line, p.column, p.message), p)
 
+    for e in _defined_entries(rs, deny=False):
+        front = shared_frontend(e, rs.frontends) if in_force(e, today) else None
+        fp = _frontend_problem(e, front, strict) if front is not None else None
+        if fp is not None:
+            add(fp)
     for e in _defined_entries(rs):
         if not in_force(e, today):
             add(_warn(e, f"entry {e.id!r} expired on {e.expires}; it is not in force "
@@ -117,18 +164,19 @@ def lint_ruleset(
         for e in p.allow:
             if not in_force(e, today):
                 continue
-            if e.http is not None:
+            if e.inspected:
                 wider = _uninspected_cover(p, e, today)
                 if wider is not None:
-                    add(_warn(e, f"the http block of {e.id!r} has no effect in profile "
+                    what = "http block" if e.http is not None else "host_must_match_sni"
+                    add(_warn(e, f"the {what} of {e.id!r} has no effect in profile "
                                  f"{p.name!r}: {wider.id!r} allows the same hosts and ports "
-                                 "without one"))  # fmt: skip
+                                 "without inspection"))  # fmt: skip
             d = shadowing_deny(p, e, today)
             if d is not None:
                 add(_warn(e, f"entry {e.id!r} is shadowed by deny {d.id!r} in profile "
                              f"{p.name!r}; it never allows anything there"))  # fmt: skip
                 continue
-            if e.http is None and e.host is not None:
+            if _any_method(e) and e.host is not None:
                 for u in UPLOAD_HOSTS:
                     if pattern_covers(e.host, u) and not _denied(p, u, today):
                         add(_warn(e, f"entry {e.id!r} reaches {u}, which accepts uploads, "
@@ -144,9 +192,14 @@ def lint_ruleset(
     return sorted(out.values(), key=lambda p: (p.file, p.line, p.column, p.message))
 
 
+def _any_method(e: EgressEntry) -> bool:
+    """Does the entry let every method and path through (no http rule that limits them)?"""
+    return e.http is None or (not e.http.methods and not e.http.paths)
+
+
 def _uninspected_cover(profile: Profile, entry: EgressEntry, today: date) -> EgressEntry | None:
     for other in profile.allow:
-        if other.http is None and in_force(other, today) and entry_covers(other, entry):
+        if not other.inspected and in_force(other, today) and entry_covers(other, entry):
             return other
     return None
 

@@ -28,12 +28,14 @@ from .model import (
     PolicyTestCase,
     Preset,
     Profile,
+    SharedFrontend,
     SourceLocation,
 )
 from .problems import Problem, RulesError
 from .ruleset import RuleSet
 from .schema import (
     ApiModel,
+    CatalogueModel,
     DenyEntryModel,
     EntryModel,
     PresetModel,
@@ -42,7 +44,7 @@ from .schema import (
 )
 from .yamlsrc import Document, Path_, YamlProblem, dotted, read_yaml
 
-KINDS = ("apis", "presets", "profiles", "tests")
+KINDS = ("apis", "presets", "profiles", "tests", "catalogues")
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -139,11 +141,40 @@ def _entries(
                 ports=ports,
                 expires=m.expires,
                 http=http,
+                host_must_match_sni=m.host_must_match_sni,
+                accept_fronting=m.accept_fronting,
                 origin=origin,
                 location=src.loc((*base, kind, i)),
             )
         )
     return out
+
+
+def _catalogues(sources: list[_Source]) -> tuple[SharedFrontend, ...]:
+    """Every host pattern and range of the shared front-end catalogues, with its source."""
+    out: list[SharedFrontend] = []
+    names: dict[str, str] = {}
+    for src in sources:
+        cm = src.validate(CatalogueModel)
+        if cm is None:
+            continue
+        if cm.catalogue in names:
+            src.error(("catalogue",), f"duplicate catalogue name (first in {names[cm.catalogue]})")
+            continue
+        names[cm.catalogue] = src.name
+        for i, g in enumerate(cm.frontends):
+            base = ("frontends", i)
+            out.extend(
+                SharedFrontend(g.provider, g.source, g.checked, host=h,
+                               location=src.loc((*base, "hosts", j)))
+                for j, h in enumerate(g.hosts)
+            )  # fmt: skip
+            out.extend(
+                SharedFrontend(g.provider, g.source, g.checked, cidr=ipaddress.ip_network(c),
+                               location=src.loc((*base, "cidrs", j)))
+                for j, c in enumerate(g.cidrs)
+            )  # fmt: skip
+    return tuple(out)
 
 
 def _canonical(data: Any) -> Any:
@@ -300,6 +331,7 @@ def load_rules(rules_dir: str | Path) -> RuleSet:
                 )
             )
 
+    frontends = _catalogues(sources["catalogues"])
     if any(p.severity == "error" for p in problems):
         raise RulesError(problems)
     blob = json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()
@@ -311,5 +343,6 @@ def load_rules(rules_dir: str | Path) -> RuleSet:
         apis=apis,
         presets=presets,
         tests=tuple(tests),
+        frontends=frontends,
         compiled={n: CompiledProfile.build(p, version) for n, p in profiles.items()},
     )

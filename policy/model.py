@@ -47,8 +47,17 @@ class EgressEntry:
     ports: frozenset[int] = frozenset({443})
     expires: date | None = None
     http: HttpRule | None = None
+    # inspected only to hold every request's Host / :authority to the SNI (no http rule)
+    host_must_match_sni: bool = False
+    accept_fronting: str | None = None  # why an uninspected shared front-end is accepted
     origin: str = ""  # "profile:NAME" or "preset:NAME"
     location: SourceLocation | None = None
+
+    @property
+    def inspected(self) -> bool:
+        """Do this entry's TLS flows go through the L7 inspector (which holds every
+        request's Host / :authority to the SNI)?"""
+        return self.http is not None or self.host_must_match_sni
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +173,7 @@ class Verdict:
     rule_id: str | None = None
     entry_reason: str | None = None  # the matching entry's human `reason`
     report_only: bool = False  # True when the rules denied but report mode let it through
-    needs_inspection: bool = False  # the matching entry has an http block
+    needs_inspection: bool = False  # the matching entry is inspected (EgressEntry.inspected)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,3 +185,19 @@ class Preset:
     allow: tuple[EgressEntry, ...] = ()
     deny: tuple[EgressEntry, ...] = ()
     location: SourceLocation | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SharedFrontend:
+    """One name pattern or address range of a shared front-end (a CDN edge that routes
+    by Host), from `rules/catalogues/*.yaml`; only `stockade rules lint` reads these."""
+
+    provider: str
+    source: str  # URL of the provider's published list or documentation
+    checked: date
+    host: str | None = None  # normalised pattern, e.g. "*.fastly.net"
+    cidr: IPNetwork | None = None
+    location: SourceLocation | None = None
+
+    def __str__(self) -> str:
+        return self.host if self.host is not None else str(self.cidr)

@@ -1,4 +1,5 @@
-"""Problems found in rule files: errors refuse the rule set, warnings are advice."""
+"""Problems found in rule files: errors refuse the rule set, warnings are advice, notes
+inform."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ class Problem:
     line: int  # 1-based
     column: int  # 1-based
     message: str  # starts with the key path, e.g. "egress.allow[0].host: ..."
-    severity: Literal["error", "warning"] = "error"
+    # "note": shown by lint, never a problem (e.g. an entry's explicit accept_fronting)
+    severity: Literal["error", "warning", "note"] = "error"
 
     def __str__(self) -> str:
-        tag = "warning: " if self.severity == "warning" else ""
+        tag = "" if self.severity == "error" else f"{self.severity}: "
         return f"{self.file}:{self.line}:{self.column}: {tag}{self.message}"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .index import CompiledProfile
-from .model import ApiDefinition, PolicyTestCase, Preset, Profile
+from .model import ApiDefinition, PolicyTestCase, Preset, Profile, SharedFrontend
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,4 +16,7 @@ class RuleSet:
     apis: dict[str, ApiDefinition]
     presets: dict[str, Preset]
     tests: tuple[PolicyTestCase, ...] = ()
+    # the shared front-end catalogue (lint only: no decision reads it, so it is not part
+    # of `version`)
+    frontends: tuple[SharedFrontend, ...] = ()
     compiled: dict[str, CompiledProfile] = field(default_factory=dict, repr=False)

@@ -94,6 +94,12 @@ class EntryModel(Strict):
     id: Annotated[StrictStr, Field(pattern=ID_PATTERN)] | None = None
     expires: Annotated[date, Field(strict=False)] | None = None
     http: HttpModel | None = None
+    # TLS flows go through the inspector only to hold Host / :authority to the SNI on
+    # every request (shared front-ends route by Host: domain fronting); any method/path
+    host_must_match_sni: StrictBool = False
+    # the explicit opt-out for an uninspected entry on a shared front-end: why fronting
+    # through it is acceptable (`stockade rules lint` shows it)
+    accept_fronting: ReasonText | None = None
 
     @model_validator(mode="after")
     def _one_destination(self) -> EntryModel:
@@ -101,6 +107,13 @@ class EntryModel(Strict):
             raise ValueError("an entry needs exactly one of 'host' or 'cidr'")
         if self.cidr is not None and self.http is not None:
             raise ValueError("'http' needs a 'host' entry (L7 rules match names)")
+        if self.cidr is not None and self.host_must_match_sni:
+            raise ValueError("'host_must_match_sni' needs a 'host' entry (a cidr entry "
+                             "carries raw TCP, with no name to compare)")
+        if self.accept_fronting is not None and (self.host_must_match_sni or self.http):
+            raise ValueError("'accept_fronting' is for uninspected entries; this one is "
+                             "inspected ('http' / 'host_must_match_sni'), so Host is "
+                             "already held to the SNI")
         return self
 
 
@@ -110,6 +123,9 @@ class DenyEntryModel(EntryModel):
         if self.http is not None:
             raise ValueError("deny entries take no 'http' block; deny the host, or narrow "
                              "the allow entry's http methods/paths")
+        if self.host_must_match_sni or self.accept_fronting is not None:
+            raise ValueError("deny entries take no 'host_must_match_sni' / "
+                             "'accept_fronting' (nothing they match goes out)")
         return self
 
 
@@ -224,6 +240,40 @@ class ApiModel(Strict):
         if u.username or u.password or u.query or u.fragment:
             raise ValueError("base_url must not carry userinfo, query or fragment")
         return self
+
+
+def _source_url(v: str) -> str:
+    u = urlsplit(v)
+    if u.scheme != "https" or not u.hostname:
+        raise ValueError("source must be the https:// URL of the provider's published list "
+                         "or documentation")
+    return v
+
+
+SourceUrl = Annotated[StrictStr, AfterValidator(_source_url)]
+
+
+class FrontendGroupModel(Strict):
+    """Names or address ranges of one provider's shared front-ends, from one source."""
+
+    provider: Name
+    source: SourceUrl
+    checked: Annotated[date, Field(strict=False)]  # when the source was last compared
+    note: StrictStr = ""
+    hosts: list[HostPattern] = []
+    cidrs: list[Cidr] = []
+
+    @model_validator(mode="after")
+    def _something(self) -> FrontendGroupModel:
+        if not self.hosts and not self.cidrs:
+            raise ValueError("a front-end group needs 'hosts' or 'cidrs'")
+        return self
+
+
+class CatalogueModel(Strict):
+    catalogue: Name
+    description: StrictStr = ""
+    frontends: Annotated[list[FrontendGroupModel], Field(min_length=1)]
 
 
 class TestCaseModel(Strict):

@@ -86,7 +86,10 @@ def test_explain_human_and_json(capsys):
 def test_explain_host_port_and_unknown_profile(capsys):
     rc, out, _ = run(capsys, "explain", "--rules", str(SHIPPED), "-p", "pypi-build",
                      "--json", "files.pythonhosted.org:443")  # fmt: skip
-    assert rc == 0 and json.loads(out)["method"] is None
+    doc = json.loads(out)
+    # the file CDN is a shared front-end, inspected for Host = SNI: a bare flow needs L7
+    assert rc == 1 and doc["method"] is None and doc["needs_inspection"]
+    assert doc["reason"] == "inspection_unavailable" and doc["rule_id"] == "pypi-files"
     rc, out, _ = run(capsys, "explain", "--rules", str(SHIPPED), "-p", "ghost", "pypi.org:443")
     assert rc == 1 and "unknown_profile" in out
     rc, _, err = run(capsys, "explain", "--rules", str(SHIPPED), "-p", "x", "ftp://a.test/")
