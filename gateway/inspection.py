@@ -3,9 +3,11 @@
 Why this shape (see ARCHITECTURE.md, "mitmproxy" pitfalls):
 
 - The gateway keeps deciding *where* a flow goes. For a TLS flow whose matching allow
-  entries all carry an `http:` block, it resolves the allowed name itself, checks the
-  addresses against the special-purpose registry (the same `_checked_dial` path as every
-  other flow, only without connecting), and hands the flow to the inspector with
+  entries are all inspected (an `http:` block, or `host_must_match_sni: true`, which
+  asks only for the Host check below, on every request), it resolves the allowed name
+  itself, checks the addresses against the special-purpose registry (the same
+  `_checked_dial` path as every other flow, only without connecting), and hands the
+  flow to the inspector with
   `CONNECT <checked-ip>:<port>`. The inspector (mitmproxy, a child process: see
   `inspector.py`) dials only that literal address, never a name and never the client's
   original destination; its `server_connect` hook refuses any other address.
@@ -20,8 +22,9 @@ Why this shape (see ARCHITECTURE.md, "mitmproxy" pitfalls):
   ClientHello and relays the rest with its ordinary Relay: the upload cap, idle timeout
   and byte counts stay on the sandbox side, exactly as for uninspected flows.
 - Each request inside the tunnel (HTTP/1.1 or HTTP/2) is decided by `decide_request`
-  below: Host / :authority must name the flow's host, then method and path go through
-  `stockade.policy.decide` on the rule set version the gateway decided the flow with.
+  below: Host / :authority must name the flow's host (a shared front-end routes by it:
+  domain fronting), then method and path go through `stockade.policy.decide` on the
+  rule set version the gateway decided the flow with.
 
 Nothing here does I/O except the CA helpers at the bottom (files in the state dir).
 """

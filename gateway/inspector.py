@@ -9,7 +9,7 @@ and exits when stdin closes (the gateway went away).
 Why mitmproxy in a child: its proxy core is slow (hundreds of requests/s) and lives on
 its own event loop; in a child it can never stall the gateway's listeners, and a crash
 costs only the inspected flows (which then fail closed). Only flows whose allow entries
-need method/path ever come here (see `inspection.py` for the hand-off).
+need method/path or `host_must_match_sni` ever come here (see `inspection.py`).
 
 Safety properties, each enforced here and not only by mitmproxy's defaults:
 - regular (explicit-proxy) mode on loopback only, `connection_strategy=lazy`,

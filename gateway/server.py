@@ -537,8 +537,9 @@ class Gateway:
 
     def _inspectable(self, d: FlowDecision, protocol: str = "tls") -> bool:
         """Does this flow go to the L7 inspector? A named TLS flow whose matching allow
-        entries all need method/path (denied `inspection_unavailable`, or let through in
-        report mode), while the inspector is up. Everything else never touches it."""
+        entries are all inspected (an `http` block, or `host_must_match_sni`: denied
+        `inspection_unavailable`, or let through in report mode), while the inspector is
+        up. Everything else never touches it."""
         return (
             d.reason == Reason.INSPECTION_UNAVAILABLE
             and d.protocol == protocol
