@@ -17,6 +17,7 @@ from .model import (
     Preset,
     Profile,
     RequestFacts,
+    SharedFrontend,
     SourceLocation,
     Verdict,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "RequestFacts",
     "RuleSet",
     "RulesError",
+    "SharedFrontend",
     "SourceLocation",
     "Verdict",
     "decide",

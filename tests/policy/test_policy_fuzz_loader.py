@@ -16,6 +16,8 @@ KEYS = [
     "ports", "reason", "id", "expires", "http", "methods", "paths", "presets", "mode",
     "broker", "apis", "operations", "rate", "exports", "cpus", "memory", "x", "preset", "api",
     "base_url", "credential", "inject", "style", "tests", "target", "expect",
+    "host_must_match_sni", "accept_fronting", "catalogue", "frontends", "provider", "source",
+    "checked", "hosts", "cidrs", "note",
 ]
 scalars = st.one_of(
     st.none(),
@@ -25,7 +27,7 @@ scalars = st.one_of(
     st.text(alphabet=string.printable + "ü*@[]", max_size=20),
     st.sampled_from(
         ["enforce", "report", "microvm", "GET", "/a/*", "10/s", "1GiB", "5m", "*.a.test",
-         "a.test", "10.0.0.0/8", "2027-01-31", "https://a.test", "bearer"]
+         "a.test", "10.0.0.0/8", "2027-01-31", "https://a.test", "bearer", "fastly"]
     ),
 )
 values = st.recursive(
@@ -49,7 +51,7 @@ def check(root: Path) -> None:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=NO_FIXTURE_CHECK)
 @given(st.dictionaries(st.sampled_from(KEYS), values, max_size=6), st.sampled_from(
-    ["profiles", "presets", "apis", "tests"]))  # fmt: skip
+    ["profiles", "presets", "apis", "tests", "catalogues"]))  # fmt: skip
 def test_structured_fuzz(tmp_path, data, kind):
     root = tmp_path / "fuzz"
     (root / kind).mkdir(parents=True, exist_ok=True)
