@@ -25,6 +25,10 @@ egress:
     - host: inspect.test
       reason: needs request inspection
       http: {methods: [GET]}
+    - host: front.test
+      ports: [443, 80]
+      reason: a shared front-end (inspected only to hold Host to the SNI)
+      host_must_match_sni: true
     - host: private.test
       ports: [443, 80]
       reason: resolves to a private address (trap)

@@ -173,6 +173,28 @@ def test_inspection_unavailable(rules: RuleSet) -> None:
     assert not d.allowed and d.reason == Reason.INSPECTION_UNAVAILABLE
 
 
+def test_host_must_match_sni_sends_tls_to_the_inspector_and_decides_plain_http(
+    rules: RuleSet,
+) -> None:
+    """TLS of a `host_must_match_sni` entry needs the inspector (transparent and through a
+    CONNECT); plain HTTP is decided on its one request head, any method and path, and a
+    Host naming another host than the CONNECT authority is a mismatch as for any entry."""
+    d = transparent(rules, tls=tls("front.test"))
+    assert not d.allowed and d.reason == Reason.INSPECTION_UNAVAILABLE and d.host == "front.test"
+    connect = head(b"CONNECT front.test:443 HTTP/1.1\r\n\r\n")
+    pre = decide_flow(FlowInput("proxy", connect=connect), rules, "web")
+    assert pre.reason == Reason.INSPECTION_UNAVAILABLE
+    inner = FlowInput("proxy", connect=connect, tls=tls("front.test"))
+    assert decide_flow(inner, rules, "web", prior=pre).reason == Reason.INSPECTION_UNAVAILABLE
+    for line in (b"DELETE /any/path", b"POST /upload"):
+        raw = line + b" HTTP/1.1\r\nHost: front.test\r\nContent-Length: 0\r\n\r\n"
+        d = transparent(rules, http=head(raw), port=80)
+        assert d.allowed and d.reason == Reason.ALLOWED_BY_RULE and d.protocol == "http"
+    mismatch = head(b"GET / HTTP/1.1\r\nHost: x.test\r\n\r\n")
+    other = FlowInput("proxy", connect=connect, http=mismatch)
+    assert decide_flow(other, rules, "web", prior=pre).reason == Reason.DESTINATION_MISMATCH
+
+
 def test_plain_http_is_decided_on_its_method_and_path(rules: RuleSet) -> None:
     """An entry with an `http:` block decides plain HTTP on the (only) request head."""
     get = head(b"GET /x HTTP/1.1\r\nHost: inspect.test\r\n\r\n")

@@ -260,6 +260,27 @@ def test_inspection_unavailable_for_http_rules(
     )
 
 
+def test_host_must_match_sni_fails_closed_without_the_inspector(
+    gw: GatewayHarness, sandbox: ClientNamespace, fake_internet: FakeInternet
+) -> None:
+    """Inspection is off in this gateway: a `host_must_match_sni` entry's TLS flow is
+    denied, never spliced (which would leave its Host unchecked)."""
+    r = curl(
+        sandbox,
+        fake_internet,
+        "-k",
+        "--resolve",
+        f"front.test:443:{ip(fake_internet, 'allowed.test')}",
+        "https://front.test/",
+    )
+    assert r.returncode != 0
+    ev = last_decision(
+        gw, "t-web", destination__domain="front.test", event__reason="inspection_unavailable"
+    )
+    assert ev["stockade"]["decision"] == "denied"
+    assert "inspection is disabled" in ev["message"]
+
+
 # -- transparent plain HTTP ----------------------------------------------------------------
 
 
