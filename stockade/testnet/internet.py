@@ -129,6 +129,14 @@ class FakeInternet(StartStop):
             raise RuntimeError("FakeInternet not started")
         return self._tmp
 
+    def dns_queries(self) -> list[tuple[str, str]]:
+        """(name, qtype) of every query the fake DNS server received so far, in order."""
+        try:
+            text = (self.workdir / "dns-queries.log").read_text()
+        except FileNotFoundError:
+            return []
+        return [(n, t) for t, _, n in (line.partition(" ") for line in text.splitlines())]
+
     def resolve_args(self, name: str, port: int = 443) -> list[str]:
         """`curl --resolve` arguments that pin `name` to its fake address."""
         return ["--resolve", f"{name}:{port}:{self.addresses[name]}"]
@@ -210,6 +218,7 @@ class FakeInternet(StartStop):
             api_key=self.api_key,
             tcp_echo=(lay.raw_echo_ip, TCP_ECHO_PORT),
             udp_echo=(lay.raw_echo_ip, UDP_ECHO_PORT),
+            query_log=str(tmp / "dns-queries.log"),
         )
 
     def _start_server(self) -> None:
