@@ -193,7 +193,8 @@ class FakeInternet(StartStop):
         ca = trustme.CA(organization_name="Stockade fake internet")
         ca.cert_pem.write_to_path(str(self._tmp / "ca.pem"))
         for name in [*self.layout.addresses, "ipv6.test"]:
-            cert = ca.issue_cert(name)
+            # pypi.test also serves every *.pypi.test (see zone.default_zone's answer_all)
+            cert = ca.issue_cert(name, f"*.{name}") if name == "pypi.test" else ca.issue_cert(name)
             fd = os.open(self._tmp / f"{name}.key", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(cert.private_key_pem.bytes())

@@ -143,7 +143,8 @@ def default_zone(
         rotating={"rebind.test": [allowed, "127.0.0.1"]},
         delays={"slow.test": slow_delay},
         nxdomain_suffixes=["tunnel.test"],
-        answer_all={"wild.test": "allowed.test"},
+        # wild.test: a zone that answers any name; pypi.test: the index under many names
+        answer_all={"wild.test": "allowed.test", "pypi.test": "pypi.test"},
     )
 
 

@@ -170,8 +170,45 @@ def _fire(ip: str, port: int, payload: bytes) -> dict[str, object]:
         sock.close()
 
 
+def _name_attempt(form: str, ip: str, port: int, name: str) -> str:
+    """One connection naming `name` (as SNI, Host or CONNECT authority): the gateway's
+    X-Stockade-Deny reason, "tls_alert" for a refused handshake, or "through"."""
+    sock = socket.create_connection((ip, port), timeout=10)
+    try:
+        if form == "sni":
+            req = f"GET / HTTP/1.1\r\nHost: {name}\r\nConnection: close\r\n\r\n".encode()
+            return "through" if "response" in _tls_request(sock, name, None, req) else "tls_alert"
+        if form == "host":
+            sock.sendall(f"GET / HTTP/1.1\r\nHost: {name}\r\nConnection: close\r\n\r\n".encode())
+        else:
+            sock.sendall(f"CONNECT {name}:443 HTTP/1.1\r\nHost: {name}:443\r\n\r\n".encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            head += chunk
+        for line in head.split(b"\r\n"):
+            if line.lower().startswith(b"x-stockade-deny:"):
+                return line.split(b":", 1)[1].strip().decode()
+        return "through"
+    except OSError as e:
+        return type(e).__name__
+    finally:
+        sock.close()
+
+
 def main(argv: list[str]) -> dict[str, object]:
     cmd = argv[0]
+    if cmd == "names":  # names sni|host|connect IP PORT FILE -> one connection per name
+        form, ip, port, path = argv[1], argv[2], int(argv[3]), argv[4]
+        with open(path) as f:
+            names = f.read().split()
+        outcomes: dict[str, int] = {}
+        for name in names:
+            got = _name_attempt(form, ip, port, name)
+            outcomes[got] = outcomes.get(got, 0) + 1
+        return {"outcomes": outcomes}
     if cmd == "hostile":  # hostile IP PORT SEED COUNT
         ip, port, seed, count = argv[1], int(argv[2]), int(argv[3]), int(argv[4])
         return {"results": [

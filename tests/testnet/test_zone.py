@@ -185,4 +185,7 @@ def test_zone_reports_every_query_it_parses() -> None:
 
 def test_answer_all_survives_the_spec_round_trip() -> None:
     spec = default_zone(LAYOUT)
-    assert ZoneSpec.from_json(spec.to_json()).answer_all == {"wild.test": "allowed.test"}
+    assert ZoneSpec.from_json(spec.to_json()).answer_all == {
+        "wild.test": "allowed.test",
+        "pypi.test": "pypi.test",
+    }
