@@ -120,7 +120,7 @@ class Gateway:
         # the L7 inspector (InspectorSupervisor), set by the service when inspection is on
         self.inspector: Any = None
         # DNS-tunnelling guards for the names this path resolves; the service passes the
-        # DNS firewall's GuardState so a task has one unresolvable-name budget for both
+        # DNS firewall's GuardState so a task has one set of name budgets for both paths
         dns_defaults = DnsSettings()
         self.guards = guards or GuardState.from_settings(dns_defaults)
         self.name_limits = name_limits or NameLimits.from_settings(dns_defaults)
