@@ -42,11 +42,12 @@ from stockade.tcp import set_congestion_control
 
 from .addresses import AddressPolicy
 from .deny import CONNECT_ESTABLISHED, TLS_ALERT_ACCESS_DENIED, http_denial
-from .dns.guards import GuardState, NameLimits, name_violation
+from .dns.guards import GuardDenial, GuardState, NameLimits, name_violation
 from .dns.settings import DnsSettings
 from .flow import FlowDecision, FlowInput, Listener, Protocol, decide_flow
 from .inspection import FlowMeta
 from .metrics import GatewayMetrics
+from .name_refusals import budget_denial, name_budget_summaries
 from .original_dst import original_destination
 from .relay import PipePool, Relay, UploadLimit, splice_works, wait_fd
 from .resolver import Resolver
@@ -119,13 +120,9 @@ class Gateway:
         # the L7 inspector (InspectorSupervisor), set by the service when inspection is on
         self.inspector: Any = None
         # DNS-tunnelling guards for the names this path resolves; the service passes the
-        # DNS firewall's GuardState so a task has one unresolvable-name budget for both
+        # DNS firewall's GuardState so a task has one set of name budgets for both paths
         dns_defaults = DnsSettings()
-        self.guards = guards or GuardState(
-            dns_defaults.queries_per_second,
-            dns_defaults.query_burst,
-            dns_defaults.unresolvable_names_per_minute,
-        )
+        self.guards = guards or GuardState.from_settings(dns_defaults)
         self.name_limits = name_limits or NameLimits.from_settings(dns_defaults)
         # (task id, budget key) -> names being resolved right now, with a count each:
         # they count against the budget until they resolve (see `_checked_dial`)
@@ -283,6 +280,8 @@ class Gateway:
         for conn in list(self.by_task.get(task.task_id, ())):
             conn.close(Reason.TASK_ENDED)
         self.uploaded.pop(task.task_id, None)
+        for ev in name_budget_summaries(self.guards, task):
+            self.emit(ev)
         self.guards.forget(task.task_id)
 
     async def _sweep(self) -> None:
@@ -413,7 +412,7 @@ class Gateway:
                 return None, None, None
             guarded = self._name_guard(task, pre, ruleset)
             if guarded is not None:  # refused before the 200: the client gets a 403
-                return await self._deny_resolved(conn, pre, *guarded)
+                return await self._deny_guarded(conn, pre, guarded)
             # the 200 first (the client's round trip is the latency path), then dial the
             # checked address of the allowed authority while the client sends its first
             # bytes; nothing is sent upstream unless the full decision agrees
@@ -468,7 +467,7 @@ class Gateway:
                 await _discard(early)
             guarded = self._name_guard(task, decision, ruleset)
             if guarded is not None:
-                return await self._deny_resolved(conn, decision, *guarded)
+                return await self._deny_guarded(conn, decision, guarded)
             result = await self._inspect(conn, task, ruleset, decision)
             if result[0] is not None:
                 decision = replace(
@@ -495,7 +494,7 @@ class Gateway:
                 await _discard(early)
             guarded = self._name_guard(task, decision, ruleset)
             if guarded is not None:
-                return await self._deny_resolved(conn, decision, *guarded)
+                return await self._deny_guarded(conn, decision, guarded)
             result = await self._checked_dial(decision, task, ruleset)
         upstream, dialled, failure = result
         if upstream is None:
@@ -626,26 +625,28 @@ class Gateway:
         cap = profile.limits.egress_bytes if profile is not None else 0
         return used <= cap
 
-    def _name_guard(
-        self, task: Task, d: FlowDecision, ruleset: RuleSet
-    ) -> tuple[Reason, str] | None:
+    def _name_guard(self, task: Task, d: FlowDecision, ruleset: RuleSet) -> GuardDenial | None:
         """The DNS firewall's tunnelling guards for a name this path is about to resolve:
-        (reason, detail) when it must not be, else None. Enforced in report mode too,
-        as on the DNS path: they guard the resolver, not the policy."""
+        why it must not be, else None. Enforced in report mode too, as on the DNS path:
+        they guard the resolver, not the policy."""
         if d.host is None:
             return None  # a literal address (cidr rule): nothing is resolved
         bad = name_violation(d.host, self.name_limits)
         if bad is not None:
-            return bad, "the name looks like a tunnelling channel; not resolved"
+            return GuardDenial(bad, "the name looks like a tunnelling channel; not resolved")
         now = time.monotonic()
-        if self.resolver.cached(d.host, now) is None:
-            # on a cache miss the upstream query itself would carry the data out
-            rule = _budget_key(ruleset, task, d.host)
-            if self.guards.unresolvable_exhausted(task.task_id, rule, d.host, now):
-                return (
-                    Reason.UNRESOLVABLE_NAME_BUDGET,
-                    "too many distinct unresolvable names under this allow entry",
-                )
+        rule = _budget_key(ruleset, task, d.host)
+        over = self.guards.admit_name(task.task_id, ruleset, task.profile, d.host, rule, now)
+        if over is not None:
+            return budget_denial(self.guards, task.task_id, rule or "", over, now)
+        # on a cache miss the upstream query itself would carry the data out
+        if self.resolver.cached(d.host, now) is None and self.guards.unresolvable_exhausted(
+            task.task_id, rule or "", d.host, now
+        ):
+            return GuardDenial(
+                Reason.UNRESOLVABLE_NAME_BUDGET,
+                "too many distinct unresolvable names under this allow entry",
+            )
         return None
 
     async def _checked_dial(
@@ -885,8 +886,23 @@ class Gateway:
         tid = conn.task.task_id if conn.task else None
         await self._refuse(conn, reason, None, protocol, task_id=tid)
 
+    async def _deny_guarded(
+        self, conn: Conn, decision: FlowDecision, g: GuardDenial
+    ) -> tuple[None, None, None]:
+        return await self._deny_resolved(
+            conn, decision, g.reason, g.detail, extra=g.extra, log=g.log
+        )
+
     async def _deny_resolved(
-        self, conn: Conn, decision: FlowDecision, reason: Reason, detail: str, status: int = 403
+        self,
+        conn: Conn,
+        decision: FlowDecision,
+        reason: Reason,
+        detail: str,
+        status: int = 403,
+        *,
+        extra: dict[str, Any] | None = None,
+        log: bool = True,
     ) -> tuple[None, None, None]:
         d = FlowDecision(
             False,
@@ -899,7 +915,10 @@ class Gateway:
             policy_version=decision.policy_version,
             detail=detail,
         )
-        self._decision_event(conn, d, None)
+        if log:
+            self._decision_event(conn, d, None, extra=extra)
+        else:  # counted in a later event's suppressed_events (see guards.GuardDenial)
+            self._count_decision("denied", str(reason), conn.task.profile if conn.task else "")
         await self._refuse(conn, reason, decision.rule_id, decision.protocol, status=status)
         return None, None, None
 
@@ -947,14 +966,19 @@ class Gateway:
         child.inc()
 
     def _decision_event(
-        self, conn: Conn, d: FlowDecision, dialled: str | None, now: float | None = None
+        self,
+        conn: Conn,
+        d: FlowDecision,
+        dialled: str | None,
+        now: float | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         task = conn.task
         profile = task.profile if task else None
         orig = conn.meta.get("orig")
         outcome = "allowed" if d.allowed else "denied"
         self._count_decision(outcome, str(d.reason), profile or "")
-        extra: dict[str, Any] = {"listener": conn.listener, "connection_id": conn.id}
+        extra = {**(extra or {}), "listener": conn.listener, "connection_id": conn.id}
         if orig is not None:
             extra["original_destination"] = f"{orig[0]}:{orig[1]}"
         ev = make_event(
@@ -1033,8 +1057,8 @@ EVENT_SLICE = 4  # deferred events written per event-loop round
 
 
 def _budget_key(ruleset: RuleSet, task: Task, host: str) -> str:
-    """The allow entry a name's unresolvable budget is kept under: the one the DNS
-    firewall charges (`decide_name`), so both paths draw from the same budget."""
+    """The allow entry a name's budgets are kept under: the one the DNS firewall charges
+    (`decide_name`), so both paths draw from the same budgets."""
     return decide_name(ruleset, task.profile, host).rule_id or ""
 
 

@@ -91,11 +91,9 @@ class GatewayService:
         )
         # one per-task tunnelling-guard state for the DNS firewall and the TCP path: names
         # a sandbox makes the gateway resolve through SNI/Host/CONNECT draw from the same
-        # unresolvable-name budget as its DNS queries
+        # unresolvable-name and name budgets as its DNS queries
         dns = config.dns
-        self.guards = GuardState(
-            dns.queries_per_second, dns.query_burst, dns.unresolvable_names_per_minute
-        )
+        self.guards = GuardState.from_settings(dns)
         self.gateway = Gateway(
             gs,
             rules=self.rules,

@@ -42,6 +42,8 @@ class Reason(StrEnum):
     HIGH_ENTROPY_LABEL = "high_entropy_label"
     QUERY_RATE_EXCEEDED = "query_rate_exceeded"
     UNRESOLVABLE_NAME_BUDGET = "unresolvable_name_budget"
+    # distinct names / name bytes / encoded-looking names under wildcard entries (DNS, TCP)
+    NAME_BUDGET_EXCEEDED = "name_budget_exceeded"
     MALFORMED_QUERY = "malformed_query"
     # broker
     API_NOT_ALLOWED = "api_not_allowed"

@@ -29,6 +29,7 @@ from stockade.tasks.registry import Task
 
 from ..resolver import Resolution
 from .guards import GuardState, shannon_entropy
+from .namebudget import DETAIL, Budget
 from .packet import CLASS_IN, OPCODE_QUERY, Query, Record, Reply, rcode_name
 from .settings import DnsSettings
 
@@ -161,7 +162,51 @@ def precheck(
             return _deny(settings, Reason.HIGH_ENTROPY_LABEL, **{**common, "report_only": False})
     if q.qtype in EMPTY_TYPES:
         return Outcome("allowed", verdict.reason, Reply(RCODE.NOERROR), **common)
+    assert ruleset is not None
+    over = guards.admit_name(task.task_id, ruleset, task.profile, name, verdict.rule_id, now)
+    if over is not None:
+        return budget_denial(settings, guards, task, over, common, now)
     return NeedResolve(name, verdict)
+
+
+def budget_denial(
+    settings: DnsSettings,
+    guards: GuardState,
+    task: Task,
+    budget: Budget,
+    common: dict[str, Any],
+    now: float,
+) -> Outcome:
+    """A name over a name budget: refused before any upstream query (the query is the
+    channel). Logged once per entry and budget, then counted (see namebudget.py)."""
+    rule = common["rule_id"] or ""
+    due = guards.names.refusal_event_due(task.task_id, "dns", rule, budget, now)
+    extra: dict[str, Any] = {"name_budget": str(budget)}
+    if due:
+        extra["suppressed_events"] = due
+    return _deny(
+        settings,
+        Reason.NAME_BUDGET_EXCEEDED,
+        **{**common, "report_only": False},
+        message=DETAIL[budget],
+        extra=extra,
+        log=due is not None,
+    )
+
+
+def summary_outcomes(guards: GuardState, task: Task, settings: DnsSettings) -> list[Outcome]:
+    """End-of-task summaries of the name-budget refusals this path counted but did not
+    log, one per entry and budget."""
+    return [
+        _deny(
+            settings,
+            Reason.NAME_BUDGET_EXCEEDED,
+            rule_id=s.rule or None,
+            message=f"{s.suppressed} more names refused while the task ran: {DETAIL[s.budget]}",
+            extra={"name_budget": str(s.budget), "suppressed_events": s.suppressed},
+        )
+        for s in guards.names.take_summaries(task.task_id, "dns")
+    ]
 
 
 def before_upstream(

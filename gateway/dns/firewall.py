@@ -26,7 +26,15 @@ from stockade.policy.ruleset import RuleSet
 from stockade.tasks.registry import Task, TaskRegistry
 
 from ..resolver import Resolver, parse_server
-from .decide import NeedResolve, Outcome, before_upstream, conclude, outcome_event, precheck
+from .decide import (
+    NeedResolve,
+    Outcome,
+    before_upstream,
+    conclude,
+    outcome_event,
+    precheck,
+    summary_outcomes,
+)
 from .guards import GuardState
 from .packet import MAX_TCP_SIZE, Malformed, Query, Reply, build_response, parse_query
 from .settings import DnsSettings
@@ -90,17 +98,13 @@ class DnsFirewall:
         self.emit = emit
         self.metrics_registry = metrics_registry or CollectorRegistry()
         self.metrics = DnsMetrics(self.metrics_registry)
-        self.guards = GuardState(
-            settings.queries_per_second,
-            settings.query_burst,
-            settings.unresolvable_names_per_minute,
-        )
+        self.guards = GuardState.from_settings(settings)
         self._udp: list[_UdpListener] = []
         self._tcp: list[asyncio.Server] = []
         self._tcp_count = 0
         self._pending: set[asyncio.Task[None]] = set()
         self._throttled: dict[tuple[str, str], tuple[float, int]] = {}
-        registry.on_removed(lambda task: self.guards.forget(task.task_id))
+        registry.on_removed(self._task_removed)
 
     # -- rules ---------------------------------------------------------------------
     @property
@@ -115,6 +119,12 @@ class DnsFirewall:
 
     def set_rules(self, rules: RulesSource) -> None:
         self._rules = rules
+
+    def _task_removed(self, task: Task) -> None:
+        # (`guards` is looked up here, not bound earlier: the service may replace it)
+        for out in summary_outcomes(self.guards, task, self.settings):
+            self._emit(outcome_event(None, out, task, None, None, "udp"))
+        self.guards.forget(task.task_id)
 
     # -- lifecycle -----------------------------------------------------------------
     @property

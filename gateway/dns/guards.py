@@ -16,7 +16,11 @@ from typing import TYPE_CHECKING
 
 from stockade.policy.reasons import Reason
 
+from .namebudget import Budget, NameBudget, NameBudgetLimits, wildcard_suffix
+
 if TYPE_CHECKING:
+    from stockade.policy.ruleset import RuleSet
+
     from .settings import DnsSettings
 
 WINDOW_S = 60.0  # the "per minute" of the unresolvable-name budget
@@ -85,11 +89,27 @@ class TaskGuards:
 class GuardState:
     """Per-task guard state, created on first query and dropped when the task ends."""
 
-    def __init__(self, rate: float, burst: int, unresolvable_cap: int) -> None:
+    def __init__(
+        self,
+        rate: float,
+        burst: int,
+        unresolvable_cap: int,
+        names: NameBudgetLimits | None = None,
+    ) -> None:
         self.rate = rate
         self.burst = burst
         self.unresolvable_cap = unresolvable_cap
+        self.names = NameBudget(names or NameBudgetLimits())
         self._tasks: dict[str, TaskGuards] = {}
+
+    @classmethod
+    def from_settings(cls, s: DnsSettings) -> GuardState:
+        return cls(
+            s.queries_per_second,
+            s.query_burst,
+            s.unresolvable_names_per_minute,
+            NameBudgetLimits.from_settings(s),
+        )
 
     def task(self, task_id: str, now: float) -> TaskGuards:
         g = self._tasks.get(task_id)
@@ -100,6 +120,23 @@ class GuardState:
 
     def forget(self, task_id: str) -> None:
         self._tasks.pop(task_id, None)
+        self.names.forget(task_id)
+
+    def admit_name(
+        self,
+        task_id: str,
+        ruleset: RuleSet,
+        profile: str,
+        name: str,
+        rule_id: str | None,
+        now: float,
+    ) -> Budget | None:
+        """Charge a name about to be resolved to the task's name budgets (only names under
+        wildcard entries are budgeted): None when admitted, else the budget exceeded."""
+        suffix = wildcard_suffix(ruleset, profile, name, rule_id)
+        if suffix is None:
+            return None
+        return self.names.admit(task_id, rule_id or "", suffix, name, now)
 
     def allow_query(self, task_id: str, now: float) -> bool:
         return self.task(task_id, now).bucket.take(now)
@@ -166,6 +203,16 @@ class NameLimits:
             settings.entropy_min_label_length,
             settings.entropy_threshold_bits,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class GuardDenial:
+    """Why the TCP path must not resolve a name, and how to log the refusal."""
+
+    reason: Reason
+    detail: str
+    extra: dict[str, object] = field(default_factory=dict)  # event fields under `stockade`
+    log: bool = True  # False: counted (metrics, a later summary), no event
 
 
 @lru_cache(maxsize=8192)

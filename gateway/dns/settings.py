@@ -24,6 +24,16 @@ class DnsSettings(BaseModel):
     query_burst: int = Field(100, ge=1)  # per-task query burst (token bucket size)
     # distinct NXDOMAIN names per task and allowed suffix per minute
     unresolvable_names_per_minute: int = Field(20, ge=1)
+    # name budgets (names under wildcard allow entries, resolved or not): the sliding window
+    name_budget_window_s: float = Field(600.0, gt=0)
+    # distinct names per task and wildcard allow entry per window (name_budget_exceeded)
+    wildcard_names_per_window: int = Field(64, ge=1)
+    # bytes of distinct wildcard names per task per window (name_budget_exceeded)
+    name_bytes_per_window: int = Field(4096, ge=253)
+    # distinct wildcard names with an encoded-looking label per task per window
+    encoded_names_per_window: int = Field(16, ge=1)
+    # labels at least this long are checked for hex/base32/base64 alphabets
+    encoded_min_label_length: int = Field(10, ge=4, le=63)
     # labels above this Shannon entropy (bits/char) are refused
     entropy_threshold_bits: float = Field(4.0, gt=0)
     # entropy is judged only on labels at least this long

@@ -129,6 +129,14 @@ class FakeInternet(StartStop):
             raise RuntimeError("FakeInternet not started")
         return self._tmp
 
+    def dns_queries(self) -> list[tuple[str, str]]:
+        """(name, qtype) of every query the fake DNS server received so far, in order."""
+        try:
+            text = (self.workdir / "dns-queries.log").read_text()
+        except FileNotFoundError:
+            return []
+        return [(n, t) for t, _, n in (line.partition(" ") for line in text.splitlines())]
+
     def resolve_args(self, name: str, port: int = 443) -> list[str]:
         """`curl --resolve` arguments that pin `name` to its fake address."""
         return ["--resolve", f"{name}:{port}:{self.addresses[name]}"]
@@ -185,7 +193,8 @@ class FakeInternet(StartStop):
         ca = trustme.CA(organization_name="Stockade fake internet")
         ca.cert_pem.write_to_path(str(self._tmp / "ca.pem"))
         for name in [*self.layout.addresses, "ipv6.test"]:
-            cert = ca.issue_cert(name)
+            # pypi.test also serves every *.pypi.test (see zone.default_zone's answer_all)
+            cert = ca.issue_cert(name, f"*.{name}") if name == "pypi.test" else ca.issue_cert(name)
             fd = os.open(self._tmp / f"{name}.key", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(cert.private_key_pem.bytes())
@@ -210,6 +219,7 @@ class FakeInternet(StartStop):
             api_key=self.api_key,
             tcp_echo=(lay.raw_echo_ip, TCP_ECHO_PORT),
             udp_echo=(lay.raw_echo_ip, UDP_ECHO_PORT),
+            query_log=str(tmp / "dns-queries.log"),
         )
 
     def _start_server(self) -> None:

@@ -17,8 +17,9 @@ import signal
 import ssl
 import struct
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import TextIO, cast
 
 from aiohttp import web
 
@@ -111,7 +112,8 @@ async def serve(spec: ServeSpec, ready: asyncio.Event | None = None) -> None:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
 
-    zone = Zone(spec.zone)
+    query_log = open(spec.query_log, "a", buffering=1) if spec.query_log else None  # noqa: SIM115
+    zone = Zone(spec.zone, _log_to(query_log) if query_log else None)
     wheels = [build_wheel()]
     runners: list[web.AppRunner] = []
     closers: list[asyncio.BaseTransport | asyncio.Server] = []
@@ -155,6 +157,16 @@ async def serve(spec: ServeSpec, ready: asyncio.Event | None = None) -> None:
             c.close()
         for r in runners:
             await r.cleanup()
+        if query_log is not None:
+            query_log.close()
+
+
+def _log_to(f: TextIO) -> Callable[[str, str], None]:
+    # one line per query, flushed at once: a test counts what reached the upstream
+    def log(name: str, qtype: str) -> None:
+        f.write(f"{qtype} {name}\n")
+
+    return log
 
 
 def die_with_parent(parent_pid: int) -> None:

@@ -33,6 +33,7 @@ class ServeSpec:
     tcp_echo: tuple[str, int]
     udp_echo: tuple[str, int]
     dns_port: int = 53
+    query_log: str | None = None  # path: the DNS server appends "QTYPE name" per query
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -44,6 +45,7 @@ class ServeSpec:
             "api_key": self.api_key,
             "tcp_echo": list(self.tcp_echo),
             "udp_echo": list(self.udp_echo),
+            "query_log": self.query_log,
             "extra": self.extra,
         }
 
@@ -57,6 +59,7 @@ class ServeSpec:
             api_key=data["api_key"],
             tcp_echo=(data["tcp_echo"][0], int(data["tcp_echo"][1])),
             udp_echo=(data["udp_echo"][0], int(data["udp_echo"][1])),
+            query_log=data.get("query_log"),
             extra=dict(data.get("extra", {})),
         )
 

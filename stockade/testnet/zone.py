@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dnslib import AAAA, CNAME, QTYPE, RCODE, RR, TXT, A, DNSError, DNSRecord
@@ -72,6 +72,9 @@ class ZoneSpec:
     rotating: dict[str, list[str]] = field(default_factory=dict)  # name -> A values, TTL 0
     delays: dict[str, float] = field(default_factory=dict)  # name -> seconds before answering
     nxdomain_suffixes: list[str] = field(default_factory=list)  # "tunnel.test" covers *.tunnel.test
+    # every name under the suffix answers with the records of the named host (a zone that
+    # answers any name: wildcard tunnels that resolve)
+    answer_all: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -81,6 +84,7 @@ class ZoneSpec:
             "rotating": self.rotating,
             "delays": self.delays,
             "nxdomain_suffixes": self.nxdomain_suffixes,
+            "answer_all": self.answer_all,
         }
 
     @classmethod
@@ -92,6 +96,7 @@ class ZoneSpec:
             rotating=dict(data.get("rotating", {})),  # type: ignore[call-overload]
             delays={k: float(v) for k, v in dict(data.get("delays", {})).items()},  # type: ignore[call-overload]
             nxdomain_suffixes=list(data.get("nxdomain_suffixes", [])),  # type: ignore[call-overload]
+            answer_all=dict(data.get("answer_all", {})),  # type: ignore[call-overload]
         )
 
 
@@ -138,14 +143,18 @@ def default_zone(
         rotating={"rebind.test": [allowed, "127.0.0.1"]},
         delays={"slow.test": slow_delay},
         nxdomain_suffixes=["tunnel.test"],
+        # wild.test: a zone that answers any name; pypi.test: the index under many names
+        answer_all={"wild.test": "allowed.test", "pypi.test": "pypi.test"},
     )
 
 
 class Zone:
     """Answers queries for a ZoneSpec. Thread-safe; keeps only the rebinding counters."""
 
-    def __init__(self, spec: ZoneSpec) -> None:
+    def __init__(self, spec: ZoneSpec, on_query: Callable[[str, str], None] | None = None) -> None:
         self._records = {_norm(n): list(rs) for n, rs in spec.records.items()}
+        self._answer_all = {_norm(s): _norm(n) for s, n in spec.answer_all.items()}
+        self._on_query = on_query  # (name, qtype) of every parsed query: the query log
         self._rotating = {_norm(n): list(v) for n, v in spec.rotating.items()}
         self._delays = {_norm(n): d for n, d in spec.delays.items()}
         self._nx = tuple(_norm(s) for s in spec.nxdomain_suffixes)
@@ -155,9 +164,19 @@ class Zone:
     def _exists(self, name: str) -> bool:
         if any(name == s or name.endswith("." + s) for s in self._nx):
             return False
-        return name in self._records or name in self._rotating
+        return name in self._records or name in self._rotating or self._stand_in(name) is not None
+
+    def _stand_in(self, name: str) -> str | None:
+        """The host whose records answer `name` under an answer-all suffix, or None."""
+        for suffix, host in self._answer_all.items():
+            if name.endswith("." + suffix):
+                return host
+        return None
 
     def _own(self, name: str, qtype: str) -> list[Record]:
+        stand_in = self._stand_in(name)
+        if stand_in is not None and name not in self._records:
+            return [r for r in self._records.get(stand_in, []) if qtype in ("ANY", r.rtype)]
         if name in self._rotating:
             if qtype not in ("A", "ANY"):
                 return []
@@ -199,8 +218,10 @@ class Zone:
             return None, 0.0
         q = request.questions[0]
         qname = str(q.qname)
-        qtype = QTYPE.get(q.qtype, str(q.qtype))
-        ans = self.resolve(qname, str(qtype))
+        qtype = str(QTYPE.get(q.qtype, str(q.qtype)))
+        if self._on_query is not None:
+            self._on_query(qname.rstrip(".").lower(), qtype)
+        ans = self.resolve(qname, qtype)
         reply = request.reply()
         reply.header.rcode = getattr(RCODE, ans.rcode)
         for owner, rec in ans.records:

@@ -4,6 +4,8 @@ firewall, the fake internet's real DNS server as upstream, dig and dnspython as 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import secrets
 import sys
 import textwrap
 from collections.abc import AsyncIterator, Callable
@@ -46,6 +48,7 @@ egress:
         "slow.test",
         "rebind.test",
         "'*.tunnel.test'",
+        "'*.wild.test'",
     )
 )
 
@@ -56,6 +59,7 @@ class E2E:
         self.fw = fw
         self.fi = fi
         self.events: list[dict[str, Any]] = []
+        self.registry: TaskRegistry | None = None
 
     async def dig(self, *args: str, server: str | None = None) -> str:
         argv = ["dig", "+tries=1", "+time=3", f"@{server or self.ns.host_ip}", *args]
@@ -83,6 +87,30 @@ async def e2e(
     client_ns: Callable[..., ClientNamespace],
     tmp_path: Path,
 ) -> AsyncIterator[E2E]:
+    async with _e2e(fake_internet, client_ns, tmp_path) as h:
+        yield h
+
+
+@pytest.fixture
+async def e2e_fast(
+    fake_internet: FakeInternet,
+    client_ns: Callable[..., ClientNamespace],
+    tmp_path: Path,
+) -> AsyncIterator[E2E]:
+    """`e2e` with a query rate no test reaches: the name budgets are what refuses."""
+    async with _e2e(
+        fake_internet, client_ns, tmp_path, queries_per_second=1e5, query_burst=10**5
+    ) as h:
+        yield h
+
+
+@contextlib.asynccontextmanager
+async def _e2e(
+    fake_internet: FakeInternet,
+    client_ns: Callable[..., ClientNamespace],
+    tmp_path: Path,
+    **overrides: Any,
+) -> AsyncIterator[E2E]:
     for d in ("profiles", "apis", "presets", "tests"):
         (tmp_path / d).mkdir()
     (tmp_path / "profiles" / "e2e.yaml").write_text(PROFILE)
@@ -96,6 +124,7 @@ async def e2e(
         unresolvable_names_per_minute=5,
         max_label_length=40,
         max_name_length=120,
+        **overrides,
     )
     resolver = Resolver(
         [fake_internet.dns_server],
@@ -113,6 +142,7 @@ async def e2e(
     fw = DnsFirewall(settings, resolver, registry, rules, emit, CollectorRegistry())
     await fw.start()
     h = E2E(ns, fw, fake_internet)
+    h.registry = registry
     h.events = events
     try:
         yield h
@@ -187,3 +217,53 @@ async def test_tunnel_guards_from_sandbox(e2e: E2E) -> None:
     assert e2e.denials("high_entropy_label")
     assert e2e.denials("label_too_long")
     assert e2e.denials("name_too_long")
+
+
+async def test_resolving_wildcard_tunnel_is_budgeted(e2e_fast: E2E) -> None:
+    """1,000 encoded names (hex labels, short base32 labels) under `*.wild.test`, whose
+    zone answers every name: none trips the entropy or length guards and every one
+    resolves, so before the name budgets each reached the upstream resolver. Now at most
+    the budget's worth do, the events say why, and the counts add up."""
+    e2e = e2e_fast
+    tag = secrets.token_hex(3)
+    suffix = f".t{tag}.wild.test"
+    out = await e2e.python(
+        f"""
+        import base64, collections, secrets
+        import dns.message, dns.query, dns.rcode
+        names = []
+        for i in range(1000):
+            if i % 2:
+                names.append(secrets.token_hex(15) + "{suffix}")
+            else:
+                b32 = base64.b32encode(secrets.token_bytes(18)).decode().lower()
+                names.append(b32[:15] + "." + b32[15:28] + "{suffix}")
+        got = collections.Counter()
+        for n in names:
+            q = dns.message.make_query(n, "A")
+            got[dns.rcode.to_text(dns.query.udp(q, "{e2e.ns.host_ip}", timeout=3).rcode())] += 1
+        print(dict(got))
+        """
+    )
+    got = eval(out.strip())  # noqa: S307 - our own script's dict literal
+    s = e2e.fw.settings
+    assert set(got) <= {"NOERROR", "REFUSED"}
+    refused = got.get("REFUSED", 0)
+    answered = got.get("NOERROR", 0)
+    assert 0 < answered <= s.wildcard_names_per_window
+    # counted at the fake internet's DNS server: what left the gateway
+    asked = {n for n, _ in e2e.fi.dns_queries() if n.endswith(suffix)}
+    assert 0 < len(asked) <= s.wildcard_names_per_window
+    assert len(asked) <= answered
+    # one event per budget that refused, not one per refused name
+    first = e2e.denials("name_budget_exceeded")
+    assert 1 <= len(first) <= 3
+    assert {e["stockade"]["name_budget"] for e in first} <= {"encoded_names", "entry_names"}
+    assert all(e["rule"]["id"] and e["stockade"]["component"] == "dns" for e in first)
+    # the end summary accounts for every refusal without an event of its own
+    assert e2e.registry is not None
+    e2e.registry.deregister("e2e")
+    summaries = e2e.denials("name_budget_exceeded")[len(first) :]
+    assert sum(e["stockade"].get("suppressed_events", 0) for e in summaries) == refused - len(
+        first
+    )

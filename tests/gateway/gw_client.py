@@ -70,9 +70,10 @@ def _tls_request(
     request: bytes,
     split_records: int = 0,
     seg: int = 0,
+    ctx: ssl.SSLContext | None = None,
 ) -> dict[str, object]:
     alpn = [*long_alpn(1600), "http/1.1"] if split_records else None
-    ctx = _ctx(cafile, alpn)
+    ctx = ctx or _ctx(cafile, alpn)
     inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
     obj = ctx.wrap_bio(inc, out, server_hostname=sni)
     with contextlib.suppress(ssl.SSLWantReadError):
@@ -170,8 +171,49 @@ def _fire(ip: str, port: int, payload: bytes) -> dict[str, object]:
         sock.close()
 
 
+# one context for a thousand handshakes: create_default_context loads the CA store each time
+_NO_VERIFY = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+_NO_VERIFY.check_hostname = False
+_NO_VERIFY.verify_mode = ssl.CERT_NONE
+
+
+def _name_attempt(form: str, ip: str, port: int, name: str) -> str:
+    """One connection naming `name` (as SNI, Host or CONNECT authority): the gateway's
+    X-Stockade-Deny reason, "tls_alert" for a refused handshake, or "through"."""
+    sock = socket.create_connection((ip, port), timeout=10)
+    try:
+        if form == "sni":
+            req = f"GET / HTTP/1.1\r\nHost: {name}\r\nConnection: close\r\n\r\n".encode()
+            got = _tls_request(sock, name, None, req, ctx=_NO_VERIFY)
+            return "through" if "response" in got else "tls_alert"
+        if form == "host":
+            sock.sendall(f"GET / HTTP/1.1\r\nHost: {name}\r\nConnection: close\r\n\r\n".encode())
+        else:
+            sock.sendall(f"CONNECT {name}:443 HTTP/1.1\r\nHost: {name}:443\r\n\r\n".encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            head += chunk
+        for line in head.split(b"\r\n"):
+            if line.lower().startswith(b"x-stockade-deny:"):
+                return line.split(b":", 1)[1].strip().decode()
+        return "through"
+    except OSError as e:
+        return type(e).__name__
+    finally:
+        sock.close()
+
+
 def main(argv: list[str]) -> dict[str, object]:
     cmd = argv[0]
+    if cmd == "names":  # names sni|host|connect IP PORT FILE -> one connection per name
+        form, ip, port, path = argv[1], argv[2], int(argv[3]), argv[4]
+        with open(path) as f:
+            names = f.read().split()
+        got = [_name_attempt(form, ip, port, n) for n in names]
+        return {"outcomes": {k: got.count(k) for k in set(got)}}
     if cmd == "hostile":  # hostile IP PORT SEED COUNT
         ip, port, seed, count = argv[1], int(argv[2]), int(argv[3]), int(argv[4])
         return {"results": [

@@ -40,3 +40,26 @@ def test_lookups_in_flight_count_against_the_budget() -> None:
     # another allow entry or another task has its own budget
     assert not g.unresolvable_exhausted_pending("t1", "other", "d.t", 1.0, {})
     assert not g.unresolvable_exhausted_pending("t2", "r", "d.t", 1.0, {})
+
+
+def test_tcp_path_budget_refusals_log_once_then_summarise() -> None:
+    from stockade.gateway.dns.namebudget import Budget
+    from stockade.gateway.name_refusals import budget_denial, name_budget_summaries
+
+    from stockade.events import validate
+    from stockade.tasks.registry import Task
+
+    g = GuardState(rate=50, burst=100, unresolvable_cap=3)
+    first = budget_denial(g, "t1", "wild", Budget.ENCODED_NAMES, 1.0)
+    assert first.log and first.reason == Reason.NAME_BUDGET_EXCEEDED
+    assert first.extra == {"name_budget": "encoded_names"}
+    later = [budget_denial(g, "t1", "wild", Budget.ENCODED_NAMES, 2.0) for _ in range(7)]
+    assert not any(d.log for d in later)
+    # the DNS path's refusals of the same task are its own (each path logs its first)
+    assert g.names.refusal_event_due("t1", "dns", "wild", Budget.ENCODED_NAMES, 2.0) == 0
+    (summary,) = name_budget_summaries(g, Task("t1", "10.9.0.2", "names"))
+    validate(summary)
+    assert summary["event"]["reason"] == "name_budget_exceeded"
+    assert summary["stockade"]["suppressed_events"] == 7
+    assert summary["rule"]["id"] == "wild"
+    assert name_budget_summaries(g, Task("t1", "10.9.0.2", "names")) == []

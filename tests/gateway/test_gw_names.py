@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gw_harness import GatewayHarness, write_config
+from gw_harness import GatewayHarness, pip_download, write_config
+from stockade.gateway.dns.settings import DnsSettings
 
 from stockade.ports import free_dual_port
 from stockade.testnet import ClientNamespace, FakeInternet
@@ -38,6 +39,12 @@ egress:
     - host: "*.tunnel.test"
       ports: [443]
       reason: a wildcard whose subdomains answer NXDOMAIN
+    - host: "*.wild.test"
+      ports: [80, 443]
+      reason: a wildcard whose zone answers every name
+    - host: "*.pypi.test"
+      ports: [443]
+      reason: the fake index under a wildcard, as files.pythonhosted.org is
 """
 
 ENTROPY_LABEL = "q7x2m9k4v8z1n6b3w5c0"  # 20 distinct characters: 4.3 bits/char
@@ -102,8 +109,8 @@ def task(gwd: GatewayHarness, ns: ClientNamespace) -> Iterator[str]:
         gwd.control.deregister(tid)
 
 
-def client(n: ClientNamespace, *args: str) -> dict[str, Any]:
-    r = n.run([sys.executable, CLIENT, *args], capture_output=True, text=True, timeout=40)
+def client(n: ClientNamespace, *args: str, timeout: float = 40) -> dict[str, Any]:
+    r = n.run([sys.executable, CLIENT, *args], capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -237,3 +244,118 @@ def test_tcp_names_use_up_the_dns_budget(
     ev = event(gwd, task, "dns_decision", fresh)
     assert ev["event"]["reason"] == "unresolvable_name_budget"
     assert ev["stockade"]["component"] == "dns"
+
+
+ENCODED_BUDGET = DnsSettings().encoded_names_per_window
+
+
+def _registered(gw: GatewayHarness, ns: ClientNamespace) -> str:
+    tid = f"t-names-{secrets.token_hex(3)}"
+    gw.register(tid, ns.address, "names")
+    return tid
+
+
+def _budget_events(gw: GatewayHarness, task: str, want: int) -> list[dict[str, Any]]:
+    """The task's name_budget_exceeded decisions, once at least `want` are written."""
+    for _ in range(100):
+        evs = [
+            e for e in gw.decisions(task) if e["event"]["reason"] == "name_budget_exceeded"
+        ]
+        if len(evs) >= want:
+            return evs
+        time.sleep(0.1)
+    raise AssertionError(f"fewer than {want} name_budget_exceeded events for {task}")
+
+
+@pytest.mark.parametrize("form", ["sni", "host", "connect"])
+def test_resolving_wildcard_tunnel_is_budgeted(
+    gwd: GatewayHarness,
+    ns: ClientNamespace,
+    fake_internet: FakeInternet,
+    tmp_path: Path,
+    form: str,
+) -> None:
+    """1,000 hex names under `*.wild.test` (whose zone answers every one) as TLS SNI,
+    HTTP Host or CONNECT authority: hex stays under the entropy guard and every name
+    resolves, so before the name budgets each one was resolved upstream. Now at most the
+    budget's worth reach the fake internet's DNS server, one event says why and the end
+    summary counts the rest."""
+    tag = f"{form}{secrets.token_hex(3)}"
+    suffix = f".{tag}.wild.test"
+    names = [secrets.token_hex(15) + suffix for _ in range(1000)]
+    listing = tmp_path / "names.txt"
+    listing.write_text("\n".join(names))
+    ip, port = {
+        "sni": (fake_internet.addresses["allowed.test"], 443),
+        "host": (fake_internet.addresses["allowed.test"], 80),
+        "connect": (ns.host_ip, gwd.port("proxy")),
+    }[form]
+    task = _registered(gwd, ns)
+    try:
+        # (a thousand connections: a generous bound for a loaded, shared machine)
+        out = client(ns, "names", form, ip, str(port), str(listing), timeout=600)["outcomes"]
+        through = out.pop("through", 0)
+        # refused names get the gateway's answer: a TLS alert, or a 403 saying why
+        refusal = "tls_alert" if form == "sni" else "name_budget_exceeded"
+        assert out == {refusal: 1000 - through}, out
+        assert 0 < through <= ENCODED_BUDGET
+        asked = {n for n, _ in fake_internet.dns_queries() if n.endswith(suffix)}
+        assert 0 < len(asked) <= ENCODED_BUDGET  # counted at the upstream resolver
+        first = _budget_events(gwd, task, 1)
+    finally:
+        gwd.control.deregister(task)
+    assert len(first) == 1  # one event for the first refusal, not one per name
+    assert first[0]["stockade"]["name_budget"] == "encoded_names"
+    assert first[0]["rule"]["id"]
+    assert first[0]["destination"]["domain"].endswith(suffix)
+    # the task's end summary counts every refusal that had no event of its own
+    evs = _budget_events(gwd, task, 2)
+    assert len(evs) == 2
+    assert evs[1]["stockade"]["suppressed_events"] == 1000 - through - 1
+    assert "more names refused" in evs[1]["message"]
+
+
+def test_pip_and_a_git_like_get_set_under_wildcards_stay_within_budget(
+    gwd: GatewayHarness, ns: ClientNamespace, fake_internet: FakeInternet, tmp_path: Path
+) -> None:
+    """Real wildcard use: pip downloads from the index under `*.pypi.test`, and a set of
+    GETs like a git clone's (several names under one wildcard, each asked many times)
+    passes the default budgets with room to spare."""
+    task = _registered(gwd, ns)
+    proxy = f"http://{ns.host_ip}:{gwd.port('proxy')}"
+    try:
+        r = pip_download(
+            ns,
+            tmp_path,
+            proxy,
+            "--cert",
+            fake_internet.ca_pem,
+            "--index-url",
+            "https://files.pypi.test/simple/",
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert any(p.suffix == ".whl" for p in tmp_path.iterdir())
+        hosts = ["github", "codeload", "objects", "raw", "api", "uploads", "media", "avatars"]
+        code = (
+            "import ssl,sys,urllib.request\n"
+            "ctx=ssl.create_default_context(cafile=sys.argv[1])\n"
+            "o=urllib.request.build_opener(urllib.request.ProxyHandler({'https':sys.argv[2]}),"
+            "urllib.request.HTTPSHandler(context=ctx))\n"
+            "for _ in range(3):\n"
+            "    for h in sys.argv[3:]:\n"
+            "        assert o.open(f'https://{h}.pypi.test/simple/',timeout=15).status==200\n"
+            "print('ok')\n"
+        )
+        r = ns.run(
+            [sys.executable, "-c", code, fake_internet.ca_pem, proxy, *hosts],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+    finally:
+        gwd.control.deregister(task)
+    time.sleep(0.5)  # events of allowed flows are written in batches
+    reasons = {e["event"]["reason"] for e in gwd.decisions(task)}
+    assert "name_budget_exceeded" not in reasons
+    assert reasons <= {"allowed_by_rule"}, reasons

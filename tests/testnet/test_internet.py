@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import secrets
 import socket
 import ssl
 import subprocess
@@ -87,6 +88,10 @@ def test_trap_names_over_the_wire(fake_internet: FakeInternet) -> None:
     for name in ("nothing.test", "x1.tunnel.test"):
         with pytest.raises(dns.resolver.NXDOMAIN):
             resolver(fi).resolve(name, "A")
+    # a zone that answers every name, and the server's log of what it was asked
+    tag = secrets.token_hex(4)
+    assert a_records(fi, f"{tag}.wild.test") == [fi.addresses["allowed.test"]]
+    assert (f"{tag}.wild.test", "A") in fi.dns_queries()
 
 
 def test_rebinding_alternates(fake_internet: FakeInternet) -> None:

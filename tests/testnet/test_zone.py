@@ -164,3 +164,28 @@ def test_names_outside_zone_are_nxdomain(labels: list[str]) -> None:
     name = ".".join(labels) + ".invalid"
     msg, _ = ask(Zone(default_zone(LAYOUT)), name)
     assert msg.rcode() == dns.rcode.NXDOMAIN
+
+
+@pytest.mark.parametrize("name", ["x.wild.test", "0a1b2c3d4e5f.f00d.wild.test", "WWW.Wild.Test."])
+def test_answer_all_zone_answers_every_name(zone: Zone, name: str) -> None:
+    msg, _ = ask(zone, name)
+    assert msg.rcode() == dns.rcode.NOERROR
+    assert values(msg, "A") == [LAYOUT.addresses["allowed.test"]]
+    assert msg.answer[0].name.to_text().rstrip(".").lower() == name.rstrip(".").lower()
+
+
+def test_zone_reports_every_query_it_parses() -> None:
+    seen: list[tuple[str, str]] = []
+    zone = Zone(default_zone(LAYOUT), lambda name, qtype: seen.append((name, qtype)))
+    ask(zone, "abc.wild.test")
+    ask(zone, "Nothing.Test.", "AAAA")
+    assert zone.respond(b"junk") == (None, 0.0)
+    assert seen == [("abc.wild.test", "A"), ("nothing.test", "AAAA")]
+
+
+def test_answer_all_survives_the_spec_round_trip() -> None:
+    spec = default_zone(LAYOUT)
+    assert ZoneSpec.from_json(spec.to_json()).answer_all == {
+        "wild.test": "allowed.test",
+        "pypi.test": "pypi.test",
+    }
