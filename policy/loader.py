@@ -29,6 +29,7 @@ from .model import (
     Preset,
     Profile,
     SourceLocation,
+    SyscallRelaxation,
 )
 from .problems import Problem, RulesError
 from .ruleset import RuleSet
@@ -256,6 +257,7 @@ def load_rules(rules_dir: str | Path) -> RuleSet:
                 max_body_bytes=g.max_body,
             )
         lim = prm.limits
+        sc = prm.sandbox.syscalls
         profiles[name] = Profile(
             name=name,
             description=prm.description,
@@ -270,6 +272,8 @@ def load_rules(rules_dir: str | Path) -> RuleSet:
             broker=grants,
             exports=ExportPolicy(prm.exports.max_file, prm.exports.max_total,
                                  tuple(prm.exports.types)),
+            syscalls=None if sc is None else SyscallRelaxation(
+                frozenset(sc.allow), sc.reason, src.loc(("sandbox", "syscalls"))),
             location=src.loc(()),
         )
         # the whole document, so every setting is in the version (`egress.proxy_env: true`
