@@ -848,7 +848,7 @@ class Launcher:
             guest_ip=a.guest_ip, host_ip=a.host_ip, prefixlen=a.prefixlen,
             memory=limits.memory, pids=limits.pids, pids_fail_kill=self.s.pids_fail_kill,
             stdin=spec.stdin is not None, setpriv=setpriv,
-            congestion_control=self._congestion_control,
+            congestion_control=self._congestion_control, seccomp=self._seccomp(profile),
             reserved=(*initscript.RESERVED, *self.s.ro_binds))
         (cfg / "plan").write_bytes(microvm.encode_plan(plan))
         (cfg / "mounts").write_text(mount_table)

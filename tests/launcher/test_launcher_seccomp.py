@@ -140,3 +140,20 @@ def test_ordinary_work_still_runs(lab: Lab) -> None:
     assert res.exit_code == 0, res.stdout + res.stderr
     assert res.stdout.split("\n")[:3] == ["hello from c", "1", "pip 42"], res.stdout
     assert res.stdout.rstrip().endswith("OK"), res.stdout
+
+
+@pytest.mark.slow
+def test_the_microvm_guest_applies_the_same_filter(lab: Lab) -> None:
+    names = ["keyctl", "add_key", "bpf", "io_uring_setup", "userfaultfd", "ptrace", "mount",
+             "setns", "perf_event_open", "open_by_handle_at"]
+    res = lab.run(["python3", "-c", PROBE, json.dumps(names),
+                   json.dumps({"CLONE_NEWUSER": CLONE_NEW_FLAGS["CLONE_NEWUSER"]})],
+                  profile="vm")
+    assert res.exit_code == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out.pop("status") == ["1", "2"]
+    assert (out.pop("clone3"), out.pop("fork")) == ("ENOSYS", 7)
+    assert (out.pop("personality query"), out.pop("personality PER_LINUX")) == ("ok", "ok")
+    # without the filter the guest kernel answers ENOSPC (max_user_namespaces=0), EINVAL...
+    assert out == dict.fromkeys([*names, "clone CLONE_NEWUSER", "unshare NEWUSER",
+                                 "personality ADDR_NO_RANDOMIZE"], "EPERM")
