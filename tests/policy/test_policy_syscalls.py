@@ -6,6 +6,7 @@ import json
 
 import pytest
 from stockade.policy import RulesError, load_rules
+from stockade.policy.diff import diff_rulesets
 from stockade.policy.lint import lint_ruleset
 
 from stockade.cli import main
@@ -76,3 +77,12 @@ def test_relaxation_changes_the_policy_version(write_rules, tmp_path):
     a = load_rules(write_rules(profiles={"p": DEBUG})).version
     b = load_rules(write_rules(profiles={"p": DEBUG.replace(", process_vm_readv", "")})).version
     assert a != b
+
+
+def test_diff_shows_a_relaxation(tmp_path, write_rules):
+    old = load_rules(write_rules(profiles={"p": "profile: p\n"}))
+    new = load_rules(write_rules(profiles={"p": DEBUG}))
+    (d,) = diff_rulesets(old, new)
+    assert d.settings == ["sandbox.syscalls allowed through the seccomp filter: none -> "
+                          "process_vm_readv, ptrace"]
+    assert diff_rulesets(new, new) == []
