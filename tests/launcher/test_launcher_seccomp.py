@@ -157,3 +157,26 @@ def test_the_microvm_guest_applies_the_same_filter(lab: Lab) -> None:
     # without the filter the guest kernel answers ENOSPC (max_user_namespaces=0), EINVAL...
     assert out == dict.fromkeys([*names, "clone CLONE_NEWUSER", "unshare NEWUSER",
                                  "personality ADDR_NO_RANDOMIZE"], "EPERM")
+
+
+ABI_PROBE = r"""
+#include <stdio.h>
+int main(void) {
+    long r32, rx32;
+    /* unshare(CLONE_NEWUSER) through the i386 ABI (int 0x80, nr 310) */
+    __asm__ volatile("int $0x80" : "=a"(r32) : "a"(310L), "b"(0x10000000L) : "memory");
+    /* and through x32 (syscall with __X32_SYSCALL_BIT, nr 272) */
+    __asm__ volatile("syscall" : "=a"(rx32) : "a"(0x40000000L | 272L), "D"(0x10000000L)
+                     : "rcx", "r11", "memory");
+    printf("%ld %ld\n", r32, rx32);
+    return 0;
+}
+"""
+
+
+def test_compat_abis_are_filtered_too(lab: Lab) -> None:
+    # unfiltered, the i386 call makes the namespace (0) and x32 is ENOSYS (-38) here
+    script = "cd /scratch && cat > abi.c && gcc -o abi abi.c && ./abi"
+    res = lab.run(["sh", "-c", script], stdin=ABI_PROBE.encode())
+    assert res.exit_code == 0, res.stderr
+    assert res.stdout.split() == ["-1", "-1"]  # -EPERM through both
