@@ -17,9 +17,8 @@ sandbox user (no supplementary groups, empty capability bounding set, no_new_pri
 the rlimits, under the container tier's seccomp filter (loaded just before setpriv, which
 needs none of the calls it denies), its stdout and stderr on their virtio-serial ports;
 loader variables (LD_*) reach the command through `env`, run after the drop, never setpriv
-itself. It waits for
-the command, writes `<exit status> <oom kills> <pids limit hits>` to the status port and
-reboots (QEMU runs with -no-reboot: the VM ends).
+itself. It waits for the command, writes `<exit status> <oom kills> <pids limit hits>` to
+the status port and reboots (QEMU runs with -no-reboot: the VM ends).
 """
 
 import _signal as signal  # the C module: `signal` would import enum (and re) first

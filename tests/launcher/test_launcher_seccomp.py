@@ -11,11 +11,14 @@ so an EPERM there is the filter's answer.
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
+from stockade.launcher import Launcher, LauncherError, seccomp_bpf
 from stockade.launcher.seccomp_rules import CLONE_NEW_FLAGS, denied_names
 
 from .conftest import Lab
+from .test_launcher_leak import EMPTY, leftovers
 
 pytestmark = pytest.mark.netns
 
@@ -180,3 +183,19 @@ def test_compat_abis_are_filtered_too(lab: Lab) -> None:
     res = lab.run(["sh", "-c", script], stdin=ABI_PROBE.encode())
     assert res.exit_code == 0, res.stderr
     assert res.stdout.split() == ["-1", "-1"]  # -EPERM through both
+
+
+def test_no_filter_no_sandbox(lab: Lab, monkeypatch: pytest.MonkeyPatch) -> None:
+    # an interpreter without libseccomp's binding (this venv's): the run is refused, clearly
+    monkeypatch.setattr(Launcher, "_init_python", lambda self: sys.executable)
+    with pytest.raises(LauncherError, match="install python3-seccomp"):
+        lab.run(["true"])
+    assert leftovers(lab) == EMPTY
+
+
+def test_the_init_refuses_a_plan_without_a_filter(lab: Lab,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(seccomp_bpf, "filter_for", lambda python, profile: b"")
+    res = lab.run(["sh", "-c", "echo ran"])
+    assert (res.exit_code, res.stdout) == (126, "")
+    assert "the plan carries no seccomp filter" in res.stderr
