@@ -36,7 +36,19 @@ from stockade.events import EventWriter, make_event
 from stockade.procs import pid_alive
 from stockade.tasks import ControlClient, Task
 
-from . import cgroups, exports, initscript, microvm, mounts, netns, nft, scrub, trust, vmimage
+from . import (
+    cgroups,
+    exports,
+    initscript,
+    microvm,
+    mounts,
+    netns,
+    nft,
+    scrub,
+    seccomp_bpf,
+    trust,
+    vmimage,
+)
 from .addresses import free_slot, slot_addresses
 from .nflog import LogRecord, NflogSocket
 from .state import SandboxRecord, StateFile
@@ -715,7 +727,7 @@ class Launcher:
                 self._start_vm(live, spec, profile, a, inputs, proxy_env, host_etc, trust_vars)
             else:
                 self._start_netns(live, spec, a, inputs, proxy_env, host_etc, etc_names,
-                                  trust_vars)
+                                  trust_vars, self._seccomp(profile))
             with self.state.locked() as records:
                 if task_id in records:
                     records[task_id].pid = live.proc.pid  # type: ignore[union-attr]
@@ -736,8 +748,10 @@ class Launcher:
 
     def _start_netns(self, live: _Live, spec: SandboxSpec, a: Any,
                      inputs: list[initscript.Bind], proxy_env: bool, host_etc: bool,
-                     etc_names: tuple[str, ...], trust_vars: dict[str, str]) -> None:
-        """The command in its own mount/pid/ipc/uts namespaces, `sandbox_init.py` as pid 1."""
+                     etc_names: tuple[str, ...], trust_vars: dict[str, str],
+                     bpf: bytes) -> None:
+        """The command in its own mount/pid/ipc/uts namespaces, `sandbox_init.py` as pid 1,
+        under the seccomp program `bpf`."""
         rec, cg = live.record, live.cg
         base = Path(rec.scratch)
         root, scratch, etc = base / "root", base / "scratch", base / "etc"
@@ -757,7 +771,8 @@ class Launcher:
         # the plan travels in a memfd, not argv: /proc/1/cmdline shows no host paths
         plan_fd = os.memfd_create("stockade-init-plan", 0)
         try:
-            os.write(plan_fd, marshal.dumps({**initscript.build(plan), "env": env}, 4))
+            os.write(plan_fd, marshal.dumps({**initscript.build(plan), "env": env,
+                                             "seccomp": bpf}, 4))
             os.lseek(plan_fd, 0, os.SEEK_SET)
             argv = ["nsenter", f"--net={netns.NETNS_DIR}/{rec.netns}", "--",
                     "unshare", "--mount", "--pid", "--ipc", "--uts", "--fork",
@@ -833,7 +848,7 @@ class Launcher:
             guest_ip=a.guest_ip, host_ip=a.host_ip, prefixlen=a.prefixlen,
             memory=limits.memory, pids=limits.pids, pids_fail_kill=self.s.pids_fail_kill,
             stdin=spec.stdin is not None, setpriv=setpriv,
-            congestion_control=self._congestion_control,
+            congestion_control=self._congestion_control, seccomp=self._seccomp(profile),
             reserved=(*initscript.RESERVED, *self.s.ro_binds))
         (cfg / "plan").write_bytes(microvm.encode_plan(plan))
         (cfg / "mounts").write_text(mount_table)
@@ -913,6 +928,13 @@ class Launcher:
                                    for p in self.s.ro_binds):
             raise LauncherError("the microVM guest needs util-linux setpriv under ro_binds")
         return path
+
+    def _seccomp(self, profile: Any) -> bytes:
+        """The profile's seccomp program; without one no sandbox starts (fail closed)."""
+        try:
+            return seccomp_bpf.filter_for(self._init_python(), profile)
+        except seccomp_bpf.SeccompError as e:
+            raise LauncherError(str(e)) from None
 
     def _init_python(self) -> str:
         # the sandbox can read its pid 1's argv: prefer the system interpreter's plain path

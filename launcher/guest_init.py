@@ -14,10 +14,11 @@ at or under a reserved path, or one reached through a symlink, is refused): from
 it execs, as root, only the opened setpriv (fexecve) and /sbx/busybox of the initramfs,
 so an input can replace nothing it runs. setpriv starts the command as the unprivileged
 sandbox user (no supplementary groups, empty capability bounding set, no_new_privs) with
-the rlimits, its stdout and stderr on their virtio-serial ports; loader variables (LD_*)
-reach the command through `env`, run after the drop, never setpriv itself. It waits for
-the command, writes `<exit status> <oom kills> <pids limit hits>` to the status port and
-reboots (QEMU runs with -no-reboot: the VM ends).
+the rlimits, under the container tier's seccomp filter (loaded just before setpriv, which
+needs none of the calls it denies), its stdout and stderr on their virtio-serial ports;
+loader variables (LD_*) reach the command through `env`, run after the drop, never setpriv
+itself. It waits for the command, writes `<exit status> <oom kills> <pids limit hits>` to
+the status port and reboots (QEMU runs with -no-reboot: the VM ends).
 """
 
 import _signal as signal  # the C module: `signal` would import enum (and re) first
@@ -140,6 +141,25 @@ def end(status_fd, line):
     os.execv(BUSYBOX, ["reboot", "-f"])  # noqa: S606 - syncs, then reboot(2): the VM ends
 
 
+def load_filter(bpf):
+    """The plan's seccomp program (compiled by libseccomp on the host), for setpriv and the
+    command. The twin of sandbox_init.load_filter (each init is a standalone script);
+    ctypes is imported here only, in the child: under emulation the import is slow."""
+    import ctypes
+
+    if not bpf or len(bpf) % 8:
+        raise OSError("the plan carries no seccomp filter")
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(bpf, len(bpf))
+    prog = SockFprog(len(bpf) // 8, ctypes.addressof(buf))
+    if libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:  # PR_SET_SECCOMP, MODE_FILTER
+        raise OSError(ctypes.get_errno(), "cannot load the seccomp filter")
+
+
 def child(plan, cg, fds, setpriv_fd):
     """In the forked child: join the cgroup, take the ports as stdio, drop to the sandbox
     user through the setpriv opened before the inputs were mounted and run the command
@@ -162,6 +182,7 @@ def child(plan, cg, fds, setpriv_fd):
         env = {k: v for k, v in plan["env"].items() if not k.startswith("LD_")}
         loader = [f"{k}={v}" for k, v in plan["env"].items() if k.startswith("LD_")]
         argv = [plan["env_bin"], *loader, *plan["argv"]] if loader else plan["argv"]
+        load_filter(plan.get("seccomp"))  # last: nothing but the exec runs under it as root
         os.execve(setpriv_fd, [  # noqa: S606 - no shell on purpose
             "setpriv", f"--reuid={plan['uid']}", f"--regid={plan['gid']}", "--clear-groups",
             "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs", "--", *argv,

@@ -194,9 +194,11 @@ def guest_plan(*, argv: list[str], env: dict[str, str], uid: int, gid: int,
                hostname: str = "sandbox", cwd: str = "/scratch",
                congestion_control: str | None = None,
                reserved: Sequence[str] = RESERVED,
-               env_bin: str = "/usr/bin/env") -> dict[str, Any]:
-    """guest_init.py's plan: plain data (dict, list, str, int, bool, None). `reserved`: the
-    paths no input may be mounted at or under (the guest checks its input table again)."""
+               env_bin: str = "/usr/bin/env", seccomp: bytes = b"") -> dict[str, Any]:
+    """guest_init.py's plan: plain data (dict, list, str, int, bool, bytes, None).
+    `reserved`: the paths no input may be mounted at or under (the guest checks its input
+    table again). `seccomp`: the container tier's BPF program (`seccomp_bpf.py`), loaded in
+    the guest right before setpriv; the guest refuses to start the command without one."""
     if not argv:
         raise ValueError("empty command")
     if uid == 0 or gid == 0:
@@ -205,7 +207,7 @@ def guest_plan(*, argv: list[str], env: dict[str, str], uid: int, gid: int,
         "argv": list(argv), "env": dict(env), "uid": uid, "gid": gid, "rlimits": rlimits,
         "cwd": cwd, "hostname": hostname, "stdin": stdin, "memory": memory, "pids": pids,
         "pids_fail_kill": pids_fail_kill, "setpriv": setpriv, "env_bin": env_bin,
-        "congestion_control": congestion_control,
+        "congestion_control": congestion_control, "seccomp": seccomp,
         "reserved": [r.rstrip("/") for r in reserved if r.rstrip("/")],
         "net": {"ip": guest_ip, "prefixlen": prefixlen, "gateway": host_ip},
     }

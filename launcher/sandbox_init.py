@@ -4,8 +4,10 @@ Hand-written and stdlib-only because it runs before the sandbox's root exists: i
 list of operations (built and unit-tested in `initscript.py`) from the file descriptor named
 by argv[1] (a memfd, marshal format), performs them with
 mount(2)/pivot_root(2) directly (dozens of mount(8) processes cost >100 ms per sandbox),
-then starts the command as an unprivileged user with an empty capability bounding set and
-no_new_privs, waits for it and exits with its status (128+N when a signal ended it).
+then starts the command as an unprivileged user with an empty capability bounding set,
+no_new_privs and the seccomp filter of the plan (BPF compiled by libseccomp on the host,
+`seccomp_bpf.py`; loaded last, so the init's own mounts are done by then), waits for it
+and exits with its status (128+N when a signal ended it).
 Nothing from the plan reaches argv, so /proc/1/cmdline shows no host paths.
 """
 
@@ -20,8 +22,13 @@ MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(os.uname().machine, 155)
 PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP = 38, 24
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER, BPF_INSN = 22, 2, 8
 
 libc = ctypes.CDLL(None, use_errno=True)
+
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
 def check(rc, what):
@@ -100,6 +107,16 @@ def become(uid, gid, rlimits):
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
 
 
+def load_filter(bpf):
+    """The plan's seccomp program as libseccomp compiled it; none means no start."""
+    if not bpf or len(bpf) % BPF_INSN:
+        raise OSError("the plan carries no seccomp filter")
+    buf = ctypes.create_string_buffer(bpf, len(bpf))
+    prog = SockFprog(len(bpf) // BPF_INSN, ctypes.addressof(buf))
+    check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0),
+          "seccomp filter")
+
+
 def execvp(argv, env):
     """PATH search by hand: os.execvp imports modules the new root no longer has."""
     if "/" in argv[0]:
@@ -133,6 +150,7 @@ def main():
         try:
             os.umask(umask)
             become(plan["uid"], plan["gid"], plan.get("rlimits", {}))
+            load_filter(plan.get("seccomp"))  # after no_new_privs, right before the exec
             # the command's environment comes with the plan: this init (root) never runs
             # with it, so the loader never applies the caller's LD_* to a root process
             execvp(argv, plan.get("env", dict(os.environ)))

@@ -98,7 +98,8 @@ class LauncherSettings(BaseModel):
     rlimit_nofile: int = Field(4096, ge=64)
     rlimit_core: int = Field(0, ge=0)  # no core dumps: they would hold the command's memory
     rlimit_memlock: int = Field(64 * 1024, ge=0)  # RLIMIT_MEMLOCK of the command (bytes)
-    # Python (3.8+) that runs the sandbox's init; falls back to the launcher's own interpreter
+    # Python (3.8+) that runs the sandbox's init and, with libseccomp's binding
+    # (python3-seccomp), compiles its seccomp filter; falls back to the launcher's own interpreter
     init_python: str = "/usr/bin/python3"
     shm_size: int = Field(16 * 2**20, ge=4096)  # /dev/shm tmpfs (charged to the memory cgroup)
 

@@ -215,6 +215,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
         "report_only": v.report_only,
         "needs_inspection": v.needs_inspection,
         "policy_version": v.policy_version,
+        # the profile's relaxations of the sandbox's seccomp filter (lint warns about them)
+        "syscalls_allowed": sorted(profile.syscalls.allow) if profile and profile.syscalls
+        else [],
     }
     if args.json:
         print(json.dumps(out, indent=2))
@@ -236,6 +239,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
         if v.needs_inspection:
             print("note:     the entry is inspected (an http block or host_must_match_sni): "
                   "the gateway decides each request of this flow (L7)")
+        if profile and profile.syscalls:
+            print(f"sandbox:  the seccomp filter lets {', '.join(out['syscalls_allowed'])} "
+                  f"through ({profile.syscalls.reason})")
         print(f"policy:   {v.policy_version}")
     return 0 if v.allowed else 1
 

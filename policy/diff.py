@@ -109,6 +109,10 @@ def _settings(old: Profile, new: Profile) -> list[str]:
                     out.append(f"broker.{api}.{k}: {getattr(a, k)} -> {getattr(b, k)}")
     if old.exports != new.exports:
         out.append("exports policy changed")
+    relaxed = [", ".join(sorted(p.syscalls.allow)) if p.syscalls else "none" for p in (old, new)]
+    if relaxed[0] != relaxed[1]:
+        out.append(f"sandbox.syscalls allowed through the seccomp filter: {relaxed[0]} -> "
+                   f"{relaxed[1]}")
     return out
 
 

@@ -3,7 +3,8 @@
 Warnings never refuse a rule set: expired entries, allow entries a deny fully shadows,
 allow entries without an `http` block on hosts known to accept uploads, unused presets,
 uninspected entries on a shared front-end of the catalogue (`rules/catalogues/`; an
-error with `strict`). Notes only inform: an entry's explicit `accept_fronting`.
+error with `strict`), system calls a profile takes out of the sandbox's seccomp filter
+(with its reason). Notes only inform: an entry's explicit `accept_fronting`.
 """
 
 from __future__ import annotations
@@ -156,6 +157,13 @@ def lint_ruleset(
             add(_warn(e, f"entry {e.id!r} expires on {e.expires} (in {days} day(s)); "
                          "review whether it is still needed"))  # fmt: skip
     for p in rs.profiles.values():
+        relax = p.syscalls
+        if relax is not None and relax.location is not None:
+            loc = relax.location
+            add(Problem(loc.file, loc.line, loc.column,
+                        f"sandbox.syscalls: profile {p.name!r} lets "
+                        f"{', '.join(sorted(relax.allow))} through the seccomp filter "
+                        f"(reason: {relax.reason})", "warning"))  # fmt: skip
         if p.mode == "report" and p.location is not None:
             loc = p.location
             msg = (f"egress.mode: profile {p.name!r} is in report mode: denials are logged "

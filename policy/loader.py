@@ -30,6 +30,7 @@ from .model import (
     Profile,
     SharedFrontend,
     SourceLocation,
+    SyscallRelaxation,
 )
 from .problems import Problem, RulesError
 from .ruleset import RuleSet
@@ -287,6 +288,7 @@ def load_rules(rules_dir: str | Path) -> RuleSet:
                 max_body_bytes=g.max_body,
             )
         lim = prm.limits
+        sc = prm.sandbox.syscalls
         profiles[name] = Profile(
             name=name,
             description=prm.description,
@@ -301,6 +303,8 @@ def load_rules(rules_dir: str | Path) -> RuleSet:
             broker=grants,
             exports=ExportPolicy(prm.exports.max_file, prm.exports.max_total,
                                  tuple(prm.exports.types)),
+            syscalls=None if sc is None else SyscallRelaxation(
+                frozenset(sc.allow), sc.reason, src.loc(("sandbox", "syscalls"))),
             location=src.loc(()),
         )
         # the whole document, so every setting is in the version (`egress.proxy_env: true`

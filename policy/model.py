@@ -96,6 +96,22 @@ class ExportPolicy:
     types: tuple[str, ...] = ("text", "json")  # content kinds checked by content sniffing
 
 
+# system calls a profile may take out of the container tier's seccomp filter
+# (`sandbox.syscalls.allow`); the launcher's filter (launcher/seccomp_rules.py) denies each
+# of them by default. Namespaces, mounts, bpf, keyrings, io_uring and modules never are.
+RELAXABLE_SYSCALLS = ("ptrace", "process_vm_readv", "process_vm_writev", "kcmp",
+                      "pidfd_getfd", "personality", "perf_event_open")
+
+
+@dataclass(frozen=True, slots=True)
+class SyscallRelaxation:
+    """`sandbox.syscalls`: calls the sandbox's seccomp filter lets through, and why."""
+
+    allow: frozenset[str]
+    reason: str
+    location: SourceLocation | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class Profile:
     name: str
@@ -112,6 +128,8 @@ class Profile:
     location: SourceLocation | None = None
     # egress.proxy_env: the launcher points HTTP(S)_PROXY at the gateway's explicit proxy
     proxy_env: bool = False
+    # sandbox.syscalls: relaxations of the seccomp filter; None = the full default filter
+    syscalls: SyscallRelaxation | None = None
 
 
 @dataclass(frozen=True, slots=True)

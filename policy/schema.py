@@ -25,6 +25,7 @@ from pydantic import (
 
 from .globs import compile_glob
 from .hosts import normalize_pattern
+from .model import RELAXABLE_SYSCALLS
 from .reasons import Reason
 from .units import parse_duration, parse_rate, parse_size
 
@@ -69,6 +70,14 @@ def _reason_text(v: str) -> str:
     return v.strip()
 
 
+def _syscall(v: str) -> str:
+    if v not in RELAXABLE_SYSCALLS:
+        raise ValueError(f"system call {v!r} cannot be allowed: the sandbox's seccomp filter "
+                         f"relaxes only {', '.join(RELAXABLE_SYSCALLS)} (new namespaces, "
+                         "mounts, bpf, keyrings, io_uring and module loading stay denied)")
+    return v
+
+
 Size = Annotated[int, BeforeValidator(parse_size)]
 Duration = Annotated[int, BeforeValidator(parse_duration)]
 Rate = Annotated[float, BeforeValidator(parse_rate)]
@@ -79,6 +88,7 @@ Method = Annotated[StrictStr, AfterValidator(_method)]
 HostPattern = Annotated[StrictStr, AfterValidator(normalize_pattern)]
 Cidr = Annotated[StrictStr, AfterValidator(_cidr)]
 ReasonText = Annotated[StrictStr, AfterValidator(_reason_text)]
+Syscall = Annotated[StrictStr, AfterValidator(_syscall)]
 
 
 class HttpModel(Strict):
@@ -176,6 +186,22 @@ class ExportsModel(Strict):
     types: list[Literal["text", "json", "binary", "archive", "image"]] = ["text", "json"]
 
 
+class SyscallsModel(Strict):
+    allow: Annotated[list[Syscall], Field(min_length=1)]
+    reason: ReasonText
+
+    @model_validator(mode="after")
+    def _no_repeats(self) -> SyscallsModel:
+        twice = sorted({n for n in self.allow if self.allow.count(n) > 1})
+        if twice:
+            raise ValueError(f"system call(s) listed twice: {', '.join(twice)}")
+        return self
+
+
+class SandboxModel(Strict):
+    syscalls: SyscallsModel | None = None
+
+
 class ProfileModel(Strict):
     profile: Name
     description: StrictStr = ""
@@ -184,6 +210,7 @@ class ProfileModel(Strict):
     egress: EgressModel = EgressModel()
     broker: BrokerModel = BrokerModel()
     exports: ExportsModel = ExportsModel()
+    sandbox: SandboxModel = SandboxModel()
 
 
 class PresetModel(Strict):

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 from stockade.launcher import Launcher, RunResult, SandboxSpec
 from stockade.launcher.cgroups import remove_parent
-from stockade.policy.model import ExportPolicy, Limits, Profile
+from stockade.policy.model import ExportPolicy, Limits, Profile, SyscallRelaxation
 
 from stockade.config import Config
 from stockade.events import read_events, validate
@@ -171,6 +171,8 @@ def profiles() -> dict[str, Profile]:
                             exports=ExportPolicy(max_file_bytes=4096, max_total_bytes=6000,
                                                  types=("text", "json"))),
         "gv": Profile("gv", "asks for gVisor", isolation="gvisor", limits=small),
+        "debug": Profile("debug", "ptrace for debuggers", limits=small,
+                         syscalls=SyscallRelaxation(frozenset({"ptrace"}), "debugger tests")),
     }
 
 
