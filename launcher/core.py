@@ -277,9 +277,7 @@ class Launcher:
     ) -> None:
         self.config = config
         self.s = config.launcher
-        self.events = events or EventWriter(
-            config.events_file, max_bytes=config.events.max_bytes, backups=config.events.backups
-        )
+        self.events = events or config.event_writer(stdout=False)
         self.register_tasks = register
         self.use_nflog = nflog
         self.state = StateFile(Path(config.state_dir) / "launcher" / f"{self.s.nft_table}.json")
