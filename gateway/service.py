@@ -141,6 +141,7 @@ class GatewayService:
             self.rules,
             self.writer.write,
             self.metrics.registry,
+            tally=self.writer.tally,
         )
         # share the gateway's guard state (the firewall's own is unused from here; its
         # task-removal hook looks `guards` up at call time, so it forgets in the shared one)
