@@ -11,9 +11,10 @@ Pure (no I/O, `now` is an argument); `EventWriter` runs every event through it.
   it is spent, every further event of the task (allowed ones too) is only counted.
   Allowed events are not throttled before that: they are the task's audit trail and a
   sandbox cannot produce them faster than the gateway admits flows.
-- Memory is bounded: at most `keys_per_task` keys per task (later keys share one overflow
-  key per component, destination "*"), at most `tasks` tasks (the oldest is ended, its
-  summaries and totals emitted, to make room).
+- Memory is bounded: at most `keys_per_task` keys per task; later destinations share an
+  overflow key per (component, action, decision, reason), at most OVERFLOW_KEYS of them,
+  then one per component; at most `tasks` tasks (the oldest is ended, its summaries and
+  totals emitted, to make room).
 - `end_task()` also returns one `event_totals` event per component (events written and
   summarised, by decision and reason): every event offered is either written or counted
   in exactly one summary, so written + summarised equals what the component decided.
@@ -40,6 +41,7 @@ LOST_ACTION = "events_lost"
 # never throttled: the record of a task's life and of the throttle itself
 EXEMPT_ACTIONS = frozenset(("sandbox_lifecycle", SUMMARY_ACTION, TOTALS_ACTION, LOST_ACTION))
 OVERFLOW = "*"
+OVERFLOW_KEYS = 16  # keys per task beyond keys_per_task, for (component, action, reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +137,12 @@ class EventThrottle:
         ks = t.keys.get(k)
         if ks is None:
             if len(t.keys) >= self.s.keys_per_task:
-                k = (k[0], OVERFLOW, OVERFLOW, OVERFLOW, OVERFLOW)
+                # past the cap, destinations share a key (reason codes are a small
+                # set); past OVERFLOW_KEYS more, everything of the component does
+                if len(t.keys) < self.s.keys_per_task + OVERFLOW_KEYS:
+                    k = (*k[:4], OVERFLOW)
+                else:
+                    k = (k[0], OVERFLOW, OVERFLOW, OVERFLOW, OVERFLOW)
                 ks = t.keys.get(k)
             if ks is None:
                 ks = t.keys[k] = _KeyState()
@@ -219,8 +226,11 @@ class EventThrottle:
 
     def _summary(self, task_id: str, t: _TaskState, k: Key, w: _Window) -> Event:
         component, action, decision, reason, dst = k
-        if dst == OVERFLOW:  # the overflow key: any reason and destination
-            reason = dst = ""
+        if dst == OVERFLOW:  # an overflow key: any destination (and maybe any reason)
+            dst = ""
+            reason = "" if reason == OVERFLOW else reason
+            action = "" if action == OVERFLOW else action
+            decision = "" if decision == OVERFLOW else decision
         ip = dst if _is_ip(dst) else None
         return make_event(
             component=component,  # type: ignore[arg-type]

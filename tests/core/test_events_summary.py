@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stockade.events import EventWriter, make_event, read_events, validate
-from stockade.events.summary import EventThrottle, ThrottleSettings
+from stockade.events.summary import OVERFLOW_KEYS, EventThrottle, ThrottleSettings
 from stockade.events.taskstore import read_task_events, sweep
 
 
@@ -132,7 +132,7 @@ def test_counts_always_add_up_and_memory_stays_bounded(
         log += th.due(now)
         assert th.tracked_tasks <= 2
         for t in ("t1", "t2", "t3"):
-            assert th.keys(t) <= keys + 1
+            assert th.keys(t) <= keys + OVERFLOW_KEYS + 1
     for t in ("t1", "t2", "t3"):
         log += th.end_task(t, now)
     log += th.due(now)
@@ -207,3 +207,11 @@ def test_close_flushes_pending_summaries(tmp_path: Path) -> None:
     w.close()
     evs = [json.loads(line) for line in (tmp_path / "e.jsonl").read_text().splitlines()]
     assert _counted(evs) == 10
+
+
+def test_overflow_keys_are_bounded_too() -> None:
+    th = EventThrottle(ThrottleSettings(verbatim_per_key=0, keys_per_task=2))
+    for i in range(500):
+        th.offer(_ev(dst=f"10.0.{i % 250}.1", reason=f"r{i % 100}"), 10, 1.0)
+    assert th.keys("t1") == 2 + OVERFLOW_KEYS + 1
+    assert _counted(th.end_task("t1", 2.0)) == 500
