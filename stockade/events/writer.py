@@ -300,6 +300,7 @@ class EventWriter:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+        self._notify(done)
 
 
 def read_events(path: str | os.PathLike[str]) -> list[Event]:
