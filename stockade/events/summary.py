@@ -42,6 +42,7 @@ LOST_ACTION = "events_lost"
 EXEMPT_ACTIONS = frozenset(("sandbox_lifecycle", SUMMARY_ACTION, TOTALS_ACTION, LOST_ACTION))
 OVERFLOW = "*"
 OVERFLOW_KEYS = 16  # keys per task beyond keys_per_task, for (component, action, reason)
+TOTALS_ROWS = 256  # (component, decision, reason) rows per task in the totals
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +184,10 @@ class EventThrottle:
             t.events += 1
             t.bytes += size
         k = key_of(ev)
-        row = t.totals.setdefault((k[0], k[2], k[3]), [0, 0])
+        tk = (k[0], k[2], k[3])
+        if tk not in t.totals and len(t.totals) >= TOTALS_ROWS:
+            tk = (k[0], k[2], OVERFLOW)  # bounded even if reasons were not a small set
+        row = t.totals.setdefault(tk, [0, 0])
         row[0 if written else 1] += 1
 
     def _count(self, t: _TaskState, ks: _KeyState, ev: Event, now: float, *, budget: bool) -> None:

@@ -215,3 +215,12 @@ def test_overflow_keys_are_bounded_too() -> None:
         th.offer(_ev(dst=f"10.0.{i % 250}.1", reason=f"r{i % 100}"), 10, 1.0)
     assert th.keys("t1") == 2 + OVERFLOW_KEYS + 1
     assert _counted(th.end_task("t1", 2.0)) == 500
+
+
+def test_totals_rows_are_bounded() -> None:
+    th = EventThrottle(ThrottleSettings(verbatim_per_key=0))
+    for i in range(1000):
+        th.offer(_ev(reason=f"r{i}"), 10, 1.0)
+    out = th.end_task("t1", 2.0)
+    (tot,) = [e["stockade"]["totals"] for e in out if e["event"]["action"] == "event_totals"]
+    assert len(tot["by"]) <= 257 and tot["summarised"] == 1000
