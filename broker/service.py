@@ -53,9 +53,7 @@ class BrokerService:
         rules_dir = cfg.rules_dir
         rules = load_rules(rules_dir)  # RulesError: refuse to start on invalid rules
         self.registry = TaskRegistry(s.state_file or Path(cfg.state_dir) / "broker-tasks.json")
-        ev = cfg.events
-        self.events = EventWriter(cfg.events_file, max_bytes=ev.max_bytes, backups=ev.backups,
-                                  stdout=ev.stdout)
+        self.events = cfg.event_writer()
         vs = cfg.vault
         token: str | None = None
         if vs.address is None:
@@ -82,6 +80,8 @@ class BrokerService:
         self.broker = Broker(s, rules, self.vault, self.registry, self.events, self.metrics,
                              load_rules=lambda: load_rules(rules_dir),
                              resolver=resolver, address_policy=resolver.policy)
+        events = self.events
+        self.registry.on_removed(lambda task: events.end_task(task.task_id))
         # log in only now that the broker exists: a failed start-up login reports through
         # Broker.vault_status (gauge to 0, `vault_status` event) like a failed read does
         await self.vault.ensure_login()

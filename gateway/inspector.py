@@ -618,12 +618,17 @@ async def run_inspector(spec: dict[str, Any], stdin_eof: asyncio.Event | None = 
     from mitmproxy.master import Master
 
     key = bytes.fromhex(spec["key"])
-    ev = spec.get("events", {})
+    from stockade.config import EventSettings
+
+    ev = EventSettings.model_validate(spec.get("events", {}))
     writer = EventWriter(
         spec.get("events_file"),
-        max_bytes=int(ev.get("max_bytes", 50 * 2**20)),
-        backups=int(ev.get("backups", 5)),
+        max_bytes=ev.max_bytes,
+        backups=ev.backups,
         stdout=False,  # stdout is the ready channel
+        throttle=ev.throttle(),
+        task_dir=spec.get("task_dir"),
+        task_store_bytes=ev.task_store_bytes,
     )
     rules = RulesByVersion(spec["rules_dir"])
     rules.load()

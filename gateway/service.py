@@ -19,7 +19,6 @@ from typing import Any
 from aiohttp import web
 
 from stockade.config import Config
-from stockade.events import EventWriter
 from stockade.tasks import TaskRegistry, make_control_app, start_control_server
 
 from .addresses import AddressPolicy
@@ -70,10 +69,7 @@ class GatewayService:
     def __init__(self, config: Config) -> None:
         self.config = config
         gs = config.gateway
-        ev = config.events
-        self.writer = EventWriter(
-            config.events_file, max_bytes=ev.max_bytes, backups=ev.backups, stdout=ev.stdout
-        )
+        self.writer = config.event_writer()
         self.metrics = GatewayMetrics()
         self.metrics.track_dropped(lambda: self.writer.dropped)
         self.rules = RulesHolder(config.rules_dir, self.writer.write, self.metrics)
@@ -105,6 +101,8 @@ class GatewayService:
             guards=self.guards,
             name_limits=NameLimits.from_settings(dns),
         )
+        # after the gateway's own listener: the task's summaries and totals come last
+        self.registry.on_removed(lambda task: self.writer.end_task(task.task_id))
         # L7 inspection: a supervised mitmproxy child for flows whose allow entries need
         # method/path (gateway/inspection.py); without it they stay denied, fail closed
         self.inspector: InspectorSupervisor | None = None
@@ -141,6 +139,7 @@ class GatewayService:
             self.rules,
             self.writer.write,
             self.metrics.registry,
+            tally=self.writer.tally,
         )
         # share the gateway's guard state (the firewall's own is unused from here; its
         # task-removal hook looks `guards` up at call time, so it forgets in the shared one)

@@ -13,7 +13,6 @@ import contextlib
 import functools
 import glob
 import ipaddress
-import json
 import logging
 import marshal
 import os
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal, Protocol
 
 from stockade.events import EventWriter, make_event
+from stockade.events.taskstore import read_task_events, sweep
 from stockade.procs import pid_alive
 from stockade.tasks import ControlClient, Task
 
@@ -49,6 +49,7 @@ from . import (
     trust,
     vmimage,
 )
+from .accounting import denials_of, end_accounting, unlogged_bypass_summary
 from .addresses import free_slot, slot_addresses
 from .nflog import LogRecord, NflogSocket
 from .state import SandboxRecord, StateFile
@@ -289,9 +290,7 @@ class Launcher:
     ) -> None:
         self.config = config
         self.s = config.launcher
-        self.events = events or EventWriter(
-            config.events_file, max_bytes=config.events.max_bytes, backups=config.events.backups
-        )
+        self.events = events or config.event_writer(stdout=False)
         self.register_tasks = register
         self.use_nflog = nflog
         self.state = StateFile(Path(config.state_dir) / "launcher" / f"{self.s.nft_table}.json")
@@ -315,6 +314,9 @@ class Launcher:
         self._nflog_ticks = 0
         self._nflog_cv = threading.Condition()
         self.nflog_bound = False
+        # per task: NFLOG records handled, and the nft bypass counter read at teardown
+        self._logged: dict[str, int] = {}
+        self._bypass: dict[str, int] = {}
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._congestion_control = _permitted_congestion_control(self.s.congestion_control)
 
@@ -327,6 +329,7 @@ class Launcher:
             mounts.private_dir(self.scratch_base)
             nft.apply_table(self.params)
             self.reconcile()
+            sweep(self.config.task_events_dir, self.config.events.task_retention_s)
             if self.use_nflog:
                 self._nflog_thread = threading.Thread(target=self._nflog_loop, daemon=True,
                                                       name="stockade-nflog")
@@ -364,7 +367,6 @@ class Launcher:
         self.start()
         policy_version = getattr(ruleset, "version", None)
         t0 = time.monotonic()
-        mark = self.events_mark()
         live = self._create(spec, profile, policy_version, isolation, backend)
         rec = live.record
         t_setup = time.monotonic()
@@ -466,7 +468,7 @@ class Launcher:
             profile=rec.profile, policy_version=policy_version, source_ip=rec.guest_ip,
             reason=_lifecycle_reason(ended_by), message=f"sandbox ended ({ended_by})",
             extra={"lifecycle": "end", "ended_by": ended_by, "exit_code": exit_code,
-                   "duration_s": round(duration, 6)},
+                   "duration_s": round(duration, 6), **self._end_accounting(rec)},
         ))
         if vm_failed is not None:  # torn down above, like any sandbox that fails to start
             # QEMU's and the console's words go to the orchestrator without host paths (the
@@ -480,7 +482,7 @@ class Launcher:
                              scrubber)
         return RunResult(
             task_id=rec.task_id, exit_code=exit_code, stdout=stdout, stderr=stderr,
-            duration_s=round(duration, 6), denials=self.denials(rec.task_id, since=mark),
+            duration_s=round(duration, 6), denials=self.denials(rec.task_id),
             exports=exported, ended_by=ended_by,
             timings={"setup_s": t_setup - t0, "run_s": t_run - t_setup,
                      "teardown_s": t_end - t_run},
@@ -582,41 +584,24 @@ class Launcher:
                     self._remove_scratch(d)
                     removed["scratch"].append(d.name)
 
-    def events_mark(self) -> tuple[int, int]:
-        """(inode, size) of the events file now: `denials(since=...)` reads only what follows."""
-        try:
-            st = os.stat(self.config.events_file)
-        except OSError:
-            return (0, 0)
-        return (st.st_ino, st.st_size)
+    def denials(self, task_id: str) -> list[dict[str, Any]]:
+        """The task's denial events from every component, read from its per-task store
+        (stockade/events/taskstore.py), which rotation of the shared file cannot erase."""
+        return denials_of(read_task_events(self.config.task_events_dir, task_id))
 
-    def denials(self, task_id: str, since: tuple[int, int] | None = None) -> list[dict[str, Any]]:
-        """The task's denial events from every component (the shared events file).
-
-        With `since` (from `events_mark`) only the part written after the mark is read, and
-        the rotated file too when the file was rotated in between.
-        """
-        path = self.config.events_file
-        parts: list[tuple[Path, int]] = []
-        if since is None:
-            parts = [(path.with_name(path.name + ".1"), 0), (path, 0)]
-        else:
-            ino, off = since
-            try:
-                cur = os.stat(path).st_ino
-            except OSError:
-                cur = -1
-            if cur == ino:
-                parts = [(path, off)]
-            else:
-                parts = [(path.with_name(path.name + ".1"), off if ino else 0), (path, 0)]
-        out = []
-        for p, off in parts:
-            for ev in _read_events_from(p, off):
-                if (ev.get("labels", {}).get("task_id") == task_id
-                        and ev.get("stockade", {}).get("decision") == "denied"):
-                    out.append(ev)
-        return out
+    def _end_accounting(self, rec: SandboxRecord) -> dict[str, Any]:
+        """Bypass counts and every component's event totals for the end event; the
+        launcher's own summaries and totals are written first."""
+        total = self._bypass.pop(rec.task_id, 0)
+        logged = self._logged.pop(rec.task_id, 0)
+        if self.nflog_bound:  # else another launcher's reader reported the records
+            ev = unlogged_bypass_summary(
+                rec.task_id, rec.profile, total, logged, rec.started_at, time.time())
+            if ev is not None:
+                self._emit(ev)
+        self.events.end_task(rec.task_id)
+        stored = read_task_events(self.config.task_events_dir, rec.task_id)
+        return end_accounting(stored, max(total, logged), logged)
 
     # -- creation ------------------------------------------------------------------------
     def _profile(self, name: str, ruleset: Any) -> Any:
@@ -1028,6 +1013,9 @@ class Launcher:
                 for path in self._control_sockets():
                     with contextlib.suppress(Exception):
                         ControlClient(path, timeout=2.0).deregister(task_id)
+            if live is not None:  # our run's end event reports it; read before it goes
+                with contextlib.suppress(OSError, ValueError):
+                    self._bypass[task_id] = nft.bypass_count(self.s.nft_table, rec.ifname)
             with contextlib.suppress(nft.NftError):
                 nft.run(nft.element_commands(self.s.nft_table, "delete", [self._wiring(rec)]))
             netns.destroy(rec.netns, rec.ifname)
@@ -1187,6 +1175,8 @@ class Launcher:
         if owner is None:
             return None
         task_id, profile = owner
+        if task_id in self._live:  # (another launcher's sandbox: its run reports it)
+            self._logged[task_id] = self._logged.get(task_id, 0) + 1
         what = r.prefix.split(":", 1)[-1] or "blocked"
         ev = make_event(
             component="launcher", action="bypass_attempt", decision="denied",
@@ -1198,24 +1188,6 @@ class Launcher:
         )
         self._emit(ev)
         return ev
-
-
-def _read_events_from(path: Path, offset: int) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    try:
-        fh = open(path, "rb")  # noqa: SIM115 - closed below
-    except OSError:
-        return out
-    with fh:
-        fh.seek(offset)
-        for line in fh:
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue  # a torn line (another writer mid-write) or rotated garbage
-            if isinstance(ev, dict):
-                out.append(ev)
-    return out
 
 
 def _feed(stream: IO[bytes], data: bytes) -> None:

@@ -45,6 +45,12 @@ SET_PROXY = "sandbox_proxy"
 # of the others; its elements expire by themselves (never deleted, never reconciled)
 SET_LOG_BUDGET = "log_budget"
 LOG_BUDGET_TIMEOUT_S = 10
+# a counter per interface of every packet that reaches a log rule, logged or over the log
+# limit: the launcher reads it at teardown (logged + unlogged = attempts) and deletes the
+# element; an element left by a crash expires by itself (the timeout is refreshed by
+# every packet, and is far longer than any sandbox's TTL between two blocked packets)
+SET_BYPASS_COUNT = "bypass_count"
+BYPASS_COUNT_TIMEOUT_S = 7 * 86400
 PER_SANDBOX_SETS = (SET_IFS, SET_SRC, SET_HOST, SET_PROXY)
 
 
@@ -85,8 +91,11 @@ def _match(left: Any, right: Any, op: str = "==") -> Json:
 
 
 def _log(p: TableParams, prefix: str) -> list[Json]:
-    # every log is paired with a limit (per interface), so a flood cannot flood the log
+    # every log is paired with a limit (per interface), so a flood cannot flood the log;
+    # the counter before it counts what the limit keeps out of the log too
     return [
+        {"set": {"op": "update", "elem": _iif(), "set": "@" + SET_BYPASS_COUNT,
+                 "stmt": [{"counter": None}]}},
         {"set": {"op": "update", "elem": _iif(), "set": "@" + SET_LOG_BUDGET,
                  "stmt": [{"limit": {"rate": p.log_rate, "burst": p.log_rate * 2,
                                      "per": "second"}}]}},
@@ -139,6 +148,10 @@ def table_commands(p: TableParams, existing_sets: frozenset[str] = frozenset()) 
             {"add": {"set": {"family": "inet", "table": p.table, "name": SET_LOG_BUDGET,
                              "type": "ifname", "flags": ["timeout"],
                              "timeout": LOG_BUDGET_TIMEOUT_S, "size": 65536}}}]),
+        *([] if SET_BYPASS_COUNT in existing_sets else [
+            {"add": {"set": {"family": "inet", "table": p.table, "name": SET_BYPASS_COUNT,
+                             "type": "ifname", "flags": ["timeout"],
+                             "timeout": BYPASS_COUNT_TIMEOUT_S, "size": 65536}}}]),
         _chain(p, "redirect_in", type="nat", hook="prerouting", prio=-100, policy="accept"),
         _chain(p, "guard_in", type="filter", hook="prerouting", prio=-90, policy="accept"),
         _chain(p, "from_sandbox"),
@@ -207,6 +220,9 @@ def element_commands(table: str, verb: str, wirings: list[Wiring]) -> Json:
             cmds.append(element(verb, name, elem))
         proxy = [{"concat": [w.ifname, w.host_ip]}]
         if verb == "delete":
+            # the bypass counter's element too (made by the rules, read at teardown)
+            cmds.append(element("add", SET_BYPASS_COUNT, [w.ifname]))
+            cmds.append(element("delete", SET_BYPASS_COUNT, [w.ifname]))
             cmds.append(element("add", SET_PROXY, proxy))
             cmds.append(element("delete", SET_PROXY, proxy))
         elif w.proxy:
@@ -247,6 +263,20 @@ def list_elements(table: str) -> dict[str, list[Any]]:
         if s is not None:
             out[s["name"]] = s.get("elem", [])
     return out
+
+
+def bypass_count(table: str, ifname: str) -> int:
+    """Packets of `ifname` that reached a log rule (0 when none did or on any error)."""
+    proc = subprocess.run(["nft", "-j", "list", "set", "inet", table, SET_BYPASS_COUNT],
+                          capture_output=True, check=False)
+    if proc.returncode != 0:
+        return 0
+    for item in json.loads(proc.stdout).get("nftables", []):
+        for e in (item.get("set") or {}).get("elem", []):
+            inner = e.get("elem", {}) if isinstance(e, dict) else {}
+            if inner.get("val") == ifname:
+                return int(inner.get("counter", {}).get("packets", 0))
+    return 0
 
 
 def table_exists(table: str) -> bool:

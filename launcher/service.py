@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from stockade.events import EventWriter
 from stockade.tasks.control import ControlError, UnixJsonClient, start_control_server
 
 from .core import (
@@ -214,8 +213,7 @@ class LauncherService:
         from stockade.gateway.rulesource import RulesHolder
 
         self.config = config
-        self.events = EventWriter(config.events_file, max_bytes=config.events.max_bytes,
-                                  backups=config.events.backups)
+        self.events = config.event_writer(stdout=False)
         self.launcher = launcher or Launcher(config, events=self.events)
         # the gateway's holder: an invalid reload keeps the rules in force (fail closed)
         self.rules = RulesHolder(config.rules_dir, self.events.write, component="launcher")

@@ -14,6 +14,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from stockade.broker.settings import BrokerSettings, VaultSettings
+from stockade.events import EventWriter
+from stockade.events.summary import ThrottleSettings
 from stockade.gateway.dns.settings import DnsSettings
 from stockade.gateway.settings import GatewaySettings
 from stockade.launcher.settings import LauncherSettings
@@ -28,6 +30,26 @@ class EventSettings(Strict):
     stdout: bool = False  # also write every event to standard output
     max_bytes: int = Field(50 * 2**20, gt=0)  # rotate the events file at this size
     backups: int = Field(5, ge=0)  # rotated files kept (events.jsonl.1 ...)
+    # denied events of one task with the same (component, action, reason, destination)
+    # written one by one; later ones are counted in `event_summary` events
+    verbatim_per_key: int = Field(20, ge=0)
+    summary_window_s: float = Field(60.0, gt=0)  # seconds a summary event counts for
+    # events written one by one per task (per component process); past this or the byte
+    # budget, every further event of the task, allowed or denied, is only counted
+    task_budget_events: int = Field(2000, ge=0)
+    task_budget_bytes: int = Field(2 * 2**20, ge=0)  # bytes written one by one per task
+    # distinct summary keys per task; further keys share one overflow key
+    keys_per_task: int = Field(64, ge=1)
+    # per-task event store (one file per task, never rotated); default: <log_dir>/tasks
+    task_dir: str | None = None
+    task_store_bytes: int = Field(4 * 2**20, gt=0)  # task store cap per task and process
+    task_retention_s: float = Field(86400.0, ge=0)  # task store files older than this are removed
+
+    def throttle(self) -> ThrottleSettings:
+        return ThrottleSettings(
+            verbatim_per_key=self.verbatim_per_key, window_s=self.summary_window_s,
+            task_events=self.task_budget_events, task_bytes=self.task_budget_bytes,
+            keys_per_task=self.keys_per_task)
 
 
 class Config(Strict):
@@ -45,6 +67,18 @@ class Config(Strict):
     @property
     def events_file(self) -> Path:
         return Path(self.events.file) if self.events.file else Path(self.log_dir) / "events.jsonl"
+
+    @property
+    def task_events_dir(self) -> Path:
+        return Path(self.events.task_dir) if self.events.task_dir else Path(self.log_dir) / "tasks"
+
+    def event_writer(self, *, stdout: bool | None = None) -> EventWriter:
+        """The writer every component uses: shared file, throttle, per-task store."""
+        ev = self.events
+        return EventWriter(
+            self.events_file, max_bytes=ev.max_bytes, backups=ev.backups,
+            stdout=ev.stdout if stdout is None else stdout, throttle=ev.throttle(),
+            task_dir=self.task_events_dir, task_store_bytes=ev.task_store_bytes)
 
 
 class ConfigError(ValueError):

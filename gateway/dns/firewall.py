@@ -35,6 +35,7 @@ from .decide import (
     precheck,
     summary_outcomes,
 )
+from .drops import DropReporter, read_drops
 from .guards import GuardState
 from .packet import MAX_TCP_SIZE, Malformed, Query, Reply, build_response, parse_query
 from .settings import DnsSettings
@@ -90,12 +91,16 @@ class DnsFirewall:
         rules: RulesSource,
         emit: Emit,
         metrics_registry: CollectorRegistry | None = None,
+        tally: Emit | None = None,
     ) -> None:
         self.settings = settings
         self.resolver = resolver
         self.registry = registry
         self._rules = rules
         self.emit = emit
+        # counts an event not written (rate-limited queries) into the task's summaries
+        self.tally = tally
+        self._drop_timer: asyncio.TimerHandle | None = None
         self.metrics_registry = metrics_registry or CollectorRegistry()
         self.metrics = DnsMetrics(self.metrics_registry)
         self.guards = GuardState.from_settings(settings)
@@ -141,11 +146,25 @@ class DnsFirewall:
                 bound = listener.sockname()[1]
                 server = await asyncio.start_server(self._serve_tcp, host, bound)
                 self._tcp.append(server)
+            self._check_drops()
         except BaseException:
             await self.stop()
             raise
 
+    def _check_drops(self, final: bool = False) -> None:
+        """Report datagrams the kernel dropped (every second; all that is left at stop)."""
+        for u in self._udp:
+            ev = u.drops.reading(read_drops(u.sock), time.time(), final=final)
+            if ev is not None:
+                self._emit(ev)
+        if self._drop_timer is not None:
+            self._drop_timer.cancel()
+        self._drop_timer = None
+        if not final:
+            self._drop_timer = asyncio.get_running_loop().call_later(1.0, self._check_drops)
+
     async def stop(self) -> None:
+        self._check_drops(final=True)
         for t in self._udp:
             t.close()
         for s in self._tcp:
@@ -220,6 +239,8 @@ class DnsFirewall:
                     self._emit(outcome_event(q, out, task, source[0], source[1], transport))
             else:
                 self._emit(outcome_event(q, out, task, source[0], source[1], transport))
+        elif task is not None and out.decision == "denied" and self.tally is not None:
+            self.tally(outcome_event(q, out, task, source[0], source[1], transport))
         if out.reply is None:
             return None
         limit = q.udp_size if transport == "udp" else MAX_TCP_SIZE
@@ -330,6 +351,8 @@ class _UdpListener:
         except BaseException:
             self.sock.close()
             raise
+        self.drops = DropReporter(f"{host}:{self.sockname()[1]}", read_drops(self.sock),
+                                  time.time())
         self.loop = asyncio.get_running_loop()
         self.loop.add_reader(self.sock.fileno(), self._readable)
         self.closed = False

@@ -1,12 +1,19 @@
 """JSON-lines event sink: one line per event, flushed per event, size-based rotation.
 
 Nothing is dropped silently: an event that cannot be written (disk full, permissions,
-an unserialisable value) increments `dropped`, which metrics export.
+an unserialisable value) increments `dropped`, which metrics export; the first loss and
+every LOST_LOG_EVERY-th is logged, and once writing works again an `events_lost` event
+says how many were lost. A line is written whole or not at all (taskstore.append_line).
+
+With a `throttle` (summary.py) a task's denials past the first few per key, and all its
+events past its budget, become summary events; with a `task_dir` every event that
+carries a task id is also appended to that task's store (taskstore.py).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import threading
@@ -17,6 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
+from . import taskstore
+from .build import make_event
+from .summary import LOST_ACTION, EventThrottle, ThrottleSettings, task_of
 
 Event = dict[str, Any]
 
@@ -46,6 +57,9 @@ def encode_line(event: Event) -> bytes:
         return line.encode("utf-8")
 
 ROTATION_CHECK_S = 0.5  # how often a writer looks for a rotation done by another process
+LOST_LOG_EVERY = 1000  # a log line at the first lost event and then every this many
+TASK_STORE_BYTES = 4 * 2**20  # default cap per task and writer in the per-task store
+log = logging.getLogger("stockade.events")
 
 
 class EventWriter:
@@ -61,6 +75,9 @@ class EventWriter:
         backups: int = 5,
         stdout: bool = False,
         keep_recent: int = 0,
+        throttle: ThrottleSettings | None = None,
+        task_dir: str | os.PathLike[str] | None = None,
+        task_store_bytes: int = TASK_STORE_BYTES,
     ) -> None:
         self.path = Path(path) if path is not None else None
         self.max_bytes = max_bytes
@@ -68,6 +85,14 @@ class EventWriter:
         self.stdout = stdout
         self.written = 0
         self.dropped = 0
+        self.summarised = 0  # events counted into a summary instead of written
+        self.throttle = EventThrottle(throttle) if throttle is not None else None
+        self.task_dir = Path(task_dir) if task_dir is not None else None
+        self.task_store_bytes = task_store_bytes
+        # task id -> [bytes stored, events not stored]; bounded like the throttle's tasks
+        self._stored: dict[str, list[int]] = {}
+        self._lost = 0  # events lost since the last `events_lost` event
+        self._lost_component = "gateway"
         self.recent: deque[Event] = deque(maxlen=keep_recent)  # 0 keeps nothing
         self._lock = threading.Lock()
         self._fd: int | None = None
@@ -77,6 +102,8 @@ class EventWriter:
         self._subscribers: list[Callable[[Event], None]] = []
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.task_dir is not None:
+            self.task_dir.mkdir(parents=True, exist_ok=True)
 
     def subscribe(self, fn: Callable[[Event], None]) -> None:
         """Call `fn` with every event written (metrics, tests, live views)."""
@@ -123,52 +150,157 @@ class EventWriter:
             self.path.unlink(missing_ok=True)
 
     def write(self, event: Event) -> bool:
+        """Write (or, under a throttle, maybe only count) one event; False when lost."""
         try:
             data = self.encode(event)
         except (TypeError, ValueError):  # ValueError includes a lone surrogate's encode error
-            self.dropped += 1
+            with self._lock:
+                self._lose(event)
             return False
-        ok = True
+        now = time.time()
+        done: list[Event] = []
         with self._lock:
-            if self.path is not None:
-                try:
-                    fd = self._open()
-                    if self._size and self._size + len(data) > self.max_bytes:
-                        self._rotate()
-                        fd = self._open()
-                    # one write(2) per line in O_APPEND mode: lines of several writers
-                    # never interleave, and nothing waits in a user-space buffer
-                    os.write(fd, data)
-                    self._size += len(data)
-                except OSError:
-                    self.dropped += 1
-                    ok = False
-                    if self._fd is not None:
-                        os.close(self._fd)
-                    self._fd = None
-            if self.stdout:
-                try:
-                    sys.stdout.write(data.decode("utf-8"))
-                    sys.stdout.flush()
-                except (OSError, ValueError):
-                    self.dropped += 1
-                    ok = False
-            if ok:
-                self.written += 1
-            if self.recent.maxlen:
-                self.recent.append(event)
-        for fn in self._subscribers:
-            try:
-                fn(event)
-            except Exception:  # a broken subscriber must not lose the event for others
-                self.dropped += 1
+            verbatim = True
+            if self.throttle is not None:
+                verbatim = self.throttle.offer(event, len(data), now)
+                for ev in self.throttle.due(now):
+                    self._write_locked(ev, None, done)
+            if verbatim:
+                ok = self._write_locked(event, data, done)
+            else:
+                self.summarised += 1
+                ok = True
+        self._notify(done)
         return ok
 
-    def close(self) -> None:
+    def tally(self, event: Event) -> None:
+        """Count an event its component chose not to write (see EventThrottle.tally)."""
+        if self.throttle is None:
+            return
         with self._lock:
+            self.throttle.tally(event, time.time())
+            self.summarised += 1
+
+    def end_task(self, task_id: str) -> list[Event]:
+        """The task is gone: write its pending summaries and totals; returns the totals."""
+        done: list[Event] = []
+        with self._lock:
+            stored = self._stored.pop(task_id, None)
+            events = self.throttle.end_task(task_id, time.time()) if self.throttle else []
+            for ev in events:
+                if stored and stored[1] and ev["event"]["action"] == "event_totals":
+                    ev["stockade"]["totals"]["store_truncated"] = stored[1]
+                self._write_locked(ev, None, done)
+        self._notify(done)
+        return [e for e in events if e["event"]["action"] == "event_totals"]
+
+    def _notify(self, events: list[Event]) -> None:
+        for event in events:
+            for fn in self._subscribers:
+                try:
+                    fn(event)
+                except Exception:  # a broken subscriber must not lose the event for others
+                    self.dropped += 1
+
+    def _lose(self, event: Event) -> None:
+        self.dropped += 1
+        self._lost += 1
+        st = event.get("stockade")
+        if isinstance(st, dict) and isinstance(st.get("component"), str):
+            self._lost_component = st["component"]
+        if self._lost == 1 or self.dropped % LOST_LOG_EVERY == 0:
+            log.warning("events: %d event(s) could not be written to %s (%d lost so far)",
+                        self._lost, self.path, self.dropped)
+
+    def _write_locked(self, event: Event, data: bytes | None, done: list[Event]) -> bool:
+        if data is None:
+            try:
+                data = self.encode(event)
+            except (TypeError, ValueError):
+                self._lose(event)
+                return False
+        if self._lost:
+            self._report_loss(done)
+        if not self._emit_line(data):
+            self._lose(event)
+            return False
+        self.written += 1
+        if self.recent.maxlen:
+            self.recent.append(event)
+        self._store(event, data)
+        done.append(event)
+        return True
+
+    def _report_loss(self, done: list[Event]) -> None:
+        """An `events_lost` event, written before the next event once writing works."""
+        lost = self._lost
+        note = make_event(
+            component=self._lost_component, action=LOST_ACTION,  # type: ignore[arg-type]
+            message=f"{lost} event(s) could not be written (disk full or unwritable)",
+            extra={"lost": lost, "lost_total": self.dropped})
+        if self._emit_line(self.encode(note)):
+            self._lost = 0
+            log.warning("events: writing works again; %d event(s) were lost", lost)
+            done.append(note)
+
+    def _emit_line(self, data: bytes) -> bool:
+        ok = True
+        if self.path is not None:
+            try:
+                fd = self._open()
+                if self._size and self._size + len(data) > self.max_bytes:
+                    self._rotate()
+                    fd = self._open()
+                # one write(2) per line in O_APPEND mode: lines of several writers
+                # never interleave, and nothing waits in a user-space buffer
+                taskstore.append_line(fd, data)
+                self._size += len(data)
+            except OSError:
+                ok = False
+                if self._fd is not None:
+                    os.close(self._fd)
+                self._fd = None
+        if self.stdout:
+            try:
+                sys.stdout.write(data.decode("utf-8"))
+                sys.stdout.flush()
+            except (OSError, ValueError):
+                ok = False
+        return ok
+
+    def _store(self, event: Event, data: bytes) -> None:
+        """Append to the task's store (within its cap; totals always go in)."""
+        if self.task_dir is None:
+            return
+        task_id = task_of(event)
+        path = taskstore.task_file(self.task_dir, task_id) if task_id else None
+        if path is None or task_id is None:
+            return
+        row = self._stored.get(task_id)
+        if row is None:
+            if len(self._stored) >= 4096:  # bounded: forget the oldest task's count
+                self._stored.pop(next(iter(self._stored)))
+            row = self._stored[task_id] = [0, 0]
+        if row[0] + len(data) > self.task_store_bytes and \
+                event["event"].get("action") != "event_totals":
+            row[1] += 1
+            return
+        try:
+            taskstore.append(path, data)
+            row[0] += len(data)
+        except OSError:
+            row[1] += 1
+
+    def close(self) -> None:
+        done: list[Event] = []
+        with self._lock:
+            if self.throttle is not None:
+                for ev in self.throttle.flush_all(time.time()):
+                    self._write_locked(ev, None, done)
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+        self._notify(done)
 
 
 def read_events(path: str | os.PathLike[str]) -> list[Event]:

@@ -11,7 +11,7 @@ from stockade.gateway.dns.settings import DnsSettings
 from stockade.gateway.resolver import Resolver
 from stockade.policy.ruleset import RuleSet
 
-from stockade.events import validate
+from stockade.events import EventWriter, validate
 from stockade.tasks.registry import Task, TaskRegistry
 
 PROFILE = """\
@@ -76,8 +76,11 @@ def _emit_into(events: list[dict[str, Any]]) -> Any:
 
 
 async def start_harness(
-    upstream: Upstream, ruleset: RuleSet, profile: str = "dns-test", **settings: Any
+    upstream: Upstream, ruleset: RuleSet, profile: str = "dns-test",
+    writer: EventWriter | None = None, **settings: Any
 ) -> Harness:
+    """With a `writer`, events go through it (throttle, tallies) and `events` holds what
+    it wrote."""
     registry = TaskRegistry()
     client_ip = loopback()
     registry.register(Task("task-1", client_ip, profile))
@@ -87,7 +90,12 @@ async def start_harness(
         [upstream.server], AddressPolicy(), ttl_min=s.ttl_min_s, ttl_max=s.ttl_max_s, timeout=0.5
     )
     events: list[dict[str, Any]] = []
-    fw = DnsFirewall(s, resolver, registry, ruleset, _emit_into(events), CollectorRegistry())
+    if writer is None:
+        fw = DnsFirewall(s, resolver, registry, ruleset, _emit_into(events), CollectorRegistry())
+    else:
+        writer.subscribe(_emit_into(events))
+        fw = DnsFirewall(s, resolver, registry, ruleset, writer.write, CollectorRegistry(),
+                         tally=writer.tally)
     await fw.start()
     h = Harness(fw, client_ip, registry)
     h.events = events

@@ -78,3 +78,45 @@ async def test_dns_inside_gateway_service(tmp_path: Path, upstream: Upstream) ->
     for e in events:
         validate(e)
     assert any(e["event"].get("reason") == "no_matching_rule" for e in events)
+
+
+async def test_service_tallies_and_ends_a_task_in_its_store(
+        tmp_path: Path, upstream: Upstream) -> None:
+    """Wired as `gateway serve` runs it: rate-limited queries are tallied, and when the
+    task is deregistered its summaries and totals land in the task's store."""
+    from stockade.gateway.service import GatewayService
+
+    from stockade.events.taskstore import read_task_events
+
+    rules = tmp_path / "rules"
+    for d in ("profiles", "apis", "presets", "tests"):
+        (rules / d).mkdir(parents=True)
+    (rules / "profiles" / "dns-test.yaml").write_text(PROFILE)
+    path = _config(tmp_path, rules, upstream, f"{loopback()}:0")
+    raw = yaml.safe_load(path.read_text())
+    raw["dns"].update(queries_per_second=0.001, query_burst=3)
+    path.write_text(yaml.safe_dump(raw))
+    config = load_config(path)
+    svc = GatewayService(config)
+    await svc.start()
+    try:
+        assert svc.dns is not None
+        host, port = svc.dns.addresses[0]
+        client = loopback()
+        svc.registry.register(Task("svc-flood", client, "dns-test"))
+        for _ in range(60):
+            q = dns.message.make_query("other.test", "A")
+            await dns.asyncquery.udp(q, host, port=port, source=client, timeout=3)
+        svc.registry.deregister("svc-flood")
+    finally:
+        await svc.stop()
+    stored = read_task_events(config.task_events_dir, "svc-flood")
+    for e in stored:
+        validate(e)
+    (totals,) = [e["stockade"]["totals"] for e in stored
+                 if e["event"]["action"] == "event_totals"]
+    assert totals["written"] + totals["summarised"] == 60
+    counted = sum(1 for e in stored if e["event"]["action"] == "dns_decision") + sum(
+        e["stockade"]["summary"]["count"] for e in stored
+        if e["event"]["action"] == "event_summary")
+    assert counted == 60

@@ -38,6 +38,10 @@ def write_config(
             **gateway,
         },
         "dns": dns or {},
+        # the gateway tests look at every event of their long-lived tasks one by one;
+        # the throttle has its own tests (tests/core/test_events_summary.py, e2e flood)
+        "events": {"verbatim_per_key": 10**9, "task_budget_events": 10**9,
+                   "task_budget_bytes": 2**50},
     }
     path = tmp / "stockade.yaml"
     path.write_text(yaml.safe_dump(cfg))

@@ -126,7 +126,9 @@ def test_proxy_elements_only_for_proxy_sandboxes_and_always_deleted() -> None:
         cmds = nft.element_commands("t", "delete", [w])["nftables"]
         tail = [(next(iter(c)), next(iter(c.values()))["element"]["name"]) for c in cmds[-2:]]
         assert tail == [("add", nft.SET_PROXY), ("delete", nft.SET_PROXY)]
-        assert len(cmds) == 5
+        assert len(cmds) == 7  # 3 sets + add/delete of the bypass counter and the proxy
+        assert [c["add"]["element"]["name"] for c in cmds if "add" in c] == [
+            nft.SET_BYPASS_COUNT, nft.SET_PROXY]
     assert nft.SET_PROXY in nft.PER_SANDBOX_SETS
 
 
@@ -170,7 +172,7 @@ def test_real_table_elements_are_atomic(table: str) -> None:
                          check=True)
     listed = json.loads(out.stdout)["nftables"]
     n_rules = sum(1 for i in listed if "rule" in i)
-    assert sum(1 for i in listed if "set" in i) == 5
+    assert sum(1 for i in listed if "set" in i) == 6  # + log meter, bypass counter
     assert n_rules == len(_rules(nft.table_commands(p)))
 
 

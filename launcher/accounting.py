@@ -1,0 +1,60 @@
+"""What the launcher reports about a task's events when its sandbox ends.
+
+- Bypass attempts: the nft counter (`nft.SET_BYPASS_COUNT`) counts every packet that
+  reached a log rule; the NFLOG reader saw `logged` of them. The rest (over the log
+  limit, or lost on the netlink socket) become one `event_summary` event, so verbatim
+  bypass events + their summaries + this one add up to the counter.
+- The end event's `event_totals`: every component's `event_totals` event found in the
+  task's store (gateway, DNS, broker write theirs when the task is deregistered, the
+  launcher its own right before the end event), summed per component.
+- A run's denials: the denied events and denied summaries in the task's store.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stockade.events import make_event, timestamp
+from stockade.events.summary import SUMMARY_ACTION, TOTALS_ACTION
+
+Event = dict[str, Any]
+
+
+def unlogged_bypass_summary(task_id: str, profile: str | None, total: int, logged: int,
+                            started: float, now: float) -> Event | None:
+    """A summary of the blocked packets no NFLOG record reported, or None if none."""
+    unlogged = total - logged
+    if unlogged <= 0:
+        return None
+    return make_event(
+        component="launcher", action=SUMMARY_ACTION, decision="denied",
+        reason="bypass_attempt", task_id=task_id, profile=profile,
+        message=f"{unlogged} more blocked packet(s) beyond the firewall's log rate limit",
+        extra={"summary": {"action": "bypass_attempt", "count": unlogged,
+                           "first": timestamp(started), "last": timestamp(now),
+                           "window_s": max(now - started, 0.001), "budget_exhausted": False,
+                           "unlogged": unlogged}},
+        now=now,
+    )
+
+
+def end_accounting(stored: list[Event], bypass_total: int, bypass_logged: int) -> dict[str, Any]:
+    """The end event's `event_totals` and `bypass` fields."""
+    totals: dict[str, dict[str, int]] = {}
+    for ev in stored:
+        if ev.get("event", {}).get("action") != TOTALS_ACTION:
+            continue
+        st = ev.get("stockade", {})
+        t = st.get("totals", {})
+        row = totals.setdefault(str(st.get("component")), {"written": 0, "summarised": 0})
+        row["written"] += int(t.get("written", 0))
+        row["summarised"] += int(t.get("summarised", 0))
+    return {
+        "event_totals": totals,
+        "bypass": {"attempts": bypass_total, "logged": bypass_logged,
+                   "unlogged": max(bypass_total - bypass_logged, 0)},
+    }
+
+
+def denials_of(stored: list[Event]) -> list[Event]:
+    return [ev for ev in stored if ev.get("stockade", {}).get("decision") == "denied"]

@@ -1,0 +1,101 @@
+"""The per-task event store: `<dir>/<task_id>.jsonl`, one file per task, never rotated.
+
+Every component's writer appends each event that carries a task id there as well as to
+the shared (rotating) events file, so a run's denials survive any amount of rotation:
+the launcher reads a task's events from here, not from the shared file. Each writer
+stores at most `max_bytes` per task (the throttle in summary.py keeps a task's verbatim
+events under its budget, so this only caps a pathological flood of summaries); what it
+could not store is counted and reported in the task's `event_totals` event
+(`stockade.totals.store_truncated`), which is always stored. Files are removed by
+`sweep` once older than the retention period.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+Event = dict[str, Any]
+
+# a task id that is safe as a file name (the launcher's ids are 12 hex digits)
+_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def task_file(directory: Path, task_id: str) -> Path | None:
+    """The task's store file, or None for an id that cannot be a file name."""
+    if not _SAFE.match(task_id):
+        return None
+    return directory / f"{task_id}.jsonl"
+
+
+def append_line(fd: int, data: bytes) -> None:
+    """Write one whole line with one write(2) on an O_APPEND descriptor, or nothing.
+
+    A short write (a full disk) is cut off again when no other writer appended after it,
+    so the next line does not merge with a torn fragment; either way OSError is raised
+    and the caller counts the event as lost.
+    """
+    n = os.write(fd, data)
+    if n == len(data):
+        return
+    end = os.lseek(fd, 0, os.SEEK_CUR)
+    try:
+        if os.fstat(fd).st_size == end:
+            os.ftruncate(fd, end - n)
+    except OSError:
+        pass
+    raise OSError(errno.ENOSPC, f"short write ({n} of {len(data)} bytes)")
+
+
+def append(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+    try:
+        append_line(fd, data)
+    finally:
+        os.close(fd)
+
+
+def read_task_events(directory: Path, task_id: str) -> list[Event]:
+    """Every event stored for the task (all components), in file order."""
+    path = task_file(directory, task_id)
+    out: list[Event] = []
+    if path is None:
+        return out
+    try:
+        fh = open(path, "rb")  # noqa: SIM115 - closed below
+    except OSError:
+        return out
+    with fh:
+        for line in fh:
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue  # a line another writer is still writing
+            if isinstance(ev, dict):
+                out.append(ev)
+    return out
+
+
+def sweep(directory: Path, retention_s: float, now: float | None = None) -> list[str]:
+    """Remove task files not written for `retention_s`; returns the task ids removed."""
+    t = time.time() if now is None else now
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for e in entries:
+        if not e.name.endswith(".jsonl"):
+            continue
+        try:
+            if t - e.stat().st_mtime >= retention_s:
+                os.unlink(e.path)
+                removed.append(e.name[: -len(".jsonl")])
+        except OSError:
+            continue
+    return removed
