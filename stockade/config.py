@@ -18,6 +18,7 @@ from stockade.gateway.dns.settings import DnsSettings
 from stockade.gateway.settings import GatewaySettings
 from stockade.instance import PORT_SPAN, derive
 from stockade.launcher.settings import LauncherSettings
+from stockade.stack.settings import StackSettings
 
 
 class Strict(BaseModel):
@@ -52,6 +53,7 @@ class Config(Strict):
     vault: VaultSettings = VaultSettings()
     launcher: LauncherSettings = LauncherSettings()
     dev_vault: DevVaultSettings = DevVaultSettings()
+    stack: StackSettings = StackSettings()
 
     @model_validator(mode="before")
     @classmethod
