@@ -3,7 +3,8 @@
 Started detached by the first `stockade run` on a run_dir (stack.embedded); it owns the
 gateway, broker and dev OpenBao, publishes `stack.json` once they answer, and stops them
 when no run holds a lease any more (checked under the stack lock, so no run can join a
-stack that is being stopped), when a component dies, or on SIGTERM (the last run out).
+stack that is being stopped), or on SIGTERM (the last run out). A component that dies is
+restarted as under `stockade up` (stack.up.Supervisor); one that keeps dying ends it.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from pathlib import Path
 from types import FrameType
 
 from stockade.config import ConfigError, load_config
+from stockade.events.writer import EventWriter
 
 from .services import Stack, StackError
 from .shared import StackState, clear_state, live_leases, stack_lock, write_state
+from .up import Supervisor
 
 log = logging.getLogger("stockade.stack.keeper")
 POLL_S = 1.0
@@ -46,16 +49,19 @@ class _Shutdown:
         clear_state(self.run_dir, os.getpid())
 
 
-def _watch(stack: Stack, run_dir: Path, shutdown: _Shutdown) -> None:
-    """Return (under the lock, with the stack stopped) once no lease is left or a
-    component died."""
+def _watch(stack: Stack, run_dir: Path, shutdown: _Shutdown, sup: Supervisor) -> None:
+    """Keep the components running (restarted like under `stockade up`); return with the
+    stack stopped, under the lock, once no lease is left."""
     while True:
         time.sleep(POLL_S)
-        dead = [svc.name for svc in stack.services if not svc.alive()]
+        try:
+            sup.tick(time.monotonic())
+        except StackError:
+            with stack_lock(run_dir):
+                shutdown()  # under the lock: no run joins a stack that is going away
+            raise
         with stack_lock(run_dir):
-            if dead or not live_leases(run_dir):
-                if dead:
-                    log.error("component(s) exited: %s; stopping the stack", ", ".join(dead))
+            if not live_leases(run_dir):
                 shutdown()
                 return
 
@@ -83,7 +89,14 @@ def main(argv: list[str]) -> int:
             owner_pid=os.getpid(), kind="shared", config_file=str(stack.config_file),
             request_file=str(request), dev_vault=stack.dev_vault is not None))
         log.info("embedded stack ready (pid %d)", os.getpid())
-        _watch(stack, run_dir, shutdown)
+        events = EventWriter(cfg.events_file, max_bytes=cfg.events.max_bytes,
+                             backups=cfg.events.backups)
+        try:
+            sup = Supervisor(stack, events.write, lambda text: log.warning("%s", text),
+                             time.monotonic())
+            _watch(stack, run_dir, shutdown, sup)
+        finally:
+            events.close()
         return 0
     except StackError as e:
         log.error("%s", e)

@@ -85,8 +85,10 @@ def run_argv(cfg: Path, *cmd: str, extra: tuple[str, ...] = ()) -> list[str]:
             "--json", *extra, "--", *cmd]
 
 
-def stockade_procs(marker: str) -> list[str]:
-    """Processes (services, keeper) whose command line names this instance's files."""
-    out = subprocess.run(["ps", "-eo", "args="], capture_output=True, text=True,
+def stockade_procs(marker: str) -> dict[int, str]:
+    """Processes (services, keeper) whose command line names this instance's files:
+    {pid: command line} (-ww: never cut at a COLUMNS width)."""
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True,
                          check=False).stdout
-    return [a for a in out.splitlines() if marker in a and "stockade" in a]
+    procs = (line.strip().partition(" ") for line in out.splitlines())
+    return {int(pid): args for pid, _, args in procs if marker in args and "stockade" in args}

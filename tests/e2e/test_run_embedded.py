@@ -7,7 +7,10 @@ file for a broker grant; one upstream CA serves the broker and the gateway's ins
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -56,7 +59,7 @@ def test_four_concurrent_runs_share_one_stack(tmp_path: Path, fake_internet) -> 
     deadline = time.monotonic() + 10
     while stockade_procs(str(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert stockade_procs(str(tmp_path)) == []
+    assert stockade_procs(str(tmp_path)) == {}
     after = snapshot((lnch.name_prefix, lnch.nft_table), lnch.cgroup_parent, str(tmp_path))
     assert new_since(before, after) == {}
 
@@ -100,18 +103,25 @@ BROKER_AND_INSPECTED = (
 
 
 @pytest.mark.timeout(300)
-def test_a_secret_from_a_file_serves_a_broker_grant(tmp_path: Path, fake_internet) -> None:
-    """--secret PATH:FIELD=@FILE puts the API key into the dev OpenBao (it is never on
-    argv); the broker verifies the fake API with upstream_ca_file, and so does the
-    gateway's inspector (neither has its own CA setting here)."""
-    data = instance_config(tmp_path, fake_internet)
-    assert "ca_file" not in data.get("broker", {}) and "inspection" not in data["gateway"]
-    cfg_path = write_config(tmp_path, data)
+@pytest.mark.parametrize("given_by", ["--secret", "dev_vault.secrets"])
+def test_a_secret_from_a_file_serves_a_broker_grant(
+    tmp_path: Path, fake_internet, given_by: str
+) -> None:
+    """--secret PATH:FIELD=@FILE (or the dev_vault.secrets setting) puts the API key into
+    the dev OpenBao (it is never on argv nor in the config); the broker verifies the fake
+    API with upstream_ca_file, and so does the gateway's inspector (neither has its own CA
+    setting here)."""
     key = tmp_path / "api-key"
     key.write_text(fake_internet.api_key + "\n")
     key.chmod(0o600)
-    argv = run_argv(cfg_path, "sh", "-c", BROKER_AND_INSPECTED,
-                    extra=("--secret", f"stockade/demo-api:token=@{key}"))
+    entry = {"path": "stockade/demo-api", "field": "token", "file": str(key)}
+    extra: dict = {"dev_vault": {"secrets": [entry]}} if given_by != "--secret" else {}
+    data = instance_config(tmp_path, fake_internet, **extra)
+    assert "ca_file" not in data.get("broker", {}) and "inspection" not in data["gateway"]
+    cfg_path = write_config(tmp_path, data)
+    assert fake_internet.api_key not in cfg_path.read_text()
+    flags = ("--secret", f"stockade/demo-api:token=@{key}") if given_by == "--secret" else ()
+    argv = run_argv(cfg_path, "sh", "-c", BROKER_AND_INSPECTED, extra=flags)
     assert fake_internet.api_key not in " ".join(argv)
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -130,3 +140,37 @@ def test_a_secret_value_on_argv_is_refused(tmp_path: Path, fake_internet) -> Non
     assert proc.returncode == 2 and "=@FILE" in proc.stderr, proc.stderr
     assert "hunter2" not in proc.stderr
     assert not (tmp_path / "run" / "stack.json").exists()  # refused before anything started
+
+
+@pytest.mark.timeout(300)
+def test_a_gateway_that_dies_under_a_shared_stack_is_restarted(
+    tmp_path: Path, fake_internet
+) -> None:
+    """The keeper of a shared stack restarts a dead component like `stockade up` does:
+    a run that outlives its gateway still reaches its allowed site afterwards."""
+    cfg_path = write_config(tmp_path, instance_config(
+        tmp_path, fake_internet, stack={"restart_delay_s": 0.5}))
+    cfg = load_config(cfg_path)
+    script = ("sleep 12; curl -sS --max-time 20 --cacert /input/ca.pem https://allowed.test/ "
+              "-o /dev/null -w 'code=%{http_code}'")
+    proc = subprocess.Popen(run_argv(cfg_path, "sh", "-c", script, extra=_ca_input(fake_internet)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    marker = f"gateway serve --config {cfg.run_dir}/stack-config.yaml"
+    deadline = time.monotonic() + 120
+    listing = [sys.executable, "-m", "stockade", "sandbox", "list", "--json", "--config",
+               str(cfg_path)]
+    while time.monotonic() < deadline:  # until the sandbox runs (registered with the gateway)
+        assert proc.poll() is None, proc.communicate()
+        rows = subprocess.run(listing, capture_output=True, text=True, check=False).stdout
+        if rows.strip() not in ("", "[]"):
+            break
+        time.sleep(0.2)
+    gateways = list(stockade_procs(marker))
+    assert len(gateways) == 1
+    os.kill(gateways[0], signal.SIGKILL)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    assert json.loads(out)["stdout"] == "code=200"
+    restarted = [json.loads(line) for line in cfg.events_file.read_text().splitlines()
+                 if '"component_restarted"' in line]
+    assert [e["stockade"]["service"] for e in restarted] == ["gateway"]
