@@ -1,6 +1,6 @@
 """The `broker:` and `vault:` sections of stockade.yaml."""
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from stockade.listen import ListenAddress, OptionalListenAddress
 from stockade.tcp import CONGESTION_CONTROL_NAME
@@ -74,6 +74,13 @@ class DevSecret(BaseModel):
     # a file holding the value (one trailing newline dropped): never the value itself, so
     # it stays out of the config, argv and `ps`
     file: str = Field(min_length=1)
+
+    @field_validator("path")
+    @classmethod
+    def _no_dot_segments(cls, v: str) -> str:
+        if {".", ".."} & set(v.split("/")):
+            raise ValueError("no '.' or '..' segments")
+        return v
 
 
 class DevVaultSettings(BaseModel):

@@ -61,3 +61,11 @@ def test_settings_name_the_entry_that_failed(tmp_path: Path) -> None:
     with pytest.raises(SecretSpecError, match=r"dev_vault.secrets\[1\] \(c:d\)"):
         from_settings(items)
     assert [v.value for v in from_settings(items[:1])] == ["v"]
+
+
+@pytest.mark.parametrize("path", ["a/../b", "..", "a/./b", "/abs", "a b"])
+def test_setting_paths_are_plain_kv_paths(path: str) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        DevSecret(path=path, field="f", file="/x")
