@@ -251,7 +251,10 @@ def ensure_stack(config: Config, secrets: Sequence[SecretValue] = ()) -> Iterato
     `secrets` go into its dev OpenBao (an error when it has none)."""
     from .embedded import join, leave
 
-    joined = join(config)
+    try:
+        joined = join(config)
+    except OSError as e:  # run_dir or log_dir unusable (permissions, a full disk)
+        raise StackError(f"cannot start or join the stack in {config.run_dir}: {e}") from None
     try:
         if secrets:
             put_dev_secrets(joined.config, joined.state is not None and joined.state.dev_vault,

@@ -10,6 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from stockade.config import Config
+from stockade.stack.services import StackError, ensure_stack
 from stockade.stack.shared import (
     Lease,
     StackState,
@@ -94,3 +98,12 @@ def test_a_corrupt_state_file_is_an_error_not_a_guess(tmp_path: Path) -> None:
         assert "unreadable stack state" in str(e)
     else:
         raise AssertionError("a corrupt state file was accepted")
+
+
+def test_an_unusable_run_dir_is_a_clear_error(tmp_path: Path) -> None:
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cfg = Config(run_dir=str(blocker / "run"))  # under a regular file: cannot be made
+    with pytest.raises(StackError, match="cannot start or join the stack in"), ensure_stack(cfg):
+        raise AssertionError("joined a stack in an unusable run_dir")
