@@ -23,7 +23,7 @@ import hvac
 
 from stockade.lifecycle import StartStop
 from stockade.ports import free_port
-from stockade.procs import stop_group
+from stockade.procs import death_guard, stop_group
 
 __all__ = ["DevOpenBao", "DevVaultError", "find_bao", "free_port", "merge_secret"]
 
@@ -70,9 +70,8 @@ class DevOpenBao(StartStop):
         # the root token goes in through the environment, not argv (visible in ps)
         env["BAO_DEV_ROOT_TOKEN_ID"] = self.root_token
         # the server dies with the thread that started it, even when that process is
-        # SIGKILLed and never runs stop() (util-linux setpriv: prctl PDEATHSIG, then exec)
-        setpriv = shutil.which("setpriv")
-        guard = [setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []
+        # SIGKILLed and never runs stop()
+        guard = death_guard()
         try:
             self.proc = subprocess.Popen(
                 [*guard, find_bao(), "server", "-dev", "-dev-no-store-token",

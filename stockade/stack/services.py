@@ -20,7 +20,7 @@ from typing import IO
 import yaml
 
 from stockade.config import Config
-from stockade.procs import stop_group
+from stockade.procs import death_guard, stop_group
 from stockade.tasks import ControlClient
 
 from .devsecrets import SecretValue
@@ -46,7 +46,9 @@ class Service:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = out = open(self.log_path, "ab")  # noqa: SIM115 - child owns it
         self.proc = subprocess.Popen(
-            self.argv,
+            # dies with its owner (up, the keeper, the demo) even when that one is SIGKILLed:
+            # an orphaned gateway would hold the ports and sockets of the next stack
+            [*death_guard(), *self.argv],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
