@@ -15,6 +15,7 @@ from stockade.config import Config, ConfigError, load_config
 
 from .services import StackError, stack_running
 from .shared import (
+    STATE_FILE,
     Lease,
     StackState,
     live_leases,
@@ -44,7 +45,7 @@ def current_state(run_dir: Path) -> StackState | None:
     except OSError as e:
         raise StackError(str(e)) from None
     if state is not None and not owner_alive(state.owner_pid):
-        (run_dir / "stack.json").unlink(missing_ok=True)
+        (run_dir / STATE_FILE).unlink(missing_ok=True)
         return None
     return state
 

@@ -272,8 +272,8 @@ def put_dev_secrets(effective: Config, dev_vault: bool, secrets: Sequence[Secret
 
     address, token_file = effective.vault.address, effective.vault.token_file
     if not dev_vault or not address or not token_file:
-        raise StackError("--secret needs the embedded dev OpenBao (this stack uses "
-                         "vault.address): put the secret into that Vault instead")
+        raise StackError("--secret needs the embedded dev OpenBao, and the running stack "
+                         "uses a configured Vault: put the secret into that Vault instead")
     try:
         token = Path(token_file).read_text().strip()
         put_secrets(address, token, secrets)
