@@ -69,3 +69,14 @@ def test_setting_paths_are_plain_kv_paths(path: str) -> None:
 
     with pytest.raises(ValidationError):
         DevSecret(path=path, field="f", file="/x")
+
+
+def test_secrets_need_the_dev_openbao() -> None:
+    """A stack with a configured Vault (or one started by other means) takes no --secret."""
+    from stockade.config import Config
+    from stockade.stack.devsecrets import SecretValue
+    from stockade.stack.services import StackError, put_dev_secrets
+
+    cfg = Config(vault={"address": "https://vault.example:8200", "token_file": "/t"})
+    with pytest.raises(StackError, match="uses a configured Vault"):
+        put_dev_secrets(cfg, False, [SecretValue("a", "b", "v")])
