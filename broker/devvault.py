@@ -23,9 +23,9 @@ import hvac
 
 from stockade.lifecycle import StartStop
 from stockade.ports import free_port
-from stockade.procs import stop_group
+from stockade.procs import death_guard, stop_group
 
-__all__ = ["DevOpenBao", "DevVaultError", "find_bao", "free_port"]
+__all__ = ["DevOpenBao", "DevVaultError", "find_bao", "free_port", "merge_secret"]
 
 
 class DevVaultError(RuntimeError):
@@ -70,9 +70,8 @@ class DevOpenBao(StartStop):
         # the root token goes in through the environment, not argv (visible in ps)
         env["BAO_DEV_ROOT_TOKEN_ID"] = self.root_token
         # the server dies with the thread that started it, even when that process is
-        # SIGKILLed and never runs stop() (util-linux setpriv: prctl PDEATHSIG, then exec)
-        setpriv = shutil.which("setpriv")
-        guard = [setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []
+        # SIGKILLed and never runs stop()
+        guard = death_guard()
         try:
             self.proc = subprocess.Popen(
                 [*guard, find_bao(), "server", "-dev", "-dev-no-store-token",
@@ -175,3 +174,22 @@ class DevOpenBao(StartStop):
             f"/v1/auth/approle/role/{role}/secret-id", headers={"X-Vault-Wrap-TTL": ttl}
         )
         return str(resp["wrap_info"]["token"])
+
+
+def merge_secret(
+    address: str, token: str, mount_path: str, fields: dict[str, str], mount: str = "secret"
+) -> int:
+    """Add `fields` to the KV v2 secret at `mount/mount_path` (kept: its other fields), in a
+    dev OpenBao given by address and root token; returns the new version."""
+    client = hvac.Client(url=address, token=token, timeout=5)
+    kv = client.secrets.kv.v2
+    try:
+        current = kv.read_secret_version(
+            path=mount_path, mount_point=mount, raise_on_deleted_version=True
+        )["data"]["data"]
+    except hvac.exceptions.InvalidPath:
+        current = {}
+    resp = kv.create_or_update_secret(
+        path=mount_path, secret={**current, **fields}, mount_point=mount
+    )
+    return int(resp["data"]["version"])

@@ -1,6 +1,6 @@
 """The `broker:` and `vault:` sections of stockade.yaml."""
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from stockade.listen import ListenAddress, OptionalListenAddress
 from stockade.tcp import CONGESTION_CONTROL_NAME
@@ -11,7 +11,8 @@ class BrokerSettings(BaseModel):
 
     # the broker's HTTP listener (sandboxes reach it; nft scopes who can)
     listen: ListenAddress = "0.0.0.0:8081"
-    # control API (task registry, reload), a Unix socket created mode 0600
+    # control API (task registry, reload), a Unix socket created mode 0600; default
+    # <run_dir>/broker.sock
     control_socket: str = "/run/stockade/broker.sock"
     # Prometheus /metrics; keep it on a host-only address
     metrics_listen: OptionalListenAddress = "127.0.0.1:9465"
@@ -19,7 +20,8 @@ class BrokerSettings(BaseModel):
     # after a failed Vault read, a cached secret is served this long, then 503
     serve_stale_s: float = Field(300.0, ge=0)
     upstream_timeout_s: float = Field(30.0, gt=0)  # total timeout of one upstream API call
-    ca_file: str | None = None  # extra CA bundle for upstream APIs (tests, private CAs)
+    # extra CA bundle for upstream APIs (tests, private CAs); default: upstream_ca_file
+    ca_file: str | None = None
     # largest request the HTTP server accepts at all (the profile's max_body is usually lower)
     max_request_bytes: int = Field(16 * 2**20, gt=0)
     # /v1/call buffers the upstream response into its JSON answer: cap it
@@ -60,3 +62,32 @@ class VaultSettings(BaseModel):
     approle: AppRoleSettings | None = None
     ca_file: str | None = None  # CA bundle to verify the Vault server's certificate
     timeout_s: float = Field(5.0, gt=0)  # timeout of one Vault request
+
+
+class DevSecret(BaseModel):
+    """One secret the embedded dev OpenBao is given at start (KV v2 under `secret/`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
+    field: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    # a file holding the value (one trailing newline dropped): never the value itself, so
+    # it stays out of the config, argv and `ps`
+    file: str = Field(min_length=1)
+
+    @field_validator("path")
+    @classmethod
+    def _no_dot_segments(cls, v: str) -> str:
+        if {".", ".."} & set(v.split("/")):
+            raise ValueError("no '.' or '..' segments")
+        return v
+
+
+class DevVaultSettings(BaseModel):
+    """The dev OpenBao that `stockade run`/`up` start when `vault.address` is unset."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    port: int | None = Field(None, ge=1, le=65535)  # loopback port; default base_port+6, else free
+    # secrets put at start ({path, field, file}), e.g. the keys the profiles' broker grants use
+    secrets: list[DevSecret] = []

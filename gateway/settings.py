@@ -19,6 +19,7 @@ class InspectionSettings(BaseModel):
     # hand-off is signed with a per-start key); port 0 = any free port
     listen: ListenAddress = "127.0.0.1:0"
     # extra CA bundle (PEM) trusted for upstream certificates, on top of the system CAs
+    # (default: the top-level upstream_ca_file)
     upstream_ca_file: str | None = None
     system_ca_dir: str | None = "/etc/ssl/certs"  # the system CAs (hashed dir); None: certifi
     # the inspector's CA (key 0600), made once; default: <state_dir>/gateway/inspector-ca
@@ -56,7 +57,7 @@ class GatewaySettings(BaseModel):
 
     transparent_listen: list[ListenAddress] = ["0.0.0.0:15001"]
     proxy_listen: list[ListenAddress] = ["127.0.0.1:3128"]
-    control_socket: str = "/run/stockade/gateway.sock"
+    control_socket: str = "/run/stockade/gateway.sock"  # control API; <run_dir>/gateway.sock
     metrics_listen: ListenAddress = "127.0.0.1:9464"
     resolvers: list[DnsServerAddress] = ["127.0.0.53"]  # upstream DNS servers, "ip" or "ip:port"
     allow_addresses: list[str] = []  # CIDRs exempt from the special-purpose check

@@ -9,6 +9,8 @@ import os
 import sys
 from typing import Any
 
+from stockade.stack.devsecrets import ARG_HELP as SECRET_HELP
+
 
 def _parse_input(raw: str) -> tuple[str, str]:
     host, sep, guest = raw.partition(":")
@@ -31,6 +33,8 @@ def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
     run.add_argument("--ttl", type=int, metavar="SECONDS",
                      help="wall-clock limit (capped by the profile's limits.ttl)")
     run.add_argument("--json", action="store_true", help="print one JSON result object")
+    run.add_argument("--secret", action="append", default=[], metavar="PATH:FIELD=@FILE",
+                     help=SECRET_HELP)
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     run.set_defaults(func=_run)
 
@@ -95,6 +99,13 @@ def _run(args: argparse.Namespace) -> int:
     except LauncherError as e:
         print(f"stockade run: {e}", file=sys.stderr)
         return 2
+    from stockade.stack.devsecrets import SecretSpecError, parse_secret_args
+
+    try:
+        secrets = parse_secret_args(args.secret)  # before any service starts
+    except SecretSpecError as e:
+        print(f"stockade run: {e}", file=sys.stderr)
+        return 2
     spec = SandboxSpec(profile=args.profile, argv=cmd,
                        inputs=[_parse_input(i) for i in args.input],
                        export_dir=args.export, ttl=args.ttl)
@@ -103,7 +114,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         # a running stack (`stockade up`) is used as it is; otherwise gateway, broker and
         # (without vault.address) a dev OpenBao run for this command only
-        with ensure_stack(config) as effective:
+        with ensure_stack(config, secrets) as effective:
             launcher = Launcher(effective)
             try:
                 result = launcher.run(spec, ruleset)

@@ -49,7 +49,8 @@ class LauncherSettings(BaseModel):
     # says so.
     downgrade_isolation: list[Literal["gvisor", "microvm"]] = []
     address_pool: str = "10.213.0.0/16"  # carved into one /30 per sandbox
-    # Unix socket (0600) of `stockade launcher serve` (started by `stockade up`)
+    # Unix socket (0600) of `stockade launcher serve` (started by `stockade up`); default
+    # <run_dir>/launcher.sock
     control_socket: str = "/run/stockade/launcher.sock"
     # per-sandbox root, scratch tmpfs and /etc files live below this
     scratch_dir: str = "/var/lib/stockade/sandboxes"

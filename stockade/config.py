@@ -11,14 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from stockade.broker.settings import BrokerSettings, VaultSettings
+from stockade.broker.settings import BrokerSettings, DevVaultSettings, VaultSettings
 from stockade.events import EventWriter
 from stockade.events.summary import ThrottleSettings
 from stockade.gateway.dns.settings import DnsSettings
 from stockade.gateway.settings import GatewaySettings
+from stockade.instance import PORT_SPAN, derive
 from stockade.launcher.settings import LauncherSettings
+from stockade.stack.settings import StackSettings
 
 
 class Strict(BaseModel):
@@ -56,13 +58,29 @@ class Config(Strict):
     rules_dir: str = "rules"  # profiles/, apis/, presets/, tests/ (relative to the cwd)
     state_dir: str = "/var/lib/stockade"  # task registries, launcher state (survive restarts)
     log_dir: str = "/var/log/stockade"  # events file and service logs
-    run_dir: str = "/run/stockade"  # sockets and per-run files (dev Vault token)
+    # sockets and per-run files (dev Vault token, the shared stack's lock and leases); the
+    # control sockets default to <run_dir>/gateway.sock, broker.sock, launcher.sock
+    run_dir: str = "/run/stockade"
+    # one base port for a self-contained instance: gateway transparent = base, explicit proxy
+    # = +1, DNS = +2, broker = +3, gateway metrics = +4, broker metrics = +5, dev OpenBao =
+    # +6 (each still overridable); unset: the listeners' own defaults
+    base_port: int | None = Field(None, ge=1, le=65536 - PORT_SPAN)
+    # CA bundle (PEM) trusted for upstream TLS by the gateway's inspection and the broker,
+    # where gateway.inspection.upstream_ca_file / broker.ca_file are unset
+    upstream_ca_file: str | None = None
     events: EventSettings = EventSettings()
     gateway: GatewaySettings = GatewaySettings()
     dns: DnsSettings = DnsSettings()
     broker: BrokerSettings = BrokerSettings()
     vault: VaultSettings = VaultSettings()
     launcher: LauncherSettings = LauncherSettings()
+    dev_vault: DevVaultSettings = DevVaultSettings()
+    stack: StackSettings = StackSettings()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derived_defaults(cls, data: Any) -> Any:
+        return derive(data)
 
     @property
     def events_file(self) -> Path:

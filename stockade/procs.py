@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
+
+
+def death_guard() -> list[str]:
+    """argv prefix that makes a child get SIGTERM when the thread that started it ends,
+    even when its owner is SIGKILLed and never runs its stop() (util-linux setpriv: prctl
+    PDEATHSIG, then exec); empty where setpriv is missing."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []
 
 
 def pid_alive(pid: int) -> bool:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 SCHEMA_VERSION = "1.0"
 
-Component = Literal["gateway", "dns", "broker", "launcher", "rules"]
+Component = Literal["gateway", "dns", "broker", "launcher", "rules", "stack"]
 Decision = Literal["allowed", "denied"]
 
 # event.category per action, from ECS's allowed values
@@ -28,6 +28,7 @@ _CATEGORY = {
     "export_decision": ["file"],
     "rules_reload": ["configuration"],
     "vault_status": ["iam"],
+    "component_restarted": ["process"],  # `stockade up` restarted a component that died
 }
 
 

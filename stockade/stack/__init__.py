@@ -7,6 +7,8 @@ import argparse
 import sys
 from typing import Any
 
+from .devsecrets import ARG_HELP as SECRET_HELP
+
 
 def add_commands(sub: Any) -> None:
     up = sub.add_parser(
@@ -14,9 +16,12 @@ def add_commands(sub: Any) -> None:
         help="run gateway, broker, launcher service (and a dev OpenBao) in the foreground",
         description="Run the gateway, the broker, the launcher's control service and, when no "
         "vault.address is configured, a dev OpenBao, as separate processes with readiness "
-        "checks and a status line each. Ctrl-C stops them all.",
+        "checks and a status line each. A component that dies is restarted with backoff (a "
+        "component_restarted event); Ctrl-C stops them all.",
     )
     up.add_argument("--config", "-c", metavar="FILE", help="stockade.yaml (default: built-in)")
+    up.add_argument("--secret", action="append", default=[], metavar="PATH:FIELD=@FILE",
+                    help=SECRET_HELP)
     up.set_defaults(func=_up)
     demo = sub.add_parser(
         "demo",
@@ -38,47 +43,21 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     import signal
-    import time
 
     from stockade.cli import config_or_fail
 
-    from .services import Stack, StackError, stack_running
+    from .devsecrets import SecretSpecError, parse_secret_args
+    from .up import run_up
 
     cfg = config_or_fail(args.config, "up")
-    if stack_running(cfg):
-        print("stockade up: a stack is already running on these control sockets", file=sys.stderr)
-        return 1
+    try:
+        secrets = parse_secret_args(args.secret)
+    except SecretSpecError as e:
+        print(f"stockade up: {e}", file=sys.stderr)
+        return 2
 
     def stop_on_term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop_on_term)
-    stack = Stack(cfg, foreground=True)
-    try:
-        eff = stack.start()
-        for name, pid, state in stack.status():
-            print(f"stockade up: {name:<14} pid {pid}  {state}", file=sys.stderr)
-        if stack.dev_vault is not None:
-            print(
-                f"stockade up: dev OpenBao at {eff.vault.address}; root token in "
-                f"{eff.vault.token_file} (put API keys there)",
-                file=sys.stderr,
-            )
-        print(
-            f"stockade up: sandbox API on {eff.launcher.control_socket} "
-            "(stockade.launcher.service.LauncherClient)",
-            file=sys.stderr,
-        )
-        print("stockade up: ready (Ctrl-C stops everything)", file=sys.stderr, flush=True)
-        while all(state != "stopped" for _, _, state in stack.status()):
-            time.sleep(1.0)
-        print("stockade up: a component stopped; shutting down", file=sys.stderr)
-        return 1
-    except StackError as e:
-        print(f"stockade up: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\nstockade up: stopping", file=sys.stderr)
-        return 0
-    finally:
-        stack.stop()
+    return run_up(cfg, secrets)

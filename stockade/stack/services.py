@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -19,8 +20,11 @@ from typing import IO
 import yaml
 
 from stockade.config import Config
-from stockade.procs import stop_group
+from stockade.procs import death_guard, stop_group
 from stockade.tasks import ControlClient
+
+from .devsecrets import SecretValue
+from .shared import write_private
 
 
 class StackError(RuntimeError):
@@ -42,12 +46,24 @@ class Service:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = out = open(self.log_path, "ab")  # noqa: SIM115 - child owns it
         self.proc = subprocess.Popen(
-            self.argv,
+            # dies with its owner (up, the keeper, the demo) even when that one is SIGKILLed:
+            # an orphaned gateway would hold the ports and sockets of the next stack
+            [*death_guard(), *self.argv],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
             start_new_session=True,  # Ctrl-C reaches us; we stop the children in order
         )
+
+    def restart(self) -> None:
+        """Start again after the process died (the log file is reopened, appended to)."""
+        old = self.proc
+        self.stop(timeout=1.0)
+        if old is not None:
+            # what the dead leader left in its group (the gateway's inspector child)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(old.pid, signal.SIGKILL)
+        self.start()
 
     def healthy(self) -> bool:
         """Answers ok, and a gateway's L7 inspector (when it runs one) is ready: until then
@@ -110,14 +126,15 @@ class Stack:
         self.services: list[Service] = []
         self.dev_vault: object | None = None
         self.run_dir = Path(config.run_dir)
+        self.config_file: Path | None = None  # the effective config the children read
         self._files: list[Path] = []
 
-    def _write_private(self, path: Path, text: str) -> Path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
+    def own_file(self, path: Path) -> None:
+        """Remove `path` at stop() too."""
         self._files.append(path)
+
+    def _write_private(self, path: Path, text: str) -> Path:
+        self._files.append(write_private(path, text))
         return path
 
     def start(self) -> Config:
@@ -133,15 +150,22 @@ class Stack:
         if cfg.vault.address is None:
             from stockade.broker.devvault import DevOpenBao
 
-            bao = DevOpenBao().start()
+            from .devsecrets import SecretSpecError, from_settings, put_secrets
+
+            try:
+                values = from_settings(cfg.dev_vault.secrets)  # before anything starts
+            except SecretSpecError as e:
+                raise StackError(str(e)) from None
+            bao = DevOpenBao(port=cfg.dev_vault.port).start()
             self.dev_vault = bao
+            put_secrets(bao.address, bao.root_token, values)
             token_file = self._write_private(self.run_dir / "dev-vault-token", bao.root_token)
             vault = cfg.vault.model_copy(
                 update={"address": bao.address, "token_file": str(token_file)}
             )
             cfg = cfg.model_copy(update={"vault": vault})
         self.config = cfg
-        cfg_path = self._write_private(
+        self.config_file = cfg_path = self._write_private(
             self.run_dir / "stack-config.yaml",
             yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False),
         )
@@ -223,14 +247,38 @@ class Stack:
 
 
 @contextlib.contextmanager
-def ensure_stack(config: Config) -> Iterator[Config]:
-    """Use a running stack (`stockade up`) when there is one, else run one for the block."""
-    if stack_running(config):
-        yield config
-        return
-    # no launcher service: the caller (`stockade run`) drives its own Launcher in-process
-    stack = Stack(config, launcher_service=False)
+def ensure_stack(config: Config, secrets: Sequence[SecretValue] = ()) -> Iterator[Config]:
+    """Join the run_dir's stack (shared by concurrent runs, or `stockade up`'s), starting
+    one when there is none; the last run out stops a shared one (see stack.shared).
+    `secrets` go into its dev OpenBao (an error when it has none)."""
+    from .embedded import join, leave
+
     try:
-        yield stack.start()
+        joined = join(config)
+    except OSError as e:  # run_dir or log_dir unusable (permissions, a full disk)
+        raise StackError(f"cannot start or join the stack in {config.run_dir}: {e}") from None
+    try:
+        if secrets:
+            put_dev_secrets(joined.config, joined.state is not None and joined.state.dev_vault,
+                            secrets)
+        yield joined.config
     finally:
-        stack.stop()
+        leave(joined)
+
+
+def put_dev_secrets(effective: Config, dev_vault: bool, secrets: Sequence[SecretValue]) -> None:
+    """Write secrets into the stack's dev OpenBao through its root token file."""
+    from .devsecrets import put_secrets
+
+    address, token_file = effective.vault.address, effective.vault.token_file
+    if not dev_vault or not address or not token_file:
+        raise StackError("--secret needs the embedded dev OpenBao, and the running stack "
+                         "uses a configured Vault: put the secret into that Vault instead")
+    try:
+        token = Path(token_file).read_text().strip()
+        put_secrets(address, token, secrets)
+    except OSError as e:
+        raise StackError(f"cannot put the secrets into the dev OpenBao: {e}") from None
+    except Exception as e:  # hvac errors carry URLs and bodies: name the type only
+        name = type(e).__name__
+        raise StackError(f"cannot put the secrets into the dev OpenBao: {name}") from None

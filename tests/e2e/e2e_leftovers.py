@@ -33,7 +33,7 @@ def snapshot(
     # services whose config path carries the run's marker, and orphaned dev OpenBao servers
     # (a leaked one is re-parented to init; other tests' servers still have their parent)
     procs = set()
-    for line in _out(["ps", "-eo", "ppid=,args="]).splitlines():
+    for line in _out(["ps", "-ww", "-eo", "ppid=,args="]).splitlines():  # -ww: no COLUMNS cut
         ppid, _, args = line.strip().partition(" ")
         if ("serve --config" in args and proc_marker in args) or (
             "bao server -dev" in args and ppid == "1"

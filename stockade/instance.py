@@ -1,0 +1,87 @@
+"""Settings of one self-contained instance that follow `run_dir`, `base_port` and
+`upstream_ca_file` (pure).
+
+Without this a second instance on one host had to restate a dozen sockets and ports. Each
+derived key is filled in only where the file leaves it unset, so every one stays
+overridable; without `base_port` the ports keep their documented defaults.
+"""
+
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+from typing import Any
+
+from pydantic import BaseModel
+
+# (section path, key) -> socket file name under run_dir
+SOCKETS: dict[tuple[tuple[str, ...], str], str] = {
+    (("gateway",), "control_socket"): "gateway.sock",
+    (("broker",), "control_socket"): "broker.sock",
+    (("launcher",), "control_socket"): "launcher.sock",
+}
+# (section path, key) -> (offset from base_port, bind host, a list of addresses?)
+PORTS: dict[tuple[tuple[str, ...], str], tuple[int, str, bool]] = {
+    (("gateway",), "transparent_listen"): (0, "0.0.0.0", True),  # noqa: S104 - sandboxes' side
+    (("gateway",), "proxy_listen"): (1, "127.0.0.1", True),
+    (("dns",), "listen"): (2, "0.0.0.0", True),  # noqa: S104 - sandboxes' side
+    (("broker",), "listen"): (3, "0.0.0.0", False),  # noqa: S104 - sandboxes' side
+    (("gateway",), "metrics_listen"): (4, "127.0.0.1", False),
+    (("broker",), "metrics_listen"): (5, "127.0.0.1", False),
+}
+DEV_VAULT_PORT_OFFSET = 6  # the embedded dev OpenBao (dev_vault.port)
+PORT_SPAN = DEV_VAULT_PORT_OFFSET + 1  # base_port .. base_port + PORT_SPAN - 1
+# the components' own settings for the CA bundle that verifies upstream TLS
+UPSTREAM_CA_KEYS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("gateway", "inspection"), "upstream_ca_file"),
+    (("broker",), "ca_file"),
+)
+DEFAULT_RUN_DIR = "/run/stockade"
+
+
+def _is_set(section: Any, key: str) -> bool:
+    if isinstance(section, BaseModel):
+        return key in section.model_fields_set
+    return isinstance(section, dict) and key in section
+
+
+def _fill(data: dict[str, Any], path: tuple[str, ...], key: str, value: Any) -> None:
+    """data[path...][key] = value unless the user set it; sections may be dicts or models."""
+    head, rest = path[0], path[1:]
+    section = data.get(head, {})
+    if rest:
+        if isinstance(section, BaseModel):
+            return  # a section given as a model is taken as it is
+        section = dict(section) if isinstance(section, dict) else section
+        if not isinstance(section, dict):
+            return  # not a mapping: let validation report it
+        _fill(section, rest, key, value)
+        data[head] = section
+        return
+    if _is_set(section, key):
+        return
+    if isinstance(section, BaseModel):
+        data[head] = section.model_copy(update={key: value})
+    elif isinstance(section, dict):
+        data[head] = {**section, key: value}
+
+
+def derive(data: Any) -> Any:
+    """The raw `stockade.yaml` mapping with the derived defaults filled in."""
+    if not isinstance(data, dict):
+        return data
+    out = dict(data)
+    run_dir = out.get("run_dir", DEFAULT_RUN_DIR)
+    if isinstance(run_dir, str):
+        for (path, key), name in SOCKETS.items():
+            _fill(out, path, key, str(PurePosixPath(run_dir) / name))
+    base = out.get("base_port")
+    if isinstance(base, int) and not isinstance(base, bool) and 0 < base <= 65536 - PORT_SPAN:
+        for (path, key), (offset, host, many) in PORTS.items():
+            addr = f"{host}:{base + offset}"
+            _fill(out, path, key, [addr] if many else addr)
+        _fill(out, ("dev_vault",), "port", base + DEV_VAULT_PORT_OFFSET)
+    ca = out.get("upstream_ca_file")
+    if isinstance(ca, str) and ca:
+        for path, key in UPSTREAM_CA_KEYS:
+            _fill(out, path, key, ca)
+    return out

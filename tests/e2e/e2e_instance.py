@@ -1,0 +1,94 @@
+"""A self-contained instance's stockade.yaml for e2e tests: everything under one temp
+root, the listeners laid out from one base_port, host-wide names unique per test."""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from stockade.instance import PORT_SPAN
+from stockade.ports import free_port_block
+
+PROFILE = """\
+profile: e2e
+description: end-to-end test - one allowed site, one inspected site, the demo API
+isolation: container
+limits: {memory: 256MiB, pids: 64, ttl: 90s}
+egress:
+  allow:
+    - host: allowed.test
+      ports: [443]
+      reason: the one site this task needs
+    - host: echo.test
+      ports: [443]
+      reason: read-only, decided per request by the gateway's L7 inspector
+      http: {methods: [GET], paths: ["/echo"]}
+broker:
+  apis:
+    demo-api:
+      operations:
+        - {method: GET, path: "/v1/whoami"}
+"""
+API = """\
+api: demo-api
+description: the fake internet's API; its key is only in the dev OpenBao
+base_url: https://api.test
+credential: {mount: secret, path: stockade/demo-api, field: token}
+inject: {style: bearer}
+"""
+
+
+def instance_config(root: Path, inet: Any, **extra: Any) -> dict[str, Any]:
+    """run_dir, base_port, state/log dirs and the launcher's host-wide names; the fake
+    internet's CA as the one upstream CA (gateway inspection and broker)."""
+    rules = root / "rules"
+    (rules / "profiles").mkdir(parents=True, exist_ok=True)
+    (rules / "apis").mkdir(parents=True, exist_ok=True)
+    (rules / "profiles" / "e2e.yaml").write_text(PROFILE)
+    (rules / "apis" / "demo-api.yaml").write_text(API)
+    sfx = secrets.token_hex(3)
+    data: dict[str, Any] = {
+        "rules_dir": str(rules),
+        "run_dir": str(root / "run"),
+        "state_dir": str(root / "state"),
+        "log_dir": str(root / "log"),
+        "base_port": free_port_block(PORT_SPAN),
+        "upstream_ca_file": str(inet.ca_pem),
+        "gateway": {"resolvers": [inet.dns_server], "allow_addresses": [inet.subnet]},
+        "launcher": {
+            "nft_table": f"stockade_i{sfx}",
+            "name_prefix": f"i{sfx[:3]}",
+            "cgroup_parent": f"stockade_i{sfx}",
+            "scratch_dir": str(root / "sbx"),
+            "address_pool": f"10.215.{secrets.randbelow(250)}.0/24",
+            "nflog_group": 7300 + secrets.randbelow(99),
+        },
+    }
+    for key, value in extra.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    return data
+
+
+def write_config(root: Path, data: dict[str, Any]) -> Path:
+    path = root / "stockade.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def run_argv(cfg: Path, *cmd: str, extra: tuple[str, ...] = ()) -> list[str]:
+    return [sys.executable, "-m", "stockade", "run", "--config", str(cfg), "--profile", "e2e",
+            "--json", *extra, "--", *cmd]
+
+
+def stockade_procs(marker: str) -> dict[int, str]:
+    """Processes (services, keeper) whose command line names this instance's files:
+    {pid: command line} (-ww: never cut at a COLUMNS width)."""
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True,
+                         check=False).stdout
+    procs = (line.strip().partition(" ") for line in out.splitlines())
+    return {int(pid): args for pid, _, args in procs if marker in args and "stockade" in args}
