@@ -154,6 +154,11 @@ class RunResult:
     exports: list[ExportedFile]
     ended_by: EndedBy
     timings: dict[str, float] = field(default_factory=dict)  # setup_s, run_s, teardown_s
+    # the output cap (max_output_bytes) cut the stream; *_bytes: what the command wrote
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -207,12 +212,14 @@ class _Capture(threading.Thread):
         self.cap = cap
         self.buf = bytearray()
         self.truncated = False
+        self.total = 0  # every byte the command wrote, kept or not
 
     def run(self) -> None:
         while True:
             chunk = self.stream.read1(65536) if hasattr(self.stream, "read1") else b""
             if not chunk:
                 break
+            self.total += len(chunk)
             room = self.cap - len(self.buf)
             if room > 0:
                 self.buf += chunk[:room]
@@ -472,6 +479,7 @@ class Launcher:
             exports=exported, ended_by=ended_by,
             timings={"setup_s": t_setup - t0, "run_s": t_run - t_setup,
                      "teardown_s": t_end - t_run},
+            **_capture_fields(out_cap, err_cap),
         )
 
     def list(self) -> list[dict[str, Any]]:
@@ -1194,6 +1202,13 @@ def _read_events_from(path: Path, offset: int) -> list[dict[str, Any]]:
             if isinstance(ev, dict):
                 out.append(ev)
     return out
+
+
+def _capture_fields(out: _Capture | None, err: _Capture | None) -> dict[str, Any]:
+    """RunResult's truncation fields of the two streams' captures."""
+    return {"stdout_truncated": bool(out and out.truncated),
+            "stderr_truncated": bool(err and err.truncated),
+            "stdout_bytes": out.total if out else 0, "stderr_bytes": err.total if err else 0}
 
 
 def _feed(stream: IO[bytes], data: bytes) -> None:

@@ -53,6 +53,7 @@ MAX_BODY = 1 * 2**20  # a request is a command line and a few paths, never data
 MAX_ARGV = 4096
 MAX_STDIN = 256 * 1024  # stdin travels inside the JSON body
 RESULTS_KEPT = 256  # finished results kept for GET .../result (oldest dropped first)
+TRUNCATION_FIELDS = ("stdout_truncated", "stderr_truncated", "stdout_bytes", "stderr_bytes")
 RUN_FIELDS = frozenset({"profile", "argv", "inputs", "ttl", "env", "export_dir", "stdin",
                         "wait"})
 
@@ -182,6 +183,7 @@ def result_from_json(d: dict[str, Any]) -> RunResult:
         duration_s=d["duration_s"], denials=d["denials"],
         exports=[ExportedFile(e["name"], e["size"], e["type"]) for e in d["exports"]],
         ended_by=d["ended_by"], timings=d.get("timings", {}),
+        **{k: d[k] for k in TRUNCATION_FIELDS if k in d},
     )
 
 

@@ -137,9 +137,39 @@ def test_scrub_replaces_everything_host_specific() -> None:
 @given(st.text(min_size=6, max_size=30), st.text(max_size=40), st.text(max_size=40))
 def test_scrubbed_output_never_contains_an_env_value(value: str, a: str, b: str) -> None:
     # a value that is part of its own placeholder could be rebuilt by it; skip those
-    assume("<" not in value and value not in "<env:SECRET>")
+    assume("<" not in value and value not in "<env:SECRET>" and not scrub.is_public_path(value))
     s = scrub.build(host_env={"SECRET": value})
     assert value not in s(a + value + b)
+
+
+def test_scrub_keeps_public_system_paths() -> None:
+    """`/etc/ssl/certs` (SSL_CERT_DIR) and `/usr/lib` are the same on every host: they stay,
+    while host-specific paths under public directories are still replaced."""
+    scratch = "/tmp/stockade-abc/sbx"
+    s = scrub.build(
+        host_paths=[scratch, "/var/lib/stockade", "/", "/tmp", "/root", "/usr/local/share"],
+        host_env={"SSL_CERT_DIR": "/etc/ssl/certs", "LD_LIBRARY_PATH": "/usr/lib:/lib64",
+                  "XDG_DATA_DIRS": "/usr/local/share:/usr/share", "TMPDIR": "/tmp",
+                  "STATE": "/var/lib/stockade/x", "WORK": "/tmp/job-7781"},
+    )
+    text = ("certs in /etc/ssl/certs, libs in /usr/lib and /lib64, data /usr/share, tmp /tmp, "
+            f"home /root; scratch {scratch}/t1; state /var/lib/stockade/x; work /tmp/job-7781")
+    out = s(text)
+    assert out == ("certs in /etc/ssl/certs, libs in /usr/lib and /lib64, data /usr/share, "
+                   "tmp /tmp, home /root; scratch <host-path>/t1; state <env:STATE>; "
+                   "work <env:WORK>")
+
+
+@pytest.mark.parametrize("value", ["/etc/ssl/certs", "/usr/lib", "/", "/tmp", "//usr//lib/",
+                                   "/usr/local/share:/usr/share", "/proc/self"])
+def test_public_paths(value: str) -> None:
+    assert scrub.is_public_path(value)
+
+
+@pytest.mark.parametrize("value", ["/tmp/x", "/var/lib/stockade", "/home/alice", "usr/lib",
+                                   "/etc/ssl:/srv/data", "", ":", "/etcetera", "s3cr3t"])
+def test_host_specific_paths(value: str) -> None:
+    assert not scrub.is_public_path(value)
 
 
 # -- init script ----------------------------------------------------------------------
