@@ -30,6 +30,7 @@ from .decide import NeedResolve, Outcome, before_upstream, conclude, outcome_eve
 from .guards import GuardState
 from .packet import MAX_TCP_SIZE, Malformed, Query, Reply, build_response, parse_query
 from .settings import DnsSettings
+from .shares import Shares
 
 log = logging.getLogger("stockade.dns")
 
@@ -97,7 +98,8 @@ class DnsFirewall:
         )
         self._udp: list[_UdpListener] = []
         self._tcp: list[asyncio.Server] = []
-        self._tcp_count = 0
+        self._tcp_shares = Shares(settings.max_tcp_connections,
+                                  settings.max_tcp_connections_per_task)
         self._pending: set[asyncio.Task[None]] = set()
         self._throttled: dict[tuple[str, str], tuple[float, int]] = {}
         registry.on_removed(lambda task: self.guards.forget(task.task_id))
@@ -269,10 +271,11 @@ class DnsFirewall:
     async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         source = (str(peer[0]), int(peer[1])) if peer else ("", 0)
-        if self._tcp_count >= self.settings.max_tcp_connections:
+        refused = self._tcp_shares.acquire(source[0])
+        if refused is not None:
+            self.metrics.count("denied", f"tcp_connection_limit_{refused}", "tcp")
             writer.close()
             return
-        self._tcp_count += 1
         try:
             while True:
                 try:
@@ -297,7 +300,7 @@ class DnsFirewall:
         except Exception:
             log.exception("dns: tcp connection failed")
         finally:
-            self._tcp_count -= 1
+            self._tcp_shares.release(source[0])
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
