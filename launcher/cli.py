@@ -109,7 +109,7 @@ def _run(args: argparse.Namespace) -> int:
                 result = launcher.run(spec, ruleset)
             finally:
                 launcher.close()
-    except (LauncherError, StackError) as e:
+    except (LauncherError, StackError, OSError) as e:  # OSError: a full or read-only disk
         print(f"stockade run: {e}", file=sys.stderr)
         return 2
     if args.json:

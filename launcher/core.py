@@ -34,7 +34,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal, Protocol
 
 from stockade.events import EventWriter, make_event
 from stockade.procs import pid_alive
-from stockade.tasks import ControlClient, Task
+from stockade.tasks import ControlClient, ControlError, StateWriteError, Task
 
 from . import cgroups, exports, initscript, microvm, mounts, netns, nft, scrub, trust, vmimage
 from .addresses import free_slot, slot_addresses
@@ -649,29 +649,34 @@ class Launcher:
         limits = profile.limits
         ttl = min(spec.ttl, limits.ttl) if spec.ttl else limits.ttl
         now = time.time()
-        with self.state.locked() as records:
-            while True:
-                task_id = secrets.token_hex(5)
-                if task_id not in records:
-                    break
-            slot = free_slot(self.s.address_pool, (r.slot for r in records.values()))
-            a = slot_addresses(self.s.address_pool, slot)
-            cg = cgroups.CgroupSet(
-                self.s.cgroup_root, self.s.cgroup_parent, task_id, self.s.cgroup_cpu_weight
-            )
-            rec = SandboxRecord(
-                task_id=task_id, profile=profile.name, slot=slot, ifname=self._ifname(task_id),
-                netns=self._netns(task_id), host_ip=a.host_ip, guest_ip=a.guest_ip,
-                guest_mac=a.guest_mac, owner_pid=os.getpid(),
-                scratch=str(self.scratch_base / task_id), cgroups=cg.paths,
-                started_at=now, expires_at=now + ttl, isolation=isolation["isolation"],
-            )
-            # known as live before the record is visible: a concurrent kill() finds it
-            live = _Live(rec, cg)
-            self._live[task_id] = live
-            records[task_id] = rec
-            if not nft.table_exists(self.s.nft_table):  # another launcher's close() removed it
-                nft.apply_table(self.params)
+        try:
+            with self.state.locked() as records:
+                while True:
+                    task_id = secrets.token_hex(5)
+                    if task_id not in records:
+                        break
+                slot = free_slot(self.s.address_pool, (r.slot for r in records.values()))
+                a = slot_addresses(self.s.address_pool, slot)
+                cg = cgroups.CgroupSet(
+                    self.s.cgroup_root, self.s.cgroup_parent, task_id, self.s.cgroup_cpu_weight
+                )
+                rec = SandboxRecord(
+                    task_id=task_id, profile=profile.name, slot=slot,
+                    ifname=self._ifname(task_id), netns=self._netns(task_id),
+                    host_ip=a.host_ip, guest_ip=a.guest_ip,
+                    guest_mac=a.guest_mac, owner_pid=os.getpid(),
+                    scratch=str(self.scratch_base / task_id), cgroups=cg.paths,
+                    started_at=now, expires_at=now + ttl, isolation=isolation["isolation"],
+                )
+                # known as live before the record is visible: a concurrent kill() finds it
+                live = _Live(rec, cg)
+                self._live[task_id] = live
+                records[task_id] = rec
+                if not nft.table_exists(self.s.nft_table):  # another launcher's close()
+                    nft.apply_table(self.params)  # removed it
+        except StateWriteError as e:  # a full state disk: nothing of the sandbox exists yet
+            self._live.pop(task_id, None)
+            raise LauncherError(f"cannot write the launcher state {e.path}: {e}") from None
         vm = self.s.microvm
         try:
             if backend == "microvm":
@@ -716,6 +721,9 @@ class Launcher:
                 for path in self._control_sockets():
                     try:
                         ControlClient(path).register(task)
+                    except ControlError as e:  # the service's own words (507 state_write_...)
+                        raise LauncherError(f"cannot register task with {path}: "
+                                            f"{e.describe()}") from None
                     except Exception as e:  # fail closed: never run unregistered
                         raise LauncherError(f"cannot register task with {path}: "
                                             f"{type(e).__name__}") from None
@@ -729,8 +737,10 @@ class Launcher:
                     records[task_id].pid = live.proc.pid  # type: ignore[union-attr]
                     records[task_id].ifindex = rec.ifindex
                     records[task_id].state = "running"
-        except BaseException:
+        except BaseException as e:
             self._teardown(task_id)
+            if isinstance(e, StateWriteError):
+                raise LauncherError(f"cannot write the launcher state {e.path}: {e}") from None
             raise
         self._emit(make_event(
             component="launcher", action="sandbox_lifecycle", task_id=task_id,
@@ -1022,8 +1032,14 @@ class Launcher:
             netns.destroy(self._netns(task_id), self._ifname(task_id))
         cg.remove()
         self._remove_scratch(self.scratch_base / task_id)
-        with self.state.locked() as records:
-            records.pop(task_id, None)
+        try:
+            with self.state.locked() as records:
+                records.pop(task_id, None)
+        except StateWriteError as e:
+            # every piece is gone; the record (owner pid gone with this process) goes at
+            # the next reconcile that can write
+            logging.getLogger("stockade.launcher").error(
+                "sandbox %s torn down, but its record stays: %s", task_id, e)
         self._live.pop(task_id, None)
 
     def _delete_elements_by_name(self, ifname: str) -> None:
