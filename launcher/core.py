@@ -33,11 +33,12 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal, Protocol
 
 from stockade.events import EventWriter, make_event
-from stockade.procs import pid_alive
+from stockade.procs import start_time
 from stockade.tasks import ControlClient, ControlError, StateWriteError, Task
 
 from . import cgroups, exports, initscript, microvm, mounts, netns, nft, scrub, trust, vmimage
 from .addresses import free_slot, slot_addresses
+from .ending import end_due, end_event
 from .nflog import LogRecord, NflogSocket
 from .state import SandboxRecord, StateFile
 
@@ -46,7 +47,8 @@ if TYPE_CHECKING:  # stockade.config imports launcher.settings: no runtime cycle
 
     from .settings import LauncherSettings
 
-EndedBy = Literal["exit", "ttl", "killed", "limit"]
+# orphaned: its `stockade run` died; a reconcile removed it (end events only)
+EndedBy = Literal["exit", "ttl", "killed", "limit", "orphaned"]
 TASK_ID_RE = re.compile(r"^[0-9a-f]{10}$")
 HOST_ETC = "/etc"
 SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -453,16 +455,12 @@ class Launcher:
         finally:
             t_run = time.monotonic()
             self._wait_nflog_drain()
-            self._teardown(rec.task_id)
+            ours = self._teardown(rec.task_id)
             t_end = time.monotonic()
         duration = t_end - t0
-        self._emit(make_event(
-            component="launcher", action="sandbox_lifecycle", task_id=rec.task_id,
-            profile=rec.profile, policy_version=policy_version, source_ip=rec.guest_ip,
-            reason=_lifecycle_reason(ended_by), message=f"sandbox ended ({ended_by})",
-            extra={"lifecycle": "end", "ended_by": ended_by, "exit_code": exit_code,
-                   "duration_s": round(duration, 6)},
-        ))
+        if end_due(ours):  # else a kill or reconcile elsewhere removed it, with its event
+            self._emit(end_event(rec, ended_by, exit_code=exit_code, duration_s=duration,
+                                 policy_version=policy_version))
         if vm_failed is not None:  # torn down above, like any sandbox that fails to start
             # QEMU's and the console's words go to the orchestrator without host paths (the
             # raw line is in the launcher's log, see _vm_outcome)
@@ -514,13 +512,16 @@ class Launcher:
         with contextlib.suppress(OSError):
             self._kill_marker(rec).touch()
         cgroups.CgroupSet(self.s.cgroup_root, self.s.cgroup_parent, task_id).kill_all()
-        if pid_alive(rec.owner_pid) and rec.owner_pid != os.getpid():
+        if rec.owner_alive() and rec.owner_pid != os.getpid():
             # the owner notices its command died and tears down; wait for that
             for _ in range(200):
                 if task_id not in self.state.read():
                     return True
                 time.sleep(0.01)
-        self._teardown(task_id)
+        gone = self._teardown(task_id)
+        if end_due(gone):  # the owner is gone (or slow): this kill writes the end event
+            assert gone is not None
+            self._emit(end_event(gone, "killed"))
         return True
 
     def suspend(self, task_id: str) -> bool:
@@ -535,9 +536,12 @@ class Launcher:
                                          "elements": [], "cgroups": [], "scratch": []}
         records = self.state.read()
         for tid, rec in records.items():
-            if tid in self._live or (pid_alive(rec.owner_pid) and rec.owner_pid != os.getpid()):
+            if tid in self._live or (rec.owner_alive() and rec.owner_pid != os.getpid()):
                 continue
-            self._teardown(tid)
+            gone = self._teardown(tid)
+            if end_due(gone):  # its run is gone: nobody else will say it ended
+                assert gone is not None
+                self._emit(end_event(gone, "orphaned"))
             removed["sandboxes"].append(tid)
         # under the state lock: a sandbox another launcher is creating has its record
         # written before any of its pieces exist, so nothing of a live sandbox is removed
@@ -665,6 +669,7 @@ class Launcher:
                     ifname=self._ifname(task_id), netns=self._netns(task_id),
                     host_ip=a.host_ip, guest_ip=a.guest_ip,
                     guest_mac=a.guest_mac, owner_pid=os.getpid(),
+                    owner_start=start_time(os.getpid()) or 0,
                     scratch=str(self.scratch_base / task_id), cgroups=cg.paths,
                     started_at=now, expires_at=now + ttl, isolation=isolation["isolation"],
                 )
@@ -1004,8 +1009,10 @@ class Launcher:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
 
-    def _teardown(self, task_id: str) -> None:
-        """Idempotent: each step tolerates its piece being gone already."""
+    def _teardown(self, task_id: str) -> SandboxRecord | None:
+        """Idempotent: each step tolerates its piece being gone already. Returns the
+        record if this call removed it from the state file (then its end event is this
+        caller's to write: launcher/ending.py), else None."""
         rec = self.state.read().get(task_id)
         live = self._live.get(task_id)
         if rec is None and live is not None:
@@ -1032,15 +1039,18 @@ class Launcher:
             netns.destroy(self._netns(task_id), self._ifname(task_id))
         cg.remove()
         self._remove_scratch(self.scratch_base / task_id)
+        removed: SandboxRecord | None = None
         try:
             with self.state.locked() as records:
-                records.pop(task_id, None)
+                removed = records.pop(task_id, None)
         except StateWriteError as e:
             # every piece is gone; the record (owner pid gone with this process) goes at
-            # the next reconcile that can write
+            # the next reconcile that can write, which then writes the end event
+            removed = None
             logging.getLogger("stockade.launcher").error(
                 "sandbox %s torn down, but its record stays: %s", task_id, e)
         self._live.pop(task_id, None)
+        return removed
 
     def _delete_elements_by_name(self, ifname: str) -> None:
         """Remove every element of an interface whose record is lost (reconcile)."""
@@ -1273,10 +1283,6 @@ def _scrub_vm_error(text: str, scrubber: scrub.Scrubber, image_dir: str) -> str:
     text = _ABS_PATH.sub("<host-path>", text)
     extra = scrub.build(host_paths=[os.path.realpath(image_dir), image_dir])
     return scrub.scrub(scrub.scrub(text, scrubber), extra)
-
-
-def _lifecycle_reason(ended_by: str) -> str | None:
-    return {"ttl": "ttl_expired", "limit": "resource_limit"}.get(ended_by)
 
 
 Hook = Callable[[str], None]

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stockade.procs import same_process
 from stockade.tasks.registry import StateWriteError, write_atomically
 
 
@@ -29,6 +30,7 @@ class SandboxRecord:
     guest_mac: str
     ifindex: int = 0
     owner_pid: int = 0  # the launcher process that runs it
+    owner_start: int = 0  # that process's start time (procs.start_time): pid reuse safe
     pid: int = 0  # the sandbox's outermost process on the host
     scratch: str = ""
     cgroups: list[str] = field(default_factory=list)
@@ -40,6 +42,10 @@ class SandboxRecord:
     @staticmethod
     def from_dict(d: dict[str, Any]) -> SandboxRecord:
         return SandboxRecord(**d)
+
+    def owner_alive(self) -> bool:
+        """The launcher process that runs it is still there (not a later one with its pid)."""
+        return same_process(self.owner_pid, self.owner_start)
 
 
 class StateFile:
