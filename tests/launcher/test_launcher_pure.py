@@ -15,7 +15,11 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from stockade.launcher import exports, initscript, scrub
 from stockade.launcher.addresses import free_slot, pool_size, slot_addresses
+from stockade.launcher.ending import end_due, end_event
 from stockade.launcher.state import SandboxRecord, StateFile
+
+from stockade.events import validate
+from stockade.procs import same_process, start_time
 
 # -- addresses ------------------------------------------------------------------------
 
@@ -406,3 +410,35 @@ def test_the_scratch_root_is_made_private_even_when_it_exists(tmp_path: Path) ->
     lax.chmod(0o755)
     mounts.private_dir(lax)
     assert lax.stat().st_mode & 0o777 == 0o700
+
+
+# -- end events and owners ------------------------------------------------------------------
+def _record(state: str = "running") -> SandboxRecord:
+    return SandboxRecord(task_id="0123456789", profile="p", slot=1, ifname="stk0123456789",
+                         netns="stk-0123456789", host_ip="10.213.0.1", guest_ip="10.213.0.2",
+                         guest_mac="02:00:00:00:00:02", started_at=1000.0, state=state)
+
+
+def test_end_event_is_owed_only_for_a_started_sandbox() -> None:
+    assert end_due(_record("running")) and end_due(_record("frozen"))
+    assert not end_due(_record("starting")) and not end_due(None)
+
+
+def test_end_event_of_an_orphan() -> None:
+    ev = end_event(_record(), "orphaned", now=1012.5)
+    validate(ev)
+    assert ev["stockade"]["lifecycle"] == "end" and ev["stockade"]["ended_by"] == "orphaned"
+    assert ev["stockade"]["duration_s"] == 12.5 and "exit_code" not in ev["stockade"]
+    assert ev["labels"]["task_id"] == "0123456789"
+    ev = end_event(_record(), "ttl", exit_code=137, duration_s=3.0, now=2000.0)
+    assert (ev["event"]["reason"], ev["stockade"]["exit_code"]) == ("ttl_expired", 137)
+
+
+def test_owner_is_one_process_not_one_pid() -> None:
+    me = start_time(os.getpid())
+    assert me is not None and same_process(os.getpid(), me)
+    assert not same_process(os.getpid(), me + 1)  # another process that had this pid
+    assert same_process(os.getpid(), 0)  # records from before owner_start: pid only
+    rec = dataclasses.replace(_record(), owner_pid=os.getpid(), owner_start=me + 1)
+    assert not rec.owner_alive()
+    assert start_time(2**22 + 1) is None and not same_process(2**22 + 1, 0)
