@@ -520,7 +520,6 @@ class Launcher:
                 time.sleep(0.01)
         gone = self._teardown(task_id)
         if end_due(gone):  # the owner is gone (or slow): this kill writes the end event
-            assert gone is not None
             self._emit(end_event(gone, "killed"))
         return True
 
@@ -540,7 +539,6 @@ class Launcher:
                 continue
             gone = self._teardown(tid)
             if end_due(gone):  # its run is gone: nobody else will say it ended
-                assert gone is not None
                 self._emit(end_event(gone, "orphaned"))
             removed["sandboxes"].append(tid)
         # under the state lock: a sandbox another launcher is creating has its record
@@ -677,8 +675,9 @@ class Launcher:
                 live = _Live(rec, cg)
                 self._live[task_id] = live
                 records[task_id] = rec
-                if not nft.table_exists(self.s.nft_table):  # another launcher's close()
-                    nft.apply_table(self.params)  # removed it
+                # another launcher's close() may have removed the table
+                if not nft.table_exists(self.s.nft_table):
+                    nft.apply_table(self.params)
         except StateWriteError as e:  # a full state disk: nothing of the sandbox exists yet
             self._live.pop(task_id, None)
             raise LauncherError(f"cannot write the launcher state {e.path}: {e}") from None

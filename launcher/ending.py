@@ -11,14 +11,14 @@ orphan give one event, not two and not none.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, TypeGuard
 
 from stockade.events import make_event
 
 from .state import SandboxRecord
 
 
-def end_due(rec: SandboxRecord | None) -> bool:
+def end_due(rec: SandboxRecord | None) -> TypeGuard[SandboxRecord]:
     """The teardown that removed `rec` owes its end event (a sandbox that never reached
     `running` had no start event either)."""
     return rec is not None and rec.state != "starting"
