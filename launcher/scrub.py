@@ -35,9 +35,10 @@ def is_public_path(value: str) -> bool:
 
 
 def _public_one(path: str) -> bool:
-    if not path.startswith("/"):
-        return False
-    norm = "/" + "/".join(p for p in path.split("/") if p)  # `//usr/` -> `/usr`
+    parts = [p for p in path.split("/") if p]
+    if not path.startswith("/") or any(p in (".", "..") for p in parts):
+        return False  # `/usr/../home/alice` is not under /usr
+    norm = "/" + "/".join(parts)  # `//usr/` -> `/usr`
     if norm in PUBLIC_DIRS:
         return True
     return any(norm == t or norm.startswith(t + "/") for t in PUBLIC_TREES)

@@ -171,6 +171,7 @@ def test_public_paths(value: str) -> None:
 
 
 @pytest.mark.parametrize("value", ["/tmp/x", "/var/lib/stockade", "/home/alice", "usr/lib",
+                                   "/usr/../home/alice", "/etc/./../srv",
                                    "/etc/ssl:/srv/data", "", ":", "/etcetera", "s3cr3t"])
 def test_host_specific_paths(value: str) -> None:
     assert not scrub.is_public_path(value)
@@ -442,3 +443,14 @@ def test_owner_is_one_process_not_one_pid() -> None:
     rec = dataclasses.replace(_record(), owner_pid=os.getpid(), owner_start=me + 1)
     assert not rec.owner_alive()
     assert start_time(2**22 + 1) is None and not same_process(2**22 + 1, 0)
+
+
+@given(st.text(max_size=60), st.sampled_from(scrub.PUBLIC_TREES),
+       st.lists(st.from_regex(r"[a-z0-9._-]{1,8}", fullmatch=True).filter(
+           lambda p: p not in (".", "..")), max_size=4))
+def test_public_paths_survive_scrubbing(noise: str, tree: str, parts: list[str]) -> None:
+    scrub.is_public_path(noise)  # never raises on any text
+    path = "/".join([tree, *parts])
+    assert scrub.is_public_path(path)
+    s = scrub.build(host_paths=[path], host_env={"SOME_DIR": path})
+    assert s(f"see {path} here") == f"see {path} here"
