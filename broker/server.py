@@ -32,6 +32,15 @@ from stockade.policy.reasons import Reason
 from stockade.events import EventWriter, make_event
 from stockade.tasks import Task, TaskRegistry
 
+from .body import (
+    BodyBudget,
+    BodyLimit,
+    Reservation,
+    body_unread,
+    call_doc_limit,
+    defer_continue,
+    read_within,
+)
 from .decode import BodyDecoder, DecodeLimit, EncodingRefused
 from .hosts import PinnedResolver
 from .httpserver import BODY_TIMEOUT_MESSAGE, GuardedRunner, HeadLimits
@@ -170,6 +179,7 @@ class Broker:
         self._address_policy = address_policy
         self.limiter = Limiter()
         self.inflight = InFlight(settings.max_concurrent_calls_per_task)
+        self.bodies = BodyBudget(settings.max_body_bytes_in_flight_per_task)
         self._credentials: OrderedDict[tuple[Any, ...], Credential] = OrderedDict()
         self._session: aiohttp.ClientSession | None = None
         self._routes: dict[str, ApiRoute] = {}
@@ -328,8 +338,7 @@ class Broker:
             # what aiohttp's router did: let a client waiting to send its body go on
             if expect.lower() != "100-continue":
                 return self._refuse_expect(request)
-            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            request.writer.output_size = 0  # the answer itself has not started
+            defer_continue(request)  # sent once the body's limits are checked
         if request.method == "POST" and request.path == "/v1/call":
             return await self.handle_call(request)
         return await self.handle_passthrough(request)
@@ -345,14 +354,15 @@ class Broker:
         """`POST /v1/call` {api, method, path, query, headers, body | json}."""
         cl = CallLog(self.clock(), request.remote or "")
         slot: str | None = None
+        res: Reservation | None = None
         try:
             task, profile = self._identify(cl)
             slot = self._take_slot(task)
+            res = Reservation(self.bodies, task.task_id)
+            limit = call_doc_limit(profile.broker.values(), self.settings.max_request_bytes)
+            raw = await self._read_body(request, limit, res)
             try:
-                async with asyncio.timeout(self.settings.request_body_timeout_s):
-                    doc = await request.json()
-            except TimeoutError:
-                raise Denied(408, Reason.REQUEST_TIMEOUT, BODY_TIMEOUT_MESSAGE) from None
+                doc = json.loads(raw)
             except (ValueError, RecursionError):  # JSON/UTF-8 errors, absurd nesting
                 raise Denied(400, Reason.BAD_REQUEST, "body must be a JSON object") from None
             call = self._parse_call_doc(doc, profile)
@@ -362,37 +372,33 @@ class Broker:
             return web.json_response(result, status=200)
         except Denied as d:
             return await self._deny_request(request, cl, d)
-        except web.HTTPRequestEntityTooLarge:
-            return self._deny(cl, Denied(413, Reason.BODY_TOO_LARGE, "request body too large"))
         except Exception as e:
             return self._internal(cl, e)
         finally:
             if slot is not None:
                 self.inflight.release(slot)
+            if res is not None:
+                res.release()
             self._audit_soon(cl)
 
     async def handle_passthrough(self, request: BaseRequest) -> web.StreamResponse:
         """`/{api}/{path...}`: an unmodified SDK with its base URL pointed at the broker."""
         cl = CallLog(self.clock(), request.remote or "")
         slot: str | None = None
+        res: Reservation | None = None
         try:
             task, profile = self._identify(cl)
             slot = self._take_slot(task)
             call = self._parse_passthrough(request)
             cl.api, cl.method, cl.path = call.api, call.method, call.match_path
             api, grant = self._authorize(cl, profile, call)
-            if request.content_length is not None and request.content_length > grant.max_body_bytes:
-                raise Denied(413, Reason.BODY_TOO_LARGE, "request body too large")
-            body = b""
+            raw = b""
             if request.can_read_body:  # no deadline (timer) to arm for a bodiless GET
-                try:
-                    async with asyncio.timeout(self.settings.request_body_timeout_s):
-                        body = await self._read_body(request, grant.max_body_bytes)
-                except TimeoutError:
-                    raise Denied(408, Reason.REQUEST_TIMEOUT, BODY_TIMEOUT_MESSAGE) from None
-            if body:
+                res = Reservation(self.bodies, task.task_id)
+                raw = await self._read_body(request, grant.max_body_bytes, res)
+            if raw:
                 call = CallRequest(call.api, call.method, call.path, call.match_path,
-                                   call.query, call.headers, body)
+                                   call.query, call.headers, raw)
             await self._forward(cl, task, api, grant, call, request)
             assert cl.response is not None  # _forward streamed the answer into it
             return cl.response
@@ -413,6 +419,8 @@ class Broker:
         finally:
             if slot is not None:
                 self.inflight.release(slot)
+            if res is not None:
+                res.release()
             self._audit_soon(cl)
 
     async def _deny_request(self, request: BaseRequest, cl: CallLog, d: Denied) -> web.Response:
@@ -420,24 +428,26 @@ class Broker:
         the answer: the rest of that body is not worth aiohttp's lingering read (it would
         keep reading a trickling client for `lingering_time` more)."""
         resp = self._deny(cl, d)
-        if d.reason == Reason.REQUEST_TIMEOUT:
-            cl.extra["phase"] = "body"
+        timed_out = d.reason == Reason.REQUEST_TIMEOUT
+        # a refused body still on its way (or never sent: no 100 Continue) is not drained
+        if timed_out or body_unread(request):
+            if timed_out:
+                cl.extra["phase"] = "body"
             with contextlib.suppress(ConnectionError):
                 await resp.prepare(request)
                 await resp.write_eof()
             request.protocol.force_close()
         return resp
 
-    @staticmethod
-    async def _read_body(request: BaseRequest, limit: int) -> bytes:
-        buf = bytearray()
-        while True:
-            chunk = await request.content.read(min(CHUNK, limit + 1 - len(buf)))
-            if not chunk:
-                return bytes(buf)
-            buf += chunk
-            if len(buf) > limit:
-                raise Denied(413, Reason.BODY_TOO_LARGE, "request body too large")
+    async def _read_body(self, request: BaseRequest, limit: int, res: Reservation) -> bytes:
+        """The body within `limit` and the task's body budget (broker/body.py)."""
+        try:
+            return await read_within(request, limit, res,
+                                          self.settings.request_body_timeout_s)
+        except TimeoutError:
+            raise Denied(408, Reason.REQUEST_TIMEOUT, BODY_TIMEOUT_MESSAGE) from None
+        except BodyLimit as e:
+            raise Denied(e.status, e.reason, e.message, e.retry_after) from None
 
     # -- steps ---------------------------------------------------------------------------
     def _take_slot(self, task: Task) -> str:

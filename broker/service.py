@@ -18,6 +18,7 @@ from aiohttp import web
 from stockade.config import Config
 from stockade.events import EventWriter
 from stockade.listen import parse_listen
+from stockade.loops import every
 from stockade.tasks import TaskRegistry, make_control_app, start_control_server
 from stockade.tcp import set_congestion_control
 
@@ -127,9 +128,8 @@ class BrokerService:
 
     async def _expire_loop(self) -> None:
         assert self.registry is not None
-        while True:
-            await asyncio.sleep(0.5)
-            self.registry.expire()
+        # an expiry that cannot be saved (full state disk) is logged and tried again
+        await every(0.5, self.registry.expire, "broker: task expiry", log)
 
     async def reload(self, trigger: str = "control") -> dict[str, Any]:
         assert self.broker is not None

@@ -36,6 +36,8 @@ class BrokerSettings(BaseModel):
     max_header_field_bytes: int = Field(8190, ge=256)  # longest header name or value; longer: 431
     max_header_count: int = Field(100, ge=8)  # most header lines in one request; more: 431
     max_concurrent_calls_per_task: int = Field(32, ge=1)  # in-flight calls per task; more: 429
+    # request body bytes one task's calls hold in memory at once; more: 429 body_memory_limit
+    max_body_bytes_in_flight_per_task: int = Field(16 * 2**20, ge=64 * 1024)
     # TCP congestion control of the connections sandboxes open (set on the listener, which
     # they inherit): a host-local leg, where a pacing algorithm such as bbr only adds
     # timers. None keeps the system default; upstream API calls always do.

@@ -37,6 +37,7 @@ from stockade.policy.ruleset import RuleSet
 from stockade.eager import start_eagerly
 from stockade.events import make_event
 from stockade.listen import parse_listen
+from stockade.loops import every
 from stockade.tasks import Task, TaskRegistry
 from stockade.tcp import set_congestion_control
 
@@ -285,20 +286,26 @@ class Gateway:
         self.guards.forget(task.task_id)
 
     async def _sweep(self) -> None:
-        """Expire tasks, close idle connections, pick up rule file changes."""
-        last_poll = time.monotonic()
-        while True:
-            await asyncio.sleep(0.25)
-            self.registry.expire()
-            now = time.monotonic()
-            idle = self.settings.idle_timeout_s
-            for conn in list(self.conns):
-                if conn.relaying and now - conn.last_activity > idle:
-                    conn.close(IDLE_TIMEOUT)
-            if now - last_poll >= self.settings.rules_poll_interval_s:
-                last_poll = now
-                if await asyncio.to_thread(self.rules.changed):
-                    self.rules.reload("file_change")
+        """Expire tasks, close idle connections, pick up rule file changes: three loops,
+        so an error in one (a full state disk fails expiry) stops neither of the others
+        nor itself (stockade/loops.py logs it and runs the next round)."""
+        poll = self.settings.rules_poll_interval_s
+        await asyncio.gather(
+            every(0.25, self.registry.expire, "gateway: task expiry", log),
+            every(0.25, self._close_idle, "gateway: idle timeouts", log),
+            every(poll, self._poll_rules, "gateway: rule file polling", log),
+        )
+
+    def _close_idle(self) -> None:
+        now = time.monotonic()
+        idle = self.settings.idle_timeout_s
+        for conn in list(self.conns):
+            if conn.relaying and now - conn.last_activity > idle:
+                conn.close(IDLE_TIMEOUT)
+
+    async def _poll_rules(self) -> None:
+        if await asyncio.to_thread(self.rules.changed):
+            self.rules.reload("file_change")
 
     # -- the pipeline ----------------------------------------------------------------
     async def _handle(self, conn: Conn) -> None:

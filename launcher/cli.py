@@ -120,7 +120,7 @@ def _run(args: argparse.Namespace) -> int:
                 result = launcher.run(spec, ruleset)
             finally:
                 launcher.close()
-    except (LauncherError, StackError) as e:
+    except (LauncherError, StackError, OSError) as e:  # OSError: a full or read-only disk
         print(f"stockade run: {e}", file=sys.stderr)
         return 2
     if args.json:
@@ -128,6 +128,11 @@ def _run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(result.stdout)
         sys.stderr.write(result.stderr)
+        for name in ("stdout", "stderr"):
+            if getattr(result, f"{name}_truncated"):
+                print(f"stockade run: {name} truncated: kept {len(getattr(result, name))} "
+                      f"characters of {getattr(result, f'{name}_bytes')} bytes "
+                      "(launcher.max_output_bytes)", file=sys.stderr)
         if result.ended_by != "exit":
             print(f"stockade run: sandbox {result.task_id} ended by {result.ended_by}",
                   file=sys.stderr)

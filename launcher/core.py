@@ -33,8 +33,8 @@ from typing import IO, TYPE_CHECKING, Any, Literal, Protocol
 
 from stockade.events import EventWriter, make_event
 from stockade.events.taskstore import read_task_events, sweep
-from stockade.procs import pid_alive
-from stockade.tasks import ControlClient, Task
+from stockade.procs import start_time
+from stockade.tasks import ControlClient, ControlError, StateWriteError, Task
 
 from . import (
     cgroups,
@@ -51,6 +51,7 @@ from . import (
 )
 from .accounting import denials_of, end_accounting, unlogged_bypass_summary
 from .addresses import free_slot, slot_addresses
+from .ending import end_due, end_event
 from .nflog import LogRecord, NflogSocket
 from .state import SandboxRecord, StateFile
 
@@ -59,7 +60,8 @@ if TYPE_CHECKING:  # stockade.config imports launcher.settings: no runtime cycle
 
     from .settings import LauncherSettings
 
-EndedBy = Literal["exit", "ttl", "killed", "limit"]
+# orphaned: its `stockade run` died; a reconcile removed it (end events only)
+EndedBy = Literal["exit", "ttl", "killed", "limit", "orphaned"]
 TASK_ID_RE = re.compile(r"^[0-9a-f]{10}$")
 HOST_ETC = "/etc"
 SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -167,6 +169,11 @@ class RunResult:
     exports: list[ExportedFile]
     ended_by: EndedBy
     timings: dict[str, float] = field(default_factory=dict)  # setup_s, run_s, teardown_s
+    # the output cap (max_output_bytes) cut the stream; *_bytes: what the command wrote
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -220,12 +227,14 @@ class _Capture(threading.Thread):
         self.cap = cap
         self.buf = bytearray()
         self.truncated = False
+        self.total = 0  # every byte the command wrote, kept or not
 
     def run(self) -> None:
         while True:
             chunk = self.stream.read1(65536) if hasattr(self.stream, "read1") else b""
             if not chunk:
                 break
+            self.total += len(chunk)
             room = self.cap - len(self.buf)
             if room > 0:
                 self.buf += chunk[:room]
@@ -460,16 +469,15 @@ class Launcher:
         finally:
             t_run = time.monotonic()
             self._wait_nflog_drain()
-            self._teardown(rec.task_id)
+            ours = self._teardown(rec.task_id)
             t_end = time.monotonic()
         duration = t_end - t0
-        self._emit(make_event(
-            component="launcher", action="sandbox_lifecycle", task_id=rec.task_id,
-            profile=rec.profile, policy_version=policy_version, source_ip=rec.guest_ip,
-            reason=_lifecycle_reason(ended_by), message=f"sandbox ended ({ended_by})",
-            extra={"lifecycle": "end", "ended_by": ended_by, "exit_code": exit_code,
-                   "duration_s": round(duration, 6), **self._end_accounting(rec)},
-        ))
+        if end_due(ours):  # else a kill or reconcile elsewhere removed it, with its event
+            self._emit(end_event(rec, ended_by, exit_code=exit_code, duration_s=duration,
+                                 policy_version=policy_version,
+                                 accounting=self._end_accounting(rec)))
+        else:
+            self._forget_accounting(rec.task_id)
         if vm_failed is not None:  # torn down above, like any sandbox that fails to start
             # QEMU's and the console's words go to the orchestrator without host paths (the
             # raw line is in the launcher's log, see _vm_outcome)
@@ -486,6 +494,7 @@ class Launcher:
             exports=exported, ended_by=ended_by,
             timings={"setup_s": t_setup - t0, "run_s": t_run - t_setup,
                      "teardown_s": t_end - t_run},
+            **_capture_fields(out_cap, err_cap),
         )
 
     def list(self) -> list[dict[str, Any]]:
@@ -520,13 +529,15 @@ class Launcher:
         with contextlib.suppress(OSError):
             self._kill_marker(rec).touch()
         cgroups.CgroupSet(self.s.cgroup_root, self.s.cgroup_parent, task_id).kill_all()
-        if pid_alive(rec.owner_pid) and rec.owner_pid != os.getpid():
+        if rec.owner_alive() and rec.owner_pid != os.getpid():
             # the owner notices its command died and tears down; wait for that
             for _ in range(200):
                 if task_id not in self.state.read():
                     return True
                 time.sleep(0.01)
-        self._teardown(task_id)
+        gone = self._teardown(task_id)
+        if end_due(gone):  # the owner is gone (or slow): this kill writes the end event
+            self._emit(end_event(gone, "killed", accounting=self._end_accounting(gone)))
         return True
 
     def suspend(self, task_id: str) -> bool:
@@ -541,9 +552,12 @@ class Launcher:
                                          "elements": [], "cgroups": [], "scratch": []}
         records = self.state.read()
         for tid, rec in records.items():
-            if tid in self._live or (pid_alive(rec.owner_pid) and rec.owner_pid != os.getpid()):
+            if tid in self._live or (rec.owner_alive() and rec.owner_pid != os.getpid()):
                 continue
-            self._teardown(tid)
+            gone = self._teardown(tid)
+            if end_due(gone):  # its run is gone: nobody else will say it ended
+                self._emit(end_event(gone, "orphaned",
+                                     accounting=self._end_accounting(gone)))
             removed["sandboxes"].append(tid)
         # under the state lock: a sandbox another launcher is creating has its record
         # written before any of its pieces exist, so nothing of a live sandbox is removed
@@ -603,6 +617,11 @@ class Launcher:
         stored = read_task_events(self.config.task_events_dir, rec.task_id)
         return end_accounting(stored, max(total, logged), logged)
 
+    def _forget_accounting(self, task_id: str) -> None:
+        """Another process wrote the sandbox's end event: drop what this one counted."""
+        self._bypass.pop(task_id, None)
+        self._logged.pop(task_id, None)
+
     # -- creation ------------------------------------------------------------------------
     def _profile(self, name: str, ruleset: Any) -> Any:
         if ruleset is None:
@@ -638,29 +657,36 @@ class Launcher:
         limits = profile.limits
         ttl = min(spec.ttl, limits.ttl) if spec.ttl else limits.ttl
         now = time.time()
-        with self.state.locked() as records:
-            while True:
-                task_id = secrets.token_hex(5)
-                if task_id not in records:
-                    break
-            slot = free_slot(self.s.address_pool, (r.slot for r in records.values()))
-            a = slot_addresses(self.s.address_pool, slot)
-            cg = cgroups.CgroupSet(
-                self.s.cgroup_root, self.s.cgroup_parent, task_id, self.s.cgroup_cpu_weight
-            )
-            rec = SandboxRecord(
-                task_id=task_id, profile=profile.name, slot=slot, ifname=self._ifname(task_id),
-                netns=self._netns(task_id), host_ip=a.host_ip, guest_ip=a.guest_ip,
-                guest_mac=a.guest_mac, owner_pid=os.getpid(),
-                scratch=str(self.scratch_base / task_id), cgroups=cg.paths,
-                started_at=now, expires_at=now + ttl, isolation=isolation["isolation"],
-            )
-            # known as live before the record is visible: a concurrent kill() finds it
-            live = _Live(rec, cg)
-            self._live[task_id] = live
-            records[task_id] = rec
-            if not nft.table_exists(self.s.nft_table):  # another launcher's close() removed it
-                nft.apply_table(self.params)
+        try:
+            with self.state.locked() as records:
+                while True:
+                    task_id = secrets.token_hex(5)
+                    if task_id not in records:
+                        break
+                slot = free_slot(self.s.address_pool, (r.slot for r in records.values()))
+                a = slot_addresses(self.s.address_pool, slot)
+                cg = cgroups.CgroupSet(
+                    self.s.cgroup_root, self.s.cgroup_parent, task_id, self.s.cgroup_cpu_weight
+                )
+                rec = SandboxRecord(
+                    task_id=task_id, profile=profile.name, slot=slot,
+                    ifname=self._ifname(task_id), netns=self._netns(task_id),
+                    host_ip=a.host_ip, guest_ip=a.guest_ip,
+                    guest_mac=a.guest_mac, owner_pid=os.getpid(),
+                    owner_start=start_time(os.getpid()) or 0,
+                    scratch=str(self.scratch_base / task_id), cgroups=cg.paths,
+                    started_at=now, expires_at=now + ttl, isolation=isolation["isolation"],
+                )
+                # known as live before the record is visible: a concurrent kill() finds it
+                live = _Live(rec, cg)
+                self._live[task_id] = live
+                records[task_id] = rec
+                # another launcher's close() may have removed the table
+                if not nft.table_exists(self.s.nft_table):
+                    nft.apply_table(self.params)
+        except StateWriteError as e:  # a full state disk: nothing of the sandbox exists yet
+            self._live.pop(task_id, None)
+            raise LauncherError(f"cannot write the launcher state {e.path}: {e}") from None
         vm = self.s.microvm
         try:
             if backend == "microvm":
@@ -705,6 +731,9 @@ class Launcher:
                 for path in self._control_sockets():
                     try:
                         ControlClient(path).register(task)
+                    except ControlError as e:  # the service's own words (507 state_write_...)
+                        raise LauncherError(f"cannot register task with {path}: "
+                                            f"{e.describe()}") from None
                     except Exception as e:  # fail closed: never run unregistered
                         raise LauncherError(f"cannot register task with {path}: "
                                             f"{type(e).__name__}") from None
@@ -718,8 +747,10 @@ class Launcher:
                     records[task_id].pid = live.proc.pid  # type: ignore[union-attr]
                     records[task_id].ifindex = rec.ifindex
                     records[task_id].state = "running"
-        except BaseException:
+        except BaseException as e:
             self._teardown(task_id)
+            if isinstance(e, StateWriteError):
+                raise LauncherError(f"cannot write the launcher state {e.path}: {e}") from None
             raise
         self._emit(make_event(
             component="launcher", action="sandbox_lifecycle", task_id=task_id,
@@ -993,8 +1024,10 @@ class Launcher:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
 
-    def _teardown(self, task_id: str) -> None:
-        """Idempotent: each step tolerates its piece being gone already."""
+    def _teardown(self, task_id: str) -> SandboxRecord | None:
+        """Idempotent: each step tolerates its piece being gone already. Returns the
+        record if this call removed it from the state file (then its end event is this
+        caller's to write: launcher/ending.py), else None."""
         rec = self.state.read().get(task_id)
         live = self._live.get(task_id)
         if rec is None and live is not None:
@@ -1024,9 +1057,18 @@ class Launcher:
             netns.destroy(self._netns(task_id), self._ifname(task_id))
         cg.remove()
         self._remove_scratch(self.scratch_base / task_id)
-        with self.state.locked() as records:
-            records.pop(task_id, None)
+        removed: SandboxRecord | None = None
+        try:
+            with self.state.locked() as records:
+                removed = records.pop(task_id, None)
+        except StateWriteError as e:
+            # every piece is gone; the record (owner pid gone with this process) goes at
+            # the next reconcile that can write, which then writes the end event
+            removed = None
+            logging.getLogger("stockade.launcher").error(
+                "sandbox %s torn down, but its record stays: %s", task_id, e)
         self._live.pop(task_id, None)
+        return removed
 
     def _delete_elements_by_name(self, ifname: str) -> None:
         """Remove every element of an interface whose record is lost (reconcile)."""
@@ -1190,6 +1232,13 @@ class Launcher:
         return ev
 
 
+def _capture_fields(out: _Capture | None, err: _Capture | None) -> dict[str, Any]:
+    """RunResult's truncation fields of the two streams' captures."""
+    return {"stdout_truncated": bool(out and out.truncated),
+            "stderr_truncated": bool(err and err.truncated),
+            "stdout_bytes": out.total if out else 0, "stderr_bytes": err.total if err else 0}
+
+
 def _feed(stream: IO[bytes], data: bytes) -> None:
     with contextlib.suppress(OSError):
         stream.write(data)
@@ -1236,10 +1285,6 @@ def _scrub_vm_error(text: str, scrubber: scrub.Scrubber, image_dir: str) -> str:
     text = _ABS_PATH.sub("<host-path>", text)
     extra = scrub.build(host_paths=[os.path.realpath(image_dir), image_dir])
     return scrub.scrub(scrub.scrub(text, scrubber), extra)
-
-
-def _lifecycle_reason(ended_by: str) -> str | None:
-    return {"ttl": "ttl_expired", "limit": "resource_limit"}.get(ended_by)
 
 
 Hook = Callable[[str], None]

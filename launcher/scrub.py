@@ -1,6 +1,10 @@
 """Output scrubbing (pure): host paths, host environment values, the host name and
 infrastructure addresses in a sandbox's stdout/stderr become placeholders before they
 leave the launcher. Longest secret first, so a path inside another is not half-replaced.
+
+Only host-specific values are replaced: a value that is a public, well-known system path
+(`/etc/ssl/certs` in `SSL_CERT_DIR`, `/usr/lib` in a library path, `/tmp`, `/`) is the same
+on every Debian host and inside the sandbox, so replacing it would only garble the output.
 """
 
 from __future__ import annotations
@@ -13,6 +17,31 @@ MIN_ENV_VALUE = 6  # shorter values ("1", "yes", "C") would shred ordinary outpu
 # environment variables whose values are plain words also found in any output
 ENV_SKIP = frozenset({"PATH", "LANG", "LC_ALL", "TERM", "TZ", "SHELL", "SHLVL", "PWD",
                       "OLDPWD", "_", "LOGNAME", "USER", "COLUMNS", "LINES"})
+# trees that hold the same files on every host (and are bound read-only into the sandbox)
+PUBLIC_TREES = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
+                "/proc", "/sys", "/dev")
+# directories whose name is public but whose subdirectories may be host-specific
+PUBLIC_DIRS = frozenset({"/", "/tmp", "/var/tmp", "/var", "/var/lib", "/var/log", "/run",  # noqa: S108 - names, not files we use
+                         "/opt", "/home", "/root", "/srv", "/mnt", "/media"})
+
+
+def is_public_path(value: str) -> bool:
+    """True for a well-known system path, or a `:`-list of them (pure).
+
+    `/etc/ssl/certs` and `/usr/lib` are public; `/tmp` is, `/tmp/stockade-1234` is not.
+    """
+    parts = value.split(":")
+    return all(_public_one(p) for p in parts) and any(parts)
+
+
+def _public_one(path: str) -> bool:
+    parts = [p for p in path.split("/") if p]
+    if not path.startswith("/") or any(p in (".", "..") for p in parts):
+        return False  # `/usr/../home/alice` is not under /usr
+    norm = "/" + "/".join(parts)  # `//usr/` -> `/usr`
+    if norm in PUBLIC_DIRS:
+        return True
+    return any(norm == t or norm.startswith(t + "/") for t in PUBLIC_TREES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,12 +62,12 @@ def build(
 ) -> Scrubber:
     pairs: dict[str, str] = {}
     for name, value in (host_env or {}).items():
-        if name in ENV_SKIP or len(value) < MIN_ENV_VALUE:
+        if name in ENV_SKIP or len(value) < MIN_ENV_VALUE or is_public_path(value):
             continue
         pairs.setdefault(value, f"<env:{name}>")
     for p in host_paths:
         p = p.rstrip("/")
-        if len(p) > 1:
+        if len(p) > 1 and not is_public_path(p):
             pairs[p] = "<host-path>"
     for a in addresses:
         if a and a not in ("0.0.0.0", "::"):  # noqa: S104 - wildcard, not an address

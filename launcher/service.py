@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from stockade.loops import every
 from stockade.tasks.control import ControlError, UnixJsonClient, start_control_server
 
 from .core import (
@@ -52,6 +53,7 @@ MAX_BODY = 1 * 2**20  # a request is a command line and a few paths, never data
 MAX_ARGV = 4096
 MAX_STDIN = 256 * 1024  # stdin travels inside the JSON body
 RESULTS_KEPT = 256  # finished results kept for GET .../result (oldest dropped first)
+TRUNCATION_FIELDS = ("stdout_truncated", "stderr_truncated", "stdout_bytes", "stderr_bytes")
 RUN_FIELDS = frozenset({"profile", "argv", "inputs", "ttl", "env", "export_dir", "stdin",
                         "wait"})
 
@@ -181,6 +183,7 @@ def result_from_json(d: dict[str, Any]) -> RunResult:
         duration_s=d["duration_s"], denials=d["denials"],
         exports=[ExportedFile(e["name"], e["size"], e["type"]) for e in d["exports"]],
         ended_by=d["ended_by"], timings=d.get("timings", {}),
+        **{k: d[k] for k in TRUNCATION_FIELDS if k in d},
     )
 
 
@@ -219,6 +222,7 @@ class LauncherService:
         self.rules = RulesHolder(config.rules_dir, self.events.write, component="launcher")
         self.socket_path = config.launcher.control_socket
         self._runner: web.AppRunner | None = None
+        self._reconciler: asyncio.Task[None] | None = None
         self._closing = False
         # task id -> run (this service's); touched only on the loop thread (run threads
         # hand over through call_soon_threadsafe), so no lock
@@ -236,11 +240,22 @@ class LauncherService:
         self.rules.load_initial()
         await asyncio.to_thread(self.launcher.start)
         self._runner = await start_control_server(self.app(), self.socket_path)
+        # sandboxes of a `stockade run` that died (SIGKILL) are removed, with their end
+        # event, within one period, not only at the next run's start
+        self._reconciler = asyncio.create_task(every(
+            self.config.launcher.reconcile_interval_s,
+            lambda: asyncio.to_thread(self.launcher.reconcile),
+            "launcher: orphan reconcile", log))
 
     async def stop(self) -> None:
         """Refuse new runs, kill this service's sandboxes, wait for their teardown, close
         the socket, then `Launcher.close()` (the last launcher out removes the nft table)."""
         self._closing = True
+        if self._reconciler is not None:
+            self._reconciler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reconciler
+            self._reconciler = None
         await asyncio.to_thread(self._kill_own_and_wait)
         if self._runner is not None:
             await self._runner.cleanup()

@@ -57,6 +57,8 @@ class LauncherSettings(BaseModel):
     nft_table: str = "stockade"  # the one nftables table (family inet) the launcher owns
     nflog_group: int = Field(7413, ge=0, le=65535)  # NFLOG group of the bypass-attempt log records
     default_ttl_s: int = Field(300, ge=1)  # TTL when neither the profile nor --ttl sets one
+    # `launcher serve` removes sandboxes whose `stockade run` died this often (seconds)
+    reconcile_interval_s: float = Field(10.0, gt=0)
     # names of host-side veths and of netns start with this; reconcile removes what carries it
     name_prefix: str = Field("stk", min_length=1, max_length=5, pattern=r"^[a-z][a-z0-9]*$")
     # cgroup parent (v1: /sys/fs/cgroup/<controller>/<parent>/<id>, v2: <root>/<parent>/<id>)

@@ -9,11 +9,13 @@ import contextlib
 import fcntl
 import json
 import os
-import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from stockade.procs import same_process
+from stockade.tasks.registry import StateWriteError, write_atomically
 
 
 @dataclass(slots=True)
@@ -28,6 +30,7 @@ class SandboxRecord:
     guest_mac: str
     ifindex: int = 0
     owner_pid: int = 0  # the launcher process that runs it
+    owner_start: int = 0  # that process's start time (procs.start_time): pid reuse safe
     pid: int = 0  # the sandbox's outermost process on the host
     scratch: str = ""
     cgroups: list[str] = field(default_factory=list)
@@ -40,6 +43,10 @@ class SandboxRecord:
     def from_dict(d: dict[str, Any]) -> SandboxRecord:
         return SandboxRecord(**d)
 
+    def owner_alive(self) -> bool:
+        """The launcher process that runs it is still there (not a later one with its pid)."""
+        return same_process(self.owner_pid, self.owner_start)
+
 
 class StateFile:
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -48,14 +55,18 @@ class StateFile:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[dict[str, SandboxRecord]]:
-        """Read-modify-write under an exclusive lock; changes to the dict are saved."""
+        """Read-modify-write under an exclusive lock; changes to the dict are saved (only
+        changes: a look that changes nothing writes nothing, even on a full disk)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             records = self._read()
+            before = _dump(records)
             yield records
-            self._write(records)
+            after = _dump(records)
+            if after != before:
+                self._write(after)
         finally:
             os.close(fd)  # closing drops the flock
 
@@ -79,13 +90,13 @@ class StateFile:
             out[rec.task_id] = rec
         return out
 
-    def _write(self, records: dict[str, SandboxRecord]) -> None:
-        body = json.dumps({"sandboxes": [asdict(r) for r in records.values()]})
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".launcher.")
+    def _write(self, body: str) -> None:
+        """Raises StateWriteError (the old file intact) on a full or read-only disk."""
         try:
-            with os.fdopen(fd, "w") as fh:
-                fh.write(body)
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+            write_atomically(self.path, body, ".launcher.")
+        except OSError as e:
+            raise StateWriteError(self.path, e) from None
+
+
+def _dump(records: dict[str, SandboxRecord]) -> str:
+    return json.dumps({"sandboxes": [asdict(r) for r in records.values()]})

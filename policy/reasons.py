@@ -58,6 +58,7 @@ class Reason(StrEnum):
     SECRET_ECHO = "secret_echo"  # noqa: S105 - a reason code, not a secret
     REQUEST_TIMEOUT = "request_timeout"
     CONCURRENCY_LIMIT = "concurrency_limit"
+    BODY_MEMORY_LIMIT = "body_memory_limit"
     # launcher
     BYPASS_ATTEMPT = "bypass_attempt"
     EXPORT_REFUSED = "export_refused"

@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+from pathlib import Path
 
 
 def death_guard() -> list[str]:
@@ -43,3 +44,29 @@ def stop_group(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> N
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=timeout)
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks after boot, /proc/<pid>/stat field 22), or
+    None when it is gone: with the pid, it names one process even after pid reuse."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    # the command name (field 2) may hold spaces and parentheses: split after its last ')'
+    fields = stat[stat.rfind(b")") + 2:].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def same_process(pid: int, started: int) -> bool:
+    """True while `pid` is still the process that had start time `started` (0: unknown,
+    then any process with that pid counts)."""
+    if not pid_alive(pid):
+        return False
+    if not started:
+        return True
+    now = start_time(pid)
+    return now is None or now == started  # None: exists but unreadable (EPERM): assume it

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import secrets
+import subprocess
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -60,3 +64,53 @@ def client_ns() -> Iterator[Callable[..., ClientNamespace]]:
     yield make
     for ns in reversed(made):
         ns.stop()
+
+
+class FullDisk:
+    """A small tmpfs that a test fills up (`fill`) and frees again (`free`): a real
+    ENOSPC for whatever keeps its state there."""
+
+    def __init__(self, path: Path, size_kib: int = 512) -> None:
+        self.path = path
+        self.size_kib = size_kib
+
+    def mount(self) -> FullDisk:
+        self.path.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size_kib}k,mode=0700",
+                        "stockade-test-full", str(self.path)], check=True)
+        return self
+
+    def fill(self) -> None:
+        # 64 KiB writes, then single bytes: nothing more fits, not even a small file
+        fd = os.open(self.path / ".filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            for size in (65536, 1):
+                with contextlib.suppress(OSError):
+                    while os.write(fd, b"\0" * size):
+                        pass
+        finally:
+            os.close(fd)
+
+    def free(self) -> None:
+        (self.path / ".filler").unlink(missing_ok=True)
+
+    def umount(self) -> None:
+        subprocess.run(["umount", "-l", str(self.path)], check=False)
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Callable[[str], FullDisk]]:
+    """Factory: `full_disk("state")` mounts a 512 KiB tmpfs at tmp_path/state (not yet
+    full: call `.fill()`); unmounted at teardown. Needs root."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    made: list[FullDisk] = []
+
+    def make(name: str) -> FullDisk:
+        disk = FullDisk(tmp_path / name).mount()
+        made.append(disk)
+        return disk
+
+    yield make
+    for disk in made:
+        disk.umount()

@@ -39,6 +39,7 @@ from .drops import DropReporter, read_drops
 from .guards import GuardState
 from .packet import MAX_TCP_SIZE, Malformed, Query, Reply, build_response, parse_query
 from .settings import DnsSettings
+from .shares import Shares
 
 log = logging.getLogger("stockade.dns")
 
@@ -106,7 +107,8 @@ class DnsFirewall:
         self.guards = GuardState.from_settings(settings)
         self._udp: list[_UdpListener] = []
         self._tcp: list[asyncio.Server] = []
-        self._tcp_count = 0
+        self._tcp_shares = Shares(settings.max_tcp_connections,
+                                  settings.max_tcp_connections_per_task)
         self._pending: set[asyncio.Task[None]] = set()
         self._throttled: dict[tuple[str, str], tuple[float, int]] = {}
         registry.on_removed(self._task_removed)
@@ -300,10 +302,11 @@ class DnsFirewall:
     async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         source = (str(peer[0]), int(peer[1])) if peer else ("", 0)
-        if self._tcp_count >= self.settings.max_tcp_connections:
+        refused = self._tcp_shares.acquire(source[0])
+        if refused is not None:
+            self.metrics.count("denied", f"tcp_connection_limit_{refused}", "tcp")
             writer.close()
             return
-        self._tcp_count += 1
         try:
             while True:
                 try:
@@ -328,7 +331,7 @@ class DnsFirewall:
         except Exception:
             log.exception("dns: tcp connection failed")
         finally:
-            self._tcp_count -= 1
+            self._tcp_shares.release(source[0])
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()

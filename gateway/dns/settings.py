@@ -42,4 +42,6 @@ class DnsSettings(BaseModel):
     log_allowed: bool = False  # also emit an event for every answered query (costs ~50 us each)
     tcp_idle_timeout_s: float = Field(10.0, gt=0)  # close idle DNS-over-TCP connections
     max_tcp_connections: int = Field(256, ge=1)  # concurrent DNS-over-TCP connections
+    # concurrent DNS-over-TCP connections per source address (one task's share)
+    max_tcp_connections_per_task: int = Field(16, ge=1)
     max_pending: int = Field(1024, ge=1)  # upstream lookups in flight; beyond it: SERVFAIL

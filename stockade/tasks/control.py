@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import socket
 from collections.abc import Awaitable, Callable
@@ -19,7 +20,9 @@ from typing import Any
 
 from aiohttp import web
 
-from .registry import RegistryError, Task, TaskRegistry
+from .registry import RegistryError, StateWriteError, Task, TaskRegistry
+
+log = logging.getLogger("stockade.tasks")
 
 ReloadFn = Callable[[], Awaitable[dict[str, Any]]]
 
@@ -36,12 +39,17 @@ def make_control_app(
                 raise RegistryError("body must be a JSON object")
             task = Task.from_dict(body)
             registry.register(task)
+        except StateWriteError as e:
+            return _state_write_failed(e)
         except (ValueError, RegistryError) as e:
             return web.json_response({"error": "bad_request", "detail": str(e)}, status=400)
         return web.json_response({"registered": asdict(task)}, status=201)
 
     async def deregister(request: web.Request) -> web.Response:
-        task = registry.deregister(request.match_info["task_id"])
+        try:
+            task = registry.deregister(request.match_info["task_id"])
+        except StateWriteError as e:
+            return _state_write_failed(e)
         if task is None:
             return web.json_response({"error": "not_found"}, status=404)
         return web.json_response({"deregistered": asdict(task)})
@@ -68,6 +76,12 @@ def make_control_app(
     app.router.add_post("/v1/reload", do_reload)
     app.router.add_get("/v1/health", health)
     return app
+
+
+def _state_write_failed(e: StateWriteError) -> web.Response:
+    # 507 Insufficient Storage: the registry did not change (registry.py saves first)
+    log.error("task registry: cannot write %s: %s", e.path, e.detail)
+    return web.json_response({"error": e.code, "detail": f"{e.code}: {e.detail}"}, status=507)
 
 
 class _ControlRunner(web.AppRunner):
@@ -126,6 +140,12 @@ class ControlError(RuntimeError):
         super().__init__(f"control API answered {status}: {body}")
         self.status = status
         self.body = body
+
+    def describe(self) -> str:
+        """`507 state_write_failed: No space left on device`: the service's own words
+        (its error code and detail), for the operator's error message."""
+        what = self.body.get("detail") or self.body.get("error") or "no detail"
+        return f"{self.status} {what}"
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):

@@ -3,6 +3,11 @@
 Gateway, DNS firewall and broker identify a caller by its source address through this
 registry (the launcher registers each sandbox with them before the command starts).
 It is persisted to a state file so a restart keeps the registrations.
+
+Every change is saved first (tmp file + rename) and made in memory only once the save
+worked, so memory and disk never disagree: on a full state disk a registration fails with
+`StateWriteError` and leaves no trace. An expired task whose removal cannot be saved stays
+in both, inert (lookups treat it as gone, its flows are closed) until a save works.
 """
 
 from __future__ import annotations
@@ -12,13 +17,24 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 
 class RegistryError(ValueError):
     pass
+
+
+class StateWriteError(OSError):
+    """The state file could not be written (full disk, read-only, gone): nothing changed."""
+
+    code = "state_write_failed"
+
+    def __init__(self, path: Path, cause: OSError) -> None:
+        super().__init__(cause.errno, f"{self.code}: {cause.strerror or cause}")
+        self.path = path
+        self.detail = cause.strerror or str(cause)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +75,8 @@ class TaskRegistry:
         self._by_id: dict[str, Task] = {}
         self._by_addr: dict[str, Task] = {}
         self._on_removed: list[Listener] = []
+        # expired tasks whose removal could not be saved yet, but whose listeners ran
+        self._ended_unsaved: set[str] = set()
         if self.state_file is not None and self.state_file.exists():
             self._load()
 
@@ -77,7 +95,7 @@ class TaskRegistry:
             if task is None:
                 return None
         if task.expired(time.time() if now is None else now):
-            self._remove(task)
+            self._end(task)
             return None
         return task
 
@@ -100,11 +118,12 @@ class TaskRegistry:
         if other is not None and other.task_id != task.task_id:
             raise RegistryError(f"address {task.address} belongs to task {other.task_id}")
         old = self._by_id.get(task.task_id)
+        self._save({**self._by_id, task.task_id: task}.values())  # StateWriteError: no change
         if old is not None and old.address != task.address:
             self._by_addr.pop(old.address, None)
         self._by_id[task.task_id] = task
         self._by_addr[task.address] = task
-        self._save()
+        self._ended_unsaved.discard(task.task_id)
 
     def deregister(self, task_id: str) -> Task | None:
         task = self._by_id.get(task_id)
@@ -113,18 +132,47 @@ class TaskRegistry:
         return task
 
     def expire(self, now: float | None = None) -> list[Task]:
-        """Remove expired tasks; call periodically (the gateway does every 0.5 s)."""
+        """Remove expired tasks; call periodically (the gateway does every 0.25 s).
+        Raises StateWriteError (after ending every expired task) when a removal could
+        not be saved: those stay, inert, and the next call tries again."""
         t = time.time() if now is None else now
         gone = [task for task in self._by_id.values() if task.expired(t)]
+        failed: StateWriteError | None = None
         for task in gone:
-            self._remove(task)
+            try:
+                self._remove(task)
+            except StateWriteError as e:
+                failed = e
+                self._ended(task)
+        if failed is not None:
+            raise failed
         return gone
 
+    def _end(self, task: Task) -> None:
+        """An expired task: removed if the save works; else its listeners still run
+        (once: its flows close) and the record stays until a later save works."""
+        try:
+            self._remove(task)
+        except StateWriteError:
+            self._ended(task)
+
+    def _ended(self, task: Task) -> None:
+        if task.task_id not in self._ended_unsaved:
+            self._ended_unsaved.add(task.task_id)
+            self._notify(task)
+
     def _remove(self, task: Task) -> None:
+        rest = [t for t in self._by_id.values() if t.task_id != task.task_id]
+        self._save(rest)  # StateWriteError: nothing changed
         self._by_id.pop(task.task_id, None)
         if self._by_addr.get(task.address) is task:
             del self._by_addr[task.address]
-        self._save()
+        if task.task_id in self._ended_unsaved:
+            self._ended_unsaved.discard(task.task_id)  # its listeners ran already
+        else:
+            self._notify(task)
+
+    def _notify(self, task: Task) -> None:
         for fn in self._on_removed:
             fn(task)
 
@@ -142,18 +190,26 @@ class TaskRegistry:
                 self._by_id[task.task_id] = task
                 self._by_addr[task.address] = task
 
-    def _save(self) -> None:
+    def _save(self, tasks: Iterable[Task]) -> None:
+        """Write `tasks` as the whole state, or raise StateWriteError (old file intact)."""
         if self.state_file is None:
             return
-        self.state_file.parent.mkdir(parents=True, exist_ok=True)
-        body = json.dumps({"tasks": [asdict(t) for t in self._by_id.values()]})
-        # write-then-rename so a crash never leaves a torn state file
-        fd, tmp = tempfile.mkstemp(dir=self.state_file.parent, prefix=".registry.")
+        body = json.dumps({"tasks": [asdict(t) for t in tasks]})
         try:
-            with os.fdopen(fd, "w") as fh:
-                fh.write(body)
-            os.chmod(tmp, 0o600)
-            os.replace(tmp, self.state_file)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+            write_atomically(self.state_file, body, ".registry.")
+        except OSError as e:
+            raise StateWriteError(self.state_file, e) from None
+
+
+def write_atomically(path: Path, body: str, prefix: str) -> None:
+    """Write-then-rename so a crash or a full disk never leaves a torn file; 0600."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=prefix)
+    try:
+        with os.fdopen(fd, "w") as fh:  # ENOSPC shows at the write or the close
+            fh.write(body)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

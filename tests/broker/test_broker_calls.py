@@ -279,7 +279,8 @@ async def test_redirect_and_pagination_links_point_back_at_the_broker(harness: H
     assert doc["headers"]["location"] == f"{h.upstream.url}/json/next?page=2"  # JSON style: as is
 
 
-@pytest.mark.parametrize("raw", [b"[" * 200000, b"{not json", b"\xff\xfe", b""])
+# (absurd nesting that still fits the profile's call document limit, broker/body.py)
+@pytest.mark.parametrize("raw", [b"[" * 60000, b"{not json", b"\xff\xfe", b""])
 async def test_v1_unparseable_bodies(harness: Harness, raw: bytes) -> None:
     status, _h, body = await harness.call("POST", "/v1/call", data=raw,
                                           headers={"Content-Type": "application/json"})

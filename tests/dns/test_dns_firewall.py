@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import subprocess
+from typing import Any
 
 import dns.asyncquery
 import dns.edns
@@ -14,7 +15,7 @@ import dns.message
 import dns.rcode
 import dns.rdatatype
 import pytest
-from dns_harness import Harness, start_harness
+from dns_harness import Harness, loopback, start_harness
 from dns_upstream import Upstream
 from prometheus_client import generate_latest
 from stockade.policy.ruleset import RuleSet
@@ -403,4 +404,67 @@ async def test_tcp_junk_and_idle_connections(upstream: Upstream, ruleset: RuleSe
         assert reg.get_sample_value("stockade_dns_malformed_packets_total") == 1
         assert (await ask(h, "allowed.test", tcp=True)).rcode() == dns.rcode.NOERROR
     finally:
+        await h.fw.stop()
+
+
+async def _tcp_query(h: Harness, source: str, name: str = "allowed.test") -> tuple[Any, int | None]:
+    """Open a DNS/TCP connection from `source`, ask once: (writer, rcode or None if the
+    firewall closed the connection without an answer). The connection stays open."""
+    reader, writer = await asyncio.open_connection(h.host, h.port, local_addr=(source, 0))
+    wire = dns.message.make_query(name, "A").to_wire()
+    try:  # a refused connection is closed at once: EOF or a reset, whichever comes first
+        writer.write(len(wire).to_bytes(2, "big") + wire)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readexactly(2), 10)
+    except (ConnectionError, asyncio.IncompleteReadError):
+        return writer, None
+    body = await asyncio.wait_for(reader.readexactly(int.from_bytes(head, "big")), 10)
+    return writer, dns.message.from_wire(body).rcode()
+
+
+async def test_tcp_connections_are_shared_per_task(upstream: Upstream, ruleset: RuleSet) -> None:
+    """One task holding its whole share of DNS/TCP connections open does not stop another
+    task's DNS/TCP query; the global cap still holds over all of them."""
+    from stockade.tasks import Task
+
+    h = await start_harness(upstream, ruleset, max_tcp_connections=5,
+                            max_tcp_connections_per_task=3, tcp_idle_timeout_s=60)
+    other, third = loopback(), loopback()
+    h.registry.register(Task("task-2", other, "dns-test"))
+    h.registry.register(Task("task-3", third, "dns-test"))
+    held = []
+    try:
+        results = []
+        for _ in range(8):
+            writer, rcode = await _tcp_query(h, h.client_ip)
+            held.append(writer)
+            results.append(rcode)
+        assert results == [dns.rcode.NOERROR] * 3 + [None] * 5
+        for _ in range(2):  # the other task gets its queries answered meanwhile
+            writer, rcode = await _tcp_query(h, other)
+            held.append(writer)
+            assert rcode == dns.rcode.NOERROR
+        writer, rcode = await _tcp_query(h, third)  # 5 held: the global cap
+        held.append(writer)
+        assert rcode is None
+        reg = h.fw.metrics_registry
+        sample = reg.get_sample_value
+        assert sample("stockade_dns_queries_total", {
+            "outcome": "denied", "reason": "tcp_connection_limit_per_source",
+            "transport": "tcp"}) == 5
+        assert sample("stockade_dns_queries_total", {
+            "outcome": "denied", "reason": "tcp_connection_limit_global",
+            "transport": "tcp"}) == 1
+        for w in held[:3]:  # closing gives the shares back
+            w.close()
+        for _ in range(100):
+            if h.fw._tcp_shares.count <= 2:
+                break
+            await asyncio.sleep(0.05)
+        writer, rcode = await _tcp_query(h, third)
+        held.append(writer)
+        assert rcode == dns.rcode.NOERROR
+    finally:
+        for w in held:
+            w.close()
         await h.fw.stop()

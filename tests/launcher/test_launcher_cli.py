@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import secrets
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
+from stockade.launcher import netns, nft
+from stockade.launcher.cgroups import leftover_names
 from stockade.launcher.cli import _parse_input
 
+from stockade.config import load_config
 from stockade.events import validate
+from stockade.tasks import TaskRegistry, make_control_app, start_control_server
 
 from .conftest import Lab
 
@@ -132,3 +141,75 @@ def test_run_refuses_a_stronger_isolation_and_names_the_way_out(
                   "--json", "--", "echo", "ran")
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["stdout"] == "ran\n"
+
+
+def _own_launcher_config(lab: Lab, tmp: Path, state_dir: Path, **config: Any) -> Path:
+    """The lab's services, but a launcher of its own (table, names, cgroups, scratch,
+    addresses): its start-up reconcile and close must not touch the lab's launcher."""
+    sfx = secrets.token_hex(2)
+    launcher = lab.config.launcher.model_copy(update={
+        "nft_table": f"stockade_fd{sfx}", "name_prefix": f"f{sfx[:3]}",
+        "cgroup_parent": f"stockade_fd{sfx}", "scratch_dir": str(tmp / "sbx"),
+        "address_pool": f"10.214.{100 + secrets.randbelow(100)}.0/24"})
+    cfg = lab.config.model_copy(update={"state_dir": str(state_dir), "launcher": launcher,
+                                        **config})
+    p = tmp / f"stockade-{sfx}.yaml"
+    p.write_text(yaml.safe_dump(cfg.model_dump()))
+    return p
+
+
+def _nothing_left(cfg_path: Path) -> dict[str, Any]:
+    s = load_config(cfg_path).launcher
+    mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
+              if line.split()[1].startswith(s.scratch_dir)]
+    return {"netns": netns.list_netns(s.name_prefix), "links": netns.list_links(s.name_prefix),
+            "cgroups": sorted(leftover_names(s.cgroup_root, s.cgroup_parent)),
+            "scratch": sorted(os.listdir(s.scratch_dir)) if os.path.isdir(s.scratch_dir) else [],
+            "mounts": mounts, "table": nft.table_exists(s.nft_table)}
+
+
+NOTHING = {"netns": [], "links": [], "cgroups": [], "scratch": [], "mounts": [], "table": False}
+
+
+def test_run_on_a_full_state_disk(lab: Lab, tmp_path: Path, full_disk: Any) -> None:
+    """A full state disk: `stockade run` says so and exits 2, no traceback, nothing left;
+    also when it is the gateway's registry that cannot be written (a JSON 507)."""
+    rules = tmp_path / "rules"
+    (rules / "profiles").mkdir(parents=True)
+    (rules / "profiles" / "cli.yaml").write_text(PROFILE)
+    disk = full_disk("state")
+    disk.fill()
+    cfg = _own_launcher_config(lab, tmp_path, disk.path)
+    p = _stockade("run", "--profile", "cli", "--rules", str(rules), "--config", str(cfg),
+                  "--", "echo", "hello")
+    assert p.returncode == 2, p.stderr
+    assert "Traceback" not in p.stderr and p.stdout == ""
+    assert "cannot write the launcher state" in p.stderr
+    assert "No space left on device" in p.stderr
+    assert _nothing_left(cfg) == NOTHING
+
+    # the launcher's state has room; the gateway's registry does not
+    registry = TaskRegistry(disk.path / "gateway-tasks.json")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    sock = tmp_path / "full-gateway.sock"
+    runner = asyncio.run_coroutine_threadsafe(
+        start_control_server(make_control_app(registry), sock), loop).result(10)
+    try:
+        gateway = lab.config.gateway.model_copy(update={"control_socket": str(sock)})
+        cfg = _own_launcher_config(lab, tmp_path, tmp_path / "state-ok", gateway=gateway)
+        p = _stockade("run", "--profile", "cli", "--rules", str(rules), "--config", str(cfg),
+                      "--", "echo", "hello")
+        assert p.returncode == 2, p.stderr
+        assert "Traceback" not in p.stderr and p.stdout == ""
+        assert "507 state_write_failed: No space left on device" in p.stderr, p.stderr
+        assert _nothing_left(cfg) == NOTHING
+        assert len(registry) == 0 and lab.broker_registry.tasks() == []
+        assert json.loads((tmp_path / "state-ok" / "launcher" /
+                           f"{load_config(cfg).launcher.nft_table}.json").read_text()) == {
+            "sandboxes": []}
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)

@@ -15,7 +15,11 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from stockade.launcher import exports, initscript, scrub
 from stockade.launcher.addresses import free_slot, pool_size, slot_addresses
+from stockade.launcher.ending import end_due, end_event
 from stockade.launcher.state import SandboxRecord, StateFile
+
+from stockade.events import validate
+from stockade.procs import same_process, start_time
 
 # -- addresses ------------------------------------------------------------------------
 
@@ -137,9 +141,40 @@ def test_scrub_replaces_everything_host_specific() -> None:
 @given(st.text(min_size=6, max_size=30), st.text(max_size=40), st.text(max_size=40))
 def test_scrubbed_output_never_contains_an_env_value(value: str, a: str, b: str) -> None:
     # a value that is part of its own placeholder could be rebuilt by it; skip those
-    assume("<" not in value and value not in "<env:SECRET>")
+    assume("<" not in value and value not in "<env:SECRET>" and not scrub.is_public_path(value))
     s = scrub.build(host_env={"SECRET": value})
     assert value not in s(a + value + b)
+
+
+def test_scrub_keeps_public_system_paths() -> None:
+    """`/etc/ssl/certs` (SSL_CERT_DIR) and `/usr/lib` are the same on every host: they stay,
+    while host-specific paths under public directories are still replaced."""
+    scratch = "/tmp/stockade-abc/sbx"
+    s = scrub.build(
+        host_paths=[scratch, "/var/lib/stockade", "/", "/tmp", "/root", "/usr/local/share"],
+        host_env={"SSL_CERT_DIR": "/etc/ssl/certs", "LD_LIBRARY_PATH": "/usr/lib:/lib64",
+                  "XDG_DATA_DIRS": "/usr/local/share:/usr/share", "TMPDIR": "/tmp",
+                  "STATE": "/var/lib/stockade/x", "WORK": "/tmp/job-7781"},
+    )
+    text = ("certs in /etc/ssl/certs, libs in /usr/lib and /lib64, data /usr/share, tmp /tmp, "
+            f"home /root; scratch {scratch}/t1; state /var/lib/stockade/x; work /tmp/job-7781")
+    out = s(text)
+    assert out == ("certs in /etc/ssl/certs, libs in /usr/lib and /lib64, data /usr/share, "
+                   "tmp /tmp, home /root; scratch <host-path>/t1; state <env:STATE>; "
+                   "work <env:WORK>")
+
+
+@pytest.mark.parametrize("value", ["/etc/ssl/certs", "/usr/lib", "/", "/tmp", "//usr//lib/",
+                                   "/usr/local/share:/usr/share", "/proc/self"])
+def test_public_paths(value: str) -> None:
+    assert scrub.is_public_path(value)
+
+
+@pytest.mark.parametrize("value", ["/tmp/x", "/var/lib/stockade", "/home/alice", "usr/lib",
+                                   "/usr/../home/alice", "/etc/./../srv",
+                                   "/etc/ssl:/srv/data", "", ":", "/etcetera", "s3cr3t"])
+def test_host_specific_paths(value: str) -> None:
+    assert not scrub.is_public_path(value)
 
 
 # -- init script ----------------------------------------------------------------------
@@ -376,3 +411,46 @@ def test_the_scratch_root_is_made_private_even_when_it_exists(tmp_path: Path) ->
     lax.chmod(0o755)
     mounts.private_dir(lax)
     assert lax.stat().st_mode & 0o777 == 0o700
+
+
+# -- end events and owners ------------------------------------------------------------------
+def _record(state: str = "running") -> SandboxRecord:
+    return SandboxRecord(task_id="0123456789", profile="p", slot=1, ifname="stk0123456789",
+                         netns="stk-0123456789", host_ip="10.213.0.1", guest_ip="10.213.0.2",
+                         guest_mac="02:00:00:00:00:02", started_at=1000.0, state=state)
+
+
+def test_end_event_is_owed_only_for_a_started_sandbox() -> None:
+    assert end_due(_record("running")) and end_due(_record("frozen"))
+    assert not end_due(_record("starting")) and not end_due(None)
+
+
+def test_end_event_of_an_orphan() -> None:
+    ev = end_event(_record(), "orphaned", now=1012.5)
+    validate(ev)
+    assert ev["stockade"]["lifecycle"] == "end" and ev["stockade"]["ended_by"] == "orphaned"
+    assert ev["stockade"]["duration_s"] == 12.5 and "exit_code" not in ev["stockade"]
+    assert ev["labels"]["task_id"] == "0123456789"
+    ev = end_event(_record(), "ttl", exit_code=137, duration_s=3.0, now=2000.0)
+    assert (ev["event"]["reason"], ev["stockade"]["exit_code"]) == ("ttl_expired", 137)
+
+
+def test_owner_is_one_process_not_one_pid() -> None:
+    me = start_time(os.getpid())
+    assert me is not None and same_process(os.getpid(), me)
+    assert not same_process(os.getpid(), me + 1)  # another process that had this pid
+    assert same_process(os.getpid(), 0)  # records from before owner_start: pid only
+    rec = dataclasses.replace(_record(), owner_pid=os.getpid(), owner_start=me + 1)
+    assert not rec.owner_alive()
+    assert start_time(2**22 + 1) is None and not same_process(2**22 + 1, 0)
+
+
+@given(st.text(max_size=60), st.sampled_from(scrub.PUBLIC_TREES),
+       st.lists(st.from_regex(r"[a-z0-9._-]{1,8}", fullmatch=True).filter(
+           lambda p: p not in (".", "..")), max_size=4))
+def test_public_paths_survive_scrubbing(noise: str, tree: str, parts: list[str]) -> None:
+    scrub.is_public_path(noise)  # never raises on any text
+    path = "/".join([tree, *parts])
+    assert scrub.is_public_path(path)
+    s = scrub.build(host_paths=[path], host_env={"SOME_DIR": path})
+    assert s(f"see {path} here") == f"see {path} here"

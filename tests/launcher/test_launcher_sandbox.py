@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from stockade.gateway.inspection import TRUST_ENV_VARS
 from stockade.launcher import initscript
+from stockade.launcher.core import SandboxSpec
 from stockade.launcher.trust import TRUST_BUNDLE_NAME
 
 from .conftest import Lab
@@ -61,6 +62,39 @@ def test_output_is_scrubbed(lab: Lab) -> None:
     assert str(lab.tmp) not in res.stdout
 
 
+def test_scrubbing_keeps_public_paths(lab: Lab, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host values that are well-known system paths (SSL_CERT_DIR=/etc/ssl/certs) are not
+    rewritten in the output; the host's scratch path still is."""
+    monkeypatch.setenv("SSL_CERT_DIR", "/etc/ssl/certs")
+    monkeypatch.setenv("STOCKADE_TEST_LIBS", "/usr/lib")
+    scratch = str(lab.launcher.scratch_base)
+    res = lab.run(["echo", "/etc/ssl/certs", "/usr/lib", f"{scratch}/x"])
+    assert res.stdout == "/etc/ssl/certs /usr/lib <host-path>/x\n", res.stdout
+
+
+def test_truncated_output_says_so(lab: Lab) -> None:
+    """Past max_output_bytes the result says the stream was cut and how much was written."""
+    from stockade.launcher import Launcher
+    from stockade.launcher.service import result_from_json
+
+    ls = lab.config.launcher
+    cfg = lab.config.model_copy(update={"launcher": ls.model_copy(
+        update={"max_output_bytes": 1024})})
+    other = Launcher(cfg, nflog=False)
+    try:
+        res = other.run(SandboxSpec("test", ["sh", "-c", "head -c 3000 /dev/zero | tr '\\0' x; "
+                                             "echo short >&2"]), lab.ruleset)
+    finally:
+        other.close()
+    assert res.stdout == "x" * 1024
+    assert (res.stdout_truncated, res.stdout_bytes) == (True, 3000)
+    assert (res.stderr_truncated, res.stderr_bytes, res.stderr) == (False, 6, "short\n")
+    back = result_from_json(json.loads(json.dumps(res.to_json())))
+    assert (back.stdout_truncated, back.stdout_bytes) == (True, 3000)
+    res = lab.run(["echo", "hi"])
+    assert (res.stdout_truncated, res.stdout_bytes, res.stderr_truncated) == (False, 3, False)
+
+
 def test_sandbox_sees_no_host_secrets(lab: Lab) -> None:
     res = lab.run(["sh", "-c", "ls /; ls /root /home /work /var /run 2>&1; "
                    "cat /etc/shadow 2>&1; hostname"])
@@ -108,8 +142,8 @@ def test_sandbox_user_and_generated_files(lab: Lab) -> None:
     ident, user, getent, passwd, group, files = res.stdout.split("--\n")
     assert ident.startswith("uid=65534(nobody) gid=65534(nogroup)")
     assert user == "nobody\n"
-    # the output scrubber turns /root (the launcher's home) into <host-path>: compare the rest
-    assert getent == passwd == want["passwd"].replace(":/root:", ":<host-path>:")
+    # /root is a public path: the output scrubber leaves it (and the rest) as it is
+    assert getent == passwd == want["passwd"]
     assert [line.split(":")[0] for line in passwd.splitlines()] == ["root", "nobody"]
     assert group == want["group"]
     assert "WROTE" not in files

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
-from stockade.launcher import SandboxSpec
+from stockade.launcher import SandboxSpec, netns
 from stockade.launcher.cgroups import remove_parent
 from stockade.launcher.service import (
     LauncherClient,
@@ -100,6 +101,7 @@ def _serve(lab: Lab, tmp: Path) -> Iterator[Served]:
         "address_pool": f"10.216.{100 + secrets.randbelow(100)}.0/24",
         "nflog_group": 7500 + secrets.randbelow(99),
         "control_socket": str(tmp / "run" / "launcher.sock"),
+        "reconcile_interval_s": 1.0,  # orphans of a killed `stockade run` go within 1 s
     })
     config = lab.config.model_copy(update={"launcher": launcher, "rules_dir": str(rules)})
     cfg_path = tmp / "stockade.yaml"
@@ -323,3 +325,99 @@ def test_sigterm_kills_sandboxes_and_removes_the_table(served_once: Served, lab:
     assert lab.gateway_registry.get(tid) is None and lab.broker_registry.get(tid) is None
     assert not os.path.exists(s.control_socket)
     assert not os.listdir(s.scratch_dir)
+
+
+def _run_in_background(served: Served, argv: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+    """`stockade run` of `argv` as its own process on the service's launcher config (same
+    state file and table): the process and its sandbox's task id, once running."""
+    known = {r["task_id"] for r in served.client.list()}
+    proc = subprocess.Popen([sys.executable, "-m", "stockade", "run", "--profile", "svc",
+                             "--rules", str(served.rules), "--config", str(served.cfg_path),
+                             "--", *argv],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    rows = _wait_for(lambda: [r for r in served.client.list()
+                              if r["task_id"] not in known and r["state"] == "running"], 60)
+    assert rows, "the run's sandbox did not start"
+    assert rows[0]["owner_pid"] == proc.pid
+    return proc, rows[0]["task_id"]
+
+
+def _ends(lab: Lab, task_id: str) -> list[dict[str, Any]]:
+    return [e for e in lab.events(task_id) if e["stockade"].get("lifecycle") == "end"]
+
+
+def _gone(served: Served, lab: Lab, task_id: str) -> bool:
+    s = served.config.launcher
+    return (all(r["task_id"] != task_id for r in served.client.list())
+            and not any(task_id in n for n in netns.list_netns(s.name_prefix))
+            and not (Path(s.scratch_dir) / task_id).exists()
+            and lab.gateway_registry.get(task_id) is None
+            and lab.broker_registry.get(task_id) is None)
+
+
+def test_a_killed_run_is_reconciled_by_the_service(served: Served, lab: Lab) -> None:
+    """SIGKILL a `stockade run`: the running service removes its sandbox within its
+    reconcile period (1 s here; the test waits up to 30 s), with one end event."""
+    proc, tid = _run_in_background(served, ["sleep", "300"])
+    proc.kill()
+    proc.wait()
+    assert _wait_for(lambda: _gone(served, lab, tid), 30), served.client.list()
+    time.sleep(2.5)  # two more reconcile rounds: still one end event
+    ends = _ends(lab, tid)
+    assert len(ends) == 1, ends
+    assert ends[0]["stockade"]["ended_by"] == "orphaned"
+    assert ends[0]["stockade"]["duration_s"] > 0
+    starts = [e for e in lab.events(tid) if e["stockade"].get("lifecycle") == "start"]
+    assert len(starts) == 1
+
+
+def test_kill_and_reconcile_race_on_an_orphan_give_one_end_event(
+    served: Served, lab: Lab
+) -> None:
+    """A kill and two reconciles (two more launcher processes' worth, and the service's
+    own) at once on one orphan: exactly one of them writes its end event."""
+    from stockade.launcher import Launcher
+
+    proc, tid = _run_in_background(served, ["sleep", "300"])
+    proc.kill()
+    proc.wait()
+    others = [Launcher(served.config, nflog=False) for _ in range(3)]
+    go = threading.Barrier(3)
+
+    def race(i: int) -> None:
+        go.wait()
+        if i == 0:
+            others[i].kill(tid)
+        else:
+            others[i].reconcile()
+
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        for o in others:
+            o.close()
+    assert _wait_for(lambda: _gone(served, lab, tid), 30)
+    time.sleep(2.5)  # the service's reconcile had its rounds too
+    ends = _ends(lab, tid)
+    assert len(ends) == 1, ends
+    assert ends[0]["stockade"]["ended_by"] in ("killed", "orphaned")
+
+
+def test_a_run_that_ends_itself_has_one_end_event(served: Served, lab: Lab) -> None:
+    """The service's reconcile never touches a live run's sandbox: the run ends it, with
+    its own end event (exit), and nobody adds another."""
+    p = subprocess.run([sys.executable, "-m", "stockade", "run", "--profile", "svc", "--rules",
+                        str(served.rules), "--config", str(served.cfg_path), "--json", "--",
+                        "sh", "-c", "sleep 2.5; echo done"],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout)
+    assert res["stdout"] == "done\n"
+    time.sleep(1.5)
+    ends = _ends(lab, res["task_id"])
+    assert [e["stockade"]["ended_by"] for e in ends] == ["exit"]
