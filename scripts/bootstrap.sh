@@ -6,7 +6,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
 
 APT_PACKAGES=(
-    nftables iproute2 procps psmisc util-linux kmod
+    nftables iproute2 conntrack procps psmisc util-linux kmod
     qemu-system-x86 busybox-static cpio
     curl git dnsutils ca-certificates
     python3-venv python3-pip   # the demo agent runs Debian's python3 + pip inside the sandbox

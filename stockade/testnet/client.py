@@ -140,6 +140,7 @@ class ClientNamespace(StartStop):
         with host.alloc_lock():
             self.address, self.host_ip, plen = self._addresses()
             self.network = str(ipaddress.IPv4Network(f"{self.address}/{plen}", strict=False))
+            host.forget_flows(self.address)  # flows of an earlier client on this address
             host.write_owner(ns, ns, [hif], [self.nft_table])
             host.run(["ip", "netns", "add", ns])
             host.run(

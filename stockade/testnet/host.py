@@ -127,6 +127,18 @@ def remove_resources(netns: str | None, links: Sequence[str], nft_tables: Sequen
             run(["ip", "link", "del", link], check=False)
 
 
+def forget_flows(address: str) -> None:
+    """Delete the host's conntrack entries to or from `address`. An entry outlives the
+    namespace that made it (30 s and more), and keeps its NAT mapping: a new client on
+    the same address whose source port matches would be redirected to the old, closed
+    port and its datagram lost."""
+    if shutil.which("conntrack") is None:
+        raise TestnetError("`conntrack` not installed (scripts/bootstrap.sh installs it)")
+    for side in ("--orig-src", "--orig-dst"):
+        # exit status 1 when nothing matched: not an error
+        run(["conntrack", "-D", side, address], check=False)
+
+
 # --- owner records: let the next run reap what a SIGKILLed run left behind ---------
 
 

@@ -24,10 +24,12 @@ from typing import Any
 
 from stockade.lifecycle import StartStop
 from stockade.testnet import host
+from stockade.testnet.gitrepo import create_demo_repo
 from stockade.testnet.layout import (
     DEFAULT_SUBNET,
     TCP_ECHO_PORT,
     UDP_ECHO_PORT,
+    WILDCARD_SITES,
     Layout,
     pick_subnet,
     plan,
@@ -129,6 +131,11 @@ class FakeInternet(StartStop):
             raise RuntimeError("FakeInternet not started")
         return self._tmp
 
+    @property
+    def git_root(self) -> Path:
+        """Directory of the bare repositories git.test serves (`demo.git`)."""
+        return self.workdir / "git"
+
     def dns_queries(self) -> list[tuple[str, str]]:
         """(name, qtype) of every query the fake DNS server received so far, in order."""
         try:
@@ -156,6 +163,7 @@ class FakeInternet(StartStop):
             self._tmp = Path(tempfile.mkdtemp(prefix=f"{self.namespace}-"))
             self._wire()
             self._write_certs()
+            create_demo_repo(self._tmp / "git")
             self._start_server()
         except BaseException:
             self.stop()
@@ -193,8 +201,9 @@ class FakeInternet(StartStop):
         ca = trustme.CA(organization_name="Stockade fake internet")
         ca.cert_pem.write_to_path(str(self._tmp / "ca.pem"))
         for name in [*self.layout.addresses, "ipv6.test"]:
-            # pypi.test also serves every *.pypi.test (see zone.default_zone's answer_all)
-            cert = ca.issue_cert(name, f"*.{name}") if name == "pypi.test" else ca.issue_cert(name)
+            # these also serve every name under them (see zone.default_zone's answer_all)
+            wild = (f"*.{name}",) if name in WILDCARD_SITES else ()
+            cert = ca.issue_cert(name, *wild)
             fd = os.open(self._tmp / f"{name}.key", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(cert.private_key_pem.bytes())
@@ -220,6 +229,7 @@ class FakeInternet(StartStop):
             tcp_echo=(lay.raw_echo_ip, TCP_ECHO_PORT),
             udp_echo=(lay.raw_echo_ip, UDP_ECHO_PORT),
             query_log=str(tmp / "dns-queries.log"),
+            git_root=str(tmp / "git"),
         )
 
     def _start_server(self) -> None:

@@ -26,7 +26,11 @@ WEB_HOSTS: dict[str, int] = {
     "pypi.test": 13,
     "api.test": 14,
     "other.test": 15,
+    "git.test": 16,
 }
+# sites that also answer for every name under them (DNS and certificate): an index and a
+# git server under wildcard allow entries, as files.pythonhosted.org or *.github.com are
+WILDCARD_SITES = ("pypi.test", "git.test")
 HOST_OFFSET = 1
 NS_OFFSET = 2
 RAW_ECHO_OFFSET = 20

@@ -120,7 +120,7 @@ async def serve(spec: ServeSpec, ready: asyncio.Event | None = None) -> None:
     try:
         for site in spec.sites:
             runner = web.AppRunner(
-                make_app(site.name, api_key=spec.api_key, wheels=wheels),
+                make_app(site.name, api_key=spec.api_key, wheels=wheels, git_root=spec.git_root),
                 access_log=None,
                 shutdown_timeout=1.0,  # a test teardown must not wait on idle keep-alives
             )

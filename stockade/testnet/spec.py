@@ -34,6 +34,7 @@ class ServeSpec:
     udp_echo: tuple[str, int]
     dns_port: int = 53
     query_log: str | None = None  # path: the DNS server appends "QTYPE name" per query
+    git_root: str | None = None  # path: bare repositories git.test serves
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -46,6 +47,7 @@ class ServeSpec:
             "tcp_echo": list(self.tcp_echo),
             "udp_echo": list(self.udp_echo),
             "query_log": self.query_log,
+            "git_root": self.git_root,
             "extra": self.extra,
         }
 
@@ -60,6 +62,7 @@ class ServeSpec:
             tcp_echo=(data["tcp_echo"][0], int(data["tcp_echo"][1])),
             udp_echo=(data["udp_echo"][0], int(data["udp_echo"][1])),
             query_log=data.get("query_log"),
+            git_root=data.get("git_root"),
             extra=dict(data.get("extra", {})),
         )
 

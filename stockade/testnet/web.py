@@ -1,7 +1,8 @@
 """The fake internet's HTTP(S) sites (aiohttp applications, one per name).
 
 Every site answers `/`, `/echo`, `/bytes/<n>` and `/upload`; `echo.test` echoes every
-path, `pypi.test` adds a PEP 503 index and `api.test` a demo API that checks a key.
+path, `pypi.test` adds a PEP 503 index, `api.test` a demo API that checks a key and
+`git.test` git's smart HTTP protocol (`githttp`).
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ import binascii
 import hmac
 import json
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
+from stockade.testnet.githttp import add_git_routes
 from stockade.testnet.wheel import Wheel, normalize, project_page, root_index
 
 MAX_BYTES = 1 << 30  # /bytes/<n> upper bound (1 GiB)
@@ -179,8 +182,15 @@ def _api_routes(app: web.Application, api_key: str) -> None:
     app.router.add_route("*", "/v1/echo/{tail:.*}", _echo("api.test"))
 
 
-def make_app(host: str, *, api_key: str = "", wheels: list[Wheel] | None = None) -> web.Application:
-    """The site for one name. `api_key` matters for api.test, `wheels` for pypi.test."""
+def make_app(
+    host: str,
+    *,
+    api_key: str = "",
+    wheels: list[Wheel] | None = None,
+    git_root: str | None = None,
+) -> web.Application:
+    """The site for one name. `api_key` matters for api.test, `wheels` for pypi.test,
+    `git_root` (a directory of bare repositories) for git.test."""
     app = web.Application(client_max_size=MAX_ECHO_BODY)
     if host == "echo.test":
         app.router.add_get("/bytes/{n}", _bytes)
@@ -194,4 +204,8 @@ def make_app(host: str, *, api_key: str = "", wheels: list[Wheel] | None = None)
         if not api_key:
             raise ValueError("api.test needs an api_key")
         _api_routes(app, api_key)
+    if host == "git.test":
+        if not git_root:
+            raise ValueError("git.test needs a git_root")
+        add_git_routes(app, Path(git_root))
     return app

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from dnslib import AAAA, CNAME, QTYPE, RCODE, RR, TXT, A, DNSError, DNSRecord
 
-from stockade.testnet.layout import IPV6_NAME, Layout
+from stockade.testnet.layout import IPV6_NAME, WILDCARD_SITES, Layout
 
 DEFAULT_TTL = 60
 SLOW_DELAY = 5.0
@@ -143,8 +143,8 @@ def default_zone(
         rotating={"rebind.test": [allowed, "127.0.0.1"]},
         delays={"slow.test": slow_delay},
         nxdomain_suffixes=["tunnel.test"],
-        # wild.test: a zone that answers any name; pypi.test: the index under many names
-        answer_all={"wild.test": "allowed.test", "pypi.test": "pypi.test"},
+        # wild.test: a zone that answers any name; the wildcard sites under many names
+        answer_all={"wild.test": "allowed.test", **{s: s for s in WILDCARD_SITES}},
     )
 
 

@@ -23,6 +23,7 @@ from stockade.gateway.dns.settings import DnsSettings
 
 from stockade.ports import free_dual_port
 from stockade.testnet import ClientNamespace, FakeInternet
+from stockade.testnet.gitrepo import DEMO_BRANCH, DEMO_COMMITS, DEMO_REPO, git_env
 
 pytestmark = pytest.mark.netns
 
@@ -45,6 +46,9 @@ egress:
     - host: "*.pypi.test"
       ports: [443]
       reason: the fake index under a wildcard, as files.pythonhosted.org is
+    - host: "*.git.test"
+      ports: [443]
+      reason: the fake git server under a wildcard, as a forge's names are
 """
 
 ENTROPY_LABEL = "q7x2m9k4v8z1n6b3w5c0"  # 20 distinct characters: 4.3 bits/char
@@ -315,47 +319,63 @@ def test_resolving_wildcard_tunnel_is_budgeted(
     assert "more names refused" in evs[1]["message"]
 
 
-def test_pip_and_a_git_like_get_set_under_wildcards_stay_within_budget(
+def _git(
+    ns: ClientNamespace, fi: FakeInternet, proxy: str, home: Path, *args: str
+) -> subprocess.CompletedProcess[str]:
+    """Real git in the sandbox, through the explicit proxy, trusting the fake CA only."""
+    return ns.run(
+        ["git", "-c", f"http.proxy={proxy}", "-c", f"http.sslCAInfo={fi.ca_pem}", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=home,
+        env=git_env(home) | {"GIT_TERMINAL_PROMPT": "0"},
+    )
+
+
+def test_pip_and_git_under_wildcards_stay_within_budget(
     gwd: GatewayHarness, ns: ClientNamespace, fake_internet: FakeInternet, tmp_path: Path
 ) -> None:
-    """Real wildcard use: pip downloads from the index under `*.pypi.test`, and a set of
-    GETs like a git clone's (several names under one wildcard, each asked many times)
-    passes the default budgets with room to spare."""
+    """Real wildcard use: pip downloads from the index under `*.pypi.test`, and git
+    clones, lists and fetches the demo repository under `*.git.test` (several names, each
+    asked more than once, as a clone from a forge does) through the gateway, well within
+    the default budgets."""
+    fi = fake_internet
     task = _registered(gwd, ns)
     proxy = f"http://{ns.host_ip}:{gwd.port('proxy')}"
+    names = ["github.git.test", "codeload.git.test", "api.git.test"]
+    served = subprocess.run(
+        ["git", "--git-dir", str(fi.git_root / DEMO_REPO), "rev-parse", DEMO_BRANCH],
+        capture_output=True, text=True, check=True, env=git_env(tmp_path),
+    ).stdout.strip()  # fmt: skip
     try:
+        dl = tmp_path / "dl"
         r = pip_download(
-            ns,
-            tmp_path,
-            proxy,
-            "--cert",
-            fake_internet.ca_pem,
-            "--index-url",
-            "https://files.pypi.test/simple/",
+            ns, dl, proxy, "--cert", fi.ca_pem, "--index-url", "https://files.pypi.test/simple/"
         )
         assert r.returncode == 0, r.stdout + r.stderr
-        assert any(p.suffix == ".whl" for p in tmp_path.iterdir())
-        hosts = ["github", "codeload", "objects", "raw", "api", "uploads", "media", "avatars"]
-        code = (
-            "import ssl,sys,urllib.request\n"
-            "ctx=ssl.create_default_context(cafile=sys.argv[1])\n"
-            "o=urllib.request.build_opener(urllib.request.ProxyHandler({'https':sys.argv[2]}),"
-            "urllib.request.HTTPSHandler(context=ctx))\n"
-            "for _ in range(3):\n"
-            "    for h in sys.argv[3:]:\n"
-            "        assert o.open(f'https://{h}.pypi.test/simple/',timeout=15).status==200\n"
-            "print('ok')\n"
-        )
-        r = ns.run(
-            [sys.executable, "-c", code, fake_internet.ca_pem, proxy, *hosts],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+        assert any(p.suffix == ".whl" for p in dl.iterdir())
+        for i in range(2):
+            work = tmp_path / f"clone{i}"
+            url = f"https://{names[0]}/{DEMO_REPO}"
+            r = _git(ns, fi, proxy, tmp_path, "clone", "--depth", "1", url, str(work))
+            assert r.returncode == 0, r.stderr
+            assert (work / "hello.py").read_text() == DEMO_COMMITS[-1].files["hello.py"]
+            r = _git(ns, fi, proxy, tmp_path, "ls-remote", f"https://{names[2]}/{DEMO_REPO}")
+            assert r.returncode == 0, r.stderr
+            assert f"{served}\trefs/heads/{DEMO_BRANCH}" in r.stdout.splitlines()
+            # the rest of the history, from another name under the same wildcard
+            fetch_url = f"https://{names[1]}/{DEMO_REPO}"
+            r = _git(ns, fi, proxy, work, "fetch", "--unshallow", "--tags", fetch_url)
+            assert r.returncode == 0, r.stderr
+            r = _git(ns, fi, proxy, work, "rev-list", "--count", "HEAD")
+            assert r.stdout.strip() == str(len(DEMO_COMMITS)), r.stderr
     finally:
         gwd.control.deregister(task)
     time.sleep(0.5)  # events of allowed flows are written in batches
-    reasons = {e["event"]["reason"] for e in gwd.decisions(task)}
+    decisions = gwd.decisions(task)
+    reasons = {e["event"]["reason"] for e in decisions}
     assert "name_budget_exceeded" not in reasons
     assert reasons <= {"allowed_by_rule"}, reasons
+    domains = {e.get("destination", {}).get("domain") for e in decisions}
+    assert {"files.pypi.test", *names} <= domains  # git went through the gateway

@@ -162,3 +162,30 @@ def test_given_address_is_used(client_ns: MakeClient, relay: Relay) -> None:
                   redirect_dns_port=relay.dns_port)
     assert (c.address, c.host_ip, c.network) == ("10.251.250.6", "10.251.250.5",
                                                   "10.251.250.4/30")
+
+
+def test_a_new_client_on_an_old_address_gets_its_own_redirect(client_ns: MakeClient) -> None:
+    """conntrack entries outlive a namespace, NAT mapping included: a datagram from a
+    reused (address, source port) must reach the new client's DNS port, not the old one
+    (that lost 1 in a few hundred queries of back-to-back DNS tests)."""
+    send = (
+        "import socket, sys\n"
+        "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+        "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        "s.bind(('0.0.0.0', 40053))\n"
+        "s.sendto(sys.argv[2].encode(), (sys.argv[1], 53))\n"
+    )
+    got = []
+    for i in range(2):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as listener:
+            listener.bind(("0.0.0.0", 0))
+            listener.settimeout(5)
+            port = listener.getsockname()[1]
+            c = client_ns(address="10.251.250.10", redirect_tcp_port=1,
+                          redirect_dns_port=port)  # fmt: skip
+            out = py(c, send, c.host_ip, f"query{i}")
+            assert out.returncode == 0, out.stderr
+            data, _ = listener.recvfrom(100)
+            got.append(data)
+            c.stop()
+    assert got == [b"query0", b"query1"]

@@ -20,6 +20,7 @@ import dns.resolver
 import pytest
 
 from stockade.testnet import FakeInternet
+from stockade.testnet.gitrepo import DEMO_BRANCH, DEMO_COMMITS, DEMO_REPO, git_env
 from stockade.testnet.layout import WEB_HOSTS
 
 pytestmark = pytest.mark.netns
@@ -220,6 +221,32 @@ def test_pip_download_from_pypi_test(fake_internet: FakeInternet, tmp_path: Path
     assert [p.name for p in (tmp_path / "dl").iterdir()] == [
         "stockade_demo_pkg-1.0-py3-none-any.whl"
     ]
+
+
+def test_git_clone_from_git_test_and_names_under_it(
+    fake_internet: FakeInternet, tmp_path: Path
+) -> None:
+    """git's smart HTTP over TLS, from the direct vantage point: git.test and any name
+    under it (one address, a certificate covering *.git.test) serve the demo repository."""
+    fi = fake_internet
+    served = subprocess.run(
+        ["git", "--git-dir", str(fi.git_root / DEMO_REPO), "rev-parse", DEMO_BRANCH],
+        capture_output=True, text=True, check=True, env=git_env(tmp_path),
+    ).stdout.strip()  # fmt: skip
+    for i, name in enumerate(["git.test", f"m{secrets.token_hex(3)}.git.test"]):
+        gitc = ["git", "-c", f"http.sslCAInfo={fi.ca_pem}"]
+        url = f"https://{name}/{DEMO_REPO}"
+        out = fi.run([*gitc, "clone", "-q", url, str(tmp_path / f"w{i}")],
+                     capture_output=True, text=True, timeout=120, env=git_env(tmp_path))
+        assert out.returncode == 0, out.stderr
+        head = fi.run(["git", "-C", str(tmp_path / f"w{i}"), "rev-parse", "HEAD"],
+                      capture_output=True, text=True, env=git_env(tmp_path))
+        assert head.stdout.strip() == served
+        assert (tmp_path / f"w{i}" / "hello.py").read_text() == DEMO_COMMITS[-1].files["hello.py"]
+    # without the CA, git refuses the certificate
+    out = fi.run(["git", "ls-remote", f"https://git.test/{DEMO_REPO}"],
+                 capture_output=True, text=True, timeout=60, env=git_env(tmp_path))
+    assert out.returncode != 0 and "certificate" in out.stderr.lower()
 
 
 def test_tcp_and_udp_echo(fake_internet: FakeInternet) -> None:

@@ -22,6 +22,7 @@ def test_default_plan_matches_documented_addresses() -> None:
         "pypi.test": "10.250.0.13",
         "api.test": "10.250.0.14",
         "other.test": "10.250.0.15",
+        "git.test": "10.250.0.16",
     }
     assert lay.raw_echo_ip == "10.250.0.20"
     assert ipaddress.IPv6Address(lay.ipv6_address) in ipaddress.IPv6Network(lay.ipv6_prefix)

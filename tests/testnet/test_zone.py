@@ -188,4 +188,5 @@ def test_answer_all_survives_the_spec_round_trip() -> None:
     assert ZoneSpec.from_json(spec.to_json()).answer_all == {
         "wild.test": "allowed.test",
         "pypi.test": "pypi.test",
+        "git.test": "git.test",
     }
