@@ -1,4 +1,4 @@
-"""The README's CLI reference, generated from the argparse tree (one source of truth)."""
+"""docs/reference/cli.md, generated from the argparse tree (one source of truth)."""
 
 from __future__ import annotations
 

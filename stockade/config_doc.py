@@ -1,8 +1,8 @@
 """The `stockade.yaml` reference table, generated from the config models themselves.
 
-Descriptions are the models' inline comments, so the README cannot drift from the code
-(tests/core/test_readme.py checks the README carries the current table; which comment
-becomes a description: tests/core/test_config_doc.py).
+Descriptions are the models' inline comments, so the reference cannot drift from the code
+(tests/core/test_readme.py checks docs/reference/config.md carries the current table;
+which comment becomes a description: tests/core/test_config_doc.py).
 """
 
 from __future__ import annotations

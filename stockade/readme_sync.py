@@ -1,26 +1,32 @@
-"""Keeps the README's reference sections generated from their sources of truth.
+"""Keeps the generated reference pages in docs/reference/ current with their sources of truth.
 
-`python -m stockade.readme_sync` rewrites the blocks between markers; the test suite
-fails when the README is out of date (tests/core/test_readme.py).
+`python -m stockade.readme_sync` rewrites the blocks between markers in each file of
+`FILES`; the test suite fails when one is out of date (tests/core/test_readme.py).
 """
 
 from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# Each reference page and the generated blocks it must carry.
+FILES: dict[str, tuple[str, ...]] = {
+    "docs/reference/cli.md": ("cli-reference",),
+    "docs/reference/config.md": ("config-reference",),
+    "docs/reference/rules.md": ("rules-reference",),
+}
+
 
 def _rules_reference() -> str:
-    """docs/rules.md from 'Values' up to the decision walk-through, headings one level down."""
+    """docs/rules.md from 'Values' up to the decision walk-through."""
     text = (ROOT / "docs" / "rules.md").read_text()
     start = text.index("## Values")
     end = text.index("## How a request is decided")
-    body = text[start:end].rstrip()
-    return re.sub(r"^(#+) ", lambda m: "#" + m.group(1) + " ", body, flags=re.M)
+    return text[start:end].rstrip()
 
 
 def _blocks() -> dict[str, Callable[[], str]]:
@@ -33,25 +39,31 @@ def _blocks() -> dict[str, Callable[[], str]]:
     }
 
 
-def render(readme: str) -> str:
+def render(text: str, required: Iterable[str] = ()) -> str:
+    """`text` with every generated block it carries rewritten; a block named in
+    `required` must be there (a page that lost its markers must not pass as current)."""
+    required = set(required)
     for name, make in _blocks().items():
         pattern = re.compile(
             rf"(<!-- {name}:begin[^>]*-->\n)(.*?)\n?(<!-- {name}:end -->)", flags=re.S
         )
-        if not pattern.search(readme):
-            raise ValueError(f"README has no {name} markers")
+        if not pattern.search(text):
+            if name in required:
+                raise ValueError(f"no {name} markers")
+            continue
         content = make()
-        readme = pattern.sub(lambda m, c=content: m.group(1) + c + "\n" + m.group(3), readme)
-    return readme
+        text = pattern.sub(lambda m, c=content: m.group(1) + c + "\n" + m.group(3), text)
+    return text
 
 
 def main() -> int:
-    path = ROOT / "README.md"
-    old = path.read_text()
-    new = render(old)
-    if new != old:
-        path.write_text(new)
-        print("README.md updated", file=sys.stderr)
+    for rel, blocks in FILES.items():
+        path = ROOT / rel
+        old = path.read_text()
+        new = render(old, blocks)
+        if new != old:
+            path.write_text(new)
+            print(f"{rel} updated", file=sys.stderr)
     return 0
 
 

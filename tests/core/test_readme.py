@@ -1,8 +1,10 @@
-"""The README is the newcomer's entry point: its generated references must match the code,
-and its test command must be exactly what CI runs."""
+"""The README is the newcomer's entry point: it and the generated reference pages in
+docs/reference/ must match the code, and its test command must be exactly what CI runs."""
 
 import re
 from pathlib import Path
+
+import pytest
 
 from stockade import readme_sync
 from stockade.cli import build_parser
@@ -14,6 +16,14 @@ def test_generated_sections_are_current():
     readme = (ROOT / "README.md").read_text()
     assert readme_sync.render(readme) == readme, (
         "README is stale: run .venv/bin/python -m stockade.readme_sync"
+    )
+
+
+@pytest.mark.parametrize(("rel", "blocks"), sorted(readme_sync.FILES.items()))
+def test_reference_pages_are_current(rel, blocks):
+    page = (ROOT / rel).read_text()
+    assert readme_sync.render(page, blocks) == page, (
+        f"{rel} is stale: run .venv/bin/python -m stockade.readme_sync"
     )
 
 
