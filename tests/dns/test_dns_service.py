@@ -120,3 +120,47 @@ async def test_service_tallies_and_ends_a_task_in_its_store(
         e["stockade"]["summary"]["count"] for e in stored
         if e["event"]["action"] == "event_summary")
     assert counted == 60
+
+
+async def test_name_budget_summaries_come_before_the_tasks_totals(
+        tmp_path: Path, upstream: Upstream) -> None:
+    """The DNS firewall's end-of-task name-budget summary is part of the task's events:
+    written before its totals (and counted in them), not after the writer has ended the
+    task (which would start tracking the gone task again, never to end it)."""
+    from stockade.gateway.service import GatewayService
+
+    from stockade.events.taskstore import read_task_events
+
+    rules = tmp_path / "rules"
+    for d in ("profiles", "apis", "presets", "tests"):
+        (rules / d).mkdir(parents=True)
+    (rules / "profiles" / "dns-test.yaml").write_text(PROFILE)
+    path = _config(tmp_path, rules, upstream, f"{loopback()}:0")
+    raw = yaml.safe_load(path.read_text())
+    raw["dns"].update(wildcard_names_per_window=2)
+    path.write_text(yaml.safe_dump(raw))
+    config = load_config(path)
+    svc = GatewayService(config)
+    await svc.start()
+    try:
+        assert svc.dns is not None
+        host, port = svc.dns.addresses[0]
+        client = loopback()
+        svc.registry.register(Task("svc-names", client, "dns-test"))
+        for i in range(6):  # 2 admitted, 1 refusal logged, 3 counted for the summary
+            q = dns.message.make_query(f"n{i}.allowed.test", "A")
+            await dns.asyncquery.udp(q, host, port=port, source=client, timeout=3)
+        svc.registry.deregister("svc-names")
+        assert svc.writer.throttle is not None
+        assert svc.writer.throttle.keys("svc-names") == 0  # the writer forgot the task
+        tracked = svc.writer.throttle.tracked_tasks
+    finally:
+        await svc.stop()
+    assert tracked == 0
+    stored = read_task_events(config.task_events_dir, "svc-names")
+    for e in stored:
+        validate(e)
+    budget = [e for e in stored if e["event"]["action"] == "dns_decision"
+              and e["event"].get("reason") == "name_budget_exceeded"]
+    assert [e["stockade"].get("suppressed_events") for e in budget] == [None, 3]
+    assert stored[-1]["event"]["action"] == "event_totals"
