@@ -91,6 +91,17 @@ def shared_frontend(e: EgressEntry, catalogue: Iterable[SharedFrontend]) -> Shar
     return None
 
 
+def missing_catalogue(rs: RuleSet, root: str) -> Problem | None:
+    """Under `--strict`, a rules directory without any shared front-end: the fronting
+    check would pass by checking nothing (a rules copy without `catalogues/`)."""
+    if rs.frontends:
+        return None
+    return Problem(f"{root.rstrip('/')}/catalogues", 1, 1,
+                   "catalogues: no shared front-end catalogue, so --strict cannot check "
+                   "entries for domain fronting; copy rules/catalogues/shared-frontends.yaml "
+                   "into this rules directory", "error")  # fmt: skip
+
+
 def _frontend_problem(e: EgressEntry, f: SharedFrontend, strict: bool) -> Problem | None:
     """An uninspected entry on a shared front-end: a warning (strict: an error), or a
     note when the entry says why it accepts fronting. Inspected entries are fine."""
