@@ -13,7 +13,7 @@ import yaml
 from dns_harness import PROFILE, loopback
 from dns_upstream import Upstream
 
-from stockade.config import load_config
+from stockade.config import Config, load_config
 from stockade.events import read_events, validate
 from stockade.tasks.registry import Task
 
@@ -36,6 +36,19 @@ def _config(tmp: Path, rules: Path, upstream: Upstream, dns_listen: str) -> Path
     path = tmp / "stockade.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def _service_config(tmp: Path, upstream: Upstream, **dns_settings: Any) -> Config:
+    """The test profile's rules and a config with these `dns:` settings on top."""
+    rules = tmp / "rules"
+    for d in ("profiles", "apis", "presets", "tests"):
+        (rules / d).mkdir(parents=True)
+    (rules / "profiles" / "dns-test.yaml").write_text(PROFILE)
+    path = _config(tmp, rules, upstream, f"{loopback()}:0")
+    raw = yaml.safe_load(path.read_text())
+    raw["dns"].update(dns_settings)
+    path.write_text(yaml.safe_dump(raw))
+    return load_config(path)
 
 
 async def test_dns_inside_gateway_service(tmp_path: Path, upstream: Upstream) -> None:
@@ -88,15 +101,7 @@ async def test_service_tallies_and_ends_a_task_in_its_store(
 
     from stockade.events.taskstore import read_task_events
 
-    rules = tmp_path / "rules"
-    for d in ("profiles", "apis", "presets", "tests"):
-        (rules / d).mkdir(parents=True)
-    (rules / "profiles" / "dns-test.yaml").write_text(PROFILE)
-    path = _config(tmp_path, rules, upstream, f"{loopback()}:0")
-    raw = yaml.safe_load(path.read_text())
-    raw["dns"].update(queries_per_second=0.001, query_burst=3)
-    path.write_text(yaml.safe_dump(raw))
-    config = load_config(path)
+    config = _service_config(tmp_path, upstream, queries_per_second=0.001, query_burst=3)
     svc = GatewayService(config)
     await svc.start()
     try:
@@ -131,15 +136,7 @@ async def test_name_budget_summaries_come_before_the_tasks_totals(
 
     from stockade.events.taskstore import read_task_events
 
-    rules = tmp_path / "rules"
-    for d in ("profiles", "apis", "presets", "tests"):
-        (rules / d).mkdir(parents=True)
-    (rules / "profiles" / "dns-test.yaml").write_text(PROFILE)
-    path = _config(tmp_path, rules, upstream, f"{loopback()}:0")
-    raw = yaml.safe_load(path.read_text())
-    raw["dns"].update(wildcard_names_per_window=2)
-    path.write_text(yaml.safe_dump(raw))
-    config = load_config(path)
+    config = _service_config(tmp_path, upstream, wildcard_names_per_window=2)
     svc = GatewayService(config)
     await svc.start()
     try:
