@@ -100,6 +100,7 @@ class GatewayService:
             metrics=self.metrics,
             guards=self.guards,
             name_limits=NameLimits.from_settings(dns),
+            tally=self.writer.tally,
         )
         # after the gateway's own listener: the task's summaries and totals come last
         self.registry.on_removed(self._task_ended)

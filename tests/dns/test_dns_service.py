@@ -161,3 +161,39 @@ async def test_name_budget_summaries_come_before_the_tasks_totals(
               and e["event"].get("reason") == "name_budget_exceeded"]
     assert [e["stockade"].get("suppressed_events") for e in budget] == [None, 3]
     assert stored[-1]["event"]["action"] == "event_totals"
+
+
+async def test_tcp_path_budget_refusals_are_in_the_tasks_totals(
+        tmp_path: Path, upstream: Upstream) -> None:
+    """CONNECT authorities under a wildcard through the gateway's proxy listener, past the
+    name budget: the refusals without an event of their own are still counted in the
+    task's event totals (the writer's tally), as the DNS path's are."""
+    import asyncio
+
+    from stockade.gateway.service import GatewayService
+
+    from stockade.events.taskstore import read_task_events
+
+    config = _service_config(tmp_path, upstream, wildcard_names_per_window=2)
+    svc = GatewayService(config)
+    await svc.start(dns=False)
+    try:
+        host, port = svc.gateway.bound["proxy"][0][:2]
+        client = loopback()
+        svc.registry.register(Task("svc-tcp", client, "dns-test"))
+        statuses = []
+        for i in range(6):  # 2 admitted, 1 refusal logged, 3 only counted
+            reader, writer = await asyncio.open_connection(host, port, local_addr=(client, 0))
+            writer.write(f"CONNECT n{i}.allowed.test:443 HTTP/1.1\r\n\r\n".encode())
+            statuses.append((await reader.readline()).split()[1])
+            writer.close()
+        assert statuses[2:] == [b"403"] * 4
+        svc.registry.deregister("svc-tcp")
+    finally:
+        await svc.stop()
+    stored = read_task_events(config.task_events_dir, "svc-tcp")
+    (totals,) = [e["stockade"]["totals"] for e in stored
+                 if e["event"]["action"] == "event_totals"]
+    (row,) = [r for r in totals["by"] if r["reason"] == "name_budget_exceeded"]
+    # the first refusal and the end summary were written; the other three were counted
+    assert (row["written"], row["summarised"]) == (2, 3)
