@@ -54,11 +54,8 @@ def _service_config(tmp: Path, upstream: Upstream, **dns_settings: Any) -> Confi
 async def test_dns_inside_gateway_service(tmp_path: Path, upstream: Upstream) -> None:
     from stockade.gateway.service import GatewayService
 
+    config = _service_config(tmp_path, upstream)
     rules = tmp_path / "rules"
-    for d in ("profiles", "apis", "presets", "tests"):
-        (rules / d).mkdir(parents=True)
-    (rules / "profiles" / "dns-test.yaml").write_text(PROFILE)
-    config = load_config(_config(tmp_path, rules, upstream, f"{loopback()}:0"))
     svc = GatewayService(config)
     await svc.start()
     try:
