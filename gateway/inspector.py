@@ -43,7 +43,7 @@ from typing import Any
 from stockade.policy.reasons import Reason
 from stockade.policy.ruleset import RuleSet
 
-from stockade.events import EventWriter, make_event
+from stockade.events import make_event
 
 from .inspection import (
     CA_BASENAME,
@@ -621,15 +621,8 @@ async def run_inspector(spec: dict[str, Any], stdin_eof: asyncio.Event | None = 
     from stockade.config import EventSettings
 
     ev = EventSettings.model_validate(spec.get("events", {}))
-    writer = EventWriter(
-        spec.get("events_file"),
-        max_bytes=ev.max_bytes,
-        backups=ev.backups,
-        stdout=False,  # stdout is the ready channel
-        throttle=ev.throttle(),
-        task_dir=spec.get("task_dir"),
-        task_store_bytes=ev.task_store_bytes,
-    )
+    # stdout is the ready channel
+    writer = ev.writer(spec.get("events_file"), spec.get("task_dir"), stdout=False)
     rules = RulesByVersion(spec["rules_dir"])
     rules.load()
     _install_stream_patch()

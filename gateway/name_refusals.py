@@ -23,11 +23,8 @@ PATH = "gateway"
 def budget_denial(
     guards: GuardState, task_id: str, rule: str, budget: Budget, now: float
 ) -> GuardDenial:
-    due = guards.names.refusal_event_due(task_id, PATH, rule, budget, now)
-    extra: dict[str, object] = {"name_budget": str(budget)}
-    if due:
-        extra["suppressed_events"] = due
-    return GuardDenial(Reason.NAME_BUDGET_EXCEEDED, DETAIL[budget], extra, log=due is not None)
+    extra, log = guards.names.refusal(task_id, PATH, rule, budget, now)
+    return GuardDenial(Reason.NAME_BUDGET_EXCEEDED, DETAIL[budget], extra, log=log)
 
 
 def name_budget_summaries(guards: GuardState, task: Task) -> list[dict[str, Any]]:
@@ -42,8 +39,8 @@ def name_budget_summaries(guards: GuardState, task: Task) -> list[dict[str, Any]
             profile=task.profile,
             rule_id=s.rule or None,
             transport="tcp",
-            message=f"{s.suppressed} more names refused while the task ran: {DETAIL[s.budget]}",
-            extra={"name_budget": str(s.budget), "suppressed_events": s.suppressed},
+            message=s.message,
+            extra=s.extra,
         )
         for s in guards.names.take_summaries(task.task_id, PATH)
     ]

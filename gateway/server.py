@@ -110,6 +110,7 @@ class Gateway:
         metrics: GatewayMetrics | None = None,
         guards: GuardState | None = None,
         name_limits: NameLimits | None = None,
+        tally: Emit | None = None,
     ) -> None:
         self.settings = settings
         self.rules = rules
@@ -117,6 +118,9 @@ class Gateway:
         self.resolver = resolver
         self.address_policy = address_policy
         self.emit = emit
+        # counts an event not written (a name-budget refusal past the first) into the
+        # task's event summaries and totals, as the DNS firewall's tally does
+        self.tally: Emit = tally or _untallied
         self.metrics = metrics or GatewayMetrics()
         # the L7 inspector (InspectorSupervisor), set by the service when inspection is on
         self.inspector: Any = None
@@ -922,10 +926,9 @@ class Gateway:
             policy_version=decision.policy_version,
             detail=detail,
         )
-        if log:
-            self._decision_event(conn, d, None, extra=extra)
-        else:  # counted in a later event's suppressed_events (see guards.GuardDenial)
-            self._count_decision("denied", str(reason), conn.task.profile if conn.task else "")
+        # not logged: counted in a later event's suppressed_events (guards.GuardDenial) and
+        # in the task's event totals
+        self._decision_event(conn, d, None, extra=extra, emit=None if log else self.tally)
         await self._refuse(conn, reason, decision.rule_id, decision.protocol, status=status)
         return None, None, None
 
@@ -979,6 +982,7 @@ class Gateway:
         dialled: str | None,
         now: float | None = None,
         extra: dict[str, Any] | None = None,
+        emit: Emit | None = None,
     ) -> dict[str, Any]:
         task = conn.task
         profile = task.profile if task else None
@@ -1009,7 +1013,7 @@ class Gateway:
             extra=extra,
             now=now,
         )
-        self.emit(ev)
+        (emit or self.emit)(ev)
         return ev
 
     def _emit_close(
@@ -1061,6 +1065,10 @@ ACCEPT_BATCH = 64  # connections accepted per readiness callback before yielding
 EVENT_DELAY_S = 0.01  # how long an allowed flow's events may wait to be written in a batch
 VERDICT_CACHE_SIZE = 4096  # memoised CONNECT verdicts (see Gateway._connect_verdict)
 EVENT_SLICE = 4  # deferred events written per event-loop round
+
+
+def _untallied(_event: dict[str, Any]) -> None:
+    return None
 
 
 def _budget_key(ruleset: RuleSet, task: Task, host: str) -> str:

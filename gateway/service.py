@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from stockade.config import Config
-from stockade.tasks import TaskRegistry, make_control_app, start_control_server
+from stockade.tasks import Task, TaskRegistry, make_control_app, start_control_server
 
 from .addresses import AddressPolicy
 from .dns.guards import GuardState, NameLimits
@@ -100,9 +100,10 @@ class GatewayService:
             metrics=self.metrics,
             guards=self.guards,
             name_limits=NameLimits.from_settings(dns),
+            tally=self.writer.tally,
         )
         # after the gateway's own listener: the task's summaries and totals come last
-        self.registry.on_removed(lambda task: self.writer.end_task(task.task_id))
+        self.registry.on_removed(self._task_ended)
         # L7 inspection: a supervised mitmproxy child for flows whose allow entries need
         # method/path (gateway/inspection.py); without it they stay denied, fail closed
         self.inspector: InspectorSupervisor | None = None
@@ -113,6 +114,13 @@ class GatewayService:
         self._control: web.AppRunner | None = None
         self._metrics_runner: web.AppRunner | None = None
         self.metrics_port: int | None = None
+
+    def _task_ended(self, task: Task) -> None:
+        # the DNS firewall's end-of-task summaries before the totals: its own hook is added
+        # at start, after this one, and then finds nothing left to write
+        if self.dns is not None:
+            self.dns.task_removed(task)
+        self.writer.end_task(task.task_id)
 
     async def start(self, *, dns: bool = True) -> None:
         self.rules.load_initial()  # RulesError: refuse to start rather than run without rules

@@ -121,7 +121,7 @@ def _problem_json(p: Any) -> dict[str, Any]:
 
 
 def cmd_lint(args: argparse.Namespace) -> int:
-    from .lint import lint_ruleset
+    from .lint import lint_ruleset, missing_catalogue
     from .loader import load_rules
     from .problems import RulesError
 
@@ -134,6 +134,9 @@ def cmd_lint(args: argparse.Namespace) -> int:
             problems.extend(e.problems)
             continue
         problems.extend(lint_ruleset(rs, args.today, args.expiring_within, args.strict))
+        empty = missing_catalogue(rs, str(root)) if args.strict else None
+        if empty is not None:
+            problems.append(empty)
     errors = sum(p.severity == "error" for p in problems)
     notes = sum(p.severity == "note" for p in problems)
     warnings = len(problems) - errors - notes

@@ -76,10 +76,15 @@ def decide(
     if not on_port:
         return cp.verdict(False, Reason.PORT_NOT_ALLOWED, candidates[0])
     for e in on_port:
-        if e.http is None and not e.host_must_match_sni:
+        if not e.inspected:
             return cp.verdict(True, Reason.ALLOWED_BY_RULE, e)
+    return _decide_inspected(cp, on_port, facts)
 
-    # every entry that matched wants L7 facts (method/path, or Host == SNI per request)
+
+def _decide_inspected(
+    cp: CompiledProfile, on_port: list[EgressEntry], facts: RequestFacts
+) -> Verdict:
+    """Every entry that matched wants L7 facts (method/path, or Host == SNI per request)."""
     if facts.method is None or facts.path is None:
         return cp.verdict(False, Reason.INSPECTION_UNAVAILABLE, on_port[0], True)
     method = facts.method.upper()

@@ -91,6 +91,17 @@ def shared_frontend(e: EgressEntry, catalogue: Iterable[SharedFrontend]) -> Shar
     return None
 
 
+def missing_catalogue(rs: RuleSet, root: str) -> Problem | None:
+    """Under `--strict`, a rules directory without any shared front-end: the fronting
+    check would pass by checking nothing (a rules copy without `catalogues/`)."""
+    if rs.frontends:
+        return None
+    return Problem(f"{root.rstrip('/')}/catalogues", 1, 1,
+                   "catalogues: no shared front-end catalogue, so --strict cannot check "
+                   "entries for domain fronting; copy rules/catalogues/shared-frontends.yaml "
+                   "into this rules directory", "error")  # fmt: skip
+
+
 def _frontend_problem(e: EgressEntry, f: SharedFrontend, strict: bool) -> Problem | None:
     """An uninspected entry on a shared front-end: a warning (strict: an error), or a
     note when the entry says why it accepts fronting. Inspected entries are fine."""
@@ -131,6 +142,31 @@ def shadowing_deny(profile: Profile, entry: EgressEntry, today: date) -> EgressE
     return None
 
 
+def _frontend_problems(rs: RuleSet, today: date, strict: bool) -> Iterable[Problem]:
+    """The fronting problem of every in-force allow entry on a shared front-end."""
+    for e in _defined_entries(rs, deny=False):
+        front = shared_frontend(e, rs.frontends) if in_force(e, today) else None
+        fp = _frontend_problem(e, front, strict) if front is not None else None
+        if fp is not None:
+            yield fp
+
+
+def _profile_problems(p: Profile) -> Iterable[Problem]:
+    """Profile-wide warnings: seccomp relaxations (with their reason), report mode."""
+    relax = p.syscalls
+    if relax is not None and relax.location is not None:
+        loc = relax.location
+        yield Problem(loc.file, loc.line, loc.column,
+                      f"sandbox.syscalls: profile {p.name!r} lets "
+                      f"{', '.join(sorted(relax.allow))} through the seccomp filter "
+                      f"(reason: {relax.reason})", "warning")  # fmt: skip
+    if p.mode == "report" and p.location is not None:
+        loc = p.location
+        msg = (f"egress.mode: profile {p.name!r} is in report mode: denials are logged "
+               "but not enforced")  # fmt: skip
+        yield Problem(loc.file, loc.line, loc.column, msg, "warning")
+
+
 def lint_ruleset(
     rs: RuleSet, today: date | None = None, expiring_within: int = 14, strict: bool = False
 ) -> list[Problem]:
@@ -143,11 +179,8 @@ def lint_ruleset(
     def add(p: Problem) -> None:
         out.setdefault((p.file, p.line, p.column, p.message), p)
 
-    for e in _defined_entries(rs, deny=False):
-        front = shared_frontend(e, rs.frontends) if in_force(e, today) else None
-        fp = _frontend_problem(e, front, strict) if front is not None else None
-        if fp is not None:
-            add(fp)
+    for fp in _frontend_problems(rs, today, strict):
+        add(fp)
     for e in _defined_entries(rs):
         if not in_force(e, today):
             add(_warn(e, f"entry {e.id!r} expired on {e.expires}; it is not in force "
@@ -157,18 +190,8 @@ def lint_ruleset(
             add(_warn(e, f"entry {e.id!r} expires on {e.expires} (in {days} day(s)); "
                          "review whether it is still needed"))  # fmt: skip
     for p in rs.profiles.values():
-        relax = p.syscalls
-        if relax is not None and relax.location is not None:
-            loc = relax.location
-            add(Problem(loc.file, loc.line, loc.column,
-                        f"sandbox.syscalls: profile {p.name!r} lets "
-                        f"{', '.join(sorted(relax.allow))} through the seccomp filter "
-                        f"(reason: {relax.reason})", "warning"))  # fmt: skip
-        if p.mode == "report" and p.location is not None:
-            loc = p.location
-            msg = (f"egress.mode: profile {p.name!r} is in report mode: denials are logged "
-                   "but not enforced")  # fmt: skip
-            add(Problem(loc.file, loc.line, loc.column, msg, "warning"))
+        for pp in _profile_problems(p):
+            add(pp)
         for e in p.allow:
             if not in_force(e, today):
                 continue

@@ -53,6 +53,13 @@ class EventSettings(Strict):
             task_events=self.task_budget_events, task_bytes=self.task_budget_bytes,
             keys_per_task=self.keys_per_task)
 
+    def writer(self, path: str | Path | None, task_dir: str | Path | None,
+               stdout: bool) -> EventWriter:
+        """An event writer with these settings: throttle and per-task store included."""
+        return EventWriter(
+            path, max_bytes=self.max_bytes, backups=self.backups, stdout=stdout,
+            throttle=self.throttle(), task_dir=task_dir, task_store_bytes=self.task_store_bytes)
+
 
 class Config(Strict):
     rules_dir: str = "rules"  # profiles/, apis/, presets/, tests/ (relative to the cwd)
@@ -93,10 +100,8 @@ class Config(Strict):
     def event_writer(self, *, stdout: bool | None = None) -> EventWriter:
         """The writer every component uses: shared file, throttle, per-task store."""
         ev = self.events
-        return EventWriter(
-            self.events_file, max_bytes=ev.max_bytes, backups=ev.backups,
-            stdout=ev.stdout if stdout is None else stdout, throttle=ev.throttle(),
-            task_dir=self.task_events_dir, task_store_bytes=ev.task_store_bytes)
+        return ev.writer(self.events_file, self.task_events_dir,
+                         ev.stdout if stdout is None else stdout)
 
 
 class ConfigError(ValueError):

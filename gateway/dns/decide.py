@@ -98,6 +98,14 @@ def host_of(labels: tuple[bytes, ...]) -> str | None:
         return None
 
 
+def _high_entropy(labels: tuple[bytes, ...], settings: DnsSettings) -> bool:
+    return any(
+        len(label) >= settings.entropy_min_label_length
+        and shannon_entropy(label) >= settings.entropy_threshold_bits
+        for label in labels
+    )
+
+
 def precheck(
     q: Query,
     task: Task | None,
@@ -154,12 +162,8 @@ def precheck(
     }
     if q.qtype not in RESOLVED_TYPES and q.qtype not in EMPTY_TYPES:
         return _deny(settings, Reason.QTYPE_REFUSED, **{**common, "report_only": False})
-    for label in q.labels:
-        if (
-            len(label) >= settings.entropy_min_label_length
-            and shannon_entropy(label) >= settings.entropy_threshold_bits
-        ):
-            return _deny(settings, Reason.HIGH_ENTROPY_LABEL, **{**common, "report_only": False})
+    if _high_entropy(q.labels, settings):
+        return _deny(settings, Reason.HIGH_ENTROPY_LABEL, **{**common, "report_only": False})
     if q.qtype in EMPTY_TYPES:
         return Outcome("allowed", verdict.reason, Reply(RCODE.NOERROR), **common)
     assert ruleset is not None
@@ -179,18 +183,14 @@ def budget_denial(
 ) -> Outcome:
     """A name over a name budget: refused before any upstream query (the query is the
     channel). Logged once per entry and budget, then counted (see namebudget.py)."""
-    rule = common["rule_id"] or ""
-    due = guards.names.refusal_event_due(task.task_id, "dns", rule, budget, now)
-    extra: dict[str, Any] = {"name_budget": str(budget)}
-    if due:
-        extra["suppressed_events"] = due
+    extra, log = guards.names.refusal(task.task_id, "dns", common["rule_id"] or "", budget, now)
     return _deny(
         settings,
         Reason.NAME_BUDGET_EXCEEDED,
         **{**common, "report_only": False},
         message=DETAIL[budget],
         extra=extra,
-        log=due is not None,
+        log=log,
     )
 
 
@@ -202,8 +202,8 @@ def summary_outcomes(guards: GuardState, task: Task, settings: DnsSettings) -> l
             settings,
             Reason.NAME_BUDGET_EXCEEDED,
             rule_id=s.rule or None,
-            message=f"{s.suppressed} more names refused while the task ran: {DETAIL[s.budget]}",
-            extra={"name_budget": str(s.budget), "suppressed_events": s.suppressed},
+            message=s.message,
+            extra=s.extra,
         )
         for s in guards.names.take_summaries(task.task_id, "dns")
     ]

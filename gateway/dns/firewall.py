@@ -111,7 +111,7 @@ class DnsFirewall:
                                   settings.max_tcp_connections_per_task)
         self._pending: set[asyncio.Task[None]] = set()
         self._throttled: dict[tuple[str, str], tuple[float, int]] = {}
-        registry.on_removed(self._task_removed)
+        registry.on_removed(self.task_removed)
 
     # -- rules ---------------------------------------------------------------------
     @property
@@ -127,7 +127,8 @@ class DnsFirewall:
     def set_rules(self, rules: RulesSource) -> None:
         self._rules = rules
 
-    def _task_removed(self, task: Task) -> None:
+    def task_removed(self, task: Task) -> None:
+        """Write the task's name-budget summaries and forget it (again: a no-op)."""
         # (`guards` is looked up here, not bound earlier: the service may replace it)
         for out in summary_outcomes(self.guards, task, self.settings):
             self._emit(outcome_event(None, out, task, None, None, "udp"))

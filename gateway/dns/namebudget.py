@@ -118,6 +118,14 @@ class RefusalSummary:
     budget: Budget
     suppressed: int
 
+    @property
+    def message(self) -> str:
+        return f"{self.suppressed} more names refused while the task ran: {DETAIL[self.budget]}"
+
+    @property
+    def extra(self) -> dict[str, object]:  # event fields under `stockade`
+        return {"name_budget": str(self.budget), "suppressed_events": self.suppressed}
+
 
 def wildcard_suffix(ruleset: RuleSet, profile: str, name: str, rule_id: str | None) -> str | None:
     """The suffix of the wildcard entry `rule_id` that `name` falls under ("" when no entry
@@ -192,6 +200,17 @@ class NameBudget:
             return n
         log.suppressed += 1
         return None
+
+    def refusal(
+        self, task_id: str, path: str, rule: str, budget: Budget, now: float
+    ) -> tuple[dict[str, object], bool]:
+        """A refusal's event fields under `stockade`, and whether to log it (else it is
+        only counted: see `refusal_event_due`)."""
+        due = self.refusal_event_due(task_id, path, rule, budget, now)
+        extra: dict[str, object] = {"name_budget": str(budget)}
+        if due:
+            extra["suppressed_events"] = due
+        return extra, due is not None
 
     def take_summaries(self, task_id: str, path: str) -> list[RefusalSummary]:
         """The refusals of `path` counted but not logged yet, for the task's end summary;

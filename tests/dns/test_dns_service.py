@@ -13,7 +13,7 @@ import yaml
 from dns_harness import PROFILE, loopback
 from dns_upstream import Upstream
 
-from stockade.config import load_config
+from stockade.config import Config, load_config
 from stockade.events import read_events, validate
 from stockade.tasks.registry import Task
 
@@ -38,14 +38,24 @@ def _config(tmp: Path, rules: Path, upstream: Upstream, dns_listen: str) -> Path
     return path
 
 
-async def test_dns_inside_gateway_service(tmp_path: Path, upstream: Upstream) -> None:
-    from stockade.gateway.service import GatewayService
-
-    rules = tmp_path / "rules"
+def _service_config(tmp: Path, upstream: Upstream, **dns_settings: Any) -> Config:
+    """The test profile's rules and a config with these `dns:` settings on top."""
+    rules = tmp / "rules"
     for d in ("profiles", "apis", "presets", "tests"):
         (rules / d).mkdir(parents=True)
     (rules / "profiles" / "dns-test.yaml").write_text(PROFILE)
-    config = load_config(_config(tmp_path, rules, upstream, f"{loopback()}:0"))
+    path = _config(tmp, rules, upstream, f"{loopback()}:0")
+    raw = yaml.safe_load(path.read_text())
+    raw["dns"].update(dns_settings)
+    path.write_text(yaml.safe_dump(raw))
+    return load_config(path)
+
+
+async def test_dns_inside_gateway_service(tmp_path: Path, upstream: Upstream) -> None:
+    from stockade.gateway.service import GatewayService
+
+    config = _service_config(tmp_path, upstream)
+    rules = tmp_path / "rules"
     svc = GatewayService(config)
     await svc.start()
     try:
@@ -88,15 +98,7 @@ async def test_service_tallies_and_ends_a_task_in_its_store(
 
     from stockade.events.taskstore import read_task_events
 
-    rules = tmp_path / "rules"
-    for d in ("profiles", "apis", "presets", "tests"):
-        (rules / d).mkdir(parents=True)
-    (rules / "profiles" / "dns-test.yaml").write_text(PROFILE)
-    path = _config(tmp_path, rules, upstream, f"{loopback()}:0")
-    raw = yaml.safe_load(path.read_text())
-    raw["dns"].update(queries_per_second=0.001, query_burst=3)
-    path.write_text(yaml.safe_dump(raw))
-    config = load_config(path)
+    config = _service_config(tmp_path, upstream, queries_per_second=0.001, query_burst=3)
     svc = GatewayService(config)
     await svc.start()
     try:
@@ -120,3 +122,75 @@ async def test_service_tallies_and_ends_a_task_in_its_store(
         e["stockade"]["summary"]["count"] for e in stored
         if e["event"]["action"] == "event_summary")
     assert counted == 60
+
+
+async def test_name_budget_summaries_come_before_the_tasks_totals(
+        tmp_path: Path, upstream: Upstream) -> None:
+    """The DNS firewall's end-of-task name-budget summary is part of the task's events:
+    written before its totals (and counted in them), not after the writer has ended the
+    task (which would start tracking the gone task again, never to end it)."""
+    from stockade.gateway.service import GatewayService
+
+    from stockade.events.taskstore import read_task_events
+
+    config = _service_config(tmp_path, upstream, wildcard_names_per_window=2)
+    svc = GatewayService(config)
+    await svc.start()
+    try:
+        assert svc.dns is not None
+        host, port = svc.dns.addresses[0]
+        client = loopback()
+        svc.registry.register(Task("svc-names", client, "dns-test"))
+        for i in range(6):  # 2 admitted, 1 refusal logged, 3 counted for the summary
+            q = dns.message.make_query(f"n{i}.allowed.test", "A")
+            await dns.asyncquery.udp(q, host, port=port, source=client, timeout=3)
+        svc.registry.deregister("svc-names")
+        assert svc.writer.throttle is not None
+        assert svc.writer.throttle.keys("svc-names") == 0  # the writer forgot the task
+        tracked = svc.writer.throttle.tracked_tasks
+    finally:
+        await svc.stop()
+    assert tracked == 0
+    stored = read_task_events(config.task_events_dir, "svc-names")
+    for e in stored:
+        validate(e)
+    budget = [e for e in stored if e["event"]["action"] == "dns_decision"
+              and e["event"].get("reason") == "name_budget_exceeded"]
+    assert [e["stockade"].get("suppressed_events") for e in budget] == [None, 3]
+    assert stored[-1]["event"]["action"] == "event_totals"
+
+
+async def test_tcp_path_budget_refusals_are_in_the_tasks_totals(
+        tmp_path: Path, upstream: Upstream) -> None:
+    """CONNECT authorities under a wildcard through the gateway's proxy listener, past the
+    name budget: the refusals without an event of their own are still counted in the
+    task's event totals (the writer's tally), as the DNS path's are."""
+    import asyncio
+
+    from stockade.gateway.service import GatewayService
+
+    from stockade.events.taskstore import read_task_events
+
+    config = _service_config(tmp_path, upstream, wildcard_names_per_window=2)
+    svc = GatewayService(config)
+    await svc.start(dns=False)
+    try:
+        host, port = svc.gateway.bound["proxy"][0][:2]
+        client = loopback()
+        svc.registry.register(Task("svc-tcp", client, "dns-test"))
+        statuses = []
+        for i in range(6):  # 2 admitted, 1 refusal logged, 3 only counted
+            reader, writer = await asyncio.open_connection(host, port, local_addr=(client, 0))
+            writer.write(f"CONNECT n{i}.allowed.test:443 HTTP/1.1\r\n\r\n".encode())
+            statuses.append((await reader.readline()).split()[1])
+            writer.close()
+        assert statuses[2:] == [b"403"] * 4
+        svc.registry.deregister("svc-tcp")
+    finally:
+        await svc.stop()
+    stored = read_task_events(config.task_events_dir, "svc-tcp")
+    (totals,) = [e["stockade"]["totals"] for e in stored
+                 if e["event"]["action"] == "event_totals"]
+    (row,) = [r for r in totals["by"] if r["reason"] == "name_budget_exceeded"]
+    # the first refusal and the end summary were written; the other three were counted
+    assert (row["written"], row["summarised"]) == (2, 3)

@@ -48,6 +48,21 @@ def write_config(
     return path
 
 
+def fake_internet_config(
+    tmp: Path, fi: Any, profiles: dict[str, str], dns: dict[str, Any] | None = None,
+    **gateway: Any,
+) -> Path:
+    """A rules directory with these profiles and a gateway on the fake internet `fi`: both
+    listeners on any address, its DNS server upstream, its subnet dialable."""
+    rules = tmp / "rules"
+    (rules / "profiles").mkdir(parents=True)
+    for name, text in profiles.items():
+        (rules / "profiles" / f"{name}.yaml").write_text(text)
+    return write_config(tmp, rules, dns, transparent_listen=["0.0.0.0:0"],
+                        proxy_listen=["0.0.0.0:0"], resolvers=[fi.dns_server],
+                        allow_addresses=[fi.subnet], **gateway)  # fmt: skip
+
+
 class GatewayHarness:
     def __init__(self, config_path: Path) -> None:
         self.config = load_config(config_path)

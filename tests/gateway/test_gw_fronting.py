@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gw_harness import GatewayHarness, registered_client, write_config
+from gw_harness import GatewayHarness, fake_internet_config, registered_client
 from test_gw_inspection import ca, curl, find_event, split, wait_ready
 
 from stockade.testnet import ClientNamespace, FakeInternet
@@ -87,17 +87,10 @@ print(json.dumps(out))
 def fgw(
     fake_internet: FakeInternet, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GatewayHarness]:
-    tmp = tmp_path_factory.mktemp("fronting")
-    rules = tmp / "rules"
-    (rules / "profiles").mkdir(parents=True)
-    (rules / "profiles" / "front.yaml").write_text(FRONT)
-    cfg = write_config(
-        tmp,
-        rules,
-        transparent_listen=["0.0.0.0:0"],
-        proxy_listen=["0.0.0.0:0"],
-        resolvers=[fake_internet.dns_server],
-        allow_addresses=[fake_internet.subnet],
+    cfg = fake_internet_config(
+        tmp_path_factory.mktemp("fronting"),
+        fake_internet,
+        {"front": FRONT},
         sniff_timeout_s=3.0,
         dns={"ttl_min_s": 0},
         inspection={"upstream_ca_file": fake_internet.ca_pem, "restart_delay_s": 1.0},

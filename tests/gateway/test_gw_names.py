@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gw_harness import GatewayHarness, pip_download, write_config
+from gw_harness import GatewayHarness, fake_internet_config, pip_download
 from stockade.gateway.dns.settings import DnsSettings
 
 from stockade.ports import free_dual_port
@@ -59,17 +59,10 @@ BUDGET = 4
 def gwd(
     fake_internet: FakeInternet, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GatewayHarness]:
-    tmp = tmp_path_factory.mktemp("gwnames")
-    rules = tmp / "rules"
-    (rules / "profiles").mkdir(parents=True)
-    (rules / "profiles" / "names.yaml").write_text(PROFILE)
-    cfg = write_config(
-        tmp,
-        rules,
-        transparent_listen=["0.0.0.0:0"],
-        proxy_listen=["0.0.0.0:0"],
-        resolvers=[fake_internet.dns_server],
-        allow_addresses=[fake_internet.subnet],
+    cfg = fake_internet_config(
+        tmp_path_factory.mktemp("gwnames"),
+        fake_internet,
+        {"names": PROFILE},
         sniff_timeout_s=1.5,
         dns={
             "listen": [f"0.0.0.0:{free_dual_port()}"],

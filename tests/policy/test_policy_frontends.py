@@ -289,3 +289,14 @@ def test_shipped_rules_make_the_choice_for_every_shared_frontend_entry(capsys):
         assert e.inspected or e.accept_fronting, e.id
     files = rs.profiles["pypi-build"].allow
     assert next(e for e in files if e.id == "pypi-files").host_must_match_sni
+
+
+def test_strict_refuses_a_rules_directory_without_a_catalogue(capsys, write_rules):
+    """Without `catalogues/` there is nothing to check entries against: --strict must not
+    pass by checking nothing (a plain lint still passes, as before)."""
+    root = write_rules(profiles={"p": profile("{host: files.example.test, id: e, reason: r}")})
+    rc, out, err = run(capsys, "lint", str(root))
+    assert rc == 0 and "0 error(s), 0 warning(s)" in err, out
+    rc, out, err = run(capsys, "lint", "--strict", str(root))
+    assert rc == 1 and "1 error(s)" in err, out
+    assert f"{root}/catalogues:1:1: catalogues: no shared front-end catalogue" in out
