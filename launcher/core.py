@@ -550,14 +550,15 @@ class Launcher:
         """Remove everything of this launcher's naming that no live launcher owns."""
         removed: dict[str, list[str]] = {"sandboxes": [], "netns": [], "links": [],
                                          "elements": [], "cgroups": [], "scratch": []}
-        records = self.state.read()
-        for tid, rec in records.items():
-            if tid in self._live or (rec.owner_alive() and rec.owner_pid != os.getpid()):
+        for tid, rec in self.state.read().items():
+            try:
+                if tid in self._live or (rec.owner_alive() and rec.owner_pid != os.getpid()):
+                    continue
+                self._reconcile_orphan(tid)
+            except Exception as e:  # one bad record must not keep every other orphan
+                logging.getLogger("stockade.launcher").error(
+                    "reconcile: sandbox %s: %s: %s", tid, type(e).__name__, e)
                 continue
-            gone = self._teardown(tid)
-            if end_due(gone):  # its run is gone: nobody else will say it ended
-                self._emit(end_event(gone, "orphaned",
-                                     accounting=self._end_accounting(gone)))
             removed["sandboxes"].append(tid)
         # under the state lock: a sandbox another launcher is creating has its record
         # written before any of its pieces exist, so nothing of a live sandbox is removed
@@ -566,6 +567,11 @@ class Launcher:
             for tid in [t for t in list(self._logged) if t not in records]:
                 self._logged.pop(tid, None)  # a sandbox another process ended and reported
         return removed
+
+    def _reconcile_orphan(self, task_id: str) -> None:
+        gone = self._teardown(task_id)
+        if end_due(gone):  # its run is gone: nobody else will say it ended
+            self._emit(end_event(gone, "orphaned", accounting=self._end_accounting(gone)))
 
     def _reconcile_names(self, keep: set[str], removed: dict[str, list[str]]) -> None:
         keep_if = {self._ifname(t) for t in keep}
