@@ -38,6 +38,7 @@ from stockade.events import validate
 from stockade.tasks import ControlError
 
 from .conftest import Lab
+from .test_launcher_flood import _attempts_in
 
 pytestmark = pytest.mark.netns
 
@@ -433,18 +434,6 @@ time.sleep(300)
 """
 
 
-def _attempts_reported(events: list[dict[str, Any]]) -> int:
-    """Verbatim bypass events plus every summary of them (the throttle's, the unlogged)."""
-    n = 0
-    for e in events:
-        act = e["event"]["action"]
-        if act == "bypass_attempt":
-            n += 1
-        elif act == "event_summary" and e["stockade"]["summary"]["action"] == "bypass_attempt":
-            n += e["stockade"]["summary"]["count"]
-    return n
-
-
 @pytest.mark.parametrize("remover", ["reconcile", "kill"])
 def test_an_orphans_end_event_counts_its_bypass_attempts(
     served: Served, lab: Lab, remover: str
@@ -482,6 +471,6 @@ def test_an_orphans_end_event_counts_its_bypass_attempts(
     stored = read_task_events(lab.config.task_events_dir, tid)
     for e in stored:
         validate(e)
-    assert _attempts_reported(stored) == bypass["attempts"]
+    assert _attempts_in(stored) == bypass["attempts"]
     if remover == "reconcile":  # the service read the records and removed the sandbox
         assert ends[0]["stockade"]["event_totals"]["launcher"]["written"] >= 1
