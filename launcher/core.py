@@ -666,37 +666,10 @@ class Launcher:
         inputs = self._check_inputs(spec.inputs)
         limits = profile.limits
         ttl = min(spec.ttl, limits.ttl) if spec.ttl else limits.ttl
-        now = time.time()
-        try:
-            with self.state.locked() as records:
-                while True:
-                    task_id = secrets.token_hex(5)
-                    if task_id not in records:
-                        break
-                slot = free_slot(self.s.address_pool, (r.slot for r in records.values()))
-                a = slot_addresses(self.s.address_pool, slot)
-                cg = cgroups.CgroupSet(
-                    self.s.cgroup_root, self.s.cgroup_parent, task_id, self.s.cgroup_cpu_weight
-                )
-                rec = SandboxRecord(
-                    task_id=task_id, profile=profile.name, slot=slot,
-                    ifname=self._ifname(task_id), netns=self._netns(task_id),
-                    host_ip=a.host_ip, guest_ip=a.guest_ip,
-                    guest_mac=a.guest_mac, owner_pid=os.getpid(),
-                    owner_start=start_time(os.getpid()) or 0,
-                    scratch=str(self.scratch_base / task_id), cgroups=cg.paths,
-                    started_at=now, expires_at=now + ttl, isolation=isolation["isolation"],
-                )
-                # known as live before the record is visible: a concurrent kill() finds it
-                live = _Live(rec, cg)
-                self._live[task_id] = live
-                records[task_id] = rec
-                # another launcher's close() may have removed the table
-                if not nft.table_exists(self.s.nft_table):
-                    nft.apply_table(self.params)
-        except StateWriteError as e:  # a full state disk: nothing of the sandbox exists yet
-            self._live.pop(task_id, None)
-            raise LauncherError(f"cannot write the launcher state {e.path}: {e}") from None
+        live = self._claim(profile.name, ttl, isolation["isolation"])
+        rec, cg, task_id = live.record, live.cg, live.record.task_id
+        a = slot_addresses(self.s.address_pool, rec.slot)
+        now = rec.started_at
         vm = self.s.microvm
         try:
             if backend == "microvm":
@@ -770,6 +743,43 @@ class Launcher:
                 f"(the profile asks for {isolation['isolation_requested']})"),
             extra={"lifecycle": "start", "ttl_s": ttl, **isolation},
         ))
+        return live
+
+    def _claim(self, profile: str, ttl: float, isolation: str) -> _Live:
+        """A task id, a slot and the sandbox's record (state `starting`), written before
+        any piece of it exists; on any error nothing of it is left."""
+        now = time.time()
+        task_id = ""
+        try:
+            with self.state.locked() as records:
+                while not task_id or task_id in records:
+                    task_id = secrets.token_hex(5)
+                slot = free_slot(self.s.address_pool, (r.slot for r in records.values()))
+                a = slot_addresses(self.s.address_pool, slot)
+                cg = cgroups.CgroupSet(
+                    self.s.cgroup_root, self.s.cgroup_parent, task_id, self.s.cgroup_cpu_weight
+                )
+                rec = SandboxRecord(
+                    task_id=task_id, profile=profile, slot=slot,
+                    ifname=self._ifname(task_id), netns=self._netns(task_id),
+                    host_ip=a.host_ip, guest_ip=a.guest_ip,
+                    guest_mac=a.guest_mac, owner_pid=os.getpid(),
+                    owner_start=start_time(os.getpid()) or 0,
+                    scratch=str(self.scratch_base / task_id), cgroups=cg.paths,
+                    started_at=now, expires_at=now + ttl, isolation=isolation,
+                )
+                # known as live before the record is visible: a concurrent kill() finds it
+                live = _Live(rec, cg)
+                self._live[task_id] = live
+                records[task_id] = rec
+                # another launcher's close() may have removed the table
+                if not nft.table_exists(self.s.nft_table):
+                    nft.apply_table(self.params)
+        except BaseException as e:  # the record was not written: nothing exists yet
+            self._live.pop(task_id, None)
+            if isinstance(e, StateWriteError):  # a full state disk
+                raise LauncherError(f"cannot write the launcher state {e.path}: {e}") from None
+            raise
         return live
 
     def _start_netns(self, live: _Live, spec: SandboxSpec, a: Any,

@@ -175,3 +175,17 @@ def test_one_bad_record_does_not_stop_the_reconcile_of_others(
         netns.destroy(good.netns, good.ifname)
         CgroupSet(s.cgroup_root, s.cgroup_parent, good.task_id).remove()
     assert leftovers(lab) == EMPTY
+
+
+def test_a_failed_claim_leaves_no_live_entry(lab: Lab, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nft table cannot be made again while the record is claimed: the run fails and
+    the launcher does not keep a live entry (that kill() and reconcile would trust)."""
+    def fail(*_a: Any, **_k: Any) -> None:
+        raise nft.NftError("table gone and cannot be made")
+
+    monkeypatch.setattr(nft, "table_exists", lambda table: False)
+    monkeypatch.setattr(nft, "apply_table", fail)
+    with pytest.raises(nft.NftError):
+        lab.run(["true"])
+    assert lab.launcher._live == {}
+    assert lab.launcher.list() == []
