@@ -615,13 +615,13 @@ class Launcher:
         """Bypass counts and every component's event totals for the end event (`rec`: the
         record this caller's teardown removed); the launcher's own summaries and totals
         are written first. The logged count is this process's reader's tally when it
-        read the records (its run, or any sandbox while it holds the NFLOG group); for
-        another process's sandbox (a kill, a reconcile) it is what the store holds."""
+        holds the NFLOG group (it read every sandbox's records), else what the task's
+        store holds (another launcher's reader, or a dead run's, wrote them)."""
         own = rec.owner_pid == os.getpid() and rec.owner_alive()
         logged = self._logged.pop(rec.task_id, 0)
-        if not (own or self.nflog_bound):  # that process's reader tally died with it
-            logged = logged_in_store(read_task_events(self.config.task_events_dir,
-                                                      rec.task_id))
+        if not self.nflog_bound:  # another process's reader (the service) wrote them
+            logged = max(logged, logged_in_store(
+                read_task_events(self.config.task_events_dir, rec.task_id)))
         total = rec.bypass
         if self.nflog_bound or not own:  # else another launcher's reader reported them
             ev = unlogged_bypass_summary(

@@ -434,6 +434,27 @@ time.sleep(300)
 """
 
 
+def test_a_run_beside_the_service_reports_what_the_service_logged(
+    served: Served, lab: Lab
+) -> None:
+    """The service holds the NFLOG group, so a `stockade run` beside it reads no records:
+    its end event's logged count is the bypass events the service wrote to the task's
+    store, not zero."""
+    script = BLOCKED_UDP.replace("time.sleep(300)", "time.sleep(1.5)")
+    p = subprocess.run([sys.executable, "-m", "stockade", "run", "--profile", "svc", "--rules",
+                        str(served.rules), "--config", str(served.cfg_path), "--json", "--",
+                        "python3", "-c", script, "30"],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 0, p.stderr
+    tid = json.loads(p.stdout)["task_id"]
+    (end,) = _ends(lab, tid)
+    bypass = end["stockade"]["bypass"]
+    assert bypass["attempts"] >= 30
+    assert 1 <= bypass["logged"] <= bypass["attempts"]
+    assert bypass["logged"] + bypass["unlogged"] == bypass["attempts"]
+    assert len(lab.bypass(tid)) <= bypass["logged"]
+
+
 @pytest.mark.parametrize("remover", ["reconcile", "kill"])
 def test_an_orphans_end_event_counts_its_bypass_attempts(
     served: Served, lab: Lab, remover: str
