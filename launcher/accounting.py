@@ -38,6 +38,25 @@ def unlogged_bypass_summary(task_id: str, profile: str | None, total: int, logge
     )
 
 
+def logged_in_store(stored: list[Event]) -> int:
+    """The bypass attempts the NFLOG reader reported, as the task's store holds them:
+    verbatim events plus the throttle's summaries of them (not the unlogged summary).
+    What a reconcile counts for an orphan whose run, and its reader's tally, are gone."""
+    n = 0
+    for ev in stored:
+        st = ev.get("stockade", {})
+        if st.get("component") != "launcher":
+            continue
+        action = ev.get("event", {}).get("action")
+        summary = st.get("summary") or {}
+        if action == "bypass_attempt":
+            n += 1
+        elif (action == SUMMARY_ACTION and summary.get("action") == "bypass_attempt"
+              and "unlogged" not in summary):
+            n += int(summary.get("count", 0))
+    return n
+
+
 def end_accounting(stored: list[Event], bypass_total: int, bypass_logged: int) -> dict[str, Any]:
     """The end event's `event_totals` and `bypass` fields."""
     totals: dict[str, dict[str, int]] = {}

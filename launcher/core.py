@@ -49,7 +49,7 @@ from . import (
     trust,
     vmimage,
 )
-from .accounting import denials_of, end_accounting, unlogged_bypass_summary
+from .accounting import denials_of, end_accounting, logged_in_store, unlogged_bypass_summary
 from .addresses import free_slot, slot_addresses
 from .ending import end_due, end_event
 from .nflog import LogRecord, NflogSocket
@@ -323,9 +323,9 @@ class Launcher:
         self._nflog_ticks = 0
         self._nflog_cv = threading.Condition()
         self.nflog_bound = False
-        # per task: NFLOG records handled, and the nft bypass counter read at teardown
+        # per sandbox: NFLOG records this process's reader handled, dropped at its end or
+        # by a reconcile (the nft bypass counter travels in SandboxRecord.bypass)
         self._logged: dict[str, int] = {}
-        self._bypass: dict[str, int] = {}
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._congestion_control = _permitted_congestion_control(self.s.congestion_control)
 
@@ -473,11 +473,11 @@ class Launcher:
             t_end = time.monotonic()
         duration = t_end - t0
         if end_due(ours):  # else a kill or reconcile elsewhere removed it, with its event
-            self._emit(end_event(rec, ended_by, exit_code=exit_code, duration_s=duration,
+            self._emit(end_event(ours, ended_by, exit_code=exit_code, duration_s=duration,
                                  policy_version=policy_version,
-                                 accounting=self._end_accounting(rec)))
+                                 accounting=self._end_accounting(ours)))
         else:
-            self._forget_accounting(rec.task_id)
+            self._logged.pop(rec.task_id, None)  # the remover's end event reports it
         if vm_failed is not None:  # torn down above, like any sandbox that fails to start
             # QEMU's and the console's words go to the orchestrator without host paths (the
             # raw line is in the launcher's log, see _vm_outcome)
@@ -550,20 +550,28 @@ class Launcher:
         """Remove everything of this launcher's naming that no live launcher owns."""
         removed: dict[str, list[str]] = {"sandboxes": [], "netns": [], "links": [],
                                          "elements": [], "cgroups": [], "scratch": []}
-        records = self.state.read()
-        for tid, rec in records.items():
-            if tid in self._live or (rec.owner_alive() and rec.owner_pid != os.getpid()):
+        for tid, rec in self.state.read().items():
+            try:
+                if tid in self._live or (rec.owner_alive() and rec.owner_pid != os.getpid()):
+                    continue
+                self._reconcile_orphan(tid)
+            except Exception as e:  # one bad record must not keep every other orphan
+                logging.getLogger("stockade.launcher").error(
+                    "reconcile: sandbox %s: %s: %s", tid, type(e).__name__, e)
                 continue
-            gone = self._teardown(tid)
-            if end_due(gone):  # its run is gone: nobody else will say it ended
-                self._emit(end_event(gone, "orphaned",
-                                     accounting=self._end_accounting(gone)))
             removed["sandboxes"].append(tid)
         # under the state lock: a sandbox another launcher is creating has its record
         # written before any of its pieces exist, so nothing of a live sandbox is removed
         with self.state.locked() as records:
             self._reconcile_names(set(records), removed)
+            for tid in [t for t in list(self._logged) if t not in records]:
+                self._logged.pop(tid, None)  # a sandbox another process ended and reported
         return removed
+
+    def _reconcile_orphan(self, task_id: str) -> None:
+        gone = self._teardown(task_id)
+        if end_due(gone):  # its run is gone: nobody else will say it ended
+            self._emit(end_event(gone, "orphaned", accounting=self._end_accounting(gone)))
 
     def _reconcile_names(self, keep: set[str], removed: dict[str, list[str]]) -> None:
         keep_if = {self._ifname(t) for t in keep}
@@ -604,11 +612,18 @@ class Launcher:
         return denials_of(read_task_events(self.config.task_events_dir, task_id))
 
     def _end_accounting(self, rec: SandboxRecord) -> dict[str, Any]:
-        """Bypass counts and every component's event totals for the end event; the
-        launcher's own summaries and totals are written first."""
-        total = self._bypass.pop(rec.task_id, 0)
+        """Bypass counts and every component's event totals for the end event (`rec`: the
+        record this caller's teardown removed); the launcher's own summaries and totals
+        are written first. The logged count is this process's reader's tally when it
+        holds the NFLOG group (it read every sandbox's records), else what the task's
+        store holds (another launcher's reader, or a dead run's, wrote them)."""
+        own = rec.owner_pid == os.getpid() and rec.owner_alive()
         logged = self._logged.pop(rec.task_id, 0)
-        if self.nflog_bound:  # else another launcher's reader reported the records
+        if not self.nflog_bound:  # another process's reader (the service) wrote them
+            logged = max(logged, logged_in_store(
+                read_task_events(self.config.task_events_dir, rec.task_id)))
+        total = rec.bypass
+        if self.nflog_bound or not own:  # else another launcher's reader reported them
             ev = unlogged_bypass_summary(
                 rec.task_id, rec.profile, total, logged, rec.started_at, time.time())
             if ev is not None:
@@ -616,11 +631,6 @@ class Launcher:
         self.events.end_task(rec.task_id)
         stored = read_task_events(self.config.task_events_dir, rec.task_id)
         return end_accounting(stored, max(total, logged), logged)
-
-    def _forget_accounting(self, task_id: str) -> None:
-        """Another process wrote the sandbox's end event: drop what this one counted."""
-        self._bypass.pop(task_id, None)
-        self._logged.pop(task_id, None)
 
     # -- creation ------------------------------------------------------------------------
     def _profile(self, name: str, ruleset: Any) -> Any:
@@ -656,37 +666,10 @@ class Launcher:
         inputs = self._check_inputs(spec.inputs)
         limits = profile.limits
         ttl = min(spec.ttl, limits.ttl) if spec.ttl else limits.ttl
-        now = time.time()
-        try:
-            with self.state.locked() as records:
-                while True:
-                    task_id = secrets.token_hex(5)
-                    if task_id not in records:
-                        break
-                slot = free_slot(self.s.address_pool, (r.slot for r in records.values()))
-                a = slot_addresses(self.s.address_pool, slot)
-                cg = cgroups.CgroupSet(
-                    self.s.cgroup_root, self.s.cgroup_parent, task_id, self.s.cgroup_cpu_weight
-                )
-                rec = SandboxRecord(
-                    task_id=task_id, profile=profile.name, slot=slot,
-                    ifname=self._ifname(task_id), netns=self._netns(task_id),
-                    host_ip=a.host_ip, guest_ip=a.guest_ip,
-                    guest_mac=a.guest_mac, owner_pid=os.getpid(),
-                    owner_start=start_time(os.getpid()) or 0,
-                    scratch=str(self.scratch_base / task_id), cgroups=cg.paths,
-                    started_at=now, expires_at=now + ttl, isolation=isolation["isolation"],
-                )
-                # known as live before the record is visible: a concurrent kill() finds it
-                live = _Live(rec, cg)
-                self._live[task_id] = live
-                records[task_id] = rec
-                # another launcher's close() may have removed the table
-                if not nft.table_exists(self.s.nft_table):
-                    nft.apply_table(self.params)
-        except StateWriteError as e:  # a full state disk: nothing of the sandbox exists yet
-            self._live.pop(task_id, None)
-            raise LauncherError(f"cannot write the launcher state {e.path}: {e}") from None
+        live = self._claim(profile.name, ttl, isolation["isolation"])
+        rec, cg, task_id = live.record, live.cg, live.record.task_id
+        a = slot_addresses(self.s.address_pool, rec.slot)
+        now = rec.started_at
         vm = self.s.microvm
         try:
             if backend == "microvm":
@@ -760,6 +743,43 @@ class Launcher:
                 f"(the profile asks for {isolation['isolation_requested']})"),
             extra={"lifecycle": "start", "ttl_s": ttl, **isolation},
         ))
+        return live
+
+    def _claim(self, profile: str, ttl: float, isolation: str) -> _Live:
+        """A task id, a slot and the sandbox's record (state `starting`), written before
+        any piece of it exists; on any error nothing of it is left."""
+        now = time.time()
+        task_id = ""
+        try:
+            with self.state.locked() as records:
+                while not task_id or task_id in records:
+                    task_id = secrets.token_hex(5)
+                slot = free_slot(self.s.address_pool, (r.slot for r in records.values()))
+                a = slot_addresses(self.s.address_pool, slot)
+                cg = cgroups.CgroupSet(
+                    self.s.cgroup_root, self.s.cgroup_parent, task_id, self.s.cgroup_cpu_weight
+                )
+                rec = SandboxRecord(
+                    task_id=task_id, profile=profile, slot=slot,
+                    ifname=self._ifname(task_id), netns=self._netns(task_id),
+                    host_ip=a.host_ip, guest_ip=a.guest_ip,
+                    guest_mac=a.guest_mac, owner_pid=os.getpid(),
+                    owner_start=start_time(os.getpid()) or 0,
+                    scratch=str(self.scratch_base / task_id), cgroups=cg.paths,
+                    started_at=now, expires_at=now + ttl, isolation=isolation,
+                )
+                # known as live before the record is visible: a concurrent kill() finds it
+                live = _Live(rec, cg)
+                self._live[task_id] = live
+                records[task_id] = rec
+                # another launcher's close() may have removed the table
+                if not nft.table_exists(self.s.nft_table):
+                    nft.apply_table(self.params)
+        except BaseException as e:  # the record was not written: nothing exists yet
+            self._live.pop(task_id, None)
+            if isinstance(e, StateWriteError):  # a full state disk
+                raise LauncherError(f"cannot write the launcher state {e.path}: {e}") from None
+            raise
         return live
 
     def _start_netns(self, live: _Live, spec: SandboxSpec, a: Any,
@@ -1046,9 +1066,7 @@ class Launcher:
                 for path in self._control_sockets():
                     with contextlib.suppress(Exception):
                         ControlClient(path, timeout=2.0).deregister(task_id)
-            if live is not None:  # our run's end event reports it; read before it goes
-                with contextlib.suppress(OSError, ValueError):
-                    self._bypass[task_id] = nft.bypass_count(self.s.nft_table, rec.ifname)
+            rec.bypass = self._keep_bypass_count(rec)
             with contextlib.suppress(nft.NftError):
                 nft.run(nft.element_commands(self.s.nft_table, "delete", [self._wiring(rec)]))
             netns.destroy(rec.netns, rec.ifname)
@@ -1061,6 +1079,8 @@ class Launcher:
         try:
             with self.state.locked() as records:
                 removed = records.pop(task_id, None)
+                if removed is not None and rec is not None:
+                    removed.bypass = max(removed.bypass, rec.bypass)
         except StateWriteError as e:
             # every piece is gone; the record (owner pid gone with this process) goes at
             # the next reconcile that can write, which then writes the end event
@@ -1069,6 +1089,19 @@ class Launcher:
                 "sandbox %s torn down, but its record stays: %s", task_id, e)
         self._live.pop(task_id, None)
         return removed
+
+    def _keep_bypass_count(self, rec: SandboxRecord) -> int:
+        """Copies the sandbox's nft bypass counter into its state record before the
+        counter's element goes: a racing teardown that reads it after then still finds
+        the count in the record it may be the one to remove."""
+        count = rec.bypass
+        with contextlib.suppress(OSError, ValueError):
+            count = max(count, nft.bypass_count(self.s.nft_table, rec.ifname))
+        with contextlib.suppress(StateWriteError), self.state.locked() as records:
+            if rec.task_id in records:
+                stored = records[rec.task_id]
+                stored.bypass = count = max(stored.bypass, count)
+        return count
 
     def _delete_elements_by_name(self, ifname: str) -> None:
         """Remove every element of an interface whose record is lost (reconcile)."""
@@ -1217,8 +1250,8 @@ class Launcher:
         if owner is None:
             return None
         task_id, profile = owner
-        if task_id in self._live:  # (another launcher's sandbox: its run reports it)
-            self._logged[task_id] = self._logged.get(task_id, 0) + 1
+        # any launcher's sandbox: whoever removes it here reports the tally
+        self._logged[task_id] = self._logged.get(task_id, 0) + 1
         what = r.prefix.split(":", 1)[-1] or "blocked"
         ev = make_event(
             component="launcher", action="bypass_attempt", decision="denied",

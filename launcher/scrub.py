@@ -21,8 +21,11 @@ ENV_SKIP = frozenset({"PATH", "LANG", "LC_ALL", "TERM", "TZ", "SHELL", "SHLVL", 
 PUBLIC_TREES = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
                 "/proc", "/sys", "/dev")
 # directories whose name is public but whose subdirectories may be host-specific
+# world-writable scratch inside the public trees, like /tmp: what is below is the host's
+SCRATCH_IN_TREES = ("/dev/shm", "/dev/mqueue")  # noqa: S108 - names, not files we use
 PUBLIC_DIRS = frozenset({"/", "/tmp", "/var/tmp", "/var", "/var/lib", "/var/log", "/run",  # noqa: S108 - names, not files we use
-                         "/opt", "/home", "/root", "/srv", "/mnt", "/media"})
+                         "/opt", "/home", "/root", "/srv", "/mnt", "/media",
+                         *SCRATCH_IN_TREES})
 
 
 def is_public_path(value: str) -> bool:
@@ -41,6 +44,8 @@ def _public_one(path: str) -> bool:
     norm = "/" + "/".join(parts)  # `//usr/` -> `/usr`
     if norm in PUBLIC_DIRS:
         return True
+    if any(norm.startswith(d + "/") for d in SCRATCH_IN_TREES):
+        return False  # `/dev/shm/stockade-run` is a host's run dir, not a system path
     return any(norm == t or norm.startswith(t + "/") for t in PUBLIC_TREES)
 
 

@@ -38,6 +38,9 @@ class SandboxRecord:
     expires_at: float | None = None
     state: str = "starting"  # starting | running | frozen | ending
     isolation: str = "container"  # the tier it runs at: container (netns) | microvm
+    # the nft bypass counter, copied here by each teardown before it deletes the counter's
+    # element: whichever teardown removes the record reports the count, not a zero
+    bypass: int = 0
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> SandboxRecord:

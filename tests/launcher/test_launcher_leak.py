@@ -128,3 +128,64 @@ def test_reconcile_removes_unrecorded_pieces(lab: Lab) -> None:
     assert removed["netns"] == [f"{s.name_prefix}-{tid}"]
     assert removed["cgroups"] == [tid] and removed["scratch"] == [tid]
     assert leftovers(lab) == EMPTY
+
+
+def test_one_bad_record_does_not_stop_the_reconcile_of_others(
+    lab: Lab, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A corrupt record whose teardown raises (here a netns name that is null) is logged
+    and left; the orphan after it is still removed, with its end event, and reconcile
+    (which every run's start and the service's loop call) does not raise."""
+    from stockade.launcher.addresses import slot_addresses
+    from stockade.launcher.state import SandboxRecord
+
+    s = lab.config.launcher
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid whose process is gone: both records are orphans
+
+    def record(tid: str, slot: int) -> SandboxRecord:
+        a = slot_addresses(s.address_pool, slot)
+        return SandboxRecord(task_id=tid, profile="test", slot=slot,
+                             ifname=f"{s.name_prefix}{tid}", netns=f"{s.name_prefix}-{tid}",
+                             host_ip=a.host_ip, guest_ip=a.guest_ip, guest_mac=a.guest_mac,
+                             owner_pid=dead.pid, scratch=str(Path(s.scratch_dir) / tid),
+                             started_at=time.time() - 5, state="running")
+
+    bad, good = record("bad0000001", 61), record("900d000001", 62)
+    bad.netns = None  # type: ignore[assignment]
+    a = slot_addresses(s.address_pool, 62)
+    netns.create(good.netns, good.ifname, a)
+    CgroupSet(s.cgroup_root, s.cgroup_parent, good.task_id).create(Limits(2**26, 16, 0.5))
+    with lab.launcher.state.locked() as records:
+        records[bad.task_id] = bad  # first: the old loop stopped here
+        records[good.task_id] = good
+    try:
+        removed = lab.launcher.reconcile()
+        assert removed["sandboxes"] == [good.task_id]
+        assert good.task_id not in lab.launcher.state.read()
+        assert not netns.exists(good.netns)
+        ends = [e for e in lab.events(good.task_id) if e["stockade"].get("lifecycle") == "end"]
+        assert [e["stockade"]["ended_by"] for e in ends] == ["orphaned"]
+        assert bad.task_id in lab.launcher.state.read()  # kept for a later look, logged
+        assert f"reconcile: sandbox {bad.task_id}: TypeError" in caplog.text
+    finally:
+        with lab.launcher.state.locked() as records:
+            records.pop(bad.task_id, None)
+            records.pop(good.task_id, None)
+        netns.destroy(good.netns, good.ifname)
+        CgroupSet(s.cgroup_root, s.cgroup_parent, good.task_id).remove()
+    assert leftovers(lab) == EMPTY
+
+
+def test_a_failed_claim_leaves_no_live_entry(lab: Lab, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nft table cannot be made again while the record is claimed: the run fails and
+    the launcher does not keep a live entry (that kill() and reconcile would trust)."""
+    def fail(*_a: Any, **_k: Any) -> None:
+        raise nft.NftError("table gone and cannot be made")
+
+    monkeypatch.setattr(nft, "table_exists", lambda table: False)
+    monkeypatch.setattr(nft, "apply_table", fail)
+    with pytest.raises(nft.NftError):
+        lab.run(["true"])
+    assert lab.launcher._live == {}
+    assert lab.launcher.list() == []

@@ -165,16 +165,27 @@ def test_scrub_keeps_public_system_paths() -> None:
 
 
 @pytest.mark.parametrize("value", ["/etc/ssl/certs", "/usr/lib", "/", "/tmp", "//usr//lib/",
-                                   "/usr/local/share:/usr/share", "/proc/self"])
+                                   "/usr/local/share:/usr/share", "/proc/self", "/dev/shm",
+                                   "/dev/null"])
 def test_public_paths(value: str) -> None:
     assert scrub.is_public_path(value)
 
 
 @pytest.mark.parametrize("value", ["/tmp/x", "/var/lib/stockade", "/home/alice", "usr/lib",
                                    "/usr/../home/alice", "/etc/./../srv",
-                                   "/etc/ssl:/srv/data", "", ":", "/etcetera", "s3cr3t"])
+                                   "/etc/ssl:/srv/data", "", ":", "/etcetera", "s3cr3t",
+                                   "/dev/shm/stockade-run", "//dev//mqueue/job-1"])
 def test_host_specific_paths(value: str) -> None:
     assert not scrub.is_public_path(value)
+
+
+def test_a_run_dir_in_dev_shm_is_scrubbed() -> None:
+    """/dev is a public tree, but /dev/shm is world-writable scratch like /tmp: a run or
+    state dir there is the host's and never reaches the caller."""
+    s = scrub.build(host_paths=["/dev/shm/stockade-7f3a/run"],
+                    host_env={"STOCKADE_RUN": "/dev/shm/stockade-7f3a"})
+    text = "sock /dev/shm/stockade-7f3a/run/gw.sock; dir /dev/shm/stockade-7f3a/x; /dev/null"
+    assert s(text) == "sock <host-path>/gw.sock; dir <env:STOCKADE_RUN>/x; /dev/null"
 
 
 # -- init script ----------------------------------------------------------------------

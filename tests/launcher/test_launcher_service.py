@@ -38,6 +38,7 @@ from stockade.events import validate
 from stockade.tasks import ControlError
 
 from .conftest import Lab
+from .test_launcher_flood import _attempts_in
 
 pytestmark = pytest.mark.netns
 
@@ -421,3 +422,76 @@ def test_a_run_that_ends_itself_has_one_end_event(served: Served, lab: Lab) -> N
     time.sleep(1.5)
     ends = _ends(lab, res["task_id"])
     assert [e["stockade"]["ended_by"] for e in ends] == ["exit"]
+
+
+BLOCKED_UDP = r"""
+import os, socket, sys, time
+gw = os.environ["STOCKADE_BROKER"].split("//")[1].split(":")[0]  # host side of the veth
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for i in range(int(sys.argv[1])):
+    s.sendto(b"x", (gw, 1000 + i))
+time.sleep(300)
+"""
+
+
+def test_a_run_beside_the_service_reports_what_the_service_logged(
+    served: Served, lab: Lab
+) -> None:
+    """The service holds the NFLOG group, so a `stockade run` beside it reads no records:
+    its end event's logged count is the bypass events the service wrote to the task's
+    store, not zero."""
+    script = BLOCKED_UDP.replace("time.sleep(300)", "time.sleep(1.5)")
+    p = subprocess.run([sys.executable, "-m", "stockade", "run", "--profile", "svc", "--rules",
+                        str(served.rules), "--config", str(served.cfg_path), "--json", "--",
+                        "python3", "-c", script, "30"],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 0, p.stderr
+    tid = json.loads(p.stdout)["task_id"]
+    (end,) = _ends(lab, tid)
+    bypass = end["stockade"]["bypass"]
+    assert bypass["attempts"] >= 30
+    assert 1 <= bypass["logged"] <= bypass["attempts"]
+    assert bypass["logged"] + bypass["unlogged"] == bypass["attempts"]
+    assert len(lab.bypass(tid)) <= bypass["logged"]
+
+
+@pytest.mark.parametrize("remover", ["reconcile", "kill"])
+def test_an_orphans_end_event_counts_its_bypass_attempts(
+    served: Served, lab: Lab, remover: str
+) -> None:
+    """The end event a reconcile or a kill from another process writes for a killed
+    run's sandbox carries the nft bypass counter, and every counted attempt is in an
+    event or a summary, as for a run that ends itself."""
+    from stockade.launcher import Launcher
+
+    from stockade.events.taskstore import read_task_events
+
+    n = 300
+    proc, tid = _run_in_background(served, ["python3", "-c", BLOCKED_UDP, str(n)])
+    assert _wait_for(lambda: lab.bypass(tid), 30)
+    time.sleep(1.0)  # the rest of the burst: a few hundred sends take milliseconds
+    if remover == "kill":
+        proc.send_signal(signal.SIGSTOP)  # its owner alive but stuck: the kill removes it
+        other = Launcher(served.config, nflog=False)
+        try:
+            assert other.kill(tid)
+        finally:
+            other.close()
+        proc.kill()
+    else:
+        proc.kill()
+    proc.wait()
+    assert _wait_for(lambda: _gone(served, lab, tid), 30)
+    time.sleep(2.5)  # more reconcile rounds: still one end event
+    ends = _ends(lab, tid)
+    assert len(ends) == 1, ends
+    assert ends[0]["stockade"]["ended_by"] == ("killed" if remover == "kill" else "orphaned")
+    bypass = ends[0]["stockade"]["bypass"]
+    assert bypass["attempts"] >= n
+    assert bypass["logged"] + bypass["unlogged"] == bypass["attempts"]
+    stored = read_task_events(lab.config.task_events_dir, tid)
+    for e in stored:
+        validate(e)
+    assert _attempts_in(stored) == bypass["attempts"]
+    if remover == "reconcile":  # the service read the records and removed the sandbox
+        assert ends[0]["stockade"]["event_totals"]["launcher"]["written"] >= 1
