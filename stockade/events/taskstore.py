@@ -13,6 +13,7 @@ could not store is counted and reported in the task's `event_totals` event
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import re
@@ -36,19 +37,25 @@ def task_file(directory: Path, task_id: str) -> Path | None:
 def append_line(fd: int, data: bytes) -> None:
     """Write one whole line with one write(2) on an O_APPEND descriptor, or nothing.
 
-    A short write (a full disk) is cut off again when no other writer appended after it,
-    so the next line does not merge with a torn fragment; either way OSError is raised
-    and the caller counts the event as lost.
+    A short write (a full disk) is cut off again, so the next line does not merge with a
+    torn fragment; either way OSError is raised and the caller counts the event as lost.
+    Several processes append to the same files (the shared events file, a task's store),
+    so the write and the cut-back hold an flock: no other writer's line can land between
+    them and be cut off with the fragment (two syscalls more per line).
     """
-    n = os.write(fd, data)
-    if n == len(data):
-        return
-    end = os.lseek(fd, 0, os.SEEK_CUR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
     try:
-        if os.fstat(fd).st_size == end:
-            os.ftruncate(fd, end - n)
-    except OSError:
-        pass
+        n = os.write(fd, data)
+        if n == len(data):
+            return
+        end = os.lseek(fd, 0, os.SEEK_CUR)
+        try:
+            if os.fstat(fd).st_size == end:  # a writer that does not lock may have appended
+                os.ftruncate(fd, end - n)
+        except OSError:
+            pass
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
     raise OSError(errno.ENOSPC, f"short write ({n} of {len(data)} bytes)")
 
 
