@@ -6,6 +6,7 @@ task do not grow the broker's memory (real OpenBao, real sockets; broker/body.py
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import socket
 import ssl
@@ -167,6 +168,36 @@ async def test_a_tasks_bodies_share_one_budget(budgeted: Harness) -> None:
     reasons = [e["event"]["reason"] for e in h.event_list()
                if e["event"]["action"] == "broker_call"]
     assert reasons.count("body_memory_limit") == 2
+
+
+@pytest.mark.vault
+async def test_a_compressed_body_is_charged_as_it_grows(budgeted: Harness) -> None:
+    """aiohttp inflates a gzip request body: its small Content-Length is not what it holds
+    in memory, so the bytes read count against the task's budget too."""
+    h = budgeted
+    _held_r, held_w = await open_conn(h)  # 60 KiB of a body held in memory, never finished
+    held_w.write(HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + _chunk(b" " * 60 * 1024))
+    await held_w.drain()
+    for _ in range(200):
+        if h.broker.bodies.held.get("t1", 0) >= 60 * 1024:
+            break
+        await asyncio.sleep(0.05)
+    doc = json.dumps({"api": "echo", "path": "/json"}).encode() + b" " * 50 * 1024
+    packed = gzip.compress(doc)
+    assert len(packed) < 1024 and len(doc) < AGENT_LIMIT
+    reader, writer = await open_conn(h)
+    writer.write(HEAD + b"Content-Encoding: gzip\r\nContent-Length: %d\r\n\r\n" % len(packed)
+                 + packed)
+    await writer.drain()
+    status, body = await _answer(reader)
+    writer.close()
+    assert (status, json.loads(body)["reason"]) == (429, "body_memory_limit")
+    held_w.close()
+    for _ in range(200):
+        if not h.broker.bodies.held:
+            break
+        await asyncio.sleep(0.05)
+    assert h.broker.bodies.held == {}
 
 
 def _rss_bytes() -> int:
