@@ -82,7 +82,7 @@ class BrokerService:
                              load_rules=lambda: load_rules(rules_dir),
                              resolver=resolver, address_policy=resolver.policy)
         events = self.events
-        self.registry.on_removed(lambda task: events.end_task(task.task_id))
+        self.registry.on_removed(lambda task: events.end_task(task.task_id), last=True)
         # log in only now that the broker exists: a failed start-up login reports through
         # Broker.vault_status (gauge to 0, `vault_status` event) like a failed read does
         await self.vault.ensure_login()

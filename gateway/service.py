@@ -101,8 +101,9 @@ class GatewayService:
             guards=self.guards,
             name_limits=NameLimits.from_settings(dns),
         )
-        # after the gateway's own listener: the task's summaries and totals come last
-        self.registry.on_removed(lambda task: self.writer.end_task(task.task_id))
+        # after every other listener (the DNS firewall's is added later, at start): the
+        # task's name-budget summaries are written and counted before its totals
+        self.registry.on_removed(lambda task: self.writer.end_task(task.task_id), last=True)
         # L7 inspection: a supervised mitmproxy child for flows whose allow entries need
         # method/path (gateway/inspection.py); without it they stay denied, fail closed
         self.inspector: InspectorSupervisor | None = None

@@ -120,3 +120,48 @@ async def test_service_tallies_and_ends_a_task_in_its_store(
         e["stockade"]["summary"]["count"] for e in stored
         if e["event"]["action"] == "event_summary")
     assert counted == 60
+
+
+async def test_name_budget_summaries_come_before_the_tasks_totals(
+        tmp_path: Path, upstream: Upstream) -> None:
+    """The DNS firewall's end-of-task name-budget summary is written while the writer
+    still tracks the task: counted in its totals, and no throttle state left behind."""
+    from stockade.gateway.service import GatewayService
+
+    from stockade.events.taskstore import read_task_events
+
+    rules = tmp_path / "rules"
+    for d in ("profiles", "apis", "presets", "tests"):
+        (rules / d).mkdir(parents=True)
+    (rules / "profiles" / "dns-test.yaml").write_text(PROFILE)
+    path = _config(tmp_path, rules, upstream, f"{loopback()}:0")
+    raw = yaml.safe_load(path.read_text())
+    raw["dns"].update(wildcard_names_per_window=2, queries_per_second=1000, query_burst=1000)
+    path.write_text(yaml.safe_dump(raw))
+    config = load_config(path)
+    svc = GatewayService(config)
+    await svc.start()
+    try:
+        assert svc.dns is not None and svc.writer.throttle is not None
+        host, port = svc.dns.addresses[0]
+        client = loopback()
+        svc.registry.register(Task("svc-names", client, "dns-test"))
+        for i in range(10):
+            q = dns.message.make_query(f"n{i}.allowed.test", "A")
+            await dns.asyncquery.udp(q, host, port=port, source=client, timeout=3)
+        svc.registry.deregister("svc-names")
+        assert svc.writer.throttle.tracked_tasks == 0
+    finally:
+        await svc.stop()
+    stored = read_task_events(config.task_events_dir, "svc-names")
+    actions = [e["event"]["action"] for e in stored]
+    assert actions[-1] == "event_totals" and actions.count("event_totals") == 1
+    budget = [e for e in stored if e["event"].get("reason") == "name_budget_exceeded"
+              and e["event"]["action"] == "dns_decision"]
+    assert any(e["stockade"].get("suppressed_events") for e in budget)  # the end summary
+    (totals,) = [e["stockade"]["totals"] for e in stored
+                 if e["event"]["action"] == "event_totals"]
+    dns_written = sum(1 for e in stored if e["event"]["action"] == "dns_decision")
+    row = [r for r in totals["by"] if r["reason"] == "name_budget_exceeded"]
+    assert sum(r["written"] for r in row) == len(budget)
+    assert totals["written"] == dns_written
