@@ -17,6 +17,7 @@ from aiohttp import web
 
 from stockade.config import Config
 from stockade.events import EventWriter
+from stockade.events.writer import SUMMARY_FLUSH_S
 from stockade.listen import parse_listen
 from stockade.loops import every
 from stockade.tasks import TaskRegistry, make_control_app, start_control_server
@@ -121,6 +122,8 @@ class BrokerService:
             self.metrics_address = _bound(msite)
 
         self._tasks.append(asyncio.create_task(self._expire_loop()))
+        self._tasks.append(asyncio.create_task(
+            every(SUMMARY_FLUSH_S, events.flush_due, "broker: event summaries", log)))
 
     def _vault_status(self, state: str, cause: str) -> None:
         if self.broker is not None:

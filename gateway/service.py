@@ -8,6 +8,7 @@ Prometheus metrics on a host-only address.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -19,6 +20,8 @@ from typing import Any
 from aiohttp import web
 
 from stockade.config import Config
+from stockade.events.writer import SUMMARY_FLUSH_S
+from stockade.loops import every
 from stockade.tasks import TaskRegistry, make_control_app, start_control_server
 
 from .addresses import AddressPolicy
@@ -114,6 +117,7 @@ class GatewayService:
         self._control: web.AppRunner | None = None
         self._metrics_runner: web.AppRunner | None = None
         self.metrics_port: int | None = None
+        self._flusher: asyncio.Task[None] | None = None
 
     async def start(self, *, dns: bool = True) -> None:
         self.rules.load_initial()  # RulesError: refuse to start rather than run without rules
@@ -126,6 +130,8 @@ class GatewayService:
         app = make_control_app(self.registry, reload=self.reload, status=self.gateway.status)
         self._control = await start_control_server(app, self.config.gateway.control_socket)
         await self._start_metrics()
+        self._flusher = asyncio.create_task(
+            every(SUMMARY_FLUSH_S, self.writer.flush_due, "gateway: event summaries", log))
 
     async def _start_dns(self) -> None:
         try:
@@ -172,6 +178,8 @@ class GatewayService:
         return self.rules.reload("control_api")
 
     async def stop(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
         await self.gateway.stop()
         if self.inspector is not None:
             await self.inspector.stop()

@@ -4,6 +4,7 @@ flood becomes a few verbatim events plus summaries whose counts add up exactly."
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -224,3 +225,17 @@ def test_totals_rows_are_bounded() -> None:
     out = th.end_task("t1", 2.0)
     (tot,) = [e["stockade"]["totals"] for e in out if e["event"]["action"] == "event_totals"]
     assert len(tot["by"]) <= 257 and tot["summarised"] == 1000
+
+
+def test_flush_due_writes_ended_windows_without_a_next_event(tmp_path: Path) -> None:
+    """A quiet task's counts reach the disk once their window ends, not only when the
+    task ends (a component SIGKILLed later would have lost them)."""
+    w = EventWriter(tmp_path / "e.jsonl", throttle=ThrottleSettings(verbatim_per_key=1))
+    for _ in range(10):
+        w.write(_ev())
+    w.flush_due(now=time.time() + 1)  # the window is still open: nothing yet
+    assert _counted(read_events(tmp_path / "e.jsonl")) == 1
+    w.flush_due(now=time.time() + 61)
+    evs = read_events(tmp_path / "e.jsonl")
+    assert _counted(evs) == 10
+    assert [e["event"]["action"] for e in evs] == ["connection_decision", "event_summary"]

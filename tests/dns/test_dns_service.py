@@ -165,3 +165,45 @@ async def test_name_budget_summaries_come_before_the_tasks_totals(
     row = [r for r in totals["by"] if r["reason"] == "name_budget_exceeded"]
     assert sum(r["written"] for r in row) == len(budget)
     assert totals["written"] == dns_written
+
+
+async def test_a_quiet_tasks_summary_is_written_once_its_window_ends(
+        tmp_path: Path, upstream: Upstream) -> None:
+    """No later event is needed: the service writes ended windows' summaries on its own,
+    so a gateway killed afterwards has lost nothing of them."""
+    import asyncio
+
+    from stockade.gateway.service import GatewayService
+
+    from stockade.events.taskstore import read_task_events
+
+    rules = tmp_path / "rules"
+    for d in ("profiles", "apis", "presets", "tests"):
+        (rules / d).mkdir(parents=True)
+    (rules / "profiles" / "dns-test.yaml").write_text(PROFILE)
+    path = _config(tmp_path, rules, upstream, f"{loopback()}:0")
+    raw = yaml.safe_load(path.read_text())
+    raw["events"] = {"verbatim_per_key": 1, "summary_window_s": 0.2}
+    path.write_text(yaml.safe_dump(raw))
+    config = load_config(path)
+    svc = GatewayService(config)
+    await svc.start()
+    try:
+        assert svc.dns is not None
+        host, port = svc.dns.addresses[0]
+        client = loopback()
+        svc.registry.register(Task("svc-quiet", client, "dns-test"))
+        for _ in range(5):
+            q = dns.message.make_query("other.test", "A")
+            await dns.asyncquery.udp(q, host, port=port, source=client, timeout=3)
+        summaries: list[dict[str, Any]] = []
+        for _ in range(200):  # the test's own patience, not a speed requirement
+            summaries = [e for e in read_task_events(config.task_events_dir, "svc-quiet")
+                         if e["event"]["action"] == "event_summary"]
+            if summaries:
+                break
+            await asyncio.sleep(0.05)
+        assert sum(e["stockade"]["summary"]["count"] for e in summaries) == 4
+        assert svc.registry.get("svc-quiet") is not None  # the task is still running
+    finally:
+        await svc.stop()
