@@ -24,12 +24,12 @@ from typing import Any
 Event = dict[str, Any]
 
 # a task id that is safe as a file name (the launcher's ids are 12 hex digits)
-_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
 def task_file(directory: Path, task_id: str) -> Path | None:
     """The task's store file, or None for an id that cannot be a file name."""
-    if not _SAFE.match(task_id):
+    if not _SAFE.fullmatch(task_id):  # `$` alone would let a trailing newline in
         return None
     return directory / f"{task_id}.jsonl"
 

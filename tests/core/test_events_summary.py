@@ -187,6 +187,7 @@ def test_task_store_is_capped_with_a_count_in_the_totals(tmp_path: Path) -> None
 def test_task_ids_that_are_not_file_names_stay_out_of_the_store(tmp_path: Path) -> None:
     w = EventWriter(None, throttle=ThrottleSettings(), task_dir=tmp_path / "s")
     w.write(_ev(task="../escape"))
+    w.write(_ev(task="t1\n"))  # a name with a newline in it is not a task's file either
     assert list((tmp_path / "s").iterdir()) == []
     assert not (tmp_path / "escape.jsonl").exists()
 
