@@ -134,16 +134,22 @@ async def test_chunked_body_over_the_limit_is_cut(harness: Harness) -> None:
     assert (status, json.loads(body)["reason"]) == (413, "body_too_large")
 
 
-@pytest.mark.vault
-async def test_a_tasks_bodies_share_one_budget(budgeted: Harness) -> None:
-    h = budgeted
-    _held_r, held_w = await open_conn(h)  # 60 KiB of a body held in memory, never finished
+async def _hold_60k(h: Harness) -> asyncio.StreamWriter:
+    """60 KiB of a chunked body held in memory (never finished), charged to task t1."""
+    _held_r, held_w = await open_conn(h)
     held_w.write(HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + _chunk(b" " * 60 * 1024))
     await held_w.drain()
     for _ in range(200):
         if h.broker.bodies.held.get("t1", 0) >= 60 * 1024:
             break
         await asyncio.sleep(0.05)
+    return held_w
+
+
+@pytest.mark.vault
+async def test_a_tasks_bodies_share_one_budget(budgeted: Harness) -> None:
+    h = budgeted
+    held_w = await _hold_60k(h)
     reader, writer = await open_conn(h)
     writer.write(HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + _chunk(b" " * 40 * 1024))
     await writer.drain()
@@ -175,13 +181,7 @@ async def test_a_compressed_body_is_charged_as_it_grows(budgeted: Harness) -> No
     """aiohttp inflates a gzip request body: its small Content-Length is not what it holds
     in memory, so the bytes read count against the task's budget too."""
     h = budgeted
-    _held_r, held_w = await open_conn(h)  # 60 KiB of a body held in memory, never finished
-    held_w.write(HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + _chunk(b" " * 60 * 1024))
-    await held_w.drain()
-    for _ in range(200):
-        if h.broker.bodies.held.get("t1", 0) >= 60 * 1024:
-            break
-        await asyncio.sleep(0.05)
+    held_w = await _hold_60k(h)
     doc = json.dumps({"api": "echo", "path": "/json"}).encode() + b" " * 50 * 1024
     packed = gzip.compress(doc)
     assert len(packed) < 1024 and len(doc) < AGENT_LIMIT

@@ -13,7 +13,7 @@ import yaml
 from dns_harness import PROFILE, loopback
 from dns_upstream import Upstream
 
-from stockade.config import load_config
+from stockade.config import Config, load_config
 from stockade.events import read_events, validate
 from stockade.tasks.registry import Task
 
@@ -36,6 +36,33 @@ def _config(tmp: Path, rules: Path, upstream: Upstream, dns_listen: str) -> Path
     path = tmp / "stockade.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def _service_config(tmp: Path, upstream: Upstream, *, dns_settings: dict[str, Any] | None = None,
+                    events: dict[str, Any] | None = None) -> Config:
+    """The dns-test profile and a config with these dns/events settings on top."""
+    rules = tmp / "rules"
+    for d in ("profiles", "apis", "presets", "tests"):
+        (rules / d).mkdir(parents=True)
+    (rules / "profiles" / "dns-test.yaml").write_text(PROFILE)
+    path = _config(tmp, rules, upstream, f"{loopback()}:0")
+    raw = yaml.safe_load(path.read_text())
+    raw["dns"].update(dns_settings or {})
+    if events:
+        raw["events"] = events
+    path.write_text(yaml.safe_dump(raw))
+    return load_config(path)
+
+
+async def _ask_as(svc: Any, task_id: str, names: list[str]) -> None:
+    """Register `task_id` at a loopback address and ask each name from there (UDP)."""
+    assert svc.dns is not None
+    host, port = svc.dns.addresses[0]
+    client = loopback()
+    svc.registry.register(Task(task_id, client, "dns-test"))
+    for name in names:
+        q = dns.message.make_query(name, "A")
+        await dns.asyncquery.udp(q, host, port=port, source=client, timeout=3)
 
 
 async def test_dns_inside_gateway_service(tmp_path: Path, upstream: Upstream) -> None:
@@ -88,25 +115,12 @@ async def test_service_tallies_and_ends_a_task_in_its_store(
 
     from stockade.events.taskstore import read_task_events
 
-    rules = tmp_path / "rules"
-    for d in ("profiles", "apis", "presets", "tests"):
-        (rules / d).mkdir(parents=True)
-    (rules / "profiles" / "dns-test.yaml").write_text(PROFILE)
-    path = _config(tmp_path, rules, upstream, f"{loopback()}:0")
-    raw = yaml.safe_load(path.read_text())
-    raw["dns"].update(queries_per_second=0.001, query_burst=3)
-    path.write_text(yaml.safe_dump(raw))
-    config = load_config(path)
+    config = _service_config(tmp_path, upstream,
+                             dns_settings={"queries_per_second": 0.001, "query_burst": 3})
     svc = GatewayService(config)
     await svc.start()
     try:
-        assert svc.dns is not None
-        host, port = svc.dns.addresses[0]
-        client = loopback()
-        svc.registry.register(Task("svc-flood", client, "dns-test"))
-        for _ in range(60):
-            q = dns.message.make_query("other.test", "A")
-            await dns.asyncquery.udp(q, host, port=port, source=client, timeout=3)
+        await _ask_as(svc, "svc-flood", ["other.test"] * 60)
         svc.registry.deregister("svc-flood")
     finally:
         await svc.stop()
@@ -130,25 +144,13 @@ async def test_name_budget_summaries_come_before_the_tasks_totals(
 
     from stockade.events.taskstore import read_task_events
 
-    rules = tmp_path / "rules"
-    for d in ("profiles", "apis", "presets", "tests"):
-        (rules / d).mkdir(parents=True)
-    (rules / "profiles" / "dns-test.yaml").write_text(PROFILE)
-    path = _config(tmp_path, rules, upstream, f"{loopback()}:0")
-    raw = yaml.safe_load(path.read_text())
-    raw["dns"].update(wildcard_names_per_window=2, queries_per_second=1000, query_burst=1000)
-    path.write_text(yaml.safe_dump(raw))
-    config = load_config(path)
+    config = _service_config(tmp_path, upstream, dns_settings={
+        "wildcard_names_per_window": 2, "queries_per_second": 1000, "query_burst": 1000})
     svc = GatewayService(config)
     await svc.start()
     try:
         assert svc.dns is not None and svc.writer.throttle is not None
-        host, port = svc.dns.addresses[0]
-        client = loopback()
-        svc.registry.register(Task("svc-names", client, "dns-test"))
-        for i in range(10):
-            q = dns.message.make_query(f"n{i}.allowed.test", "A")
-            await dns.asyncquery.udp(q, host, port=port, source=client, timeout=3)
+        await _ask_as(svc, "svc-names", [f"n{i}.allowed.test" for i in range(10)])
         svc.registry.deregister("svc-names")
         assert svc.writer.throttle.tracked_tasks == 0
     finally:
@@ -177,25 +179,12 @@ async def test_a_quiet_tasks_summary_is_written_once_its_window_ends(
 
     from stockade.events.taskstore import read_task_events
 
-    rules = tmp_path / "rules"
-    for d in ("profiles", "apis", "presets", "tests"):
-        (rules / d).mkdir(parents=True)
-    (rules / "profiles" / "dns-test.yaml").write_text(PROFILE)
-    path = _config(tmp_path, rules, upstream, f"{loopback()}:0")
-    raw = yaml.safe_load(path.read_text())
-    raw["events"] = {"verbatim_per_key": 1, "summary_window_s": 0.2}
-    path.write_text(yaml.safe_dump(raw))
-    config = load_config(path)
+    config = _service_config(tmp_path, upstream,
+                             events={"verbatim_per_key": 1, "summary_window_s": 0.2})
     svc = GatewayService(config)
     await svc.start()
     try:
-        assert svc.dns is not None
-        host, port = svc.dns.addresses[0]
-        client = loopback()
-        svc.registry.register(Task("svc-quiet", client, "dns-test"))
-        for _ in range(5):
-            q = dns.message.make_query("other.test", "A")
-            await dns.asyncquery.udp(q, host, port=port, source=client, timeout=3)
+        await _ask_as(svc, "svc-quiet", ["other.test"] * 5)
         summaries: list[dict[str, Any]] = []
         for _ in range(200):  # the test's own patience, not a speed requirement
             summaries = [e for e in read_task_events(config.task_events_dir, "svc-quiet")
