@@ -240,3 +240,18 @@ def test_flush_due_writes_ended_windows_without_a_next_event(tmp_path: Path) -> 
     evs = read_events(tmp_path / "e.jsonl")
     assert _counted(evs) == 10
     assert [e["event"]["action"] for e in evs] == ["connection_decision", "event_summary"]
+
+
+def test_a_components_own_summary_keeps_its_count() -> None:
+    """A name-budget summary (`suppressed_events`) is written even past the task budget
+    and the per-key limit: folded into our counts it would become one event."""
+    th = EventThrottle(ThrottleSettings(verbatim_per_key=1, task_events=1, task_bytes=10**9))
+    assert th.offer(_ev(decision="allowed", reason="allowed_by_rule"), 10, 1.0)  # budget spent
+    own = make_event(component="gateway", action="connection_decision", decision="denied",
+                     reason="name_budget_exceeded", task_id="t1", profile="p",
+                     extra={"name_budget": "entry_names", "suppressed_events": 7})
+    assert all(th.offer(own, 10, 1.0) for _ in range(3))
+    assert not th.offer(_ev(), 10, 1.0)  # an ordinary denial still is only counted
+    (totals,) = [e for e in th.end_task("t1", 2.0) if e["event"]["action"] == "event_totals"]
+    rows = {r["reason"]: r for r in totals["stockade"]["totals"]["by"]}
+    assert rows["name_budget_exceeded"]["written"] == 3
