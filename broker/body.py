@@ -139,6 +139,12 @@ async def read_within(request: BaseRequest, limit: int, res: Reservation,
                 raise too_large()
 
 
+def inflated(request: BaseRequest) -> bool:
+    """Whether aiohttp decoded the body's Content-Encoding before anyone reads it (the
+    server parser's auto_decompress): the bytes read are no longer in that coding."""
+    return bool(request._message.compression)
+
+
 def body_unread(request: BaseRequest) -> bool:
     """A refused request whose body the client may still be sending: its connection is
     closed after the answer rather than drained."""

@@ -258,3 +258,21 @@ async def test_many_held_oversized_calls_do_not_grow_memory(harness: Harness) ->
     for got in out:
         assert_denial(got, 413, "body_too_large")
     assert grown < 64 * 2**20, f"RSS grew by {grown / 2**20:.0f} MiB"
+
+
+@pytest.mark.vault
+async def test_a_compressed_pass_through_body_is_forwarded_as_read(harness: Harness) -> None:
+    """aiohttp inflated the body before the broker saw it: the upstream gets those bytes
+    without a Content-Encoding that no longer describes them, and the grant's max_body
+    (1 KiB) holds for what was inflated."""
+    h = harness
+    status, _h, body = await h.call("POST", "/echo/json", data=gzip.compress(b"q" * 900),
+                                    headers={"Content-Encoding": "gzip"})
+    assert status == 200, body
+    (seen,) = h.upstream.seen
+    assert seen["body"] == "q" * 900
+    assert "content-encoding" not in {k.lower() for k, _v in seen["headers"]}
+    status, _h, body = await h.call("POST", "/echo/json", data=gzip.compress(b"q" * 2000),
+                                    headers={"Content-Encoding": "gzip"})
+    assert (status, json.loads(body)["reason"]) == (413, "body_too_large")
+    assert len(h.upstream.seen) == 1
