@@ -109,14 +109,17 @@ def defer_continue(request: BaseRequest) -> None:
 
 async def read_within(request: BaseRequest, limit: int, res: Reservation,
                       timeout_s: float) -> bytes:
-    """The whole body, at most `limit` bytes, charged to `res` as it arrives. Raises
+    """The whole body, at most `limit` bytes, charged to `res`: its Content-Length up front,
+    and whatever it grows past that (chunked, or inflated by aiohttp) as it arrives. Raises
     BodyLimit before reading when Content-Length says it will not fit, and TimeoutError
     when the body takes longer than `timeout_s`."""
     declared = request.content_length
+    charged = 0
     if declared is not None:
         if declared > limit:
             raise too_large()
         res.take(declared)  # all of it, before a byte is read
+        charged = declared
     if request.pop(EXPECT_KEY, False):
         await request.writer.write(CONTINUE)
         request.writer.output_size = 0  # the answer itself has not started
@@ -126,11 +129,20 @@ async def read_within(request: BaseRequest, limit: int, res: Reservation,
             chunk = await request.content.read(min(CHUNK, limit + 1 - len(buf)))
             if not chunk:
                 return bytes(buf)
-            if declared is None:
-                res.take(len(chunk))
+            # what is held, not what was declared: aiohttp inflates a gzip/deflate body,
+            # so it can outgrow its Content-Length
+            if len(buf) + len(chunk) > charged:
+                res.take(len(buf) + len(chunk) - charged)
+                charged = len(buf) + len(chunk)
             buf += chunk
             if len(buf) > limit:
                 raise too_large()
+
+
+def inflated(request: BaseRequest) -> bool:
+    """Whether aiohttp decoded the body's Content-Encoding before anyone reads it (the
+    server parser's auto_decompress): the bytes read are no longer in that coding."""
+    return bool(request._message.compression)
 
 
 def body_unread(request: BaseRequest) -> bool:

@@ -55,12 +55,17 @@ class HeadLimits:
     max_headers: int  # header lines
 
 
+# aiohttp's own fixed texts for a head with too many lines; matched whole and on the
+# exact class, since subclasses (InvalidHeader, ...) and parser errors quote the caller
+_TOO_MANY_MESSAGES = frozenset({"Too many headers received", "Too many trailers received"})
+
+
 # -- pure: what to answer ----------------------------------------------------------------
 def classify_head_error(status: int, exc: BaseException | None) -> tuple[int, str, str]:
     """aiohttp's (status, exception) for a request no handler saw -> (status, reason,
     fixed message). The exception's text quotes the caller's bytes: it never goes out."""
     if isinstance(exc, LineTooLong) or (
-        isinstance(exc, BadHttpMessage) and "too many" in str(exc.message).lower()
+        type(exc) is BadHttpMessage and exc.message in _TOO_MANY_MESSAGES
     ):
         return 431, Reason.HEAD_TOO_LARGE, "request head too large"
     if isinstance(exc, HttpProcessingError):

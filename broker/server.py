@@ -39,6 +39,7 @@ from .body import (
     body_unread,
     call_doc_limit,
     defer_continue,
+    inflated,
     read_within,
 )
 from .decode import BodyDecoder, DecodeLimit, EncodingRefused
@@ -484,7 +485,10 @@ class Broker:
             path, decoded = check_path(raw_path[len(prefix):] or "/")
             query = parse_query(raw_query)
             api = self.rules.apis.get(api_name)
-            headers = filter_headers(request.headers.items(), api.injection if api else None)
+            items = list(request.headers.items())
+            if inflated(request):  # the body goes upstream as read: decoded
+                items = [(k, v) for k, v in items if k.lower() != "content-encoding"]
+            headers = filter_headers(items, api.injection if api else None)
         except RequestError as e:
             raise Denied(400, Reason.BAD_REQUEST, str(e)) from None
         return CallRequest(api_name, method, path, decoded, query, headers, b"")

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from stockade.config import Config
 from stockade.events import EventWriter
+from stockade.events.writer import SUMMARY_FLUSH_S
 from stockade.listen import parse_listen
 from stockade.loops import every
 from stockade.tasks import TaskRegistry, make_control_app, start_control_server
@@ -82,7 +83,7 @@ class BrokerService:
                              load_rules=lambda: load_rules(rules_dir),
                              resolver=resolver, address_policy=resolver.policy)
         events = self.events
-        self.registry.on_removed(lambda task: events.end_task(task.task_id))
+        self.registry.on_removed(lambda task: events.end_task(task.task_id), last=True)
         # log in only now that the broker exists: a failed start-up login reports through
         # Broker.vault_status (gauge to 0, `vault_status` event) like a failed read does
         await self.vault.ensure_login()
@@ -105,22 +106,26 @@ class BrokerService:
         self._runners.append(await start_control_server(control, s.control_socket))
 
         if s.metrics_listen:
-            mapp = web.Application()
-
-            async def metrics_handler(_r: web.Request) -> web.Response:
-                return web.Response(body=self.metrics.render(),
-                                    content_type="text/plain", charset="utf-8")
-
-            mapp.router.add_get("/metrics", metrics_handler)
-            mrunner = web.AppRunner(mapp, access_log=None, handle_signals=False)
-            await mrunner.setup()
-            self._runners.append(mrunner)
-            mhost, mport = parse_listen(s.metrics_listen)
-            msite = web.TCPSite(mrunner, mhost, mport, reuse_address=True)
-            await msite.start()
-            self.metrics_address = _bound(msite)
-
+            await self._start_metrics(s.metrics_listen)
         self._tasks.append(asyncio.create_task(self._expire_loop()))
+        self._tasks.append(asyncio.create_task(
+            every(SUMMARY_FLUSH_S, events.flush_due, "broker: event summaries", log)))
+
+    async def _start_metrics(self, listen: str) -> None:
+        mapp = web.Application()
+
+        async def metrics_handler(_r: web.Request) -> web.Response:
+            return web.Response(body=self.metrics.render(),
+                                content_type="text/plain", charset="utf-8")
+
+        mapp.router.add_get("/metrics", metrics_handler)
+        mrunner = web.AppRunner(mapp, access_log=None, handle_signals=False)
+        await mrunner.setup()
+        self._runners.append(mrunner)
+        mhost, mport = parse_listen(listen)
+        msite = web.TCPSite(mrunner, mhost, mport, reuse_address=True)
+        await msite.start()
+        self.metrics_address = _bound(msite)
 
     def _vault_status(self, state: str, cause: str) -> None:
         if self.broker is not None:

@@ -8,6 +8,7 @@ Prometheus metrics on a host-only address.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -19,7 +20,9 @@ from typing import Any
 from aiohttp import web
 
 from stockade.config import Config
-from stockade.tasks import Task, TaskRegistry, make_control_app, start_control_server
+from stockade.events.writer import SUMMARY_FLUSH_S
+from stockade.loops import every
+from stockade.tasks import TaskRegistry, make_control_app, start_control_server
 
 from .addresses import AddressPolicy
 from .dns.guards import GuardState, NameLimits
@@ -102,8 +105,9 @@ class GatewayService:
             name_limits=NameLimits.from_settings(dns),
             tally=self.writer.tally,
         )
-        # after the gateway's own listener: the task's summaries and totals come last
-        self.registry.on_removed(self._task_ended)
+        # after every other listener (the DNS firewall's is added later, at start): the
+        # task's name-budget summaries are written and counted before its totals
+        self.registry.on_removed(lambda task: self.writer.end_task(task.task_id), last=True)
         # L7 inspection: a supervised mitmproxy child for flows whose allow entries need
         # method/path (gateway/inspection.py); without it they stay denied, fail closed
         self.inspector: InspectorSupervisor | None = None
@@ -114,13 +118,7 @@ class GatewayService:
         self._control: web.AppRunner | None = None
         self._metrics_runner: web.AppRunner | None = None
         self.metrics_port: int | None = None
-
-    def _task_ended(self, task: Task) -> None:
-        # the DNS firewall's end-of-task summaries before the totals: its own hook is added
-        # at start, after this one, and then finds nothing left to write
-        if self.dns is not None:
-            self.dns.task_removed(task)
-        self.writer.end_task(task.task_id)
+        self._flusher: asyncio.Task[None] | None = None
 
     async def start(self, *, dns: bool = True) -> None:
         self.rules.load_initial()  # RulesError: refuse to start rather than run without rules
@@ -133,6 +131,8 @@ class GatewayService:
         app = make_control_app(self.registry, reload=self.reload, status=self.gateway.status)
         self._control = await start_control_server(app, self.config.gateway.control_socket)
         await self._start_metrics()
+        self._flusher = asyncio.create_task(
+            every(SUMMARY_FLUSH_S, self.writer.flush_due, "gateway: event summaries", log))
 
     async def _start_dns(self) -> None:
         try:
@@ -179,6 +179,8 @@ class GatewayService:
         return self.rules.reload("control_api")
 
     async def stop(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
         await self.gateway.stop()
         if self.inspector is not None:
             await self.inspector.stop()

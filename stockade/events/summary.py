@@ -19,7 +19,9 @@ Pure (no I/O, `now` is an argument); `EventWriter` runs every event through it.
   summarised, by decision and reason): every event offered is either written or counted
   in exactly one summary, so written + summarised equals what the component decided.
 
-Events without a task id, and lifecycle, summary, totals and loss events, always pass.
+Events without a task id, and lifecycle, summary, totals and loss events, always pass;
+so do (charged to the task) events that carry a component's own count of refusals it did
+not log one by one (`suppressed_events`, the name budgets' summaries).
 """
 
 from __future__ import annotations
@@ -101,6 +103,14 @@ def key_of(ev: Event) -> Key:
     )
 
 
+def _carries_a_count(ev: Event) -> bool:
+    """A component's own summary (the name budgets' `suppressed_events`): counted into
+    ours it would become one tick and its count would be lost. Those components send at
+    most one per entry, budget and interval, so passing them keeps the bound."""
+    n = _get(ev, "stockade", "suppressed_events")
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0
+
+
 def _is_ip(text: str) -> bool:
     try:
         ipaddress.ip_address(text)
@@ -158,7 +168,7 @@ class EventThrottle:
         t = self._task(task_id, _get(ev, "labels", "profile"), now)
         over = t.events >= self.s.task_events or t.bytes + size > self.s.task_bytes
         denied = _get(ev, "stockade", "decision") == "denied"
-        if not over and not denied:
+        if (not over and not denied) or _carries_a_count(ev):
             self._charge(t, ev, size, written=True)
             return True
         ks = self._key(t, ev)

@@ -13,6 +13,7 @@ could not store is counted and reported in the task's `event_totals` event
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import re
@@ -23,12 +24,12 @@ from typing import Any
 Event = dict[str, Any]
 
 # a task id that is safe as a file name (the launcher's ids are 12 hex digits)
-_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
 def task_file(directory: Path, task_id: str) -> Path | None:
     """The task's store file, or None for an id that cannot be a file name."""
-    if not _SAFE.match(task_id):
+    if not _SAFE.fullmatch(task_id):  # `$` alone would let a trailing newline in
         return None
     return directory / f"{task_id}.jsonl"
 
@@ -36,19 +37,25 @@ def task_file(directory: Path, task_id: str) -> Path | None:
 def append_line(fd: int, data: bytes) -> None:
     """Write one whole line with one write(2) on an O_APPEND descriptor, or nothing.
 
-    A short write (a full disk) is cut off again when no other writer appended after it,
-    so the next line does not merge with a torn fragment; either way OSError is raised
-    and the caller counts the event as lost.
+    A short write (a full disk) is cut off again, so the next line does not merge with a
+    torn fragment; either way OSError is raised and the caller counts the event as lost.
+    Several processes append to the same files (the shared events file, a task's store),
+    so the write and the cut-back hold an flock: no other writer's line can land between
+    them and be cut off with the fragment (two syscalls more per line).
     """
-    n = os.write(fd, data)
-    if n == len(data):
-        return
-    end = os.lseek(fd, 0, os.SEEK_CUR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
     try:
-        if os.fstat(fd).st_size == end:
-            os.ftruncate(fd, end - n)
-    except OSError:
-        pass
+        n = os.write(fd, data)
+        if n == len(data):
+            return
+        end = os.lseek(fd, 0, os.SEEK_CUR)
+        try:
+            if os.fstat(fd).st_size == end:  # a writer that does not lock may have appended
+                os.ftruncate(fd, end - n)
+        except OSError:
+            pass
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
     raise OSError(errno.ENOSPC, f"short write ({n} of {len(data)} bytes)")
 
 

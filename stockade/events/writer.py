@@ -57,6 +57,7 @@ def encode_line(event: Event) -> bytes:
         return line.encode("utf-8")
 
 ROTATION_CHECK_S = 0.5  # how often a writer looks for a rotation done by another process
+SUMMARY_FLUSH_S = 1.0  # how often a component writes the summaries of ended windows
 LOST_LOG_EVERY = 1000  # a log line at the first lost event and then every this many
 TASK_STORE_BYTES = 4 * 2**20  # default cap per task and writer in the per-task store
 log = logging.getLogger("stockade.events")
@@ -180,6 +181,19 @@ class EventWriter:
         with self._lock:
             self.throttle.tally(event, time.time())
             self.summarised += 1
+
+    def flush_due(self, now: float | None = None) -> None:
+        """Write the summaries of windows that have ended. `write` does it with the next
+        event; the components also call this periodically, so a quiet task's counts are
+        on disk a window after they happened, not only at its end (a SIGKILL loses at
+        most the counts of windows still open)."""
+        if self.throttle is None:
+            return
+        done: list[Event] = []
+        with self._lock:
+            for ev in self.throttle.due(time.time() if now is None else now):
+                self._write_locked(ev, None, done)
+        self._notify(done)
 
     def end_task(self, task_id: str) -> list[Event]:
         """The task is gone: write its pending summaries and totals; returns the totals."""

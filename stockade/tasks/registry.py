@@ -75,6 +75,7 @@ class TaskRegistry:
         self._by_id: dict[str, Task] = {}
         self._by_addr: dict[str, Task] = {}
         self._on_removed: list[Listener] = []
+        self._on_removed_last: list[Listener] = []
         # expired tasks whose removal could not be saved yet, but whose listeners ran
         self._ended_unsaved: set[str] = set()
         if self.state_file is not None and self.state_file.exists():
@@ -109,9 +110,11 @@ class TaskRegistry:
         return len(self._by_id)
 
     # -- changes -------------------------------------------------------------------
-    def on_removed(self, fn: Listener) -> None:
-        """`fn(task)` runs when a task is deregistered or expires (close its flows)."""
-        self._on_removed.append(fn)
+    def on_removed(self, fn: Listener, *, last: bool = False) -> None:
+        """`fn(task)` runs when a task is deregistered or expires (close its flows).
+        `last`: after every other listener, whenever those were added (the event
+        writer's end of the task must follow the summaries the others still emit)."""
+        (self._on_removed_last if last else self._on_removed).append(fn)
 
     def register(self, task: Task) -> None:
         other = self._by_addr.get(task.address)
@@ -173,7 +176,7 @@ class TaskRegistry:
             self._notify(task)
 
     def _notify(self, task: Task) -> None:
-        for fn in self._on_removed:
+        for fn in (*self._on_removed, *self._on_removed_last):
             fn(task)
 
     # -- persistence -----------------------------------------------------------------

@@ -6,6 +6,7 @@ task do not grow the broker's memory (real OpenBao, real sockets; broker/body.py
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import socket
 import ssl
@@ -133,16 +134,22 @@ async def test_chunked_body_over_the_limit_is_cut(harness: Harness) -> None:
     assert (status, json.loads(body)["reason"]) == (413, "body_too_large")
 
 
-@pytest.mark.vault
-async def test_a_tasks_bodies_share_one_budget(budgeted: Harness) -> None:
-    h = budgeted
-    _held_r, held_w = await open_conn(h)  # 60 KiB of a body held in memory, never finished
+async def _hold_60k(h: Harness) -> asyncio.StreamWriter:
+    """60 KiB of a chunked body held in memory (never finished), charged to task t1."""
+    _held_r, held_w = await open_conn(h)
     held_w.write(HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + _chunk(b" " * 60 * 1024))
     await held_w.drain()
     for _ in range(200):
         if h.broker.bodies.held.get("t1", 0) >= 60 * 1024:
             break
         await asyncio.sleep(0.05)
+    return held_w
+
+
+@pytest.mark.vault
+async def test_a_tasks_bodies_share_one_budget(budgeted: Harness) -> None:
+    h = budgeted
+    held_w = await _hold_60k(h)
     reader, writer = await open_conn(h)
     writer.write(HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + _chunk(b" " * 40 * 1024))
     await writer.drain()
@@ -167,6 +174,30 @@ async def test_a_tasks_bodies_share_one_budget(budgeted: Harness) -> None:
     reasons = [e["event"]["reason"] for e in h.event_list()
                if e["event"]["action"] == "broker_call"]
     assert reasons.count("body_memory_limit") == 2
+
+
+@pytest.mark.vault
+async def test_a_compressed_body_is_charged_as_it_grows(budgeted: Harness) -> None:
+    """aiohttp inflates a gzip request body: its small Content-Length is not what it holds
+    in memory, so the bytes read count against the task's budget too."""
+    h = budgeted
+    held_w = await _hold_60k(h)
+    doc = json.dumps({"api": "echo", "path": "/json"}).encode() + b" " * 50 * 1024
+    packed = gzip.compress(doc)
+    assert len(packed) < 1024 and len(doc) < AGENT_LIMIT
+    reader, writer = await open_conn(h)
+    writer.write(HEAD + b"Content-Encoding: gzip\r\nContent-Length: %d\r\n\r\n" % len(packed)
+                 + packed)
+    await writer.drain()
+    status, body = await _answer(reader)
+    writer.close()
+    assert (status, json.loads(body)["reason"]) == (429, "body_memory_limit")
+    held_w.close()
+    for _ in range(200):
+        if not h.broker.bodies.held:
+            break
+        await asyncio.sleep(0.05)
+    assert h.broker.bodies.held == {}
 
 
 def _rss_bytes() -> int:
@@ -227,3 +258,21 @@ async def test_many_held_oversized_calls_do_not_grow_memory(harness: Harness) ->
     for got in out:
         assert_denial(got, 413, "body_too_large")
     assert grown < 64 * 2**20, f"RSS grew by {grown / 2**20:.0f} MiB"
+
+
+@pytest.mark.vault
+async def test_a_compressed_pass_through_body_is_forwarded_as_read(harness: Harness) -> None:
+    """aiohttp inflated the body before the broker saw it: the upstream gets those bytes
+    without a Content-Encoding that no longer describes them, and the grant's max_body
+    (1 KiB) holds for what was inflated."""
+    h = harness
+    status, _h, body = await h.call("POST", "/echo/json", data=gzip.compress(b"q" * 900),
+                                    headers={"Content-Encoding": "gzip"})
+    assert status == 200, body
+    (seen,) = h.upstream.seen
+    assert seen["body"] == "q" * 900
+    assert "content-encoding" not in {k.lower() for k, _v in seen["headers"]}
+    status, _h, body = await h.call("POST", "/echo/json", data=gzip.compress(b"q" * 2000),
+                                    headers={"Content-Encoding": "gzip"})
+    assert (status, json.loads(body)["reason"]) == (413, "body_too_large")
+    assert len(h.upstream.seen) == 1

@@ -49,6 +49,14 @@ def test_head_errors_are_classified_without_quoting_the_caller(text: str) -> Non
     assert classify_head_error(400, InvalidHeader(text))[:2] == (400, "bad_request")
 
 
+def test_the_callers_own_too_many_does_not_make_a_431() -> None:
+    # hypothesis found it: an invalid header whose bytes say "too many" was a 431
+    for text in ("TOO MANY", "x: too many headers received"):
+        assert classify_head_error(400, InvalidHeader(text))[:2] == (400, "bad_request")
+        assert classify_head_error(400, BadHttpMessage(text))[:2] == (400, "bad_request")
+    assert classify_head_error(400, BadHttpMessage("Too many trailers received"))[0] == 431
+
+
 def test_raw_denial_is_one_complete_response() -> None:
     raw = raw_denial(408, "request_timeout", "request head not received in time")
     head, _, body = raw.partition(b"\r\n\r\n")

@@ -9,12 +9,13 @@ import json
 import logging
 import os
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from stockade.events import EventWriter, make_event, validate
+from stockade.events import EventWriter, make_event, taskstore, validate
 
 
 @pytest.fixture
@@ -68,3 +69,30 @@ def test_full_disk_leaves_whole_lines_and_reports_the_loss(
     assert lost["stockade"]["lost_total"] == failed
     with contextlib.suppress(OSError):
         os.unlink(path)
+
+
+def test_a_short_write_is_cut_back_without_cutting_another_writers_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process appending between our short write and the cut-back: its line
+    must survive whole and our fragment must not merge with it."""
+    path = tmp_path / "events.jsonl"
+    mine = json.dumps({"n": 1, "pad": "x" * 500}).encode() + b"\n"
+    theirs = json.dumps({"n": 2}).encode() + b"\n"
+    real_write = os.write
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+    other = threading.Thread(target=taskstore.append, args=(path, theirs))
+
+    def short_write(f: int, data: bytes) -> int:
+        if f != fd:
+            return real_write(f, data)
+        n = real_write(f, data[:100])  # the disk filled up part-way through the line
+        other.start()  # its own open file description, like another component's
+        other.join(2.0)  # with the lock it waits for us; without, it appends right here
+        return n
+
+    monkeypatch.setattr(os, "write", short_write)
+    with pytest.raises(OSError):
+        taskstore.append_line(fd, mine)
+    os.close(fd)
+    other.join()
+    assert [json.loads(line) for line in path.read_bytes().splitlines()] == [{"n": 2}]

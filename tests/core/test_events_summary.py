@@ -4,6 +4,7 @@ flood becomes a few verbatim events plus summaries whose counts add up exactly."
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +187,7 @@ def test_task_store_is_capped_with_a_count_in_the_totals(tmp_path: Path) -> None
 def test_task_ids_that_are_not_file_names_stay_out_of_the_store(tmp_path: Path) -> None:
     w = EventWriter(None, throttle=ThrottleSettings(), task_dir=tmp_path / "s")
     w.write(_ev(task="../escape"))
+    w.write(_ev(task="t1\n"))  # a name with a newline in it is not a task's file either
     assert list((tmp_path / "s").iterdir()) == []
     assert not (tmp_path / "escape.jsonl").exists()
 
@@ -224,3 +226,32 @@ def test_totals_rows_are_bounded() -> None:
     out = th.end_task("t1", 2.0)
     (tot,) = [e["stockade"]["totals"] for e in out if e["event"]["action"] == "event_totals"]
     assert len(tot["by"]) <= 257 and tot["summarised"] == 1000
+
+
+def test_flush_due_writes_ended_windows_without_a_next_event(tmp_path: Path) -> None:
+    """A quiet task's counts reach the disk once their window ends, not only when the
+    task ends (a component SIGKILLed later would have lost them)."""
+    w = EventWriter(tmp_path / "e.jsonl", throttle=ThrottleSettings(verbatim_per_key=1))
+    for _ in range(10):
+        w.write(_ev())
+    w.flush_due(now=time.time() + 1)  # the window is still open: nothing yet
+    assert _counted(read_events(tmp_path / "e.jsonl")) == 1
+    w.flush_due(now=time.time() + 61)
+    evs = read_events(tmp_path / "e.jsonl")
+    assert _counted(evs) == 10
+    assert [e["event"]["action"] for e in evs] == ["connection_decision", "event_summary"]
+
+
+def test_a_components_own_summary_keeps_its_count() -> None:
+    """A name-budget summary (`suppressed_events`) is written even past the task budget
+    and the per-key limit: folded into our counts it would become one event."""
+    th = EventThrottle(ThrottleSettings(verbatim_per_key=1, task_events=1, task_bytes=10**9))
+    assert th.offer(_ev(decision="allowed", reason="allowed_by_rule"), 10, 1.0)  # budget spent
+    own = make_event(component="gateway", action="connection_decision", decision="denied",
+                     reason="name_budget_exceeded", task_id="t1", profile="p",
+                     extra={"name_budget": "entry_names", "suppressed_events": 7})
+    assert all(th.offer(own, 10, 1.0) for _ in range(3))
+    assert not th.offer(_ev(), 10, 1.0)  # an ordinary denial still is only counted
+    (totals,) = [e for e in th.end_task("t1", 2.0) if e["event"]["action"] == "event_totals"]
+    rows = {r["reason"]: r for r in totals["stockade"]["totals"]["by"]}
+    assert rows["name_budget_exceeded"]["written"] == 3

@@ -38,24 +38,41 @@ def _config(tmp: Path, rules: Path, upstream: Upstream, dns_listen: str) -> Path
     return path
 
 
-def _service_config(tmp: Path, upstream: Upstream, **dns_settings: Any) -> Config:
-    """The test profile's rules and a config with these `dns:` settings on top."""
+def _service_config(tmp: Path, upstream: Upstream, *, dns_settings: dict[str, Any] | None = None,
+                    events: dict[str, Any] | None = None) -> Config:
+    """The dns-test profile and a config with these dns/events settings on top."""
     rules = tmp / "rules"
     for d in ("profiles", "apis", "presets", "tests"):
         (rules / d).mkdir(parents=True)
     (rules / "profiles" / "dns-test.yaml").write_text(PROFILE)
     path = _config(tmp, rules, upstream, f"{loopback()}:0")
     raw = yaml.safe_load(path.read_text())
-    raw["dns"].update(dns_settings)
+    raw["dns"].update(dns_settings or {})
+    if events:
+        raw["events"] = events
     path.write_text(yaml.safe_dump(raw))
     return load_config(path)
+
+
+async def _ask_as(svc: Any, task_id: str, names: list[str]) -> None:
+    """Register `task_id` at a loopback address and ask each name from there (UDP)."""
+    assert svc.dns is not None
+    host, port = svc.dns.addresses[0]
+    client = loopback()
+    svc.registry.register(Task(task_id, client, "dns-test"))
+    for name in names:
+        q = dns.message.make_query(name, "A")
+        await dns.asyncquery.udp(q, host, port=port, source=client, timeout=3)
 
 
 async def test_dns_inside_gateway_service(tmp_path: Path, upstream: Upstream) -> None:
     from stockade.gateway.service import GatewayService
 
-    config = _service_config(tmp_path, upstream)
     rules = tmp_path / "rules"
+    for d in ("profiles", "apis", "presets", "tests"):
+        (rules / d).mkdir(parents=True)
+    (rules / "profiles" / "dns-test.yaml").write_text(PROFILE)
+    config = load_config(_config(tmp_path, rules, upstream, f"{loopback()}:0"))
     svc = GatewayService(config)
     await svc.start()
     try:
@@ -98,17 +115,12 @@ async def test_service_tallies_and_ends_a_task_in_its_store(
 
     from stockade.events.taskstore import read_task_events
 
-    config = _service_config(tmp_path, upstream, queries_per_second=0.001, query_burst=3)
+    config = _service_config(tmp_path, upstream,
+                             dns_settings={"queries_per_second": 0.001, "query_burst": 3})
     svc = GatewayService(config)
     await svc.start()
     try:
-        assert svc.dns is not None
-        host, port = svc.dns.addresses[0]
-        client = loopback()
-        svc.registry.register(Task("svc-flood", client, "dns-test"))
-        for _ in range(60):
-            q = dns.message.make_query("other.test", "A")
-            await dns.asyncquery.udp(q, host, port=port, source=client, timeout=3)
+        await _ask_as(svc, "svc-flood", ["other.test"] * 60)
         svc.registry.deregister("svc-flood")
     finally:
         await svc.stop()
@@ -126,38 +138,64 @@ async def test_service_tallies_and_ends_a_task_in_its_store(
 
 async def test_name_budget_summaries_come_before_the_tasks_totals(
         tmp_path: Path, upstream: Upstream) -> None:
-    """The DNS firewall's end-of-task name-budget summary is part of the task's events:
-    written before its totals (and counted in them), not after the writer has ended the
-    task (which would start tracking the gone task again, never to end it)."""
+    """The DNS firewall's end-of-task name-budget summary is written while the writer
+    still tracks the task: counted in its totals, and no throttle state left behind."""
     from stockade.gateway.service import GatewayService
 
     from stockade.events.taskstore import read_task_events
 
-    config = _service_config(tmp_path, upstream, wildcard_names_per_window=2)
+    config = _service_config(tmp_path, upstream, dns_settings={
+        "wildcard_names_per_window": 2, "queries_per_second": 1000, "query_burst": 1000})
     svc = GatewayService(config)
     await svc.start()
     try:
-        assert svc.dns is not None
-        host, port = svc.dns.addresses[0]
-        client = loopback()
-        svc.registry.register(Task("svc-names", client, "dns-test"))
-        for i in range(6):  # 2 admitted, 1 refusal logged, 3 counted for the summary
-            q = dns.message.make_query(f"n{i}.allowed.test", "A")
-            await dns.asyncquery.udp(q, host, port=port, source=client, timeout=3)
+        assert svc.dns is not None and svc.writer.throttle is not None
+        await _ask_as(svc, "svc-names", [f"n{i}.allowed.test" for i in range(10)])
         svc.registry.deregister("svc-names")
-        assert svc.writer.throttle is not None
-        assert svc.writer.throttle.keys("svc-names") == 0  # the writer forgot the task
-        tracked = svc.writer.throttle.tracked_tasks
+        assert svc.writer.throttle.tracked_tasks == 0
     finally:
         await svc.stop()
-    assert tracked == 0
     stored = read_task_events(config.task_events_dir, "svc-names")
-    for e in stored:
-        validate(e)
-    budget = [e for e in stored if e["event"]["action"] == "dns_decision"
-              and e["event"].get("reason") == "name_budget_exceeded"]
-    assert [e["stockade"].get("suppressed_events") for e in budget] == [None, 3]
-    assert stored[-1]["event"]["action"] == "event_totals"
+    actions = [e["event"]["action"] for e in stored]
+    assert actions[-1] == "event_totals" and actions.count("event_totals") == 1
+    budget = [e for e in stored if e["event"].get("reason") == "name_budget_exceeded"
+              and e["event"]["action"] == "dns_decision"]
+    assert any(e["stockade"].get("suppressed_events") for e in budget)  # the end summary
+    (totals,) = [e["stockade"]["totals"] for e in stored
+                 if e["event"]["action"] == "event_totals"]
+    dns_written = sum(1 for e in stored if e["event"]["action"] == "dns_decision")
+    row = [r for r in totals["by"] if r["reason"] == "name_budget_exceeded"]
+    assert sum(r["written"] for r in row) == len(budget)
+    assert totals["written"] == dns_written
+
+
+async def test_a_quiet_tasks_summary_is_written_once_its_window_ends(
+        tmp_path: Path, upstream: Upstream) -> None:
+    """No later event is needed: the service writes ended windows' summaries on its own,
+    so a gateway killed afterwards has lost nothing of them."""
+    import asyncio
+
+    from stockade.gateway.service import GatewayService
+
+    from stockade.events.taskstore import read_task_events
+
+    config = _service_config(tmp_path, upstream,
+                             events={"verbatim_per_key": 1, "summary_window_s": 0.2})
+    svc = GatewayService(config)
+    await svc.start()
+    try:
+        await _ask_as(svc, "svc-quiet", ["other.test"] * 5)
+        summaries: list[dict[str, Any]] = []
+        for _ in range(200):  # the test's own patience, not a speed requirement
+            summaries = [e for e in read_task_events(config.task_events_dir, "svc-quiet")
+                         if e["event"]["action"] == "event_summary"]
+            if summaries:
+                break
+            await asyncio.sleep(0.05)
+        assert sum(e["stockade"]["summary"]["count"] for e in summaries) == 4
+        assert svc.registry.get("svc-quiet") is not None  # the task is still running
+    finally:
+        await svc.stop()
 
 
 async def test_tcp_path_budget_refusals_are_in_the_tasks_totals(
@@ -171,7 +209,7 @@ async def test_tcp_path_budget_refusals_are_in_the_tasks_totals(
 
     from stockade.events.taskstore import read_task_events
 
-    config = _service_config(tmp_path, upstream, wildcard_names_per_window=2)
+    config = _service_config(tmp_path, upstream, dns_settings={"wildcard_names_per_window": 2})
     svc = GatewayService(config)
     await svc.start(dns=False)
     try:
