@@ -172,6 +172,23 @@ def decide_flow(
         return refuse(Reason.SNI_MISSING, "TLS ClientHello without server name")
     if not named:
         return refuse(Reason.SNI_MISSING, "the flow names no destination host")
+    host = _one_host(named, proto, port, version)
+    if isinstance(host, FlowDecision):
+        return host
+    if is_ip_literal(host):
+        return _ip_literal_flow(ruleset, profile, host, proto, port, today)
+    head = _plain_head(inp, proto)
+    reused = _reuse_prior(prior, head, host, proto, port, version)
+    if reused is not None:
+        return reused
+    return _decide_host(ruleset, profile, host, head, proto, port, today)
+
+
+def _one_host(
+    named: list[tuple[str, str, int | None]], proto: Protocol, port: int, version: str
+) -> str | FlowDecision:
+    """The one normalised host every source names, or the denial: a host that fails
+    normalisation, an explicit port other than the flow's, or two different hosts."""
     hosts: set[str] = set()
     for source, raw, explicit_port in named:
         try:
@@ -197,50 +214,88 @@ def decide_flow(
             f"{sources} name different hosts",
             None,
         )
-    host = hosts.pop()
-    if is_ip_literal(host):
-        # an address is a destination only through a cidr rule (RFC 6066 forbids IP SNI)
-        raw_ok = _by_cidr(ruleset, profile, host, port, today)
-        if raw_ok is not None:
-            return FlowDecision(
-                True,
-                raw_ok.reason,
-                proto,
-                port,
-                ip=host,
-                rule_id=raw_ok.rule_id,
-                policy_version=version,
-                detail="IP literal by cidr rule",
-            )
-        return _deny(
-            Reason.NO_MATCHING_RULE, proto, port, version, "IP literal without a cidr rule", host
+    return hosts.pop()
+
+
+def _ip_literal_flow(
+    ruleset: RuleSet, profile: str, host: str, proto: Protocol, port: int, today: date | None
+) -> FlowDecision:
+    # an address is a destination only through a cidr rule (RFC 6066 forbids IP SNI)
+    raw_ok = _by_cidr(ruleset, profile, host, port, today)
+    if raw_ok is not None:
+        return FlowDecision(
+            True,
+            raw_ok.reason,
+            proto,
+            port,
+            ip=host,
+            rule_id=raw_ok.rule_id,
+            policy_version=ruleset.version,
+            detail="IP literal by cidr rule",
         )
+    return _deny(
+        Reason.NO_MATCHING_RULE,
+        proto,
+        port,
+        ruleset.version,
+        "IP literal without a cidr rule",
+        host,
+    )
+
+
+def _plain_head(inp: FlowInput, proto: Protocol) -> RequestHead | None:
     # plain HTTP: the first (and, by force_close, only) request head gives method and
     # path, so entries with an `http:` block are decided on it, not refused for want of L7
-    head = inp.http if proto == "http" and inp.http is not None and inp.http.path else None
+    return inp.http if proto == "http" and inp.http is not None and inp.http.path else None
+
+
+def _reuse_prior(
+    prior: FlowDecision | None,
+    head: RequestHead | None,
+    host: str,
+    proto: Protocol,
+    port: int,
+    version: str,
+) -> FlowDecision | None:
+    """`prior` (with this flow's protocol) when it answered the same question under the
+    same rule set, else None."""
     if (
-        prior is not None
-        and (head is None or prior.reason != Reason.INSPECTION_UNAVAILABLE)
-        and prior.host == host
-        and prior.port == port
-        and prior.ip is None
-        and prior.policy_version == version
+        prior is None
+        or (head is not None and prior.reason == Reason.INSPECTION_UNAVAILABLE)
+        or prior.host != host
+        or prior.port != port
+        or prior.ip is not None
+        or prior.policy_version != version
     ):
-        # same question, same rule set: the answer cannot differ (decide is pure)
-        if prior.protocol == proto:
-            return prior
-        return FlowDecision(  # not dataclasses.replace: this is on every TLS set-up path
-            prior.allowed,
-            prior.reason,
-            proto,
-            prior.port,
-            host=prior.host,
-            ip=prior.ip,
-            rule_id=prior.rule_id,
-            report_only=prior.report_only,
-            policy_version=prior.policy_version,
-            detail=prior.detail,
-        )
+        return None
+    # same question, same rule set: the answer cannot differ (decide is pure)
+    if prior.protocol == proto:
+        return prior
+    return FlowDecision(  # not dataclasses.replace: this is on every TLS set-up path
+        prior.allowed,
+        prior.reason,
+        proto,
+        prior.port,
+        host=prior.host,
+        ip=prior.ip,
+        rule_id=prior.rule_id,
+        report_only=prior.report_only,
+        policy_version=prior.policy_version,
+        detail=prior.detail,
+    )
+
+
+def _decide_host(
+    ruleset: RuleSet,
+    profile: str,
+    host: str,
+    head: RequestHead | None,
+    proto: Protocol,
+    port: int,
+    today: date | None,
+) -> FlowDecision:
+    """Ask the rule engine about the flow's one named host (with method and path when
+    plain HTTP gave them)."""
     facts = (
         RequestFacts(host=host, port=port)
         if head is None
@@ -255,6 +310,6 @@ def decide_flow(
         host=host,
         rule_id=v.rule_id,
         report_only=v.report_only,
-        policy_version=version,
+        policy_version=ruleset.version,
         detail=v.entry_reason or "",
     )

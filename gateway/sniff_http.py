@@ -52,41 +52,52 @@ def parse_authority(raw: str) -> Authority:
     exception per name."""
     if not raw or "@" in raw or any(c in raw for c in "/?#\\ \t"):
         raise AuthorityError("malformed authority")
-    port_text: str | None = None
     if raw.startswith("["):
-        end = raw.find("]")
-        if end < 0:
-            raise AuthorityError("unclosed [")
-        host = raw[1:end]
-        rest = raw[end + 1 :]
-        if rest:
-            if not rest.startswith(":"):
-                raise AuthorityError("junk after ]")
-            port_text = rest[1:]
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            raise AuthorityError("[...] is not an IPv6 literal") from None
+        host, port_text = _bracketed(raw)
         is_ip = True
     else:
-        host, sep, port_part = raw.partition(":")
-        if sep:
-            port_text = port_part
-        if ":" in port_part or "[" in host or "]" in host:
-            raise AuthorityError("bare IPv6 or extra colon")
-        if not host or not _HOST_CHARS.fullmatch(host):
-            raise AuthorityError("bad host characters")
-        try:
-            ipaddress.IPv4Address(host)
-            is_ip = True
-        except ValueError:
-            is_ip = False
-    port: int | None = None
-    if port_text is not None:
-        if not _PORT.fullmatch(port_text) or not 0 < int(port_text) < 65536:
-            raise AuthorityError("bad port")
-        port = int(port_text)
-    return Authority(host, port, is_ip)
+        host, port_text, is_ip = _bare(raw)
+    return Authority(host, None if port_text is None else _port(port_text), is_ip)
+
+
+def _bracketed(raw: str) -> tuple[str, str | None]:
+    """(IPv6 literal, port text or None) of `[v6]` or `[v6]:port`."""
+    end = raw.find("]")
+    if end < 0:
+        raise AuthorityError("unclosed [")
+    host = raw[1:end]
+    rest = raw[end + 1 :]
+    port_text: str | None = None
+    if rest:
+        if not rest.startswith(":"):
+            raise AuthorityError("junk after ]")
+        port_text = rest[1:]
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        raise AuthorityError("[...] is not an IPv6 literal") from None
+    return host, port_text
+
+
+def _bare(raw: str) -> tuple[str, str | None, bool]:
+    """(host, port text or None, host is an IPv4 literal) of `host` or `host:port`."""
+    host, sep, port_part = raw.partition(":")
+    if ":" in port_part or "[" in host or "]" in host:
+        raise AuthorityError("bare IPv6 or extra colon")
+    if not host or not _HOST_CHARS.fullmatch(host):
+        raise AuthorityError("bad host characters")
+    port_text = port_part if sep else None
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        return host, port_text, False
+    return host, port_text, True
+
+
+def _port(text: str) -> int:
+    if not _PORT.fullmatch(text) or not 0 < int(text) < 65536:
+        raise AuthorityError("bad port")
+    return int(text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,28 +154,14 @@ def _parse_head(head: bytes) -> RequestHead | SniffError:
     lines = head[:-4].split(b"\r\n")
     if any(b"\n" in line or b"\r" in line for line in lines):
         return SniffError(Reason.PROTOCOL_UNRECOGNISED, "bare CR or LF in request head")
-    parts = lines[0].split(b" ")
-    if len(parts) != 3:
-        return SniffError(Reason.PROTOCOL_UNRECOGNISED, "malformed request line")
-    m, t, v = parts
-    if not _METHOD.fullmatch(m) or not _TARGET_BYTES.fullmatch(t) or not _VERSION.fullmatch(v):
-        return SniffError(Reason.PROTOCOL_UNRECOGNISED, "malformed request line")
-    method, target, version = m.decode(), t.decode(), v.decode()
-    headers: list[tuple[str, str]] = []
-    hosts: list[str] = []
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if not sep or not _TOKEN.fullmatch(name):
-            # includes obs-fold (leading whitespace) and empty names
-            return SniffError(Reason.PROTOCOL_UNRECOGNISED, "malformed header line")
-        value = value.strip(b" \t")
-        if not _VALUE_BYTES.fullmatch(value):
-            return SniffError(Reason.PROTOCOL_UNRECOGNISED, "control character in header")
-        text_name = name.decode("ascii")
-        text_value = value.decode("latin-1")
-        headers.append((text_name, text_value))
-        if text_name.lower() == "host":
-            hosts.append(text_value)
+    request_line = _request_line(lines[0])
+    if isinstance(request_line, SniffError):
+        return request_line
+    method, target, version = request_line
+    headers = _header_fields(lines[1:])
+    if isinstance(headers, SniffError):
+        return headers
+    hosts = [value for name, value in headers if name.lower() == "host"]
     if len(hosts) > 1:
         return SniffError(Reason.DESTINATION_MISMATCH, "more than one Host header")
     try:
@@ -184,8 +181,35 @@ def _parse_head(head: bytes) -> RequestHead | SniffError:
         authority=authority,
         path=path,
         head_len=len(head),
-        headers=tuple(headers),
+        headers=headers,
     )
+
+
+def _request_line(line: bytes) -> tuple[str, str, str] | SniffError:
+    """(method, target, version) of a request line, or the refusal."""
+    parts = line.split(b" ")
+    if len(parts) != 3:
+        return SniffError(Reason.PROTOCOL_UNRECOGNISED, "malformed request line")
+    m, t, v = parts
+    if not _METHOD.fullmatch(m) or not _TARGET_BYTES.fullmatch(t) or not _VERSION.fullmatch(v):
+        return SniffError(Reason.PROTOCOL_UNRECOGNISED, "malformed request line")
+    return m.decode(), t.decode(), v.decode()
+
+
+def _header_fields(lines: list[bytes]) -> tuple[tuple[str, str], ...] | SniffError:
+    """(name, value) of each header line in order (value stripped, latin-1), or the
+    refusal of the first malformed one."""
+    headers: list[tuple[str, str]] = []
+    for line in lines:
+        name, sep, value = line.partition(b":")
+        if not sep or not _TOKEN.fullmatch(name):
+            # includes obs-fold (leading whitespace) and empty names
+            return SniffError(Reason.PROTOCOL_UNRECOGNISED, "malformed header line")
+        value = value.strip(b" \t")
+        if not _VALUE_BYTES.fullmatch(value):
+            return SniffError(Reason.PROTOCOL_UNRECOGNISED, "control character in header")
+        headers.append((name.decode("ascii"), value.decode("latin-1")))
+    return tuple(headers)
 
 
 class HttpSniffer:

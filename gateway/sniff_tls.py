@@ -76,6 +76,21 @@ def _vector(buf: bytes, pos: int, end: int, len_bytes: int) -> tuple[int, int]:
 
 def _parse_hello(msg: bytes) -> ClientHello | SniffError:
     size = len(msg)
+    pos = _skip_to_extensions(msg, size)
+    if isinstance(pos, SniffError):
+        return pos
+    if pos == size:
+        # pre-TLS1.2 hello without extensions: it cannot carry an SNI
+        return ClientHello(None, False, False, (), size)
+    pos, ext_end = _vector(msg, pos, size, 2)
+    if ext_end != size:
+        return SniffError(Reason.PROTOCOL_UNRECOGNISED, "trailing bytes after extensions")
+    return _parse_extensions(msg, pos, ext_end)
+
+
+def _skip_to_extensions(msg: bytes, size: int) -> int | SniffError:
+    """Check the fixed part of the hello (header, version, random, session id, cipher
+    suites, compression methods); the offset just after it, or the refusal."""
     if size < 1:
         raise ValueError("empty")
     if msg[0] != CLIENT_HELLO:
@@ -99,12 +114,11 @@ def _parse_hello(msg: bytes) -> ClientHello | SniffError:
     start, pos = _vector(msg, pos, end, 1)  # legacy_compression_methods
     if pos == start:
         return SniffError(Reason.PROTOCOL_UNRECOGNISED, "empty compression list")
-    if pos == end:
-        # pre-TLS1.2 hello without extensions: it cannot carry an SNI
-        return ClientHello(None, False, False, (), size)
-    pos, ext_end = _vector(msg, pos, end, 2)
-    if ext_end != end:
-        return SniffError(Reason.PROTOCOL_UNRECOGNISED, "trailing bytes after extensions")
+    return pos
+
+
+def _parse_extensions(msg: bytes, pos: int, ext_end: int) -> ClientHello | SniffError:
+    """Walk the extensions block `msg[pos:ext_end]`, which runs to the end of `msg`."""
     seen: set[int] = set()
     sni: str | None = None
     ech = False
@@ -129,7 +143,7 @@ def _parse_hello(msg: bytes) -> ClientHello | SniffError:
             ech = True
         elif etype == EXT_ALPN:
             alpn = _parse_alpn(msg, start, pos)
-    return ClientHello(sni, sni is not None and _looks_like_ip(sni), ech, alpn, size)
+    return ClientHello(sni, sni is not None and _looks_like_ip(sni), ech, alpn, len(msg))
 
 
 def _parse_sni(buf: bytes, pos: int, end: int) -> str | SniffError:
@@ -182,35 +196,52 @@ class TlsSniffer:
         if len(self._buf) > 2 * self.max_bytes + 64:
             return SniffError(Reason.HEAD_TOO_LARGE, "ClientHello exceeds the sniff cap")
         while len(self._buf) - self._pos >= 5:
-            hdr = self._buf[self._pos : self._pos + 5]
-            if hdr[0] != HANDSHAKE:
-                return SniffError(Reason.PROTOCOL_UNRECOGNISED, "not a TLS handshake record")
-            if hdr[1] != 3 or hdr[2] > 4:
-                return SniffError(Reason.PROTOCOL_UNRECOGNISED, "bad record version")
-            length = int.from_bytes(hdr[3:5], "big")
-            if length == 0 or length > MAX_RECORD:
-                return SniffError(Reason.PROTOCOL_UNRECOGNISED, "bad record length")
+            length = _record_length(self._buf[self._pos : self._pos + 5])
+            if isinstance(length, SniffError):
+                return length
             if len(self._buf) - self._pos - 5 < length:
                 break
             self._hs += self._buf[self._pos + 5 : self._pos + 5 + length]
             self._pos += 5 + length
-            if len(self._hs) >= 4:
-                if self._hs[0] != CLIENT_HELLO:
-                    return SniffError(
-                        Reason.PROTOCOL_UNRECOGNISED, "first handshake is not ClientHello"
-                    )
-                need = 4 + int.from_bytes(self._hs[1:4], "big")
-                if need > self.max_bytes:
-                    return SniffError(Reason.HEAD_TOO_LARGE, "ClientHello exceeds the sniff cap")
-                if len(self._hs) >= need:
-                    return parse_client_hello_body(bytes(self._hs[:need]))
+            result = self._hello()
+            if result is not None:
+                return result
         # an incomplete record header or body: check early what can be checked
-        rest = self._buf[self._pos :]
-        if rest and rest[0] != HANDSHAKE:
-            return SniffError(Reason.PROTOCOL_UNRECOGNISED, "not a TLS handshake record")
-        if len(rest) >= 2 and rest[1] != 3:
-            return SniffError(Reason.PROTOCOL_UNRECOGNISED, "bad record version")
+        return _partial_header_error(self._buf[self._pos :])
+
+    def _hello(self) -> ClientHello | SniffError | None:
+        """The parsed ClientHello once the reassembled handshake bytes hold all of it."""
+        if len(self._hs) < 4:
+            return None
+        if self._hs[0] != CLIENT_HELLO:
+            return SniffError(Reason.PROTOCOL_UNRECOGNISED, "first handshake is not ClientHello")
+        need = 4 + int.from_bytes(self._hs[1:4], "big")
+        if need > self.max_bytes:
+            return SniffError(Reason.HEAD_TOO_LARGE, "ClientHello exceeds the sniff cap")
+        if len(self._hs) >= need:
+            return parse_client_hello_body(bytes(self._hs[:need]))
         return None
+
+
+def _record_length(hdr: bytes | bytearray) -> int | SniffError:
+    """The fragment length of a complete 5-byte handshake record header, or the refusal."""
+    if hdr[0] != HANDSHAKE:
+        return SniffError(Reason.PROTOCOL_UNRECOGNISED, "not a TLS handshake record")
+    if hdr[1] != 3 or hdr[2] > 4:
+        return SniffError(Reason.PROTOCOL_UNRECOGNISED, "bad record version")
+    length = int.from_bytes(hdr[3:5], "big")
+    if length == 0 or length > MAX_RECORD:
+        return SniffError(Reason.PROTOCOL_UNRECOGNISED, "bad record length")
+    return length
+
+
+def _partial_header_error(rest: bytes | bytearray) -> SniffError | None:
+    """What a record header shorter than 5 bytes already gets wrong, if anything."""
+    if rest and rest[0] != HANDSHAKE:
+        return SniffError(Reason.PROTOCOL_UNRECOGNISED, "not a TLS handshake record")
+    if len(rest) >= 2 and rest[1] != 3:
+        return SniffError(Reason.PROTOCOL_UNRECOGNISED, "bad record version")
+    return None
 
 
 def looks_like_tls(first: bytes) -> bool:

@@ -39,28 +39,27 @@ def decide(
     cp = ruleset.compiled.get(profile_name)
     if cp is None:
         return Verdict(False, Reason.UNKNOWN_PROFILE, ruleset.version)
-    name: str | None = None
-    addr: IPAddress | None = None
-    if facts.host is not None:
-        try:
-            name, addr = classify_host(facts.host)
-        except (HostError, TypeError):
-            return cp.verdict(False, Reason.INVALID_HOST)
-    if facts.ip is not None:
-        try:
-            ip = _parse_ip(facts.ip)
-        except (ValueError, TypeError):
-            return cp.verdict(False, Reason.INVALID_HOST)
-        if addr is not None and addr != ip:
-            return cp.verdict(False, Reason.DESTINATION_MISMATCH)
-        addr = ip
-    if name is None and addr is None:
-        return cp.verdict(False, Reason.INVALID_HOST)
+    dest = _destination(cp, facts)
+    if isinstance(dest, Verdict):
+        return dest
+    name, addr = dest
     port = facts.port
     if type(port) is not int or not 1 <= port <= 65535:
         # malformed, so not eligible for report mode (built directly, not via the cache)
         return Verdict(False, Reason.PORT_NOT_ALLOWED, ruleset.version)
+    return _decide_entries(cp, name, addr, port, facts, today)
 
+
+def _decide_entries(
+    cp: CompiledProfile,
+    name: str | None,
+    addr: IPAddress | None,
+    port: int,
+    facts: RequestFacts,
+    today: date | None,
+) -> Verdict:
+    """The rule walk for a well-formed destination: deny entries override allows, then
+    the port, then (when every fitting entry is inspected) method and path."""
     for e in _matches(cp, name, addr, deny=True):
         if (not e.ports or port in e.ports) and (e.expires is None or in_force(e, today)):
             return cp.verdict(False, Reason.DENIED_BY_RULE, e)
@@ -79,6 +78,31 @@ def decide(
         if not e.inspected:
             return cp.verdict(True, Reason.ALLOWED_BY_RULE, e)
     return _decide_inspected(cp, on_port, facts)
+
+
+def _destination(
+    cp: CompiledProfile, facts: RequestFacts
+) -> tuple[str | None, IPAddress | None] | Verdict:
+    """(name, address) the request goes to, or the denial when the facts are malformed or
+    the host (an IP literal) and the dialled IP disagree."""
+    name: str | None = None
+    addr: IPAddress | None = None
+    if facts.host is not None:
+        try:
+            name, addr = classify_host(facts.host)
+        except (HostError, TypeError):
+            return cp.verdict(False, Reason.INVALID_HOST)
+    if facts.ip is not None:
+        try:
+            ip = _parse_ip(facts.ip)
+        except (ValueError, TypeError):
+            return cp.verdict(False, Reason.INVALID_HOST)
+        if addr is not None and addr != ip:
+            return cp.verdict(False, Reason.DESTINATION_MISMATCH)
+        addr = ip
+    if name is None and addr is None:
+        return cp.verdict(False, Reason.INVALID_HOST)
+    return name, addr
 
 
 def _decide_inspected(

@@ -49,26 +49,45 @@ def _normalize_raw(raw: str) -> str:
     if len(raw) > MAX_RAW:
         raise HostError("host name too long")
     if ":" in raw:
-        bad = _FORBIDDEN.search(raw)
-        if bad:
-            raise HostError(f"host contains forbidden character {bad.group()!r}")
-        try:
-            return str(ipaddress.ip_address(raw))
-        except ValueError:
-            raise HostError("host contains ':' but is not an IP address") from None
+        return _ip6_literal(raw)
     if raw.isascii():
         name = raw.lower()
     else:
-        bad = _FORBIDDEN.search(raw)
-        if bad:
-            raise HostError(f"host contains forbidden character {bad.group()!r}")
+        _refuse(_FORBIDDEN, raw)
         name = _to_ascii(raw)
     # one character-class scan instead of a full-name regex: this runs per request
-    bad = _NOT_LDH.search(name)
-    if bad:
-        raise HostError(f"host contains forbidden character {bad.group()!r}")
+    _refuse(_NOT_LDH, name)
     if name.endswith("."):
         name = name[:-1]
+    _check_shape(name)
+    last = name.rpartition(".")[2]
+    if last.isdigit() or (last.startswith("0x") and _is_hex(last[2:])):
+        try:
+            return str(ipaddress.IPv4Address(name))
+        except ValueError:
+            raise HostError("numeric host that is not a dotted-quad IPv4 address") from None
+    if "xn--" in name:
+        _check_alabels(name)
+    return name
+
+
+def _refuse(chars: re.Pattern[str], text: str) -> None:
+    bad = chars.search(text)
+    if bad:
+        raise HostError(f"host contains forbidden character {bad.group()!r}")
+
+
+def _ip6_literal(raw: str) -> str:
+    """A host with ':' can only be an IP (v6) literal; canonical text or HostError."""
+    _refuse(_FORBIDDEN, raw)
+    try:
+        return str(ipaddress.ip_address(raw))
+    except ValueError:
+        raise HostError("host contains ':' but is not an IP address") from None
+
+
+def _check_shape(name: str) -> None:
+    """Length and label rules of an LDH name (lower case, trailing dot already removed)."""
     if not name:
         raise HostError("empty host")
     if len(name) > MAX_NAME:
@@ -80,15 +99,6 @@ def _normalize_raw(raw: str) -> str:
         raise HostError("a label must not start or end with '-'")
     if len(name) > MAX_LABEL and max(map(len, name.split("."))) > MAX_LABEL:
         raise HostError(f"label longer than {MAX_LABEL} characters")
-    last = name.rpartition(".")[2]
-    if last.isdigit() or (last.startswith("0x") and _is_hex(last[2:])):
-        try:
-            return str(ipaddress.IPv4Address(name))
-        except ValueError:
-            raise HostError("numeric host that is not a dotted-quad IPv4 address") from None
-    if "xn--" in name:
-        _check_alabels(name)
-    return name
 
 
 def _is_hex(text: str) -> bool:
@@ -104,9 +114,7 @@ def _to_ascii(raw: str) -> str:
     except (idna.IDNAError, UnicodeError, ValueError) as e:
         raise HostError(f"invalid international name: {e}") from None
     # the mapping can produce characters the raw check did not see (fullwidth commercial at -> '@')
-    bad = _FORBIDDEN.search(mapped)
-    if bad:
-        raise HostError(f"host contains forbidden character {bad.group()!r}")
+    _refuse(_FORBIDDEN, mapped)
     trailing = mapped.endswith(".")
     labels = (mapped[:-1] if trailing else mapped).split(".")
     out = []
