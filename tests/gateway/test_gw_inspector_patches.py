@@ -8,6 +8,7 @@ import importlib
 import mitmproxy.version
 import pytest
 from stockade.gateway.inspector import patches
+from stockade.policy.reasons import Reason
 
 
 @pytest.mark.parametrize("patch", patches.PATCHES, ids=lambda p: p.target)
@@ -53,4 +54,4 @@ def test_a_refusal_without_a_handed_over_flow_emits_nothing() -> None:
     assert events == []
     Addon.flows["c1"] = "meta"
     state.refused(Conn(), "known")
-    assert events == [("meta", patches.Reason.PROTOCOL_UNRECOGNISED, "known")]
+    assert events == [("meta", Reason.PROTOCOL_UNRECOGNISED, "known")]
