@@ -26,7 +26,7 @@ from stockade.tasks import TaskRegistry, make_control_app, start_control_server
 
 from .addresses import AddressPolicy
 from .dns.guards import GuardState, NameLimits
-from .inspector_supervisor import InspectorSupervisor
+from .inspector import InspectorSupervisor
 from .metrics import GatewayMetrics
 from .resolver import Resolver
 from .rulesource import RulesHolder

@@ -27,7 +27,7 @@ from gw_harness import (
     registered_client,
     write_config,
 )
-from stockade.gateway.inspection import FlowMeta, connect_request
+from stockade.gateway.inspector.handoff import FlowMeta, connect_request
 
 from stockade.testnet import ClientNamespace, FakeInternet
 

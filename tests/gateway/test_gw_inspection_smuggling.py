@@ -25,7 +25,7 @@ import h2.settings
 import pytest
 import trustme
 from gw_harness import GatewayHarness, registered_client
-from stockade.gateway.inspection import FlowMeta, connect_request
+from stockade.gateway.inspector.handoff import FlowMeta, connect_request
 from test_gw_inspection import _handoff, ca, find_event, l7_config, wait_ready
 
 from stockade.testnet import FakeInternet

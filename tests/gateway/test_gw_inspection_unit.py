@@ -1,5 +1,6 @@
 """The pure pieces of L7 inspection: the signed hand-off metadata and the per-request
-decision (gateway/inspection.py), the inspector's rule-set cache, the CA files."""
+decision (gateway/inspector/handoff.py, requests.py), the inspector's rule-set cache, the
+CA files."""
 
 from __future__ import annotations
 
@@ -10,21 +11,18 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from stockade.gateway.inspection import (
+from stockade.gateway.inspection import ensure_ca, trust_bundle, trust_env
+from stockade.gateway.inspector.addon import RulesByVersion, inner_request
+from stockade.gateway.inspector.handoff import (
     FLOW_HEADER,
     FlowMeta,
-    InnerRequest,
     MetaError,
     connect_request,
-    decide_request,
     decode_meta,
     encode_meta,
-    ensure_ca,
-    trust_bundle,
-    trust_env,
 )
-from stockade.gateway.inspector import RulesByVersion, inner_request
-from stockade.gateway.inspector_supervisor import next_delay
+from stockade.gateway.inspector.requests import InnerRequest, decide_request
+from stockade.gateway.inspector.supervisor import next_delay
 from stockade.gateway.settings import InspectionSettings
 from stockade.policy import load_rules
 from stockade.policy.reasons import Reason

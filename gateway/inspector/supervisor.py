@@ -1,6 +1,6 @@
 """The gateway's side of L7 inspection: runs the inspector child and hands flows to it.
 
-`InspectorSupervisor` starts `stockade gateway inspector` (see `inspector.py`), writes
+`InspectorSupervisor` starts `stockade gateway inspector` (see `child.py`), writes
 its spec (with a fresh hand-off signing key) on the child's stdin, waits for its
 `{"ready": PORT}` line, and restarts it with a growing delay whenever it exits. While it
 is not ready, `ready` is False and `why` says why; the gateway then denies flows that
@@ -28,9 +28,10 @@ from typing import Any
 
 from stockade.config import Config
 
-from .inspection import HEALTH_HOST, FlowMeta, ca_dir, connect_request, ensure_ca
-from .relay import wait_fd
-from .settings import InspectionSettings
+from ..inspection import ca_dir, ensure_ca
+from ..relay import wait_fd
+from ..settings import InspectionSettings
+from .handoff import FlowMeta, connect_request, health_request
 
 log = logging.getLogger("stockade.gateway.inspector")
 
@@ -139,6 +140,25 @@ class InspectorSupervisor:
     async def _run_once(self) -> float:
         """Start one child and wait until it exits (or is killed as hung); the seconds it
         was ready (0: it never became ready)."""
+        proc = await self._spawn()
+        port = await self._wait_ready(proc)
+        if port is None:
+            return 0.0
+        loop = asyncio.get_running_loop()
+        ready_at = loop.time()
+        self.port = port
+        self.why = ""
+        log.info("inspector: ready on port %s (pid %s)", port, proc.pid)
+        code = await self._watch(proc, port)
+        self.port = None
+        if self.why == "":
+            self.why = f"the inspector exited (code {code}) and is being restarted"
+            log.warning("inspector: exited with code %s; restarting", code)
+        self.proc = None
+        return loop.time() - ready_at
+
+    async def _spawn(self) -> asyncio.subprocess.Process:
+        """A new child with its spec (and a fresh signing key) written on its stdin."""
         self.key = secrets.token_bytes(32)
         self.starts += 1
         self.proc = proc = await asyncio.create_subprocess_exec(
@@ -155,19 +175,24 @@ class InspectorSupervisor:
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write(json.dumps(self._spec()).encode() + b"\n")
         await proc.stdin.drain()  # stdin stays open: its EOF tells the child to exit
+        return proc
+
+    async def _wait_ready(self, proc: asyncio.subprocess.Process) -> int | None:
+        """The port from the child's `{"ready": PORT}` line; None (and the child
+        terminated) when it does not come within start_timeout_s."""
+        assert proc.stdout is not None
         try:
             line = await asyncio.wait_for(proc.stdout.readline(), self.settings.start_timeout_s)
-            port = int(json.loads(line)["ready"])
+            return int(json.loads(line)["ready"])
         except (TimeoutError, ValueError, KeyError, TypeError):
             self.why = "the inspector did not become ready"
             log.warning("inspector: not ready after start (exit code %s)", proc.returncode)
             await self._terminate()
-            return 0.0
-        loop = asyncio.get_running_loop()
-        ready_at = loop.time()
-        self.port = port
-        self.why = ""
-        log.info("inspector: ready on port %s (pid %s)", port, proc.pid)
+            return None
+
+    async def _watch(self, proc: asyncio.subprocess.Process, port: int) -> int:
+        """Probe the ready child every health_interval_s until it exits, or kill it after
+        health_failures missed probes in a row; its exit code."""
         exited = asyncio.ensure_future(proc.wait())
         try:
             failures = 0
@@ -191,29 +216,24 @@ class InspectorSupervisor:
                     )
                     await self._terminate()
                     break
-            code = await exited
+            return await exited
         finally:
             if not exited.done():
                 exited.cancel()
-        self.port = None
-        if self.why == "":
-            self.why = f"the inspector exited (code {code}) and is being restarted"
-            log.warning("inspector: exited with code %s; restarting", code)
-        self.proc = None
-        return loop.time() - ready_at
+
+    def _listen_host(self) -> str:
+        return self.settings.listen.rpartition(":")[0].strip("[]")
 
     async def _probe(self, port: int) -> bool:
         """Does the inspector's event loop answer a hand-off connection in time?"""
-        host = self.settings.listen.rpartition(":")[0].strip("[]")
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port), self.settings.health_timeout_s
+                asyncio.open_connection(self._listen_host(), port), self.settings.health_timeout_s
             )
         except (OSError, TimeoutError):
             return False
         try:
-            target = f"{HEALTH_HOST}:1"
-            writer.write(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+            writer.write(health_request())
             line = await asyncio.wait_for(reader.readline(), self.settings.health_timeout_s)
             return line.startswith(b"HTTP/1.1 ")
         except (OSError, TimeoutError):
@@ -232,34 +252,14 @@ class InspectorSupervisor:
             raise InspectorUnavailable(self.why or "the inspector is not running")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.handoff_timeout_s
-        host = self.settings.listen.rpartition(":")[0].strip("[]")
+        host = self._listen_host()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            err = sock.connect_ex((host, port))
-            if err not in (0, *_IN_PROGRESS):
-                raise OSError(err, os.strerror(err))
-            if err:
-                await wait_fd(loop, sock.fileno(), True, deadline)
-                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-                if err:
-                    raise OSError(err, os.strerror(err))
+            await _connect(loop, sock, (host, port), deadline)
             await loop.sock_sendall(sock, connect_request(meta, self.key))
-            answer = bytearray()
-            while b"\r\n\r\n" not in answer:
-                if len(answer) > MAX_ANSWER:
-                    raise InspectorUnavailable("the inspector's answer is too long")
-                await wait_fd(loop, sock.fileno(), False, deadline)
-                chunk = sock.recv(MAX_ANSWER)
-                if not chunk:
-                    raise InspectorUnavailable("the inspector closed the hand-off")
-                answer += chunk
-            head, _, rest = bytes(answer).partition(b"\r\n\r\n")
-            status = head.split(b"\r\n", 1)[0].split(b" ")
-            if len(status) < 2 or status[1] != b"200" or rest:
-                raise InspectorUnavailable("the inspector refused the hand-off")
+            await _read_answer(loop, sock, deadline)
             self.handoffs += 1
             return sock
         except TimeoutError:
@@ -271,6 +271,41 @@ class InspectorSupervisor:
         except BaseException:
             sock.close()
             raise
+
+
+async def _connect(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, addr: tuple[str, int], deadline: float
+) -> None:
+    """Connect the non-blocking `sock` by `deadline` (TimeoutError, OSError)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    err = sock.connect_ex(addr)
+    if err not in (0, *_IN_PROGRESS):
+        raise OSError(err, os.strerror(err))
+    if err:
+        await wait_fd(loop, sock.fileno(), True, deadline)
+        err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if err:
+            raise OSError(err, os.strerror(err))
+
+
+async def _read_answer(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, deadline: float
+) -> None:
+    """Read the inspector's answer to the hand-off CONNECT: a `200` head and nothing
+    after it (in a TLS tunnel the client speaks first: early bytes mean no tunnel)."""
+    answer = bytearray()
+    while b"\r\n\r\n" not in answer:
+        if len(answer) > MAX_ANSWER:
+            raise InspectorUnavailable("the inspector's answer is too long")
+        await wait_fd(loop, sock.fileno(), False, deadline)
+        chunk = sock.recv(MAX_ANSWER)
+        if not chunk:
+            raise InspectorUnavailable("the inspector closed the hand-off")
+        answer += chunk
+    head, _, rest = bytes(answer).partition(b"\r\n\r\n")
+    status = head.split(b"\r\n", 1)[0].split(b" ")
+    if len(status) < 2 or status[1] != b"200" or rest:
+        raise InspectorUnavailable("the inspector refused the hand-off")
 
 
 _IN_PROGRESS = (errno.EINPROGRESS, errno.EINTR, errno.EAGAIN)
