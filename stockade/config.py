@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from stockade.broker.settings import BrokerSettings, DevVaultSettings, VaultSettings
 from stockade.events import EventWriter
-from stockade.events.summary import ThrottleSettings
+from stockade.events.settings import EventSettings
 from stockade.gateway.dns.settings import DnsSettings
 from stockade.gateway.settings import GatewaySettings
 from stockade.instance import PORT_SPAN, derive
@@ -25,40 +25,6 @@ from stockade.stack.settings import StackSettings
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class EventSettings(Strict):
-    file: str | None = None  # JSON-lines events file; default: <log_dir>/events.jsonl
-    stdout: bool = False  # also write every event to standard output
-    max_bytes: int = Field(50 * 2**20, gt=0)  # rotate the events file at this size
-    backups: int = Field(5, ge=0)  # rotated files kept (events.jsonl.1 ...)
-    # denied events of one task with the same (component, action, reason, destination)
-    # written one by one; later ones are counted in `event_summary` events
-    verbatim_per_key: int = Field(20, ge=0)
-    summary_window_s: float = Field(60.0, gt=0)  # seconds a summary event counts for
-    # events written one by one per task (per component process); past this or the byte
-    # budget, every further event of the task, allowed or denied, is only counted
-    task_budget_events: int = Field(2000, ge=0)
-    task_budget_bytes: int = Field(2 * 2**20, ge=0)  # bytes written one by one per task
-    # distinct summary keys per task; further keys share one overflow key
-    keys_per_task: int = Field(64, ge=1)
-    # per-task event store (one file per task, never rotated); default: <log_dir>/tasks
-    task_dir: str | None = None
-    task_store_bytes: int = Field(4 * 2**20, gt=0)  # task store cap per task and process
-    task_retention_s: float = Field(86400.0, ge=0)  # task store files older than this are removed
-
-    def throttle(self) -> ThrottleSettings:
-        return ThrottleSettings(
-            verbatim_per_key=self.verbatim_per_key, window_s=self.summary_window_s,
-            task_events=self.task_budget_events, task_bytes=self.task_budget_bytes,
-            keys_per_task=self.keys_per_task)
-
-    def writer(self, path: str | Path | None, task_dir: str | Path | None,
-               stdout: bool) -> EventWriter:
-        """An event writer with these settings: throttle and per-task store included."""
-        return EventWriter(
-            path, max_bytes=self.max_bytes, backups=self.backups, stdout=stdout,
-            throttle=self.throttle(), task_dir=task_dir, task_store_bytes=self.task_store_bytes)
 
 
 class Config(Strict):

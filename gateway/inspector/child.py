@@ -76,7 +76,7 @@ async def run_inspector(spec: dict[str, Any], stdin_eof: asyncio.Event | None = 
     from mitmproxy.master import Master
 
     key = bytes.fromhex(spec["key"])
-    from stockade.config import EventSettings
+    from stockade.events.settings import EventSettings
 
     ev = EventSettings.model_validate(spec.get("events", {}))
     # stdout is the ready channel
