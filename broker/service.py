@@ -15,7 +15,6 @@ from typing import Any
 
 from aiohttp import web
 
-from stockade.config import Config
 from stockade.events import EventWriter
 from stockade.events.writer import SUMMARY_FLUSH_S
 from stockade.listen import parse_listen
@@ -23,6 +22,7 @@ from stockade.loops import every
 from stockade.tasks import TaskRegistry, make_control_app, start_control_server
 from stockade.tcp import set_congestion_control
 
+from .configview import BrokerConfig
 from .devvault import DevOpenBao
 from .metrics import BrokerMetrics
 from .server import Broker
@@ -33,7 +33,7 @@ log = logging.getLogger("stockade.broker")
 
 
 class BrokerService:
-    def __init__(self, config: Config, *, dev_vault: bool = False) -> None:
+    def __init__(self, config: BrokerConfig, *, dev_vault: bool = False) -> None:
         self.config = config
         self.dev_vault = dev_vault
         self.devbao: DevOpenBao | None = None

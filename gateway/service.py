@@ -19,12 +19,12 @@ from typing import Any
 
 from aiohttp import web
 
-from stockade.config import Config
 from stockade.events.writer import SUMMARY_FLUSH_S
 from stockade.loops import every
 from stockade.tasks import TaskRegistry, make_control_app, start_control_server
 
 from .addresses import AddressPolicy
+from .configview import GatewayConfig
 from .dns.guards import GuardState, NameLimits
 from .inspector import InspectorSupervisor
 from .metrics import GatewayMetrics
@@ -69,7 +69,7 @@ def raise_nofile(target: int) -> int:
 class GatewayService:
     """Everything `gateway serve` runs, startable in-process (tests) or from the CLI."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         gs = config.gateway
         self.writer = config.event_writer()
@@ -193,7 +193,7 @@ class GatewayService:
         self.writer.close()
 
 
-async def serve(config: Config, *, dns: bool = True) -> int:
+async def serve(config: GatewayConfig, *, dns: bool = True) -> int:
     """`stockade gateway serve`: run until SIGTERM/SIGINT; SIGHUP reloads the rules. Invalid
     rules, or a listener or directory that cannot be used, at start: exit 2 (see
     stockade.serving)."""

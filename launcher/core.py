@@ -55,9 +55,8 @@ from .ending import end_due, end_event
 from .nflog import LogRecord, NflogSocket
 from .state import SandboxRecord, StateFile
 
-if TYPE_CHECKING:  # stockade.config imports launcher.settings: no runtime cycle
-    from stockade.config import Config
-
+if TYPE_CHECKING:  # annotations only
+    from .configview import LauncherConfig as Config
     from .settings import LauncherSettings
 
 # orphaned: its `stockade run` died; a reconcile removed it (end events only)

@@ -44,8 +44,8 @@ from .core import (
 )
 from .initscript import check_input_target
 
-if TYPE_CHECKING:  # stockade.config imports launcher.settings: no runtime cycle
-    from stockade.config import Config
+if TYPE_CHECKING:  # annotations only
+    from .configview import LauncherConfig as Config
 
 log = logging.getLogger("stockade.launcher.service")
 

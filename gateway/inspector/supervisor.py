@@ -26,8 +26,7 @@ import socket
 import sys
 from typing import Any
 
-from stockade.config import Config
-
+from ..configview import GatewayConfig
 from ..inspection import ca_dir, ensure_ca
 from ..relay import wait_fd
 from ..settings import InspectionSettings
@@ -43,7 +42,7 @@ class InspectorUnavailable(Exception):
 
 
 class InspectorSupervisor:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.settings: InspectionSettings = config.gateway.inspection
         self.ca_dir = ca_dir(config.state_dir, self.settings.ca_dir)
