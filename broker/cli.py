@@ -38,6 +38,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 async def _run(cfg: Any, dev_vault: bool) -> int:
+    from stockade.policy import RulesError
+
     from stockade.serving import serve_until_signalled
 
     from .service import BrokerService
@@ -60,7 +62,7 @@ async def _run(cfg: Any, dev_vault: bool) -> int:
     # a SIGTERM during start-up also stops a dev OpenBao started on the way
     return await serve_until_signalled(
         "broker", start=start, stop=svc.stop, reload=reload, banner=banner,
-        start_errors=(ValueError, OSError),
+        start_errors=(ValueError, OSError), invalid_rules=(RulesError,),
     )
 
 

@@ -197,6 +197,8 @@ async def serve(config: GatewayConfig, *, dns: bool = True) -> int:
     """`stockade gateway serve`: run until SIGTERM/SIGINT; SIGHUP reloads the rules. Invalid
     rules, or a listener or directory that cannot be used, at start: exit 2 (see
     stockade.serving)."""
+    from stockade.policy import RulesError
+
     from stockade.serving import serve_until_signalled
 
     svc: GatewayService | None = None
@@ -227,5 +229,6 @@ async def serve(config: GatewayConfig, *, dns: bool = True) -> int:
 
     # a SIGTERM during start-up, or a start that fails half-way, still ends in stop()
     return await serve_until_signalled(
-        "gateway", start=start, stop=stop, reload=reload, banner=banner
+        "gateway", start=start, stop=stop, reload=reload, banner=banner,
+        invalid_rules=(RulesError,),
     )

@@ -422,6 +422,8 @@ class LauncherService:
 
 async def serve(config: Config) -> int:
     """`stockade launcher serve`: run until SIGTERM/SIGINT; SIGHUP reloads the rules."""
+    from stockade.policy import RulesError
+
     from stockade.serving import serve_until_signalled
 
     svc = LauncherService(config)
@@ -429,7 +431,7 @@ async def serve(config: Config) -> int:
     return await serve_until_signalled(
         "launcher", start=svc.start, stop=svc.stop, reload=lambda: svc.reload("sighup"),
         banner=lambda: f"serving on {svc.socket_path}, rules {svc.rules.current.version}",
-        start_errors=(RuntimeError, OSError),
+        start_errors=(RuntimeError, OSError), invalid_rules=(RulesError,),
     )
 
 

@@ -3,6 +3,8 @@
 Shared so every service handles signals the same way: handlers are installed before
 start-up (a SIGTERM during start still ends in a clean stop), SIGHUP reloads the rules,
 invalid rules or an unusable listen address at start exit 2 with a one-line reason.
+Which exceptions mean "invalid rules" the caller says (`invalid_rules`): the rule model
+sits above this module.
 """
 
 from __future__ import annotations
@@ -40,9 +42,8 @@ async def serve_until_signalled(
     reload: Callable[[], Any],
     banner: Callable[[], str],
     start_errors: tuple[type[BaseException], ...] = (OSError,),
+    invalid_rules: tuple[type[BaseException], ...] = (),
 ) -> int:
-    from stockade.policy import RulesError
-
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -60,7 +61,7 @@ async def serve_until_signalled(
     try:
         try:
             await start()
-        except RulesError as e:
+        except invalid_rules as e:
             print(f"stockade {name}: invalid rules:\n{e}", file=sys.stderr)
             return 2
         except start_errors as e:
