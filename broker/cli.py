@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 from typing import Any
+
+from stockade.clikit import add_config_args, setup_logging
 
 
 def add_commands(sub: Any) -> None:
@@ -12,7 +15,7 @@ def add_commands(sub: Any) -> None:
     p.set_defaults(group_parser=p)
     bsub = p.add_subparsers(dest="broker_command", metavar="COMMAND")
     serve = bsub.add_parser("serve", help="run the broker in the foreground")
-    serve.add_argument("--config", "-c", metavar="FILE", help="stockade.yaml (default: built-in)")
+    add_config_args(serve)
     serve.add_argument("--listen", metavar="HOST:PORT", help="override broker.listen")
     serve.add_argument("--rules", metavar="DIR", help="override rules_dir")
     serve.add_argument(
@@ -24,13 +27,10 @@ def add_commands(sub: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import logging
-
-    from stockade.cli import config_or_fail
     from stockade.serving import run
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = config_or_fail(
+    setup_logging(logging.INFO)
+    cfg = args.config_loader(
         args.config, "broker", rules_dir=args.rules, broker={"listen": args.listen}
     )
     # uvloop when installed: about a quarter less CPU per proxied call

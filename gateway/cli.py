@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
+
+from stockade.clikit import add_config_args, add_log_level, setup_logging
+
+DEFAULTS = "stockade.yaml (default: built-in defaults)"
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -17,16 +20,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
         "the DNS firewall, the control API and Prometheus metrics, as configured in the "
         "`gateway:` and `dns:` sections of stockade.yaml. SIGHUP reloads the rules.",
     )
-    serve.add_argument("--config", help="stockade.yaml (default: built-in defaults)")
+    add_config_args(serve, help_text=DEFAULTS, short=False)
     serve.add_argument(
         "--no-dns", action="store_true", help="do not start the DNS firewall (TCP listeners only)"
     )
-    serve.add_argument(
-        "--log-level",
-        default="WARNING",
-        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-        help="diagnostic log level on stderr (events go to the events file)",
-    )
+    add_log_level(serve)
     serve.set_defaults(func=run_serve)
     ca = gsub.add_parser(
         "ca",
@@ -37,7 +35,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
         "entries have an `http:` block (the system bundle path, SSL_CERT_FILE, PIP_CERT, "
         "NODE_EXTRA_CA_CERTS).",
     )
-    ca.add_argument("--config", help="stockade.yaml (default: built-in defaults)")
+    add_config_args(ca, help_text=DEFAULTS, short=False)
     ca.add_argument("--pem", action="store_true", help="print the certificate itself")
     ca.set_defaults(func=run_ca)
     insp = gsub.add_parser(
@@ -51,29 +49,20 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import logging
-
-    from stockade.cli import config_or_fail
     from stockade.serving import run
 
     from .service import serve
 
-    logging.basicConfig(
-        level=args.log_level,
-        stream=sys.stderr,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
-    config = config_or_fail(args.config, "gateway")
+    setup_logging(args.log_level)
+    config = args.config_loader(args.config, "gateway")
     # uvloop (gateway.uvloop, on by default) halves the per-connection loop overhead
     return run(serve(config, dns=not args.no_dns), uvloop=config.gateway.uvloop)
 
 
 def run_ca(args: argparse.Namespace) -> int:
-    from stockade.cli import config_or_fail
-
     from .inspection import inspection_ca_cert
 
-    path = inspection_ca_cert(config_or_fail(args.config, "gateway ca"))
+    path = inspection_ca_cert(args.config_loader(args.config, "gateway ca"))
     print(path.read_text() if args.pem else path, end="" if args.pem else "\n")
     return 0
 

@@ -21,7 +21,8 @@ COMMAND_MODULES = (
     "stockade.policy.cli",  # rules lint|explain|test|diff
     "stockade.gateway.cli",  # gateway serve
     "stockade.broker.cli",  # broker serve
-    "stockade.launcher.cli",  # run, sandbox list|kill|suspend|resume
+    "stockade.stack.run",  # run (the stack plus a launcher; before the launcher's own)
+    "stockade.launcher.cli",  # sandbox list|kill|suspend|resume, launcher serve
     "stockade.stack",  # up, demo
     "stockade.events.cli",  # events
 )
@@ -68,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
         "sandbox launcher.",
     )
     parser.add_argument("--version", action="version", version="stockade 0.1.0")
+    # handed to every command: component CLIs load stockade.yaml through it, so they need
+    # not import this module (the top floor) to refuse an unusable file the same way
+    parser.set_defaults(config_loader=config_or_fail)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:

@@ -72,11 +72,9 @@ def _lines(path: Path, follow: bool, poll: float = 0.25) -> Iterator[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stockade.cli import config_or_fail
-
     from .view import EventFilter, format_line, parse_duration
 
-    path = Path(args.file) if args.file else config_or_fail(args.config, "events").events_file
+    path = Path(args.file) if args.file else args.config_loader(args.config, "events").events_file
     try:
         since = time.time() - parse_duration(args.since) if args.since else None
     except ValueError as e:

@@ -16,10 +16,10 @@ import pytest
 import yaml
 from stockade.launcher import netns, nft
 from stockade.launcher.cgroups import leftover_names
-from stockade.launcher.cli import _parse_input
 
 from stockade.config import load_config
 from stockade.events import validate
+from stockade.stack.run import _parse_input
 from stockade.tasks import TaskRegistry, make_control_app, start_control_server
 
 from .conftest import Lab

@@ -1,0 +1,108 @@
+"""`stockade run`: one command in a fresh sandbox, with the stack it needs (a running
+`stockade up`, or gateway, broker and a dev OpenBao for this command only). On the top
+floor because it composes the components; the launcher's own commands stay in
+stockade/launcher/cli.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from .devsecrets import ARG_HELP as SECRET_HELP
+
+
+def _parse_input(raw: str) -> tuple[str, str]:
+    host, sep, guest = raw.partition(":")
+    if not sep or not guest:
+        guest = "/inputs/" + os.path.basename(os.path.normpath(host))
+    return host, guest
+
+
+def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
+    run = sub.add_parser("run", help="run a command in a fresh sandbox and tear it down")
+    run.add_argument("--profile", required=True, help="profile name from the rules")
+    run.add_argument("--rules", help="rules directory (default: config rules_dir)")
+    run.add_argument("--config", help="stockade.yaml (default: embedded defaults)")
+    run.add_argument("--input", action="append", default=[], metavar="HOST_PATH[:GUEST_PATH]",
+                     help="mount read-only (default guest path /inputs/<name>); repeatable; "
+                          "never at or under what the sandbox's init relies on (`/usr`, `/bin`, "
+                          "`/sbin`, `/lib*`, `/etc`, `/sbx`, `/init`, `ro_binds`, the scratch, "
+                          "`/tmp`, `/proc`, `/dev`, `/sys`)")
+    run.add_argument("--export", metavar="DIR", help="copy allowed files of scratch/out here")
+    run.add_argument("--ttl", type=int, metavar="SECONDS",
+                     help="wall-clock limit (capped by the profile's limits.ttl)")
+    run.add_argument("--json", action="store_true", help="print one JSON result object")
+    run.add_argument("--secret", action="append", default=[], metavar="PATH:FIELD=@FILE",
+                     help=SECRET_HELP)
+    run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
+    run.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from stockade.launcher.core import Launcher, LauncherError, SandboxSpec, preflight
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        print("stockade run: missing command after --", file=sys.stderr)
+        return 2
+    config = args.config_loader(args.config, "run")
+    try:
+        from stockade.policy import load_rules  # type: ignore[attr-defined]
+
+        ruleset = load_rules(args.rules or config.rules_dir)
+    except Exception as e:
+        print(f"stockade run: {e}", file=sys.stderr)
+        return 2
+    try:
+        preflight(config.launcher, ruleset, args.profile)  # before any service starts
+    except LauncherError as e:
+        print(f"stockade run: {e}", file=sys.stderr)
+        return 2
+    from .devsecrets import SecretSpecError, parse_secret_args
+
+    try:
+        secrets = parse_secret_args(args.secret)  # before any service starts
+    except SecretSpecError as e:
+        print(f"stockade run: {e}", file=sys.stderr)
+        return 2
+    spec = SandboxSpec(profile=args.profile, argv=cmd,
+                       inputs=[_parse_input(i) for i in args.input],
+                       export_dir=args.export, ttl=args.ttl)
+    from .services import StackError, ensure_stack
+
+    try:
+        # a running stack (`stockade up`) is used as it is; otherwise gateway, broker and
+        # (without vault.address) a dev OpenBao run for this command only
+        with ensure_stack(config, secrets) as effective:
+            launcher = Launcher(effective)
+            try:
+                result = launcher.run(spec, ruleset)
+            finally:
+                launcher.close()
+    except (LauncherError, StackError, OSError) as e:  # OSError: a full or read-only disk
+        print(f"stockade run: {e}", file=sys.stderr)
+        return 2
+    _print_result(result, args.json)
+    return result.exit_code
+
+
+def _print_result(result: Any, as_json: bool) -> None:
+    """The sandbox's output on ours (or one JSON object), then why it was cut or ended."""
+    if as_json:
+        print(json.dumps(result.to_json()))
+        return
+    sys.stdout.write(result.stdout)
+    sys.stderr.write(result.stderr)
+    for name in ("stdout", "stderr"):
+        if getattr(result, f"{name}_truncated"):
+            print(f"stockade run: {name} truncated: kept {len(getattr(result, name))} "
+                  f"characters of {getattr(result, f'{name}_bytes')} bytes "
+                  "(launcher.max_output_bytes)", file=sys.stderr)
+    if result.ended_by != "exit":
+        print(f"stockade run: sandbox {result.task_id} ended by {result.ended_by}",
+              file=sys.stderr)
