@@ -11,6 +11,8 @@ import os
 import sys
 from typing import Any
 
+from stockade.clikit import add_config_args
+
 from .devsecrets import ARG_HELP as SECRET_HELP
 
 
@@ -25,7 +27,7 @@ def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
     run = sub.add_parser("run", help="run a command in a fresh sandbox and tear it down")
     run.add_argument("--profile", required=True, help="profile name from the rules")
     run.add_argument("--rules", help="rules directory (default: config rules_dir)")
-    run.add_argument("--config", help="stockade.yaml (default: embedded defaults)")
+    add_config_args(run, help_text="stockade.yaml (default: embedded defaults)", short=False)
     run.add_argument("--input", action="append", default=[], metavar="HOST_PATH[:GUEST_PATH]",
                      help="mount read-only (default guest path /inputs/<name>); repeatable; "
                           "never at or under what the sandbox's init relies on (`/usr`, `/bin`, "
