@@ -51,6 +51,7 @@ from . import (
 )
 from .accounting import denials_of, end_accounting, logged_in_store, unlogged_bypass_summary
 from .addresses import free_slot, slot_addresses
+from .deregistration import DEREGISTERING, deregister, pending, settle
 from .ending import end_due, end_event
 from .nflog import LogRecord, NflogSocket
 from .state import SandboxRecord, StateFile
@@ -250,6 +251,8 @@ class _Live:
     proc: subprocess.Popen[bytes] | None = None
     killed: threading.Event = field(default_factory=threading.Event)
     vm: _VmPipes | None = None  # the microVM backend's output pipes (read ends)
+    # the control sockets a registration may have reached: what its teardown deregisters
+    registered: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -326,6 +329,7 @@ class Launcher:
         # per sandbox: NFLOG records this process's reader handled, dropped at its end or
         # by a reconcile (the nft bypass counter travels in SandboxRecord.bypass)
         self._logged: dict[str, int] = {}
+        self.deregister_failures = 0  # failed deregistrations (each logged), retries too
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._congestion_control = _permitted_congestion_control(self.s.congestion_control)
 
@@ -355,7 +359,7 @@ class Launcher:
             # the last launcher out removes the table: a one-shot `stockade run` leaves
             # nothing behind; a concurrent _create() re-installs it under the same lock
             with self.state.locked() as records:
-                if not records:
+                if not records or all(r.state == DEREGISTERING for r in records.values()):
                     if nft.table_exists(self.s.nft_table):
                         nft.run(nft.delete_table_command(self.s.nft_table))
                     cgroups.remove_parent(self.s.cgroup_root, self.s.cgroup_parent)
@@ -550,8 +554,11 @@ class Launcher:
         """Remove everything of this launcher's naming that no live launcher owns."""
         removed: dict[str, list[str]] = {"sandboxes": [], "netns": [], "links": [],
                                          "elements": [], "cgroups": [], "scratch": []}
+        self._retry_deregistrations()
         for tid, rec in self.state.read().items():
             try:
+                if rec.state == DEREGISTERING:  # torn down; its deregistration is retried
+                    continue
                 if tid in self._live or (rec.owner_alive() and rec.owner_pid != os.getpid()):
                     continue
                 self._reconcile_orphan(tid)
@@ -567,6 +574,23 @@ class Launcher:
             for tid in [t for t in list(self._logged) if t not in records]:
                 self._logged.pop(tid, None)  # a sandbox another process ended and reported
         return removed
+
+    def _retry_deregistrations(self) -> None:
+        """Tells the gateway and broker again of every torn-down task they still hold (any
+        launcher's: a deregistration is idempotent); each success frees its address."""
+        for rec in pending(self.state.read()):
+            failed = self._deregister(rec.task_id, rec.deregister)
+            try:
+                with self.state.locked() as records:
+                    settle(records, rec.task_id, failed)
+            except StateWriteError as e:
+                logging.getLogger("stockade.launcher").error(
+                    "sandbox %s: its pending deregistration stays: %s", rec.task_id, e)
+
+    def _deregister(self, task_id: str, sockets: list[str]) -> list[str]:
+        failed = deregister(task_id, sockets) if self.register_tasks else []
+        self.deregister_failures += len(failed)
+        return failed
 
     def _reconcile_orphan(self, task_id: str) -> None:
         gone = self._teardown(task_id)
@@ -712,8 +736,13 @@ class Launcher:
             if self.register_tasks:
                 task = Task(task_id, a.guest_ip, profile.name, expires_at=now + ttl + 5)
                 for path in self._control_sockets():
+                    live.registered.append(path)
                     try:
                         ControlClient(path).register(task)
+                    except (FileNotFoundError, ConnectionRefusedError):
+                        live.registered.remove(path)  # it never reached a service
+                        raise LauncherError(f"cannot register task with {path}: "
+                                            "the service is not running") from None
                     except ControlError as e:  # the service's own words (507 state_write_...)
                         raise LauncherError(f"cannot register task with {path}: "
                                             f"{e.describe()}") from None
@@ -750,6 +779,9 @@ class Launcher:
         any piece of it exists; on any error nothing of it is left."""
         now = time.time()
         task_id = ""
+        # an address whose old task is still registered is never handed out (its record
+        # keeps the slot); a retry that succeeds now frees it
+        self._retry_deregistrations()
         try:
             with self.state.locked() as records:
                 while not task_id or task_id in records:
@@ -1061,11 +1093,11 @@ class Launcher:
                 live.proc.wait(timeout=5)
         if live is not None and live.vm is not None:
             live.vm.close()
+        failed: list[str] = []
         if rec is not None:
-            if self.register_tasks:
-                for path in self._control_sockets():
-                    with contextlib.suppress(Exception):
-                        ControlClient(path, timeout=2.0).deregister(task_id)
+            failed = self._deregister(task_id, rec.deregister if rec.state == DEREGISTERING
+                                      else live.registered if live is not None
+                                      else self._control_sockets())
             rec.bypass = self._keep_bypass_count(rec)
             with contextlib.suppress(nft.NftError):
                 nft.run(nft.element_commands(self.s.nft_table, "delete", [self._wiring(rec)]))
@@ -1078,9 +1110,7 @@ class Launcher:
         removed: SandboxRecord | None = None
         try:
             with self.state.locked() as records:
-                removed = records.pop(task_id, None)
-                if removed is not None and rec is not None:
-                    removed.bypass = max(removed.bypass, rec.bypass)
+                removed = settle(records, task_id, failed, rec.bypass if rec else 0)
         except StateWriteError as e:
             # every piece is gone; the record (owner pid gone with this process) goes at
             # the next reconcile that can write, which then writes the end event
@@ -1197,7 +1227,7 @@ class Launcher:
         if hit is not None:
             return hit
         for r in self.state.read().values():  # a sandbox of another launcher process
-            if r.ifindex == ifindex:
+            if r.ifindex == ifindex and r.state != DEREGISTERING:
                 return r.task_id, r.profile
         return None
 
