@@ -329,6 +329,10 @@ class Launcher:
         # per sandbox: NFLOG records this process's reader handled, dropped at its end or
         # by a reconcile (the nft bypass counter travels in SandboxRecord.bypass)
         self._logged: dict[str, int] = {}
+        # sandboxes whose record this process's teardown removed and whose end event
+        # (_end_accounting) is still to come: not ended as "gone elsewhere" meanwhile
+        self._ending: set[str] = set()
+        self._foreign_check = 0.0  # when the reader last looked for sandboxes gone elsewhere
         self.deregister_failures = 0  # failed deregistrations (each logged), retries too
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._congestion_control = _permitted_congestion_control(self.s.congestion_control)
@@ -480,8 +484,9 @@ class Launcher:
             self._emit(end_event(ours, ended_by, exit_code=exit_code, duration_s=duration,
                                  policy_version=policy_version,
                                  accounting=self._end_accounting(ours)))
-        else:
-            self._logged.pop(rec.task_id, None)  # the remover's end event reports it
+        else:  # the remover's end event reports it; this writer's tally ends here
+            self._logged.pop(rec.task_id, None)
+            self.events.end_task(rec.task_id)
         if vm_failed is not None:  # torn down above, like any sandbox that fails to start
             # QEMU's and the console's words go to the orchestrator without host paths (the
             # raw line is in the launcher's log, see _vm_outcome)
@@ -571,9 +576,18 @@ class Launcher:
         # written before any of its pieces exist, so nothing of a live sandbox is removed
         with self.state.locked() as records:
             self._reconcile_names(set(records), removed)
-            for tid in [t for t in list(self._logged) if t not in records]:
-                self._logged.pop(tid, None)  # a sandbox another process ended and reported
+            self._end_tasks_gone_elsewhere(records)
         return removed
+
+    def _end_tasks_gone_elsewhere(self, records: dict[str, SandboxRecord]) -> None:
+        """This reader's pending summaries and `event_totals` of sandboxes another process
+        removed (and wrote the end event of): written once their record is gone (or only
+        a pending deregistration), not left in memory until this writer closes."""
+        present = {t for t, r in records.items() if r.state != DEREGISTERING}
+        for tid in [t for t in list(self._logged)
+                    if t not in present and t not in self._ending and t not in self._live]:
+            self._logged.pop(tid, None)
+            self.events.end_task(tid)
 
     def _retry_deregistrations(self) -> None:
         """Tells the gateway and broker again of every torn-down task they still hold (any
@@ -653,6 +667,7 @@ class Launcher:
             if ev is not None:
                 self._emit(ev)
         self.events.end_task(rec.task_id)
+        self._ending.discard(rec.task_id)
         stored = read_task_events(self.config.task_events_dir, rec.task_id)
         return end_accounting(stored, max(total, logged), logged)
 
@@ -1111,6 +1126,8 @@ class Launcher:
         try:
             with self.state.locked() as records:
                 removed = settle(records, task_id, failed, rec.bypass if rec else 0)
+                if end_due(removed):  # marked before the removal is written
+                    self._ending.add(task_id)
         except StateWriteError as e:
             # every piece is gone; the record (owner pid gone with this process) goes at
             # the next reconcile that can write, which then writes the end event
@@ -1247,6 +1264,9 @@ class Launcher:
                 # records first, then the drain request: all queued before it are handled
                 for r in sock.recv_ready():
                     self.handle_log_record(r)
+                if self._logged and time.monotonic() - self._foreign_check >= 1.0:
+                    self._foreign_check = time.monotonic()
+                    self._end_tasks_gone_elsewhere(self.state.read())
             except Exception:  # the reader must survive anything: reopen and go on
                 sock.close()
                 sock = None
