@@ -57,6 +57,13 @@ def logged_in_store(stored: list[Event]) -> int:
     return n
 
 
+def reader_totals_in(stored: list[Event]) -> bool:
+    """A launcher's `event_totals` for the task is in its store: the NFLOG reader's, once
+    it ended the task (then its bypass events and their summaries are all there)."""
+    return any(ev.get("event", {}).get("action") == TOTALS_ACTION
+               and ev.get("stockade", {}).get("component") == "launcher" for ev in stored)
+
+
 def end_accounting(stored: list[Event], bypass_total: int, bypass_logged: int) -> dict[str, Any]:
     """The end event's `event_totals` and `bypass` fields."""
     totals: dict[str, dict[str, int]] = {}

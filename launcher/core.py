@@ -49,7 +49,13 @@ from . import (
     trust,
     vmimage,
 )
-from .accounting import denials_of, end_accounting, logged_in_store, unlogged_bypass_summary
+from .accounting import (
+    denials_of,
+    end_accounting,
+    logged_in_store,
+    reader_totals_in,
+    unlogged_bypass_summary,
+)
 from .addresses import free_slot, slot_addresses
 from .deregistration import DEREGISTERING, deregister, pending, settle
 from .ending import end_due, end_event
@@ -649,17 +655,30 @@ class Launcher:
         (stockade/events/taskstore.py), which rotation of the shared file cannot erase."""
         return denials_of(read_task_events(self.config.task_events_dir, task_id))
 
+    def _await_reader(self, task_id: str, timeout: float = 3.0) -> list[dict[str, Any]]:
+        """The task's store once another process's NFLOG reader, which ends a sandbox's
+        tally when it sees its record gone (`_end_tasks_gone_elsewhere`), has written its
+        `event_totals` there, so the end event counts its summaries too; no wait when that
+        reader reported nothing for the task, at most `timeout` when it is gone."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stored = read_task_events(self.config.task_events_dir, task_id)
+            if (logged_in_store(stored) == 0 or reader_totals_in(stored)
+                    or time.monotonic() >= deadline):
+                return stored
+            time.sleep(0.05)
+
     def _end_accounting(self, rec: SandboxRecord) -> dict[str, Any]:
         """Bypass counts and every component's event totals for the end event (`rec`: the
         record this caller's teardown removed); the launcher's own summaries and totals
         are written first. The logged count is this process's reader's tally when it
         holds the NFLOG group (it read every sandbox's records), else what the task's
-        store holds (another launcher's reader, or a dead run's, wrote them)."""
+        store holds (another launcher's reader, or a dead run's, wrote them), once that
+        reader has written its summaries and totals of the sandbox (`_await_reader`)."""
         own = rec.owner_pid == os.getpid() and rec.owner_alive()
         logged = self._logged.pop(rec.task_id, 0)
         if not self.nflog_bound:  # another process's reader (the service) wrote them
-            logged = max(logged, logged_in_store(
-                read_task_events(self.config.task_events_dir, rec.task_id)))
+            logged = max(logged, logged_in_store(self._await_reader(rec.task_id)))
         total = rec.bypass
         if self.nflog_bound or not own:  # else another launcher's reader reported them
             ev = unlogged_bypass_summary(
@@ -1264,7 +1283,7 @@ class Launcher:
                 # records first, then the drain request: all queued before it are handled
                 for r in sock.recv_ready():
                     self.handle_log_record(r)
-                if self._logged and time.monotonic() - self._foreign_check >= 1.0:
+                if self._logged and time.monotonic() - self._foreign_check >= 0.25:
                     self._foreign_check = time.monotonic()
                     self._end_tasks_gone_elsewhere(self.state.read())
             except Exception:  # the reader must survive anything: reopen and go on

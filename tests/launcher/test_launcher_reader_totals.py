@@ -1,6 +1,7 @@
 """A sandbox run by a launcher that does not hold the NFLOG group: the reader (another
 launcher) writes its pending summaries and `event_totals` for the sandbox once it sees the
-sandbox's record go, not only when its own writer closes (docs/events.md)."""
+sandbox's record go, not only when its own writer closes, and the run's end event waits
+for them and counts them (docs/events.md)."""
 
 from __future__ import annotations
 
@@ -51,12 +52,16 @@ def test_the_readers_totals_of_another_launchers_sandbox_are_written(lab: Lab) -
     assert res.exit_code == 0, res.stderr
     assert lab.bypass(tid)  # the lab's reader wrote the blocked packets' events
     # the run's writer tallied nothing of it (its lifecycle events are exempt); the
-    # reader's tally is written once it sees the sandbox's record gone
-    deadline = time.monotonic() + 30
-    while not _launcher_totals(lab, tid) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    # reader ended its tally when it saw the sandbox's record go, and the run waited for
+    # that before its end event
     totals = _launcher_totals(lab, tid)
     assert len(totals) == 1, totals
     validate(totals[0])
-    assert totals[0]["stockade"]["totals"]["written"] >= len(lab.bypass(tid))
+    written = totals[0]["stockade"]["totals"]["written"]
+    assert written >= len(lab.bypass(tid)) > 0
     assert tid not in lab.launcher._logged
+    stored = read_task_events(lab.config.task_events_dir, tid)
+    end = [e for e in stored if e["stockade"].get("lifecycle") == "end"]
+    assert len(end) == 1
+    assert end[0]["stockade"]["event_totals"]["launcher"]["written"] == written
+    assert stored.index(totals[0]) < stored.index(end[0])
