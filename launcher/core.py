@@ -50,14 +50,14 @@ from . import (
     vmimage,
 )
 from .accounting import (
+    await_reader_totals,
     denials_of,
     end_accounting,
     logged_in_store,
-    reader_totals_in,
     unlogged_bypass_summary,
 )
 from .addresses import free_slot, slot_addresses
-from .deregistration import DEREGISTERING, deregister, pending, settle
+from .deregistration import DEREGISTERING, deregister, retry_pending, settle
 from .ending import end_due, end_event
 from .nflog import LogRecord, NflogSocket
 from .state import SandboxRecord, StateFile
@@ -596,16 +596,7 @@ class Launcher:
             self.events.end_task(tid)
 
     def _retry_deregistrations(self) -> None:
-        """Tells the gateway and broker again of every torn-down task they still hold (any
-        launcher's: a deregistration is idempotent); each success frees its address."""
-        for rec in pending(self.state.read()):
-            failed = self._deregister(rec.task_id, rec.deregister)
-            try:
-                with self.state.locked() as records:
-                    settle(records, rec.task_id, failed)
-            except StateWriteError as e:
-                logging.getLogger("stockade.launcher").error(
-                    "sandbox %s: its pending deregistration stays: %s", rec.task_id, e)
+        retry_pending(self.state, self._deregister)
 
     def _deregister(self, task_id: str, sockets: list[str]) -> list[str]:
         failed = deregister(task_id, sockets) if self.register_tasks else []
@@ -655,30 +646,21 @@ class Launcher:
         (stockade/events/taskstore.py), which rotation of the shared file cannot erase."""
         return denials_of(read_task_events(self.config.task_events_dir, task_id))
 
-    def _await_reader(self, task_id: str, timeout: float = 3.0) -> list[dict[str, Any]]:
-        """The task's store once another process's NFLOG reader, which ends a sandbox's
-        tally when it sees its record gone (`_end_tasks_gone_elsewhere`), has written its
-        `event_totals` there, so the end event counts its summaries too; no wait when that
-        reader reported nothing for the task, at most `timeout` when it is gone."""
-        deadline = time.monotonic() + timeout
-        while True:
-            stored = read_task_events(self.config.task_events_dir, task_id)
-            if (logged_in_store(stored) == 0 or reader_totals_in(stored)
-                    or time.monotonic() >= deadline):
-                return stored
-            time.sleep(0.05)
-
     def _end_accounting(self, rec: SandboxRecord) -> dict[str, Any]:
         """Bypass counts and every component's event totals for the end event (`rec`: the
         record this caller's teardown removed); the launcher's own summaries and totals
         are written first. The logged count is this process's reader's tally when it
         holds the NFLOG group (it read every sandbox's records), else what the task's
         store holds (another launcher's reader, or a dead run's, wrote them), once that
-        reader has written its summaries and totals of the sandbox (`_await_reader`)."""
+        reader has written its summaries and totals of the sandbox."""
         own = rec.owner_pid == os.getpid() and rec.owner_alive()
         logged = self._logged.pop(rec.task_id, 0)
         if not self.nflog_bound:  # another process's reader (the service) wrote them
-            logged = max(logged, logged_in_store(self._await_reader(rec.task_id)))
+            # the reader ends the task's tally when it sees the record gone
+            # (_end_tasks_gone_elsewhere): wait for it, so the end event counts it too
+            stored = await_reader_totals(functools.partial(
+                read_task_events, self.config.task_events_dir, rec.task_id))
+            logged = max(logged, logged_in_store(stored))
         total = rec.bypass
         if self.nflog_bound or not own:  # else another launcher's reader reported them
             ev = unlogged_bypass_summary(

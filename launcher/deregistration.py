@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
-from stockade.tasks import ControlClient, ControlError
+from stockade.tasks import ControlClient, ControlError, StateWriteError
 
-from .state import SandboxRecord
+from .state import SandboxRecord, StateFile
 
 DEREGISTERING = "deregistering"
 
@@ -65,3 +66,15 @@ def settle(records: dict[str, SandboxRecord], task_id: str, failed: list[str],
 
 def pending(records: dict[str, SandboxRecord]) -> list[SandboxRecord]:
     return [r for r in records.values() if r.state == DEREGISTERING]
+
+
+def retry_pending(state: StateFile, deregister_fn: Callable[[str, list[str]], list[str]]) -> None:
+    """Tells the services again of every torn-down task they still hold (any launcher's:
+    a deregistration is idempotent); each success frees its record and its address."""
+    for rec in pending(state.read()):
+        failed = deregister_fn(rec.task_id, rec.deregister)
+        try:
+            with state.locked() as records:
+                settle(records, rec.task_id, failed)
+        except StateWriteError as e:
+            log.error("sandbox %s: its pending deregistration stays: %s", rec.task_id, e)
