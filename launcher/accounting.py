@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 from stockade.events import make_event, timestamp
@@ -55,6 +57,26 @@ def logged_in_store(stored: list[Event]) -> int:
               and "unlogged" not in summary):
             n += int(summary.get("count", 0))
     return n
+
+
+def reader_totals_in(stored: list[Event]) -> bool:
+    """A launcher's `event_totals` for the task is in its store: the NFLOG reader's, once
+    it ended the task (then its bypass events and their summaries are all there)."""
+    return any(ev.get("event", {}).get("action") == TOTALS_ACTION
+               and ev.get("stockade", {}).get("component") == "launcher" for ev in stored)
+
+
+def await_reader_totals(read: Callable[[], list[Event]], timeout: float = 3.0) -> list[Event]:
+    """The task's store (`read()`) once another process's NFLOG reader has written its
+    `event_totals` there: no wait when that reader reported nothing for the task, at most
+    `timeout` when it is gone."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stored = read()
+        if logged_in_store(stored) == 0 or reader_totals_in(stored) \
+                or time.monotonic() >= deadline:
+            return stored
+        time.sleep(0.05)
 
 
 def end_accounting(stored: list[Event], bypass_total: int, bypass_logged: int) -> dict[str, Any]:

@@ -49,8 +49,15 @@ from . import (
     trust,
     vmimage,
 )
-from .accounting import denials_of, end_accounting, logged_in_store, unlogged_bypass_summary
+from .accounting import (
+    await_reader_totals,
+    denials_of,
+    end_accounting,
+    logged_in_store,
+    unlogged_bypass_summary,
+)
 from .addresses import free_slot, slot_addresses
+from .deregistration import DEREGISTERING, deregister, retry_pending, settle
 from .ending import end_due, end_event
 from .nflog import LogRecord, NflogSocket
 from .state import SandboxRecord, StateFile
@@ -249,6 +256,8 @@ class _Live:
     proc: subprocess.Popen[bytes] | None = None
     killed: threading.Event = field(default_factory=threading.Event)
     vm: _VmPipes | None = None  # the microVM backend's output pipes (read ends)
+    # the control sockets a registration may have reached: what its teardown deregisters
+    registered: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -325,6 +334,11 @@ class Launcher:
         # per sandbox: NFLOG records this process's reader handled, dropped at its end or
         # by a reconcile (the nft bypass counter travels in SandboxRecord.bypass)
         self._logged: dict[str, int] = {}
+        # sandboxes whose record this process's teardown removed and whose end event
+        # (_end_accounting) is still to come: not ended as "gone elsewhere" meanwhile
+        self._ending: set[str] = set()
+        self._foreign_check = 0.0  # when the reader last looked for sandboxes gone elsewhere
+        self.deregister_failures = 0  # failed deregistrations (each logged), retries too
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._congestion_control = _permitted_congestion_control(self.s.congestion_control)
 
@@ -354,7 +368,7 @@ class Launcher:
             # the last launcher out removes the table: a one-shot `stockade run` leaves
             # nothing behind; a concurrent _create() re-installs it under the same lock
             with self.state.locked() as records:
-                if not records:
+                if not records or all(r.state == DEREGISTERING for r in records.values()):
                     if nft.table_exists(self.s.nft_table):
                         nft.run(nft.delete_table_command(self.s.nft_table))
                     cgroups.remove_parent(self.s.cgroup_root, self.s.cgroup_parent)
@@ -475,8 +489,9 @@ class Launcher:
             self._emit(end_event(ours, ended_by, exit_code=exit_code, duration_s=duration,
                                  policy_version=policy_version,
                                  accounting=self._end_accounting(ours)))
-        else:
-            self._logged.pop(rec.task_id, None)  # the remover's end event reports it
+        else:  # the remover's end event reports it; this writer's tally ends here
+            self._logged.pop(rec.task_id, None)
+            self.events.end_task(rec.task_id)
         if vm_failed is not None:  # torn down above, like any sandbox that fails to start
             # QEMU's and the console's words go to the orchestrator without host paths (the
             # raw line is in the launcher's log, see _vm_outcome)
@@ -549,8 +564,11 @@ class Launcher:
         """Remove everything of this launcher's naming that no live launcher owns."""
         removed: dict[str, list[str]] = {"sandboxes": [], "netns": [], "links": [],
                                          "elements": [], "cgroups": [], "scratch": []}
+        self._retry_deregistrations()
         for tid, rec in self.state.read().items():
             try:
+                if rec.state == DEREGISTERING:  # torn down; its deregistration is retried
+                    continue
                 if tid in self._live or (rec.owner_alive() and rec.owner_pid != os.getpid()):
                     continue
                 self._reconcile_orphan(tid)
@@ -563,9 +581,26 @@ class Launcher:
         # written before any of its pieces exist, so nothing of a live sandbox is removed
         with self.state.locked() as records:
             self._reconcile_names(set(records), removed)
-            for tid in [t for t in list(self._logged) if t not in records]:
-                self._logged.pop(tid, None)  # a sandbox another process ended and reported
+            self._end_tasks_gone_elsewhere(records)
         return removed
+
+    def _end_tasks_gone_elsewhere(self, records: dict[str, SandboxRecord]) -> None:
+        """This reader's pending summaries and `event_totals` of sandboxes another process
+        removed (and wrote the end event of): written once their record is gone (or only
+        a pending deregistration), not left in memory until this writer closes."""
+        present = {t for t, r in records.items() if r.state != DEREGISTERING}
+        for tid in [t for t in list(self._logged)
+                    if t not in present and t not in self._ending and t not in self._live]:
+            self._logged.pop(tid, None)
+            self.events.end_task(tid)
+
+    def _retry_deregistrations(self) -> None:
+        retry_pending(self.state, self._deregister)
+
+    def _deregister(self, task_id: str, sockets: list[str]) -> list[str]:
+        failed = deregister(task_id, sockets) if self.register_tasks else []
+        self.deregister_failures += len(failed)
+        return failed
 
     def _reconcile_orphan(self, task_id: str) -> None:
         gone = self._teardown(task_id)
@@ -615,12 +650,16 @@ class Launcher:
         record this caller's teardown removed); the launcher's own summaries and totals
         are written first. The logged count is this process's reader's tally when it
         holds the NFLOG group (it read every sandbox's records), else what the task's
-        store holds (another launcher's reader, or a dead run's, wrote them)."""
+        store holds (another launcher's reader, or a dead run's, wrote them), once that
+        reader has written its summaries and totals of the sandbox."""
         own = rec.owner_pid == os.getpid() and rec.owner_alive()
         logged = self._logged.pop(rec.task_id, 0)
         if not self.nflog_bound:  # another process's reader (the service) wrote them
-            logged = max(logged, logged_in_store(
-                read_task_events(self.config.task_events_dir, rec.task_id)))
+            # the reader ends the task's tally when it sees the record gone
+            # (_end_tasks_gone_elsewhere): wait for it, so the end event counts it too
+            stored = await_reader_totals(functools.partial(
+                read_task_events, self.config.task_events_dir, rec.task_id))
+            logged = max(logged, logged_in_store(stored))
         total = rec.bypass
         if self.nflog_bound or not own:  # else another launcher's reader reported them
             ev = unlogged_bypass_summary(
@@ -628,6 +667,7 @@ class Launcher:
             if ev is not None:
                 self._emit(ev)
         self.events.end_task(rec.task_id)
+        self._ending.discard(rec.task_id)
         stored = read_task_events(self.config.task_events_dir, rec.task_id)
         return end_accounting(stored, max(total, logged), logged)
 
@@ -711,8 +751,13 @@ class Launcher:
             if self.register_tasks:
                 task = Task(task_id, a.guest_ip, profile.name, expires_at=now + ttl + 5)
                 for path in self._control_sockets():
+                    live.registered.append(path)
                     try:
                         ControlClient(path).register(task)
+                    except (FileNotFoundError, ConnectionRefusedError):
+                        live.registered.remove(path)  # it never reached a service
+                        raise LauncherError(f"cannot register task with {path}: "
+                                            "the service is not running") from None
                     except ControlError as e:  # the service's own words (507 state_write_...)
                         raise LauncherError(f"cannot register task with {path}: "
                                             f"{e.describe()}") from None
@@ -749,6 +794,9 @@ class Launcher:
         any piece of it exists; on any error nothing of it is left."""
         now = time.time()
         task_id = ""
+        # an address whose old task is still registered is never handed out (its record
+        # keeps the slot); a retry that succeeds now frees it
+        self._retry_deregistrations()
         try:
             with self.state.locked() as records:
                 while not task_id or task_id in records:
@@ -1060,11 +1108,11 @@ class Launcher:
                 live.proc.wait(timeout=5)
         if live is not None and live.vm is not None:
             live.vm.close()
+        failed: list[str] = []
         if rec is not None:
-            if self.register_tasks:
-                for path in self._control_sockets():
-                    with contextlib.suppress(Exception):
-                        ControlClient(path, timeout=2.0).deregister(task_id)
+            failed = self._deregister(task_id, rec.deregister if rec.state == DEREGISTERING
+                                      else live.registered if live is not None
+                                      else self._control_sockets())
             rec.bypass = self._keep_bypass_count(rec)
             with contextlib.suppress(nft.NftError):
                 nft.run(nft.element_commands(self.s.nft_table, "delete", [self._wiring(rec)]))
@@ -1077,9 +1125,9 @@ class Launcher:
         removed: SandboxRecord | None = None
         try:
             with self.state.locked() as records:
-                removed = records.pop(task_id, None)
-                if removed is not None and rec is not None:
-                    removed.bypass = max(removed.bypass, rec.bypass)
+                removed = settle(records, task_id, failed, rec.bypass if rec else 0)
+                if end_due(removed):  # marked before the removal is written
+                    self._ending.add(task_id)
         except StateWriteError as e:
             # every piece is gone; the record (owner pid gone with this process) goes at
             # the next reconcile that can write, which then writes the end event
@@ -1196,7 +1244,7 @@ class Launcher:
         if hit is not None:
             return hit
         for r in self.state.read().values():  # a sandbox of another launcher process
-            if r.ifindex == ifindex:
+            if r.ifindex == ifindex and r.state != DEREGISTERING:
                 return r.task_id, r.profile
         return None
 
@@ -1216,6 +1264,9 @@ class Launcher:
                 # records first, then the drain request: all queued before it are handled
                 for r in sock.recv_ready():
                     self.handle_log_record(r)
+                if self._logged and time.monotonic() - self._foreign_check >= 0.25:
+                    self._foreign_check = time.monotonic()
+                    self._end_tasks_gone_elsewhere(self.state.read())
             except Exception:  # the reader must survive anything: reopen and go on
                 sock.close()
                 sock = None

@@ -36,11 +36,15 @@ class SandboxRecord:
     cgroups: list[str] = field(default_factory=list)
     started_at: float = 0.0
     expires_at: float | None = None
-    state: str = "starting"  # starting | running | frozen | ending
+    state: str = "starting"  # starting | running | frozen | ending | deregistering
     isolation: str = "container"  # the tier it runs at: container (netns) | microvm
     # the nft bypass counter, copied here by each teardown before it deletes the counter's
     # element: whichever teardown removes the record reports the count, not a zero
     bypass: int = 0
+    # the control sockets a `deregistering` record's task is still registered with, and
+    # how many tries failed (launcher/deregistration.py)
+    deregister: list[str] = field(default_factory=list)
+    deregister_failures: int = 0
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> SandboxRecord:
