@@ -67,13 +67,13 @@ def run_firewall(
     ready: Any, stop: Any, upstream: tuple[str, int], client_ip: str, log_allowed: bool, cpu: int
 ) -> None:
     from prometheus_client import CollectorRegistry
-    from stockade.gateway.addresses import AddressPolicy
     from stockade.gateway.dns.firewall import DnsFirewall
     from stockade.gateway.dns.settings import DnsSettings
-    from stockade.gateway.resolver import Resolver
     from stockade.policy.loader import load_rules
 
     from stockade.events import EventWriter
+    from stockade.net.addresses import AddressPolicy
+    from stockade.net.resolver import Resolver
     from stockade.tasks.registry import Task, TaskRegistry
 
     _pin(cpu)
@@ -110,12 +110,12 @@ def run_firewall(
 def in_process(upstream: tuple[str, int], client_ip: str, total: int) -> dict[str, float]:
     """The firewall's synchronous cached path without sockets: what the core costs."""
     from prometheus_client import CollectorRegistry
-    from stockade.gateway.addresses import AddressPolicy
     from stockade.gateway.dns.firewall import DnsFirewall
     from stockade.gateway.dns.settings import DnsSettings
-    from stockade.gateway.resolver import Resolver
     from stockade.policy.loader import load_rules
 
+    from stockade.net.addresses import AddressPolicy
+    from stockade.net.resolver import Resolver
     from stockade.tasks.registry import Task, TaskRegistry
 
     tmp = Path(tempfile.mkdtemp(prefix="dnsbench"))

@@ -13,8 +13,9 @@ import socket
 from typing import Any
 
 from aiohttp.abc import AbstractResolver, ResolveResult
-from stockade.gateway.addresses import AddressPolicy
-from stockade.gateway.resolver import Resolver
+
+from stockade.net.addresses import AddressPolicy
+from stockade.net.resolver import Resolver
 
 
 class UpstreamResolveError(OSError):
@@ -22,7 +23,7 @@ class UpstreamResolveError(OSError):
 
 
 class CheckedResolver(AbstractResolver):
-    """aiohttp resolver backed by `stockade.gateway.resolver.Resolver`."""
+    """aiohttp resolver backed by `stockade.net.resolver.Resolver`."""
 
     def __init__(self, resolver: Resolver, policy: AddressPolicy) -> None:
         self.resolver = resolver

@@ -60,7 +60,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_ca(args: argparse.Namespace) -> int:
-    from .inspection import inspection_ca_cert
+    from stockade.trust import inspection_ca_cert
 
     path = inspection_ca_cert(args.config_loader(args.config, "gateway ca"))
     print(path.read_text() if args.pem else path, end="" if args.pem else "\n")

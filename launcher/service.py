@@ -213,7 +213,7 @@ class _Run:
 
 class LauncherService:
     def __init__(self, config: Config, *, launcher: Launcher | None = None) -> None:
-        from stockade.gateway.rulesource import RulesHolder
+        from stockade.policy.holder import RulesHolder
 
         self.config = config
         self.events = config.event_writer(stdout=False)

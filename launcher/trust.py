@@ -1,10 +1,10 @@
 """The inspection CA inside a sandbox: the trust bundle file and the variables naming it.
 
 Pure apart from writing one file: `write_trust_bundle(config, etc_dir)` puts the bundle
-(the host's public CAs, then the gateway's inspection CA: `gateway.inspection.trust_bundle`)
+(the host's public CAs, then the gateway's inspection CA: `stockade.trust.trust_bundle`)
 into the sandbox's generated etc directory as TRUST_BUNDLE_NAME, root-owned and 0644 (the
 sandbox reads it through a read-only bind or share, it can never change it), and returns
-that name with the environment (`gateway.inspection.trust_env`) pointing every client at
+that name with the environment (`stockade.trust.trust_env`) pointing every client at
 `/etc/<name>`. With inspection disabled it writes nothing and returns None: no flow is
 ever intercepted, so sandboxes keep the upstreams' own certificates.
 
@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from stockade.gateway.inspection import inspection_ca_cert, trust_bundle, trust_env
+from stockade.trust import inspection_ca_cert, trust_bundle, trust_env
 
 TRUST_BUNDLE_NAME = "stockade-ca-bundle.pem"
 # the system's default bundle (relative to /etc) that the launcher puts the bundle over

@@ -27,7 +27,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..inspection import CA_BASENAME
+from stockade.trust import CA_BASENAME
+
 from . import patches
 from .addon import RulesByVersion, StockadeAddon
 

@@ -26,8 +26,9 @@ import socket
 import sys
 from typing import Any
 
+from stockade.trust import ca_dir, ensure_ca
+
 from ..configview import GatewayConfig
-from ..inspection import ca_dir, ensure_ca
 from ..relay import wait_fd
 from ..settings import InspectionSettings
 from .handoff import FlowMeta, connect_request, health_request

@@ -20,11 +20,11 @@ from stockade.broker.server import Broker
 from stockade.broker.settings import BrokerSettings, VaultSettings
 from stockade.broker.upstream_dns import CheckedResolver
 from stockade.broker.vault import VaultClient
-from stockade.gateway.addresses import AddressPolicy
-from stockade.gateway.resolver import Resolver
 from stockade.policy import load_rules
 
 from stockade.events import EventWriter, read_events, validate
+from stockade.net.addresses import AddressPolicy
+from stockade.net.resolver import Resolver
 from stockade.tasks import Task, TaskRegistry
 
 from .conftest import assert_no_secret

@@ -5,13 +5,13 @@ from typing import Any
 
 from dns_upstream import Upstream
 from prometheus_client import CollectorRegistry
-from stockade.gateway.addresses import AddressPolicy
 from stockade.gateway.dns.firewall import DnsFirewall
 from stockade.gateway.dns.settings import DnsSettings
-from stockade.gateway.resolver import Resolver
 from stockade.policy.ruleset import RuleSet
 
 from stockade.events import EventWriter, validate
+from stockade.net.addresses import AddressPolicy
+from stockade.net.resolver import Resolver
 from stockade.tasks.registry import Task, TaskRegistry
 
 PROFILE = """\

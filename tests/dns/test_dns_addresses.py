@@ -7,7 +7,8 @@ import ipaddress
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from stockade.gateway.addresses import (
+
+from stockade.net.addresses import (
     METADATA_ADDRESSES,
     SPECIAL_PURPOSE,
     AddressPolicy,

@@ -19,7 +19,6 @@ from dnslib import EDNS0, RCODE, DNSRecord
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
-from stockade.gateway.addresses import AddressPolicy
 from stockade.gateway.dns.decide import (
     NeedResolve,
     Outcome,
@@ -39,11 +38,12 @@ from stockade.gateway.dns.packet import (
     parse_query,
 )
 from stockade.gateway.dns.settings import DnsSettings
-from stockade.gateway.resolver import Resolver
 from stockade.policy.decide import decide_name
 from stockade.policy.ruleset import RuleSet
 
 from stockade.events import validate
+from stockade.net.addresses import AddressPolicy
+from stockade.net.resolver import Resolver
 from stockade.tasks.registry import Task, TaskRegistry
 
 

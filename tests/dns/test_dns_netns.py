@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
-from stockade.gateway.addresses import AddressPolicy
 from stockade.gateway.dns.firewall import DnsFirewall
 from stockade.gateway.dns.settings import DnsSettings
-from stockade.gateway.resolver import Resolver
 from stockade.policy.loader import load_rules
 
 from stockade.events import validate
+from stockade.net.addresses import AddressPolicy
+from stockade.net.resolver import Resolver
 from stockade.ports import free_dual_port
 from stockade.tasks.registry import Task, TaskRegistry
 from stockade.testnet import ClientNamespace, FakeInternet

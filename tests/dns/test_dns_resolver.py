@@ -8,8 +8,9 @@ import time
 
 import pytest
 from dns_upstream import Upstream, free_udp_port
-from stockade.gateway.addresses import AddressPolicy
-from stockade.gateway.resolver import Resolver, normalize_name, parse_server
+
+from stockade.net.addresses import AddressPolicy
+from stockade.net.resolver import Resolver, normalize_name, parse_server
 
 
 def make(up: Upstream, **kw: object) -> Resolver:

@@ -224,7 +224,7 @@ def test_the_inspector_gets_the_first_checked_address_that_accepts(
 ) -> None:
     """echo.test resolves to an address with nothing on 443 first, then its own: the
     hand-off names the second (the inspector dials lazily and only the one address)."""
-    from stockade.gateway.resolver import Resolution
+    from stockade.net.resolver import Resolution
 
     fi = fake_internet
     dead, live = fi.raw_echo_ip, fi.addresses["echo.test"]

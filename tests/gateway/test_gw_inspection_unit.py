@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from stockade.gateway.inspection import ensure_ca, trust_bundle, trust_env
 from stockade.gateway.inspector.addon import RulesByVersion, inner_request
 from stockade.gateway.inspector.handoff import (
     FLOW_HEADER,
@@ -27,6 +26,8 @@ from stockade.gateway.settings import InspectionSettings
 from stockade.policy import load_rules
 from stockade.policy.reasons import Reason
 from stockade.policy.ruleset import RuleSet
+
+from stockade.trust import ensure_ca, trust_bundle, trust_env
 
 KEY = b"k" * 32
 

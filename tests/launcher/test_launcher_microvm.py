@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from stockade.gateway.inspection import TRUST_ENV_VARS
 from stockade.launcher import LauncherError, SandboxSpec, vmimage
 
 from stockade.events import validate
+from stockade.trust import TRUST_ENV_VARS
 
 from .conftest import Lab
 from .test_launcher_escapes import NET_PROBES, PROMPT

@@ -9,10 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
-from stockade.gateway.inspection import TRUST_ENV_VARS
 from stockade.launcher import initscript
 from stockade.launcher.core import SandboxSpec
 from stockade.launcher.trust import TRUST_BUNDLE_NAME
+
+from stockade.trust import TRUST_ENV_VARS
 
 from .conftest import Lab
 

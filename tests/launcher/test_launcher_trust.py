@@ -8,11 +8,11 @@ import stat
 from pathlib import Path
 
 import pytest
-from stockade.gateway.inspection import TRUST_ENV_VARS, ca_cert_file, ca_dir
 from stockade.gateway.settings import GatewaySettings, InspectionSettings
 from stockade.launcher.trust import TRUST_BUNDLE_NAME, write_trust_bundle
 
 from stockade.config import Config
+from stockade.trust import TRUST_ENV_VARS, ca_cert_file, ca_dir
 
 PUBLIC = b"-----BEGIN CERTIFICATE-----\nPUBLIC\n-----END CERTIFICATE-----"  # no newline
 
