@@ -31,9 +31,9 @@ from pathlib import Path
 
 import aiohttp
 from aiohttp import web
-from stockade.broker.devvault import DevOpenBao, free_port
 
 from stockade.tasks import ControlClient, Task
+from stockade.testing.devvault import DevOpenBao, free_port
 
 
 def serve_upstream(port: int) -> None:

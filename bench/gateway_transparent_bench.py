@@ -8,7 +8,7 @@ gateway as an explicit CONNECT proxy, in one run with interleaved blocks.
         [--latency-runs 300] [--baseline REV] [--only direct,transparent,explicit]
 
 Wiring (needs root; everything is removed again at exit, Ctrl-C and SIGTERM included):
-- a `stockade.testnet.ClientNamespace` (veth /30 from 10.251.0.0/16 taken under testnet's
+- a `stockade.testing.testnet.ClientNamespace` (veth /30 from 10.251.0.0/16 taken under testnet's
   allocation lock; nft table `stockade_t_<suffix>`) whose TCP is redirected to the
   gateway's transparent port, except the exempt ports on the host veth address;
 - one upstream process (gateway_bench's: ClientHello, then `D` + length or `P`),
@@ -263,7 +263,7 @@ def baseline_redirect(
 ) -> None:
     """Send the namespace's `host_ip:dport` to the baseline gateway's transparent port:
     a NAT chain ahead of the ClientNamespace's (the first NAT binding wins)."""
-    from stockade.testnet import host
+    from stockade.testing.testnet import host
 
     table = f"stockade_tb_{suffix}"
     key = f"skcl-{suffix}-tb"
@@ -310,7 +310,7 @@ def main() -> int:
         worker(json.loads(args.worker))
         return 0
 
-    from stockade.testnet import ClientNamespace, host
+    from stockade.testing.testnet import ClientNamespace, host
 
     reason = host.available()
     if reason:

@@ -6,12 +6,12 @@ uninspected one (spliced after the SNI check), in one run with interleaved round
     .venv/bin/python bench/inspect_cost_bench.py [--bytes 256MiB] [--runs 3] [--http2]
 
 Wiring (needs root; everything is removed again at exit):
-- the fake internet (`stockade.testnet.FakeInternet`): its HTTPS sites serve
+- the fake internet (`stockade.testing.testnet.FakeInternet`): its HTTPS sites serve
   `/bytes/<n>` (aiohttp, 64 KiB writes) with certificates from its own CA;
 - `stockade gateway serve` (gateway_bench's `spawn_gateway`) with its inspector child,
   trusting the fake internet's CA upstream; one profile allows `allowed.test`
   uninspected and `other.test` with `host_must_match_sni: true`;
-- a `stockade.testnet.ClientNamespace` whose TCP is redirected to the gateway's
+- a `stockade.testing.testnet.ClientNamespace` whose TCP is redirected to the gateway's
   transparent listener (a sandbox as the launcher wires it), registered as a task;
 - curl in the namespace downloads `--bytes` from each name in turn: the spliced path
   trusting the fake internet's CA (the upstream's own certificate), the inspected one
@@ -104,7 +104,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from stockade.tasks import ControlClient, Task
-    from stockade.testnet import ClientNamespace, FakeInternet, host
+    from stockade.testing.testnet import ClientNamespace, FakeInternet, host
 
     reason = host.available()
     if reason:

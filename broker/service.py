@@ -21,9 +21,9 @@ from stockade.listen import parse_listen
 from stockade.loops import every
 from stockade.tasks import TaskRegistry, make_control_app, start_control_server
 from stockade.tcp import set_congestion_control
+from stockade.testing.devvault import DevOpenBao
 
 from .configview import BrokerConfig
-from .devvault import DevOpenBao
 from .metrics import BrokerMetrics
 from .server import Broker
 from .settings import VaultSettings

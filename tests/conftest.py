@@ -1,4 +1,4 @@
-"""Shared pytest fixtures: the fake internet and client namespaces (stockade.testnet)."""
+"""Shared pytest fixtures: the fake internet and client namespaces (stockade.testing.testnet)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from stockade.testnet import ClientNamespace, FakeInternet, available
+from stockade.testing.testnet import ClientNamespace, FakeInternet, available
 
 # pyproject declares these too; registering here keeps --strict-markers happy when a
 # suite is run with another config file

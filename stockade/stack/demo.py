@@ -233,7 +233,7 @@ def run_demo(*, json_out: bool = False, keep_logs: str | None = None) -> int:
     from stockade.events.view import format_line
     from stockade.launcher import Launcher, SandboxSpec
     from stockade.policy import load_rules
-    from stockade.testnet import FakeInternet
+    from stockade.testing.testnet import FakeInternet
 
     from .services import Stack
 

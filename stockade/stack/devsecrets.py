@@ -89,7 +89,7 @@ def from_settings(items: Iterable[DevSecret]) -> list[SecretValue]:
 
 def put_secrets(address: str, token: str, values: Iterable[SecretValue]) -> None:
     """Write the values, one KV v2 write per path (fields of a path merged)."""
-    from stockade.broker.devvault import merge_secret
+    from stockade.testing.devvault import merge_secret
 
     by_path: dict[str, dict[str, str]] = {}
     for v in values:

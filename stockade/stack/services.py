@@ -148,7 +148,7 @@ class Stack:
     def _start(self) -> None:
         cfg = self.base
         if cfg.vault.address is None:
-            from stockade.broker.devvault import DevOpenBao
+            from stockade.testing.devvault import DevOpenBao
 
             from .devsecrets import SecretSpecError, from_settings, put_secrets
 

@@ -23,7 +23,6 @@ import aiohttp
 import pytest
 import trustme
 from aiohttp import web
-from stockade.broker.devvault import DevOpenBao
 from stockade.broker.metrics import BrokerMetrics
 from stockade.broker.scrub import forms
 from stockade.broker.server import Broker
@@ -33,6 +32,7 @@ from stockade.policy import load_rules
 
 from stockade.events import EventWriter, read_events, validate
 from stockade.tasks import Task, TaskRegistry
+from stockade.testing.devvault import DevOpenBao
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from stockade.broker.body import ENVELOPE, BodyBudget, BodyLimit, call_doc_limit
-from stockade.broker.devvault import DevOpenBao
 from stockade.policy.model import BrokerGrant
+
+from stockade.testing.devvault import DevOpenBao
 
 from .conftest import Harness, Upstream, start_harness
 from .test_http_guard import assert_denial, open_conn, read_response

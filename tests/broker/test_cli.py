@@ -14,10 +14,10 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from stockade.broker.devvault import DevOpenBao, free_port
 
 from stockade.events import read_events, validate
 from stockade.tasks import ControlClient, Task
+from stockade.testing.devvault import DevOpenBao, free_port
 
 from .conftest import Upstream, assert_no_secret, write_rules
 

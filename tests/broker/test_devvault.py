@@ -7,7 +7,8 @@ from pathlib import Path
 
 import hvac
 import pytest
-from stockade.broker.devvault import DevOpenBao
+
+from stockade.testing.devvault import DevOpenBao
 
 pytestmark = pytest.mark.vault
 

@@ -15,7 +15,6 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from stockade.broker.devvault import DevOpenBao
 from stockade.broker.server import Broker
 from stockade.broker.settings import BrokerSettings, VaultSettings
 from stockade.broker.upstream_dns import CheckedResolver
@@ -26,6 +25,7 @@ from stockade.events import EventWriter, read_events, validate
 from stockade.net.addresses import AddressPolicy
 from stockade.net.resolver import Resolver
 from stockade.tasks import Task, TaskRegistry
+from stockade.testing.devvault import DevOpenBao
 
 from .conftest import assert_no_secret
 

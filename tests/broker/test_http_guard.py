@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from stockade.broker.devvault import DevOpenBao
+
+from stockade.testing.devvault import DevOpenBao
 
 from .conftest import Harness, Upstream, assert_no_secret, start_harness
 

@@ -15,12 +15,12 @@ from typing import Any
 
 import aiohttp
 import pytest
-from stockade.broker.devvault import DevOpenBao
 from stockade.broker.service import BrokerService
 
 from stockade.config import load_config
 from stockade.events import read_events, validate
 from stockade.tasks import Task
+from stockade.testing.devvault import DevOpenBao
 
 from .conftest import Upstream, assert_no_secret, write_rules
 

@@ -14,10 +14,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-from stockade.broker.devvault import DevOpenBao, free_port
 from stockade.broker.settings import AppRoleSettings, VaultSettings
 from stockade.broker.vault import VaultClient, VaultUnavailable
 from stockade.policy.model import CredentialSource
+
+from stockade.testing.devvault import DevOpenBao, free_port
 
 from .conftest import Upstream, assert_no_secret, start_harness
 

@@ -2,7 +2,7 @@
 loopback address, serving a small zone with the behaviours the tests need (TTL 0,
 CNAME chains, SERVFAIL, silence, big answers, forbidden addresses).
 
-Used until/alongside `stockade.testnet.FakeInternet`; it only ever binds 127.0.0.0/8.
+Used until/alongside `stockade.testing.testnet.FakeInternet`; it only ever binds 127.0.0.0/8.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from stockade.net.addresses import AddressPolicy
 from stockade.net.resolver import Resolver
 from stockade.ports import free_dual_port
 from stockade.tasks.registry import Task, TaskRegistry
-from stockade.testnet import ClientNamespace, FakeInternet
+from stockade.testing.testnet import ClientNamespace, FakeInternet
 
 pytestmark = pytest.mark.netns
 

@@ -10,7 +10,7 @@ import pytest
 from gw_harness import GatewayHarness, registered_client, write_config
 from gw_rules import write_rules
 
-from stockade.testnet import ClientNamespace, FakeInternet
+from stockade.testing.testnet import ClientNamespace, FakeInternet
 
 
 @pytest.fixture(scope="module")

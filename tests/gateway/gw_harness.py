@@ -21,7 +21,7 @@ from stockade.config import load_config
 from stockade.events import read_events, validate
 from stockade.ports import free_port
 from stockade.tasks import ControlClient, Task
-from stockade.testnet import ClientNamespace
+from stockade.testing.testnet import ClientNamespace
 
 
 def write_config(
@@ -161,7 +161,7 @@ def pip_download(
     explicit proxy `proxy`, with `args` before the project and `env` on top. A clean pip: no
     host pip.conf/indexes, and no CA-bundle variables (requests lets REQUESTS_CA_BUNDLE
     override --cert)."""
-    from stockade.testnet.wheel import PROJECT
+    from stockade.testing.testnet.wheel import PROJECT
 
     run_env = {
         k: v

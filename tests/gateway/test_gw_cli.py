@@ -21,7 +21,7 @@ from gw_rules import write_rules
 from stockade.config import load_config
 from stockade.events import read_events, validate
 from stockade.tasks import ControlClient, Task
-from stockade.testnet import FakeInternet
+from stockade.testing.testnet import FakeInternet
 
 pytestmark = pytest.mark.netns
 

@@ -17,7 +17,7 @@ import pytest
 from gw_harness import GatewayHarness, fake_internet_config, registered_client
 from test_gw_inspection import ca, curl, find_event, split, wait_ready
 
-from stockade.testnet import ClientNamespace, FakeInternet
+from stockade.testing.testnet import ClientNamespace, FakeInternet
 
 pytestmark = pytest.mark.netns
 

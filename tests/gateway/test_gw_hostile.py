@@ -11,7 +11,7 @@ import pytest
 from gw_harness import GatewayHarness
 from test_gw_net import client, curl, ip
 
-from stockade.testnet import ClientNamespace, FakeInternet
+from stockade.testing.testnet import ClientNamespace, FakeInternet
 
 pytestmark = pytest.mark.netns
 

@@ -11,7 +11,7 @@ import pytest
 from gw_harness import GatewayHarness, write_config
 from gw_rules import write_rules
 
-from stockade.testnet import FakeInternet
+from stockade.testing.testnet import FakeInternet
 
 pytestmark = pytest.mark.netns
 

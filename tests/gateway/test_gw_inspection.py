@@ -29,7 +29,7 @@ from gw_harness import (
 )
 from stockade.gateway.inspector.handoff import FlowMeta, connect_request
 
-from stockade.testnet import ClientNamespace, FakeInternet
+from stockade.testing.testnet import ClientNamespace, FakeInternet
 
 pytestmark = pytest.mark.netns
 

@@ -16,7 +16,7 @@ from gw_harness import GatewayHarness, registered_client
 from stockade.gateway.sniff_http import RequestHead, body_length, parse_head
 from test_gw_inspection import curl, find_event, l7_config, split, wait_ready
 
-from stockade.testnet import ClientNamespace, FakeInternet
+from stockade.testing.testnet import ClientNamespace, FakeInternet
 
 pytestmark = pytest.mark.netns
 

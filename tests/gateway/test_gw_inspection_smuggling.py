@@ -28,7 +28,7 @@ from gw_harness import GatewayHarness, registered_client
 from stockade.gateway.inspector.handoff import FlowMeta, connect_request
 from test_gw_inspection import _handoff, ca, find_event, l7_config, wait_ready
 
-from stockade.testnet import FakeInternet
+from stockade.testing.testnet import FakeInternet
 
 pytestmark = pytest.mark.netns
 

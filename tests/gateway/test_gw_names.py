@@ -22,8 +22,8 @@ from gw_harness import GatewayHarness, fake_internet_config, pip_download
 from stockade.gateway.dns.settings import DnsSettings
 
 from stockade.ports import free_dual_port
-from stockade.testnet import ClientNamespace, FakeInternet
-from stockade.testnet.gitrepo import DEMO_BRANCH, DEMO_COMMITS, DEMO_REPO, git_env
+from stockade.testing.testnet import ClientNamespace, FakeInternet
+from stockade.testing.testnet.gitrepo import DEMO_BRANCH, DEMO_COMMITS, DEMO_REPO, git_env
 
 pytestmark = pytest.mark.netns
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from gw_harness import GatewayHarness, client_namespace, dotted, pip_download
 
-from stockade.testnet import ClientNamespace, FakeInternet
+from stockade.testing.testnet import ClientNamespace, FakeInternet
 
 pytestmark = pytest.mark.netns
 

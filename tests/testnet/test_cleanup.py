@@ -14,8 +14,14 @@ import dns.message
 import dns.query
 import pytest
 
-from stockade.testnet import ClientNamespace, FakeInternet, TestnetError, reap_stale
-from stockade.testnet.host import NETNS_ETC, STATE_DIR, link_exists, netns_exists, nft_table_exists
+from stockade.testing.testnet import ClientNamespace, FakeInternet, TestnetError, reap_stale
+from stockade.testing.testnet.host import (
+    NETNS_ETC,
+    STATE_DIR,
+    link_exists,
+    netns_exists,
+    nft_table_exists,
+)
 
 pytestmark = [pytest.mark.netns, pytest.mark.usefixtures("netns_available")]
 
@@ -66,7 +72,7 @@ def test_client_namespace_stop() -> None:
 _CHILD = textwrap.dedent(
     """
     import sys, time
-    from stockade.testnet import ClientNamespace, FakeInternet
+    from stockade.testing.testnet import ClientNamespace, FakeInternet
     fi = FakeInternet().start()
     c = ClientNamespace(sys.argv[1], None, 15001, 15053).start()
     print(fi.namespace, fi.host_if, c.namespace, c.host_if, c.nft_table, flush=True)
@@ -110,7 +116,7 @@ def test_reap_ignores_live_owners(fake_internet: FakeInternet) -> None:
 
 
 def test_command_line_print_only() -> None:
-    out = subprocess.run([sys.executable, "-m", "stockade.testnet", "--print-only"],
+    out = subprocess.run([sys.executable, "-m", "stockade.testing.testnet", "--print-only"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)

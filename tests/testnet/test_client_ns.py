@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stockade.testnet import ClientNamespace, FakeInternet
+from stockade.testing.testnet import ClientNamespace, FakeInternet
 
 from .relay import Relay, running_relay
 

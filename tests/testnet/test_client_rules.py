@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from stockade.testnet import ClientNamespace, nft_ruleset
+from stockade.testing.testnet import ClientNamespace, nft_ruleset
 
 
 def test_ruleset_redirects_and_rejects() -> None:

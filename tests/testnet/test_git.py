@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from stockade.testnet.githttp import cgi_environ, parse_cgi_head
-from stockade.testnet.gitrepo import (
+from stockade.testing.testnet.githttp import cgi_environ, parse_cgi_head
+from stockade.testing.testnet.gitrepo import (
     DEMO_BRANCH,
     DEMO_COMMITS,
     DEMO_REPO,
@@ -25,7 +25,7 @@ from stockade.testnet.gitrepo import (
     fast_import_stream,
     git_env,
 )
-from stockade.testnet.web import make_app
+from stockade.testing.testnet.web import make_app
 
 
 def git(*args: str, cwd: Path | None = None) -> str:

@@ -19,9 +19,9 @@ import dns.rdatatype
 import dns.resolver
 import pytest
 
-from stockade.testnet import FakeInternet
-from stockade.testnet.gitrepo import DEMO_BRANCH, DEMO_COMMITS, DEMO_REPO, git_env
-from stockade.testnet.layout import WEB_HOSTS
+from stockade.testing.testnet import FakeInternet
+from stockade.testing.testnet.gitrepo import DEMO_BRANCH, DEMO_COMMITS, DEMO_REPO, git_env
+from stockade.testing.testnet.layout import WEB_HOSTS
 
 pytestmark = pytest.mark.netns
 

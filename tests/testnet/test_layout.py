@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stockade.testnet.layout import pick_client_block, pick_subnet, plan
+from stockade.testing.testnet.layout import pick_client_block, pick_subnet, plan
 
 
 def test_default_plan_matches_documented_addresses() -> None:

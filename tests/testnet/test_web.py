@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from stockade.testnet.web import MAX_BYTES, make_app
-from stockade.testnet.wheel import build_wheel
+from stockade.testing.testnet.web import MAX_BYTES, make_app
+from stockade.testing.testnet.wheel import build_wheel
 
 KEY = "sk-test-web-secret"
 Make = Callable[[str], Awaitable[TestClient]]

@@ -11,7 +11,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from stockade.testnet.wheel import build_wheel, normalize, project_page, root_index
+from stockade.testing.testnet.wheel import build_wheel, normalize, project_page, root_index
 
 
 def test_wheel_is_reproducible() -> None:

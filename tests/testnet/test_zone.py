@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stockade.testnet.layout import plan
-from stockade.testnet.zone import Record, Zone, ZoneSpec, default_zone
+from stockade.testing.testnet.layout import plan
+from stockade.testing.testnet.zone import Record, Zone, ZoneSpec, default_zone
 
 LAYOUT = plan()
 

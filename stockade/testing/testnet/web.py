@@ -17,8 +17,8 @@ from typing import Any
 
 from aiohttp import web
 
-from stockade.testnet.githttp import add_git_routes
-from stockade.testnet.wheel import Wheel, normalize, project_page, root_index
+from stockade.testing.testnet.githttp import add_git_routes
+from stockade.testing.testnet.wheel import Wheel, normalize, project_page, root_index
 
 MAX_BYTES = 1 << 30  # /bytes/<n> upper bound (1 GiB)
 MAX_ECHO_BODY = 1 << 20  # echo reads at most this much body

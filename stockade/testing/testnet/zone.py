@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from dnslib import AAAA, CNAME, QTYPE, RCODE, RR, TXT, A, DNSError, DNSRecord
 
-from stockade.testnet.layout import IPV6_NAME, WILDCARD_SITES, Layout
+from stockade.testing.testnet.layout import IPV6_NAME, WILDCARD_SITES, Layout
 
 DEFAULT_TTL = 60
 SLOW_DELAY = 5.0

@@ -1,6 +1,6 @@
 """What the server process inside the fake internet's namespace must start.
 
-The parent (`FakeInternet`) writes this as JSON; `stockade.testnet.serve` reads it. A
+The parent (`FakeInternet`) writes this as JSON; `stockade.testing.testnet.serve` reads it. A
 plain file rather than argv because it carries a zone and many listeners.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stockade.testnet.zone import ZoneSpec
+from stockade.testing.testnet.zone import ZoneSpec
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Used by every test suite and by `stockade demo`, so it has to work on any Linux machine as
 root with no internet: one namespace, one veth to the host, addresses from
-`layout.plan`, and one server process (`stockade.testnet.serve`) inside the namespace.
+`layout.plan`, and one server process (`stockade.testing.testnet.serve`) inside the namespace.
 The namespace has no default route: nothing in it can reach anything but the host veth.
 """
 
@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from stockade.lifecycle import StartStop
-from stockade.testnet import host
-from stockade.testnet.gitrepo import create_demo_repo
-from stockade.testnet.layout import (
+from stockade.testing.testnet import host
+from stockade.testing.testnet.gitrepo import create_demo_repo
+from stockade.testing.testnet.layout import (
     DEFAULT_SUBNET,
     TCP_ECHO_PORT,
     UDP_ECHO_PORT,
@@ -34,8 +34,8 @@ from stockade.testnet.layout import (
     pick_subnet,
     plan,
 )
-from stockade.testnet.spec import ServeSpec, Site
-from stockade.testnet.zone import SLOW_DELAY, Record, default_zone
+from stockade.testing.testnet.spec import ServeSpec, Site
+from stockade.testing.testnet.zone import SLOW_DELAY, Record, default_zone
 
 READY_TIMEOUT = 30.0
 DEFAULT_API_KEY = "sk-demo-0123456789abcdef"
@@ -195,7 +195,7 @@ class FakeInternet(StartStop):
         host.write_resolv_conf(ns, lay.dns_server)
 
     def _write_certs(self) -> None:
-        import trustme  # test-CA library; imported here so `import stockade.testnet` stays light
+        import trustme  # test-CA library; imported here so importing the testnet stays light
 
         assert self._tmp is not None
         ca = trustme.CA(organization_name="Stockade fake internet")
@@ -246,7 +246,7 @@ class FakeInternet(StartStop):
                     self.namespace,
                     self._python,
                     "-m",
-                    "stockade.testnet.serve",
+                    "stockade.testing.testnet.serve",
                     "--spec",
                     str(spec_path),
                     "--parent-pid",

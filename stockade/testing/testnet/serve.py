@@ -1,4 +1,4 @@
-"""Server process of the fake internet: `python -m stockade.testnet.serve --spec FILE`.
+"""Server process of the fake internet: `python -m stockade.testing.testnet.serve --spec FILE`.
 
 Runs inside the fake internet's network namespace (started by `FakeInternet` through
 `ip netns exec`). Starts every listener from the spec, prints `ready` on stdout once all
@@ -23,10 +23,10 @@ from typing import TextIO, cast
 
 from aiohttp import web
 
-from stockade.testnet.spec import ServeSpec
-from stockade.testnet.web import make_app
-from stockade.testnet.wheel import build_wheel
-from stockade.testnet.zone import Zone
+from stockade.testing.testnet.spec import ServeSpec
+from stockade.testing.testnet.web import make_app
+from stockade.testing.testnet.wheel import build_wheel
+from stockade.testing.testnet.zone import Zone
 
 _DNS_TCP_MAX = 65535
 _PR_SET_PDEATHSIG = 1
@@ -180,7 +180,7 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m stockade.testnet.serve")
+    parser = argparse.ArgumentParser(prog="python -m stockade.testing.testnet.serve")
     parser.add_argument(
         "--spec", required=True, type=Path, help="JSON spec written by FakeInternet"
     )
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = ServeSpec.read(args.spec)
         asyncio.run(serve(spec))
     except OSError as e:
-        print(f"stockade.testnet.serve: cannot start: {e}", file=sys.stderr, flush=True)
+        print(f"stockade.testing.testnet.serve: cannot start: {e}", file=sys.stderr, flush=True)
         return 1
     return 0
 

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from stockade.lifecycle import StartStop
-from stockade.testnet import host
-from stockade.testnet.layout import pick_client_block
+from stockade.testing.testnet import host
+from stockade.testing.testnet.layout import pick_client_block
 
 _SUFFIX = re.compile(r"^[a-z0-9_]{1,24}$")
 

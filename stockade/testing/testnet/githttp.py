@@ -17,7 +17,7 @@ from pathlib import Path
 from aiohttp import web
 from multidict import CIMultiDict
 
-from stockade.testnet.gitrepo import git_env
+from stockade.testing.testnet.gitrepo import git_env
 
 GIT_ROUTE = r"/{path:[^/]+\.git/.*}"  # /<repo>.git/<info/refs | git-upload-pack | ...>
 _CHUNK = 64 * 1024

@@ -1,4 +1,4 @@
-"""`python -m stockade.testnet`: start a fake internet by hand and keep it up until
+"""`python -m stockade.testing.testnet`: start a fake internet by hand and keep it up until
 Ctrl-C / SIGTERM (for exploring, benches and manual demos)."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import signal
 import sys
 import threading
 
-from stockade.testnet.host import TestnetError
-from stockade.testnet.internet import DEFAULT_API_KEY, FakeInternet
-from stockade.testnet.layout import DEFAULT_SUBNET
+from stockade.testing.testnet.host import TestnetError
+from stockade.testing.testnet.internet import DEFAULT_API_KEY, FakeInternet
+from stockade.testing.testnet.layout import DEFAULT_SUBNET
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m stockade.testnet", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m stockade.testing.testnet", description=__doc__)
     parser.add_argument("--subnet", default=DEFAULT_SUBNET,
                         help="IPv4 subnet to use (a free one is picked if taken)")
     parser.add_argument("--api-key", default=DEFAULT_API_KEY, help="key api.test accepts")
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
                 with contextlib.suppress(KeyboardInterrupt):
                     done.wait()
     except TestnetError as e:
-        print(f"stockade.testnet: {e}", file=sys.stderr)
+        print(f"stockade.testing.testnet: {e}", file=sys.stderr)
         return 1
     return 0
 

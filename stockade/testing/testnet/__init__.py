@@ -5,11 +5,11 @@ API and TCP/UDP echo; `ClientNamespace` builds a sandbox stand-in whose traffic 
 redirects to host ports. See docs/testnet.md.
 """
 
-from stockade.testnet.client import ClientNamespace, nft_ruleset
-from stockade.testnet.host import TestnetError, available, reap_stale
-from stockade.testnet.internet import DEFAULT_API_KEY, FakeInternet
-from stockade.testnet.layout import Layout, plan
-from stockade.testnet.zone import Record
+from stockade.testing.testnet.client import ClientNamespace, nft_ruleset
+from stockade.testing.testnet.host import TestnetError, available, reap_stale
+from stockade.testing.testnet.internet import DEFAULT_API_KEY, FakeInternet
+from stockade.testing.testnet.layout import Layout, plan
+from stockade.testing.testnet.zone import Record
 
 __all__ = [
     "DEFAULT_API_KEY",
