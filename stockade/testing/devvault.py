@@ -24,6 +24,7 @@ import hvac
 from stockade.lifecycle import StartStop
 from stockade.ports import free_port
 from stockade.procs import death_guard, stop_group
+from stockade.testing._startup import stop_on_failure
 
 __all__ = ["DevOpenBao", "DevVaultError", "find_bao", "free_port", "merge_secret"]
 
@@ -84,11 +85,8 @@ class DevOpenBao(StartStop):
             )
         finally:
             log.close()
-        try:
+        with stop_on_failure(self.stop):
             self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
         return self
 
     def _wait_healthy(self) -> None:

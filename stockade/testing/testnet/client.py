@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from stockade.lifecycle import StartStop
+from stockade.testing._startup import stop_on_failure
 from stockade.testing.testnet import host
 from stockade.testing.testnet.layout import pick_client_block
 
@@ -128,11 +129,8 @@ class ClientNamespace(StartStop):
             raise host.TestnetError(f"{self.namespace} / {self.nft_table} already exist")
         self._started = True
         host.register_cleanup(self, self.stop)
-        try:
+        with stop_on_failure(self.stop):
             self._wire()
-        except BaseException:
-            self.stop()
-            raise
         return self
 
     def _wire(self) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from stockade.lifecycle import StartStop
+from stockade.testing._startup import stop_on_failure
 from stockade.testing.testnet import host
 from stockade.testing.testnet.gitrepo import create_demo_repo
 from stockade.testing.testnet.layout import (
@@ -158,16 +159,13 @@ class FakeInternet(StartStop):
             raise host.TestnetError(f"cannot build the fake internet: {reason}")
         self._started = True
         host.register_cleanup(self, self.stop)
-        try:
+        with stop_on_failure(self.stop):
             host.reap_stale()
             self._tmp = Path(tempfile.mkdtemp(prefix=f"{self.namespace}-"))
             self._wire()
             self._write_certs()
             create_demo_repo(self._tmp / "git")
             self._start_server()
-        except BaseException:
-            self.stop()
-            raise
         return self
 
     def _wire(self) -> None:
