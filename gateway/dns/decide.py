@@ -106,15 +106,8 @@ def _high_entropy(labels: tuple[bytes, ...], settings: DnsSettings) -> bool:
     )
 
 
-def precheck(
-    q: Query,
-    task: Task | None,
-    ruleset: RuleSet | None,
-    settings: DnsSettings,
-    guards: GuardState,
-    now: float,
-    today: date | None = None,
-) -> Outcome | NeedResolve:
+def _header_refusal(q: Query) -> Outcome | None:
+    """What the header alone refuses (opcode, question count, EDNS version), or None."""
     if q.opcode != OPCODE_QUERY:
         return Outcome("denied", Reason.MALFORMED_QUERY, Reply(RCODE.NOTIMP), message="opcode")
     if q.qdcount != 1:
@@ -126,24 +119,85 @@ def precheck(
         return Outcome(
             "denied", Reason.MALFORMED_QUERY, Reply(RCODE_BADVERS), message="EDNS version"
         )
-    if task is None:
-        return _deny(settings, Reason.UNKNOWN_TASK)
-    version = ruleset.version if ruleset is not None else None
-    if not guards.allow_query(task.task_id, now):
-        suppressed = guards.rate_event_due(task.task_id, now)
-        return _deny(
-            settings,
-            Reason.QUERY_RATE_EXCEEDED,
-            policy_version=version,
-            log=suppressed is not None,
-            extra={"suppressed_events": suppressed} if suppressed else {},
-        )
+    return None
+
+
+def _rate_refusal(
+    settings: DnsSettings, guards: GuardState, task: Task, version: str | None, now: float
+) -> Outcome | None:
+    """The per-task query rate: over it, refused, and only the first refusal per
+    interval is logged (carrying the count of the ones suppressed before it)."""
+    if guards.allow_query(task.task_id, now):
+        return None
+    suppressed = guards.rate_event_due(task.task_id, now)
+    return _deny(
+        settings,
+        Reason.QUERY_RATE_EXCEEDED,
+        policy_version=version,
+        log=suppressed is not None,
+        extra={"suppressed_events": suppressed} if suppressed else {},
+    )
+
+
+def _shape_refusal(q: Query, settings: DnsSettings, version: str | None) -> Outcome | None:
+    """The question's class and name lengths, checked before the name is even decoded."""
     if q.qclass != CLASS_IN:
         return _deny(settings, Reason.QTYPE_REFUSED, policy_version=version, message="class")
     if any(len(label) > settings.max_label_length for label in q.labels):
         return _deny(settings, Reason.LABEL_TOO_LONG, policy_version=version)
     if sum(len(label) for label in q.labels) + len(q.labels) - 1 > settings.max_name_length:
         return _deny(settings, Reason.NAME_TOO_LONG, policy_version=version)
+    return None
+
+
+def _common(
+    name: str, rule_id: str | None, report_only: bool, version: str | None
+) -> dict[str, Any]:
+    """The Outcome fields every answer about an allowed name carries."""
+    return {
+        "name": name,
+        "rule_id": rule_id,
+        "report_only": report_only,
+        "policy_version": version,
+    }
+
+
+def _type_outcome(
+    q: Query, settings: DnsSettings, verdict: Verdict, common: dict[str, Any]
+) -> Outcome | None:
+    """For an allowed name: refusals by query type and label entropy (never report-only:
+    they guard the channel, not the policy), the empty answer for SVCB/HTTPS, or None
+    when the name must be resolved."""
+    if q.qtype not in RESOLVED_TYPES and q.qtype not in EMPTY_TYPES:
+        return _deny(settings, Reason.QTYPE_REFUSED, **{**common, "report_only": False})
+    if _high_entropy(q.labels, settings):
+        return _deny(settings, Reason.HIGH_ENTROPY_LABEL, **{**common, "report_only": False})
+    if q.qtype in EMPTY_TYPES:
+        return Outcome("allowed", verdict.reason, Reply(RCODE.NOERROR), **common)
+    return None
+
+
+def precheck(
+    q: Query,
+    task: Task | None,
+    ruleset: RuleSet | None,
+    settings: DnsSettings,
+    guards: GuardState,
+    now: float,
+    today: date | None = None,
+) -> Outcome | NeedResolve:
+    refused = _header_refusal(q)
+    if refused is not None:
+        return refused
+    if task is None:
+        return _deny(settings, Reason.UNKNOWN_TASK)
+    version = ruleset.version if ruleset is not None else None
+    refused = _rate_refusal(settings, guards, task, version, now)
+    if refused is not None:
+        return refused
+    refused = _shape_refusal(q, settings, version)
+    if refused is not None:
+        return refused
     name = host_of(q.labels)
     if name is None:
         return _deny(settings, Reason.INVALID_HOST, policy_version=version)
@@ -154,19 +208,10 @@ def precheck(
         return _deny(
             settings, verdict.reason, name=name, rule_id=verdict.rule_id, policy_version=version
         )
-    common: dict[str, Any] = {
-        "name": name,
-        "rule_id": verdict.rule_id,
-        "report_only": verdict.report_only,
-        "policy_version": version,
-    }
-    if q.qtype not in RESOLVED_TYPES and q.qtype not in EMPTY_TYPES:
-        return _deny(settings, Reason.QTYPE_REFUSED, **{**common, "report_only": False})
-    if _high_entropy(q.labels, settings):
-        return _deny(settings, Reason.HIGH_ENTROPY_LABEL, **{**common, "report_only": False})
-    if q.qtype in EMPTY_TYPES:
-        return Outcome("allowed", verdict.reason, Reply(RCODE.NOERROR), **common)
-    assert ruleset is not None
+    common = _common(name, verdict.rule_id, verdict.report_only, version)
+    answered = _type_outcome(q, settings, verdict, common)
+    if answered is not None:
+        return answered
     over = guards.admit_name(task.task_id, ruleset, task.profile, name, verdict.rule_id, now)
     if over is not None:
         return budget_denial(settings, guards, task, over, common, now)
@@ -231,44 +276,38 @@ def _family(addr: str) -> int:
     return 6 if ":" in addr else 4
 
 
-def conclude(
-    q: Query,
-    task: Task,
+def _cname_policy(
     ruleset: RuleSet,
+    task: Task,
     need: NeedResolve,
-    res: Resolution,
+    cnames: tuple[str, ...],
     settings: DnsSettings,
-    guards: GuardState,
-    now: float,
-    today: date | None = None,
-) -> Outcome:
-    version = ruleset.version
-    v = need.verdict
-    rule = v.rule_id or ""
-    if res.error is not None or (not res.addresses and not res.forbidden):
-        guards.record_unresolvable(task.task_id, rule, need.name, now)
-    report_only = v.report_only
-    for target in res.cnames:
+    today: date | None,
+) -> tuple[Outcome | None, bool]:
+    """Every CNAME target must be allowed too: the refusal for the first that is not, or
+    None and the answer's report_only (a report-only target marks the whole answer)."""
+    report_only = need.verdict.report_only
+    for target in cnames:
         cv = decide_name(ruleset, task.profile, target, today)
         if not cv.allowed:
-            return _deny(
+            denied = _deny(
                 settings,
                 cv.reason,
                 name=need.name,
                 rule_id=cv.rule_id,
-                policy_version=version,
+                policy_version=ruleset.version,
                 message=f"CNAME target {target} is not allowed",
                 extra={"cname": target},
             )
+            return denied, report_only
         report_only = report_only or cv.report_only
-    common: dict[str, Any] = {
-        "name": need.name,
-        "rule_id": v.rule_id,
-        "report_only": report_only,
-        "policy_version": version,
-    }
+    return None, report_only
+
+
+def _error_outcome(res: Resolution, reason: Reason, common: dict[str, Any]) -> Outcome | None:
+    """A resolution that failed: NXDOMAIN is passed on, any other error is SERVFAIL."""
     if res.error == "nxdomain":
-        return Outcome("allowed", v.reason, Reply(RCODE.NXDOMAIN), **common)
+        return Outcome("allowed", reason, Reply(RCODE.NXDOMAIN), **common)
     if res.error is not None:
         return Outcome(
             "denied",
@@ -277,14 +316,31 @@ def conclude(
             **{**common, "report_only": False},
             extra={"resolve_error": res.error},
         )
-    ttl = max(settings.ttl_min_s, min(settings.ttl_max_s, res.remaining_ttl(now)))
+    return None
+
+
+def _cname_chain(cnames: tuple[str, ...], ttl: int) -> tuple[list[Record], str | None]:
+    """The CNAME records of the chain, and the owner name of the records that follow."""
     records: list[Record] = []
     owner: str | None = None  # None: the question name as the client spelled it
-    for target in res.cnames:
+    for target in cnames:
         records.append(Record(owner, "CNAME", ttl, target))
         owner = target
-    if q.qtype == TYPE_CNAME:
-        return Outcome("allowed", v.reason, Reply(RCODE.NOERROR, tuple(records[:1])), **common)
+    return records, owner
+
+
+def _address_outcome(
+    q: Query,
+    res: Resolution,
+    reason: Reason,
+    chain: tuple[list[Record], str | None],
+    ttl: int,
+    settings: DnsSettings,
+    common: dict[str, Any],
+) -> Outcome:
+    """The A/AAAA answer: the allowed addresses of the asked family after the chain;
+    forbidden ones are dropped and named in the event, refused when none is left."""
+    records, owner = chain
     family = 4 if q.qtype == TYPE_A else 6
     rtype = "A" if family == 4 else "AAAA"
     good = [a for a in res.addresses if _family(a) == family]
@@ -302,7 +358,35 @@ def conclude(
             extra=extra,
         )
     records.extend(Record(owner, rtype, ttl, a) for a in good)
-    return Outcome("allowed", v.reason, Reply(RCODE.NOERROR, tuple(records)), **common, extra=extra)
+    return Outcome("allowed", reason, Reply(RCODE.NOERROR, tuple(records)), **common, extra=extra)
+
+
+def conclude(
+    q: Query,
+    task: Task,
+    ruleset: RuleSet,
+    need: NeedResolve,
+    res: Resolution,
+    settings: DnsSettings,
+    guards: GuardState,
+    now: float,
+    today: date | None = None,
+) -> Outcome:
+    v = need.verdict
+    if res.error is not None or (not res.addresses and not res.forbidden):
+        guards.record_unresolvable(task.task_id, v.rule_id or "", need.name, now)
+    denied, report_only = _cname_policy(ruleset, task, need, res.cnames, settings, today)
+    if denied is not None:
+        return denied
+    common = _common(need.name, v.rule_id, report_only, ruleset.version)
+    failed = _error_outcome(res, v.reason, common)
+    if failed is not None:
+        return failed
+    ttl = max(settings.ttl_min_s, min(settings.ttl_max_s, res.remaining_ttl(now)))
+    chain = _cname_chain(res.cnames, ttl)
+    if q.qtype == TYPE_CNAME:
+        return Outcome("allowed", v.reason, Reply(RCODE.NOERROR, tuple(chain[0][:1])), **common)
+    return _address_outcome(q, res, v.reason, chain, ttl, settings, common)
 
 
 def outcome_event(

@@ -96,6 +96,7 @@ def display_name(labels: tuple[bytes, ...]) -> str:
 _HEADER = struct.Struct("!HHHHHH")
 _QTAIL = struct.Struct("!HH")
 _RR_FIXED = struct.Struct("!HHIH")  # type, class, ttl, rdlength
+_NO_OPT = (PLAIN_UDP_SIZE, 0, False)  # udp_size, EDNS version, DO of a query without OPT
 
 
 def parse_query(data: bytes) -> Query:
@@ -108,6 +109,34 @@ def parse_query(data: bytes) -> Query:
     return parse_query_dnslib(data)
 
 
+def _fast_qname(data: bytes, n: int) -> tuple[list[bytes], int] | None:
+    """The question name's labels (uncompressed only) and the offset just past its root
+    label, or None when it is not plain or runs past the message."""
+    pos = 12
+    labels: list[bytes] = []
+    while True:
+        if pos >= n:
+            return None
+        ln = data[pos]
+        if ln == 0:
+            return labels, pos + 1
+        if ln > 63 or pos + 1 + ln > n:
+            return None
+        labels.append(bytes(data[pos + 1 : pos + 1 + ln]))
+        pos += 1 + ln
+
+
+def _fast_opt(data: bytes, qend: int, n: int) -> tuple[int, int, bool] | None:
+    """The one additional record as an OPT with the root owner ending the message:
+    (udp_size, EDNS version, DO bit), or None for anything else."""
+    if qend + 11 > n or data[qend] != 0:
+        return None
+    rtype, rclass, ttl, rdlen = _RR_FIXED.unpack_from(data, qend + 1)
+    if rtype != TYPE_OPT or qend + 11 + rdlen != n:
+        return None
+    return max(PLAIN_UDP_SIZE, rclass), (ttl >> 16) & 0xFF, bool(ttl & 0x8000)
+
+
 def parse_query_fast(data: bytes) -> Query | None:
     """The common shape only (one question, no answer/authority, at most one OPT record
     ending the message); None means "take the dnslib path", never "malformed"."""
@@ -117,39 +146,22 @@ def parse_query_fast(data: bytes) -> Query | None:
     qid, flags, qd, an, ns, ar = _HEADER.unpack_from(data)
     if flags & 0x8000 or qd != 1 or an or ns or ar > 1:
         return None
-    pos = 12
-    labels: list[bytes] = []
-    while True:
-        if pos >= n:
-            return None
-        ln = data[pos]
-        if ln == 0:
-            pos += 1
-            break
-        if ln > 63 or pos + 1 + ln > n:
-            return None
-        labels.append(bytes(data[pos + 1 : pos + 1 + ln]))
-        pos += 1 + ln
+    qname = _fast_qname(data, n)
+    if qname is None:
+        return None
+    labels, pos = qname
     if pos - 12 > 255 or pos + 4 > n:
         return None
     qtype, qclass = _QTAIL.unpack_from(data, pos)
     qend = pos + 4
-    edns = False
-    udp_size = PLAIN_UDP_SIZE
-    version = 0
-    do = False
+    opt: tuple[int, int, bool] | None = _NO_OPT
     if ar:
-        if qend + 11 > n or data[qend] != 0:
+        opt = _fast_opt(data, qend, n)
+        if opt is None:
             return None
-        rtype, rclass, ttl, rdlen = _RR_FIXED.unpack_from(data, qend + 1)
-        if rtype != TYPE_OPT or qend + 11 + rdlen != n:
-            return None
-        edns = True
-        udp_size = max(PLAIN_UDP_SIZE, rclass)
-        version = (ttl >> 16) & 0xFF
-        do = bool(ttl & 0x8000)
     elif qend != n:
         return None
+    udp_size, version, do = opt
     return Query(
         id=qid,
         labels=tuple(labels),
@@ -158,7 +170,7 @@ def parse_query_fast(data: bytes) -> Query | None:
         rd=bool(flags & 0x0100),
         opcode=(flags >> 11) & 0xF,
         qdcount=1,
-        edns=edns,
+        edns=bool(ar),
         edns_version=version,
         udp_size=udp_size,
         do=do,

@@ -19,10 +19,6 @@ KNOWN_OVER = {  # module:qualname of data-path functions over 60 lines or comple
     "stockade.broker.server:Broker._forward",
     "stockade.broker.server:Broker._parse_call_doc",
     "stockade.broker.service:BrokerService.start",
-    # D
-    "stockade.gateway.dns.decide:conclude",
-    "stockade.gateway.dns.decide:precheck",
-    "stockade.gateway.dns.packet:parse_query_fast",
     # G
     "stockade.gateway.server:Gateway._checked_dial",
     "stockade.gateway.server:Gateway._decide_and_dial",
