@@ -114,6 +114,9 @@ class GatewayService:
         if gs.inspection.enabled:
             self.inspector = InspectorSupervisor(config)
             self.gateway.inspector = self.inspector
+            # the child's own throttle writes the task's summaries and totals then
+            inspector = self.inspector
+            self.registry.on_removed(lambda task: inspector.end_task(task.task_id))
         self.dns: Any = None
         self._control: web.AppRunner | None = None
         self._metrics_runner: web.AppRunner | None = None

@@ -4,7 +4,8 @@
 (`supervisor.py`); it is not meant to be run by hand. It reads its spec (one JSON line:
 rules dir, events file, CA dir, listen address, upstream CAs and the hand-off signing
 key) from stdin, prints `{"ready": PORT}` on stdout once it listens, and exits when
-stdin closes (the gateway went away).
+stdin closes (the gateway went away). Later stdin lines are the gateway's control
+messages (`control.py`): a deregistered task's summaries and totals are written then.
 
 Why mitmproxy in a child: its proxy core is slow (hundreds of requests/s) and lives on
 its own event loop; in a child it can never stall the gateway's listeners, and a crash
@@ -27,10 +28,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from stockade.events.writer import SUMMARY_FLUSH_S, EventWriter
+from stockade.loops import every
 from stockade.trust import CA_BASENAME
 
 from . import patches
 from .addon import RulesByVersion, StockadeAddon
+from .control import ControlLines
+
+log = logging.getLogger("stockade.gateway.inspector")
 
 
 def _options(spec: dict[str, Any]) -> dict[str, Any]:
@@ -71,7 +77,7 @@ class Ready:
         os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
 
 
-async def run_inspector(spec: dict[str, Any], stdin_eof: asyncio.Event | None = None) -> None:
+async def run_inspector(spec: dict[str, Any], stdin_fd: int | None = None) -> None:
     from mitmproxy import options
     from mitmproxy.addons import block, core, disable_h2c, next_layer, proxyserver
     from mitmproxy.master import Master
@@ -100,19 +106,46 @@ async def run_inspector(spec: dict[str, Any], stdin_eof: asyncio.Event | None = 
     )
     opts.update(**_options(spec))
     master.addons.add(Ready(master))
-    if stdin_eof is not None:
-
-        async def watch() -> None:
-            await stdin_eof.wait()
-            master.shutdown()
-
-        watcher = asyncio.ensure_future(watch())
+    if stdin_fd is not None:
+        _watch_stdin(stdin_fd, writer, master)
+    # ended windows' summaries go out every second, as the gateway's and broker's do,
+    # not only with the next event of the task
+    flusher = asyncio.ensure_future(
+        every(SUMMARY_FLUSH_S, writer.flush_due, "inspector: event summaries", log))
     try:
         await master.run()
     finally:
-        if stdin_eof is not None:
-            watcher.cancel()
+        flusher.cancel()
+        if stdin_fd is not None:
+            with contextlib.suppress(ValueError, OSError):
+                asyncio.get_running_loop().remove_reader(stdin_fd)
         writer.close()
+
+
+def _watch_stdin(fd: int, writer: EventWriter, master: Any) -> None:
+    """Act on the gateway's control lines (control.py) on stdin; shut down at its EOF
+    (the gateway closed it or went away)."""
+    loop = asyncio.get_running_loop()
+    lines = ControlLines()
+
+    def readable() -> None:
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            loop.remove_reader(fd)
+            master.shutdown()
+            return
+        bad = lines.bad
+        for task_id in lines.feed(data):
+            writer.end_task(task_id)
+        if lines.bad != bad:
+            log.warning("inspector: %d unreadable control line(s) on stdin", lines.bad - bad)
+
+    loop.add_reader(fd, readable)
 
 
 def _read_spec(line: bytes) -> dict[str, Any]:
@@ -128,21 +161,7 @@ def _read_spec(line: bytes) -> dict[str, Any]:
 
 async def _serve(spec: dict[str, Any]) -> None:
     """run_inspector until stdin reaches EOF (the gateway closed it or went away)."""
-    eof = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    fd = sys.stdin.fileno()
-
-    def readable() -> None:
-        try:
-            data = os.read(fd, 4096)
-        except OSError:
-            data = b""
-        if not data:
-            loop.remove_reader(fd)
-            eof.set()
-
-    loop.add_reader(fd, readable)
-    await run_inspector(spec, eof)
+    await run_inspector(spec, sys.stdin.fileno())
 
 
 def main() -> int:

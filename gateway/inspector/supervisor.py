@@ -6,6 +6,9 @@ its spec (with a fresh hand-off signing key) on the child's stdin, waits for its
 is not ready, `ready` is False and `why` says why; the gateway then denies flows that
 need inspection `inspection_unavailable` (fail closed), with `why` in the event.
 
+`end_task` tells the child a task was deregistered: one line on its stdin
+(`control.py`), written without waiting, dropped when the child is down or not reading.
+
 `handoff` opens the loopback connection for one flow: `CONNECT <checked-ip>:<port>`
 with the signed metadata header, then waits for the inspector's `200`. Everything it
 does is bounded by `handoff_timeout_s`. The child never runs on the gateway's event
@@ -31,11 +34,13 @@ from stockade.trust import ca_dir, ensure_ca
 from ..configview import GatewayConfig
 from ..relay import wait_fd
 from ..settings import InspectionSettings
+from .control import end_task_line
 from .handoff import FlowMeta, connect_request, health_request
 
 log = logging.getLogger("stockade.gateway.inspector")
 
 MAX_ANSWER = 4096  # the inspector's answer to the hand-off CONNECT is a short head
+MAX_CONTROL_BACKLOG = 2**20  # control bytes queued for a child that does not read them
 
 
 class InspectorUnavailable(Exception):
@@ -60,6 +65,7 @@ class InspectorSupervisor:
         self.hung = 0  # children killed because they stopped answering the health probe
         self.probes_ok = 0  # health probes answered (tests)
         self.delay = 0.0  # the last restart delay (tests, health)
+        self.control_dropped = 0  # control lines not sent: the child's stdin was full
 
     @property
     def ready(self) -> bool:
@@ -220,6 +226,24 @@ class InspectorSupervisor:
         finally:
             if not exited.done():
                 exited.cancel()
+
+    def end_task(self, task_id: str) -> bool:
+        """Tell the ready child that `task_id` ended (its summaries and totals are written
+        then); never waits. False (nothing sent) when the child is not ready or its stdin
+        backlog is full (a hung child): its writer then reports the task when it closes."""
+        proc = self.proc
+        if not self.ready or proc is None or proc.returncode is not None or proc.stdin is None:
+            return False
+        stdin = proc.stdin
+        if stdin.is_closing() or stdin.transport.get_write_buffer_size() > MAX_CONTROL_BACKLOG:
+            self.control_dropped += 1
+            return False
+        try:
+            stdin.write(end_task_line(task_id))  # buffered by the transport, no drain
+        except (OSError, RuntimeError):
+            self.control_dropped += 1
+            return False
+        return True
 
     def _listen_host(self) -> str:
         return self.settings.listen.rpartition(":")[0].strip("[]")
