@@ -22,6 +22,8 @@ from aiohttp.web_request import BaseRequest
 from stockade.policy import Reason
 from stockade.policy.model import BrokerGrant
 
+from .denials import Denied
+
 CHUNK = 64 * 1024
 # a `/v1/call` document around the body: api, method, path, query, headers
 ENVELOPE = 64 * 1024
@@ -32,15 +34,8 @@ CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 EXPECT_KEY: web.RequestKey[bool] = web.RequestKey("stockade_expect_continue", bool)
 
 
-class BodyLimit(Exception):
+class BodyLimit(Denied):
     """A body refused: the broker answers `status` with the stable `reason`."""
-
-    def __init__(self, status: int, reason: str, message: str, retry_after: float = 0) -> None:
-        super().__init__(message)
-        self.status = status
-        self.reason = reason
-        self.message = message
-        self.retry_after = retry_after
 
 
 def too_large() -> BodyLimit:

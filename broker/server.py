@@ -34,7 +34,6 @@ from stockade.tasks import Task, TaskRegistry
 
 from .body import (
     BodyBudget,
-    BodyLimit,
     Reservation,
     body_unread,
     call_doc_limit,
@@ -43,6 +42,7 @@ from .body import (
     read_within,
 )
 from .decode import BodyDecoder, DecodeLimit, EncodingRefused
+from .denials import Denied
 from .hosts import PinnedResolver
 from .httpserver import BODY_TIMEOUT_MESSAGE, GuardedRunner, HeadLimits
 from .inject import inject, strip_injected_query
@@ -97,15 +97,6 @@ class SecretSource(Protocol):
     async def get(self, cred: Any) -> SecretValue: ...
 
     # optional: `fresh(cred) -> SecretValue | None`, a cache hit without a coroutine
-
-
-class Denied(Exception):
-    def __init__(self, status: int, reason: str, message: str, retry_after: float = 0) -> None:
-        super().__init__(message)
-        self.status = status
-        self.reason = reason
-        self.message = message
-        self.retry_after = retry_after
 
 
 @dataclass(frozen=True, slots=True)
@@ -445,10 +436,8 @@ class Broker:
         try:
             return await read_within(request, limit, res,
                                           self.settings.request_body_timeout_s)
-        except TimeoutError:
+        except TimeoutError:  # a BodyLimit is a Denied already
             raise Denied(408, Reason.REQUEST_TIMEOUT, BODY_TIMEOUT_MESSAGE) from None
-        except BodyLimit as e:
-            raise Denied(e.status, e.reason, e.message, e.retry_after) from None
 
     # -- steps ---------------------------------------------------------------------------
     def _take_slot(self, task: Task) -> str:
