@@ -9,49 +9,29 @@ from typing import Any
 import dns.asyncquery
 import dns.message
 import dns.rcode
-import yaml
 from dns_harness import PROFILE, loopback
 from dns_upstream import Upstream
+from gw_config import write_config
 
 from stockade.config import Config, load_config
 from stockade.events import read_events, validate
 from stockade.tasks.registry import Task
 
 
-def _config(tmp: Path, rules: Path, upstream: Upstream, dns_listen: str) -> Path:
-    cfg: dict[str, Any] = {
-        "rules_dir": str(rules),
-        "state_dir": str(tmp / "state"),
-        "log_dir": str(tmp / "log"),
-        "run_dir": str(tmp / "run"),
-        "gateway": {
-            "control_socket": str(tmp / "run" / "gateway.sock"),
-            "metrics_listen": f"{loopback()}:0",
-            "transparent_listen": [f"{loopback()}:0"],
-            "proxy_listen": [f"{loopback()}:0"],
-            "resolvers": [upstream.server],
-        },
-        "dns": {"listen": [dns_listen], "ttl_min_s": 9},
-    }
-    path = tmp / "stockade.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
 def _service_config(tmp: Path, upstream: Upstream, *, dns_settings: dict[str, Any] | None = None,
                     events: dict[str, Any] | None = None) -> Config:
-    """The dns-test profile and a config with these dns/events settings on top."""
+    """The dns-test profile and a gateway on loopback before `upstream`, with these
+    dns/events settings on top (no events: the defaults, throttle included)."""
     rules = tmp / "rules"
     for d in ("profiles", "apis", "presets", "tests"):
         (rules / d).mkdir(parents=True)
     (rules / "profiles" / "dns-test.yaml").write_text(PROFILE)
-    path = _config(tmp, rules, upstream, f"{loopback()}:0")
-    raw = yaml.safe_load(path.read_text())
-    raw["dns"].update(dns_settings or {})
-    if events:
-        raw["events"] = events
-    path.write_text(yaml.safe_dump(raw))
-    return load_config(path)
+    return load_config(write_config(
+        tmp, rules, {"listen": [f"{loopback()}:0"], "ttl_min_s": 9, **(dns_settings or {})},
+        events=events or None, metrics_listen=f"{loopback()}:0",
+        transparent_listen=[f"{loopback()}:0"], proxy_listen=[f"{loopback()}:0"],
+        resolvers=[upstream.server],
+    ))
 
 
 async def _ask_as(svc: Any, task_id: str, names: list[str]) -> None:
@@ -68,11 +48,8 @@ async def _ask_as(svc: Any, task_id: str, names: list[str]) -> None:
 async def test_dns_inside_gateway_service(tmp_path: Path, upstream: Upstream) -> None:
     from stockade.gateway.service import GatewayService
 
-    rules = tmp_path / "rules"
-    for d in ("profiles", "apis", "presets", "tests"):
-        (rules / d).mkdir(parents=True)
-    (rules / "profiles" / "dns-test.yaml").write_text(PROFILE)
-    config = load_config(_config(tmp_path, rules, upstream, f"{loopback()}:0"))
+    config = _service_config(tmp_path, upstream)
+    rules = Path(config.rules_dir)
     svc = GatewayService(config)
     await svc.start()
     try:

@@ -14,7 +14,7 @@ from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
-import yaml
+from gw_config import write_config
 from stockade.gateway.service import GatewayService
 
 from stockade.config import load_config
@@ -24,43 +24,27 @@ from stockade.tasks import ControlClient, Task
 from stockade.testing.testnet import ClientNamespace
 
 
-def write_config(
-    tmp: Path, rules_dir: Path, dns: dict[str, Any] | None = None, **gateway: Any
+def gateway_config(
+    tmp: Path, fi: Any, rules: Path, dns: dict[str, Any] | None = None, **gateway: Any
 ) -> Path:
-    cfg = {
-        "rules_dir": str(rules_dir),
-        "state_dir": str(tmp / "state"),
-        "log_dir": str(tmp / "log"),
-        "run_dir": str(tmp / "run"),
-        "gateway": {
-            "control_socket": str(tmp / "run" / "gateway.sock"),
-            "metrics_listen": f"127.0.0.1:{free_port()}",
-            **gateway,
-        },
-        "dns": dns or {},
-        # the gateway tests look at every event of their long-lived tasks one by one;
-        # the throttle has its own tests (tests/core/test_events_summary.py, e2e flood)
-        "events": {"verbatim_per_key": 10**9, "task_budget_events": 10**9,
-                   "task_budget_bytes": 2**50},
-    }
-    path = tmp / "stockade.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    """A gateway on the fake internet `fi` over the rules directory `rules`: both listeners
+    on any address, its DNS server upstream, its subnet dialable; `gateway` settings (these
+    too) on top."""
+    shared = {"transparent_listen": ["0.0.0.0:0"], "proxy_listen": ["0.0.0.0:0"],
+              "resolvers": [fi.dns_server], "allow_addresses": [fi.subnet]}
+    return write_config(tmp, rules, dns, **{**shared, **gateway})
 
 
 def fake_internet_config(
     tmp: Path, fi: Any, profiles: dict[str, str], dns: dict[str, Any] | None = None,
     **gateway: Any,
 ) -> Path:
-    """A rules directory with these profiles and a gateway on the fake internet `fi`: both
-    listeners on any address, its DNS server upstream, its subnet dialable."""
+    """`gateway_config` over a rules directory with just these profiles."""
     rules = tmp / "rules"
     (rules / "profiles").mkdir(parents=True)
     for name, text in profiles.items():
         (rules / "profiles" / f"{name}.yaml").write_text(text)
-    return write_config(tmp, rules, dns, transparent_listen=["0.0.0.0:0"],
-                        proxy_listen=["0.0.0.0:0"], resolvers=[fi.dns_server],
-                        allow_addresses=[fi.subnet], **gateway)  # fmt: skip
+    return gateway_config(tmp, fi, rules, dns, **gateway)
 
 
 class GatewayHarness:

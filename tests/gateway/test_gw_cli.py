@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gw_harness import free_port, write_config
+from gw_harness import free_port, gateway_config, write_config
 from gw_rules import write_rules
 
 from stockade.config import load_config
@@ -79,14 +79,13 @@ class Served:
 def served(fake_internet: FakeInternet, tmp_path: Path) -> Iterator[Served]:
     rules = write_rules(tmp_path / "rules", cidr=fake_internet.subnet)
     dns_port = free_port()
-    cfg = write_config(
+    cfg = gateway_config(
         tmp_path,
+        fake_internet,
         rules,
         dns={"listen": [f"127.0.0.1:{dns_port}"]},
         transparent_listen=[f"127.0.0.1:{free_port()}"],
         proxy_listen=[f"127.0.0.1:{free_port()}"],
-        resolvers=[fake_internet.dns_server],
-        allow_addresses=[fake_internet.subnet],
         rules_poll_interval_s=0.5,
     )
     s = Served(cfg).start()

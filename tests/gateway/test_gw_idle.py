@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gw_harness import GatewayHarness, write_config
+from gw_harness import GatewayHarness, gateway_config
 from gw_rules import write_rules
 
 from stockade.testing.testnet import FakeInternet
@@ -19,13 +19,12 @@ pytestmark = pytest.mark.netns
 @pytest.fixture
 def idle_gw(fake_internet: FakeInternet, tmp_path: Path) -> Iterator[GatewayHarness]:
     rules = write_rules(tmp_path / "rules", cidr=fake_internet.subnet)
-    cfg = write_config(
+    cfg = gateway_config(
         tmp_path,
+        fake_internet,
         rules,
         transparent_listen=["127.0.0.1:0"],
         proxy_listen=["127.0.0.1:0"],
-        resolvers=[fake_internet.dns_server],
-        allow_addresses=[fake_internet.subnet],
         idle_timeout_s=1.0,
     )
     h = GatewayHarness(cfg).start()

@@ -23,9 +23,9 @@ import pytest
 from gw_harness import (
     GatewayHarness,
     dotted,
+    gateway_config,
     pip_download,
     registered_client,
-    write_config,
 )
 from stockade.gateway.inspector.handoff import FlowMeta, connect_request
 
@@ -82,13 +82,10 @@ def write_l7_rules(root: Path) -> Path:
 
 def l7_config(tmp: Path, fi: FakeInternet, **inspection: Any) -> Path:
     rules = write_l7_rules(tmp / "rules")
-    return write_config(
+    return gateway_config(
         tmp,
+        fi,
         rules,
-        transparent_listen=["0.0.0.0:0"],
-        proxy_listen=["0.0.0.0:0"],
-        resolvers=[fi.dns_server],
-        allow_addresses=[fi.subnet],
         sniff_timeout_s=3.0,
         dns={"ttl_min_s": 0},
         inspection={"upstream_ca_file": fi.ca_pem, "restart_delay_s": 1.0, **inspection},

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gw_harness import GatewayHarness, write_config
+from gw_harness import GatewayHarness, gateway_config
 from gw_rules import write_rules
 
 from stockade.testing.testnet import FakeInternet
@@ -90,13 +90,12 @@ class V6Client:
 @pytest.fixture
 def v6(fake_internet: FakeInternet, tmp_path: Path) -> Iterator[tuple[GatewayHarness, V6Client]]:
     rules = write_rules(tmp_path / "rules", cidr=fake_internet.subnet)
-    cfg = write_config(
+    cfg = gateway_config(
         tmp_path,
+        fake_internet,
         rules,
         transparent_listen=["[::]:0"],  # dual-stack
         proxy_listen=["127.0.0.1:0"],
-        resolvers=[fake_internet.dns_server],
-        allow_addresses=[fake_internet.subnet],
     )
     gw = GatewayHarness(cfg).start()
     client = V6Client(gw.port("transparent"))

@@ -1,0 +1,48 @@
+"""Waiting for a condition instead of sleeping a fixed time: on a busy machine a fixed
+sleep is either too short (a flaky test) or too long (a slow one)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def wait_until(
+    pred: Callable[[], T], timeout: float = 10.0, interval: float = 0.05, what: str = ""
+) -> T:
+    """`pred()`'s first truthy value, asked every `interval` s; AssertionError (naming
+    `what`, else the predicate, and its last value) once `timeout` s have passed."""
+    end = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if time.monotonic() >= end:
+            raise AssertionError(_message(pred, what, timeout, got))
+        time.sleep(interval)
+
+
+async def async_wait_until(
+    pred: Callable[[], T | Awaitable[T]], timeout: float = 10.0, interval: float = 0.05,
+    what: str = "",
+) -> T:
+    """`wait_until` on an event loop: `pred` may be a plain or an async function."""
+    end = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if isinstance(got, Awaitable):
+            got = await got
+        if got:
+            return got  # type: ignore[return-value]
+        if time.monotonic() >= end:
+            raise AssertionError(_message(pred, what, timeout, got))
+        await asyncio.sleep(interval)
+
+
+def _message(pred: Callable[..., object], what: str, timeout: float, got: object) -> str:
+    name = what or getattr(pred, "__qualname__", repr(pred))
+    return f"not true after {timeout} s: {name} (last value: {got!r})"
