@@ -11,8 +11,11 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
+Why = str | Callable[[], str]  # what was awaited; a callable is asked at the timeout
+
+
 def wait_until(
-    pred: Callable[[], T], timeout: float = 10.0, interval: float = 0.05, what: str = ""
+    pred: Callable[[], T], timeout: float = 10.0, interval: float = 0.05, what: Why = ""
 ) -> T:
     """`pred()`'s first truthy value, asked every `interval` s; AssertionError (naming
     `what`, else the predicate, and its last value) once `timeout` s have passed."""
@@ -28,7 +31,7 @@ def wait_until(
 
 async def async_wait_until(
     pred: Callable[[], T | Awaitable[T]], timeout: float = 10.0, interval: float = 0.05,
-    what: str = "",
+    what: Why = "",
 ) -> T:
     """`wait_until` on an event loop: `pred` may be a plain or an async function."""
     end = time.monotonic() + timeout
@@ -43,6 +46,6 @@ async def async_wait_until(
         await asyncio.sleep(interval)
 
 
-def _message(pred: Callable[..., object], what: str, timeout: float, got: object) -> str:
-    name = what or getattr(pred, "__qualname__", repr(pred))
+def _message(pred: Callable[..., object], what: Why, timeout: float, got: object) -> str:
+    name = (what() if callable(what) else what) or getattr(pred, "__qualname__", repr(pred))
     return f"not true after {timeout} s: {name} (last value: {got!r})"

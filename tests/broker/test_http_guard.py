@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from polling import async_wait_until
 
 from stockade.testing.devvault import DevOpenBao
 
@@ -243,11 +244,7 @@ async def test_head_within_the_limits_is_served(guarded: Harness) -> None:
 
 # -- the per-task in-flight cap ------------------------------------------------------------
 async def wait_until(cond: Any, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + TRICKLE_WINDOW_S
-    while not cond():
-        assert loop.time() < end, f"never happened: {what}"
-        await asyncio.sleep(0.02)
+    await async_wait_until(cond, TRICKLE_WINDOW_S, 0.02, what=f"never happened: {what}")
 
 
 async def test_concurrency_cap_per_task_with_a_slow_upstream(guarded: Harness) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gw_harness import GatewayHarness, gateway_config, registered_client
+from gw_harness import GatewayHarness, gateway_config, registered_client, running_gateway
 from gw_rules import write_rules
 
 from stockade.testing.testnet import ClientNamespace, FakeInternet
@@ -32,11 +32,8 @@ def gw(
         # has its own gateway in test_gw_inspection.py
         inspection={"enabled": False},
     )
-    h = GatewayHarness(cfg).start()
-    try:
+    with running_gateway(cfg) as h:
         yield h
-    finally:
-        h.stop()
 
 
 @pytest.fixture(scope="module")

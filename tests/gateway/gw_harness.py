@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gw_config import write_config
+from polling import wait_until
 from stockade.gateway.service import GatewayService
 
 from stockade.config import load_config
@@ -104,12 +105,52 @@ class GatewayHarness:
         ]
 
 
+def wait_ready(gw: GatewayHarness, timeout: float = 60) -> None:
+    """Until `gw`'s inspector child answers (AssertionError with its why after `timeout`)."""
+    insp = gw.svc.inspector  # type: ignore[union-attr]
+    assert insp is not None
+    wait_until(lambda: insp.ready, timeout, what=lambda: f"inspector not ready: {insp.why}")
+
+
+@contextlib.contextmanager
+def running_gateway(
+    cfg: Path, *, dns: bool = False, inspector: bool = False
+) -> Iterator[GatewayHarness]:
+    """A started GatewayHarness on `cfg` (with its DNS firewall if `dns`; its inspector
+    ready first if `inspector`), stopped afterwards."""
+    h = GatewayHarness(cfg).start(dns=dns)
+    try:
+        if inspector:
+            wait_ready(h)
+        yield h
+    finally:
+        h.stop()
+
+
 def dotted(ev: dict[str, Any], path: str) -> Any:
     """An event's field by a dotted path written with `__` (labels__task_id), or None."""
     cur: Any = ev
     for part in path.split("__"):
         cur = cur.get(part) if isinstance(cur, dict) else None
     return cur
+
+
+def newest_event(
+    gw: GatewayHarness, action: str, timeout: float = 10, **match: Any
+) -> dict[str, Any]:
+    """The newest event of `action` whose dotted fields (a__b) equal `match`, waited for up
+    to `timeout` s: the gateway's and the inspector's events are written a moment after
+    the fact (those of allowed flows in batches)."""
+
+    def newest() -> dict[str, Any] | None:
+        for ev in reversed(gw.events()):
+            if ev["event"]["action"] == action and all(
+                dotted(ev, k) == v for k, v in match.items()
+            ):
+                return ev
+        return None
+
+    return wait_until(newest, timeout, 0.1, what=f"no {action} event matching {match}")
 
 
 def client_namespace(gw: GatewayHarness, tag: str = "gw") -> ClientNamespace:
