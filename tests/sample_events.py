@@ -9,18 +9,10 @@ from typing import Any
 from stockade.events import make_event
 
 # a gateway's denial of a TLS connection, as the event tests' baseline
-DENIAL = dict(
-    decision="denied",
-    reason="no_matching_rule",
-    task_id="t-1",
-    profile="pypi-build",
-    policy_version="abc123",
-    source_ip="10.213.0.2",
-    destination_domain="evil.test",
-    destination_port=443,
-    transport="tcp",
-    protocol="tls",
-)
+DENIAL = {"decision": "denied", "reason": "no_matching_rule", "task_id": "t-1",
+          "profile": "pypi-build", "policy_version": "abc123", "source_ip": "10.213.0.2",
+          "destination_domain": "evil.test", "destination_port": 443, "transport": "tcp",
+          "protocol": "tls"}
 
 
 def denial(**kw: Any) -> dict[str, Any]:
