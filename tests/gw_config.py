@@ -1,5 +1,5 @@
-"""The stockade.yaml a test gateway runs on, shared by tests/gateway and tests/dns (this
-folder is on sys.path for every test: its conftest.py lives here)."""
+"""The stockade.yaml and rules a test gateway runs on, shared by tests/gateway, tests/dns
+and tests/e2e (this folder is on sys.path for every test: its conftest.py lives here)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,14 @@ from stockade.ports import free_port
 # has its own tests (tests/core/test_events_summary.py, e2e flood)
 UNTHROTTLED = {"verbatim_per_key": 10**9, "task_budget_events": 10**9,
                "task_budget_bytes": 2**50}
+
+
+def write_profiles(rules: Path, profiles: dict[str, str]) -> Path:
+    """A rules directory `rules` with just these profiles (name -> YAML text)."""
+    (rules / "profiles").mkdir(parents=True)
+    for name, text in profiles.items():
+        (rules / "profiles" / f"{name}.yaml").write_text(text)
+    return rules
 
 
 def write_config(

@@ -9,24 +9,30 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
-
-
 Why = str | Callable[[], str]  # what was awaited; a callable is asked at the timeout
+
+
+def eventually(pred: Callable[[], T], timeout: float = 10.0, interval: float = 0.05) -> T:
+    """`pred()`'s first truthy value, asked every `interval` s, or its last (falsy) one
+    once `timeout` s have passed: for an assertion with a message of its own,
+    `assert eventually(...), context`."""
+    end = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got or time.monotonic() >= end:
+            return got
+        time.sleep(interval)
 
 
 def wait_until(
     pred: Callable[[], T], timeout: float = 10.0, interval: float = 0.05, what: Why = ""
 ) -> T:
-    """`pred()`'s first truthy value, asked every `interval` s; AssertionError (naming
-    `what`, else the predicate, and its last value) once `timeout` s have passed."""
-    end = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() >= end:
-            raise AssertionError(_message(pred, what, timeout, got))
-        time.sleep(interval)
+    """`eventually`, raising AssertionError (naming `what`, else the predicate, and its
+    last value) on the timeout."""
+    got = eventually(pred, timeout, interval)
+    if not got:
+        raise AssertionError(_message(pred, what, timeout, got))
+    return got
 
 
 async def async_wait_until(

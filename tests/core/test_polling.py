@@ -2,7 +2,7 @@
 awaited once the timeout has passed."""
 
 import pytest
-from polling import async_wait_until, wait_until
+from polling import async_wait_until, eventually, wait_until
 
 
 def _truthy_on(n: int):
@@ -43,3 +43,8 @@ async def test_async_takes_plain_and_async_predicates():
     assert await async_wait_until(_truthy_on(2), interval=0) == 2
     with pytest.raises(AssertionError, match="never"):
         await async_wait_until(lambda: None, timeout=0, what="never")
+
+
+def test_eventually_leaves_the_assertion_to_the_caller():
+    assert eventually(_truthy_on(2), interval=0) == 2
+    assert eventually(lambda: 0, timeout=0) == 0

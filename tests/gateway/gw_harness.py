@@ -14,7 +14,7 @@ from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
-from gw_config import write_config
+from gw_config import write_config, write_profiles
 from polling import wait_until
 from stockade.gateway.service import GatewayService
 
@@ -41,11 +41,7 @@ def fake_internet_config(
     **gateway: Any,
 ) -> Path:
     """`gateway_config` over a rules directory with just these profiles."""
-    rules = tmp / "rules"
-    (rules / "profiles").mkdir(parents=True)
-    for name, text in profiles.items():
-        (rules / "profiles" / f"{name}.yaml").write_text(text)
-    return gateway_config(tmp, fi, rules, dns, **gateway)
+    return gateway_config(tmp, fi, write_profiles(tmp / "rules", profiles), dns, **gateway)
 
 
 class GatewayHarness:
