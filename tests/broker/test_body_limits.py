@@ -23,7 +23,7 @@ from stockade.policy.model import BrokerGrant
 
 from stockade.testing.devvault import DevOpenBao
 
-from .conftest import Harness, Upstream, start_harness
+from .conftest import Harness, Upstream, start_harness, stop_harness
 from .test_http_guard import assert_denial, open_conn, read_response
 
 HEAD = (b"POST /v1/call HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n")
@@ -85,9 +85,7 @@ async def budgeted(
     try:
         yield h
     finally:
-        await runner.cleanup()
-        await h.vault.close()
-        h.events.close()
+        await stop_harness(h, runner)
 
 
 async def _answer(reader: asyncio.StreamReader) -> tuple[int, bytes]:

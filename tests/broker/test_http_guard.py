@@ -22,7 +22,13 @@ from polling import async_wait_until
 
 from stockade.testing.devvault import DevOpenBao
 
-from .conftest import Harness, Upstream, assert_no_secret, start_harness
+from .conftest import (
+    Harness,
+    Upstream,
+    assert_nothing_leaked,
+    start_harness,
+    stop_harness,
+)
 
 pytestmark = pytest.mark.vault
 
@@ -47,12 +53,8 @@ async def guarded(
         yield h
     finally:
         upstream.gate.set()  # never leave a parked upstream call behind
-        await runner.cleanup()
-        await h.vault.close()
-        h.events.close()
-        ev_bytes = h.events_path.read_bytes() if h.events_path.exists() else b""
-        assert_no_secret(h.secret, [*h.produced, ev_bytes, caplog.text.encode(),
-                                    h.broker.metrics.render()])
+        await stop_harness(h, runner)
+        assert_nothing_leaked(h, caplog.text)
 
 
 def calls(h: Harness) -> list[dict[str, Any]]:
