@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from gw_harness import free_port, gateway_config, write_config
 from gw_rules import write_rules
+from polling import wait_until
 
 from stockade.config import load_config
 from stockade.events import read_events, validate
@@ -67,12 +68,12 @@ class Served:
         return [e for e in evs if action is None or e["event"]["action"] == action]
 
     def wait_event(self, action: str, n: int) -> list[dict[str, Any]]:
-        for _ in range(100):
+        def enough() -> list[dict[str, Any]]:
             evs = self.events(action)
-            if len(evs) >= n:
-                return evs
-            time.sleep(0.1)
-        raise AssertionError(f"expected {n} {action} events, got {self.events(action)}")
+            return evs if len(evs) >= n else []
+
+        return wait_until(enough, 10, 0.1,
+                          what=lambda: f"expected {n} {action} events, got {self.events(action)}")
 
 
 @pytest.fixture
