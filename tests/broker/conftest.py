@@ -275,6 +275,20 @@ async def start_harness(
     return h, runner
 
 
+async def stop_harness(h: Harness, runner: web.AppRunner) -> None:
+    """Stops what start_harness started: the listener, the Vault client, the events."""
+    await runner.cleanup()
+    await h.vault.close()
+    h.events.close()
+
+
+def assert_nothing_leaked(h: Harness, log: str) -> None:
+    """Every byte the test produced (responses, events, `log`, metrics) is free of the
+    secret."""
+    ev_bytes = h.events_path.read_bytes() if h.events_path.exists() else b""
+    assert_no_secret(h.secret, [*h.produced, ev_bytes, log.encode(), h.broker.metrics.render()])
+
+
 @pytest.fixture
 async def harness(
     tmp_path: Path,
@@ -288,10 +302,5 @@ async def harness(
     try:
         yield h
     finally:
-        await runner.cleanup()
-        await h.vault.close()
-        h.events.close()
-        # every byte this test produced: responses, events, logs
-        ev_bytes = h.events_path.read_bytes() if h.events_path.exists() else b""
-        assert_no_secret(h.secret, [*h.produced, ev_bytes, caplog.text.encode(),
-                                    h.broker.metrics.render()])
+        await stop_harness(h, runner)
+        assert_nothing_leaked(h, caplog.text)

@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from polling import async_wait_until
 from stockade.broker.body import ENVELOPE, BodyBudget, BodyLimit, call_doc_limit
 from stockade.policy.model import BrokerGrant
 
 from stockade.testing.devvault import DevOpenBao
 
-from .conftest import Harness, Upstream, start_harness
+from .conftest import Harness, Upstream, start_harness, stop_harness
 from .test_http_guard import assert_denial, open_conn, read_response
 
 HEAD = (b"POST /v1/call HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n")
@@ -84,9 +85,7 @@ async def budgeted(
     try:
         yield h
     finally:
-        await runner.cleanup()
-        await h.vault.close()
-        h.events.close()
+        await stop_harness(h, runner)
 
 
 async def _answer(reader: asyncio.StreamReader) -> tuple[int, bytes]:
@@ -147,29 +146,34 @@ async def _hold_60k(h: Harness) -> asyncio.StreamWriter:
     return held_w
 
 
+async def _ask(h: Harness, raw: bytes) -> tuple[int, bytes]:
+    """The answer to `raw`, sent on a connection of its own (closed afterwards)."""
+    reader, writer = await open_conn(h)
+    writer.write(raw)
+    await writer.drain()
+    status, body = await _answer(reader)
+    writer.close()
+    return status, body
+
+
+async def _release(h: Harness, held_w: asyncio.StreamWriter) -> None:
+    """The held call ends: its share comes back."""
+    held_w.close()
+    await async_wait_until(lambda: not h.broker.bodies.held)
+    assert h.broker.bodies.held == {}
+
+
 @pytest.mark.vault
 async def test_a_tasks_bodies_share_one_budget(budgeted: Harness) -> None:
     h = budgeted
     held_w = await _hold_60k(h)
-    reader, writer = await open_conn(h)
-    writer.write(HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + _chunk(b" " * 40 * 1024))
-    await writer.drain()
-    status, body = await _answer(reader)
-    writer.close()
+    status, body = await _ask(
+        h, HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + _chunk(b" " * 40 * 1024))
     assert (status, json.loads(body)["reason"]) == (429, "body_memory_limit")
     # a declared body that does not fit is refused before it is read
-    reader, writer = await open_conn(h)
-    writer.write(HEAD + b"Content-Length: 40000\r\n\r\n")
-    await writer.drain()
-    status, body = await _answer(reader)
-    writer.close()
+    status, body = await _ask(h, HEAD + b"Content-Length: 40000\r\n\r\n")
     assert (status, json.loads(body)["reason"]) == (429, "body_memory_limit")
-    held_w.close()
-    for _ in range(200):  # the held call ends: its share comes back
-        if not h.broker.bodies.held:
-            break
-        await asyncio.sleep(0.05)
-    assert h.broker.bodies.held == {}
+    await _release(h, held_w)
     status, doc = await h.v1({"api": "echo", "path": "/json"})
     assert status == 200, doc
     reasons = [e["event"]["reason"] for e in h.event_list()
@@ -186,19 +190,10 @@ async def test_a_compressed_body_is_charged_as_it_grows(budgeted: Harness) -> No
     doc = json.dumps({"api": "echo", "path": "/json"}).encode() + b" " * 50 * 1024
     packed = gzip.compress(doc)
     assert len(packed) < 1024 and len(doc) < AGENT_LIMIT
-    reader, writer = await open_conn(h)
-    writer.write(HEAD + b"Content-Encoding: gzip\r\nContent-Length: %d\r\n\r\n" % len(packed)
-                 + packed)
-    await writer.drain()
-    status, body = await _answer(reader)
-    writer.close()
+    status, body = await _ask(
+        h, HEAD + b"Content-Encoding: gzip\r\nContent-Length: %d\r\n\r\n" % len(packed) + packed)
     assert (status, json.loads(body)["reason"]) == (429, "body_memory_limit")
-    held_w.close()
-    for _ in range(200):
-        if not h.broker.bodies.held:
-            break
-        await asyncio.sleep(0.05)
-    assert h.broker.bodies.held == {}
+    await _release(h, held_w)
 
 
 def _rss_bytes() -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from polling import async_wait_until
 
 from stockade.events import read_events, validate
 from stockade.tasks import ControlClient, Task
@@ -173,10 +174,7 @@ async def test_broker_serve_dev_vault_leaves_no_process(tmp_path: Path, sig: int
             await proc.wait()
     # SIGTERM: stopped by the broker; SIGKILL: by the parent-death signal (then reaped by
     # init, so wait for it to go)
-    for _ in range(200):
-        if not Path(f"/proc/{bao_pids[0]}").exists():
-            break
-        await asyncio.sleep(0.05)
+    await async_wait_until(lambda: not Path(f"/proc/{bao_pids[0]}").exists())
     assert not Path(f"/proc/{bao_pids[0]}").exists()
 
 

@@ -18,10 +18,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from polling import async_wait_until
 
 from stockade.testing.devvault import DevOpenBao
 
-from .conftest import Harness, Upstream, assert_no_secret, start_harness
+from .conftest import (
+    Harness,
+    Upstream,
+    assert_nothing_leaked,
+    start_harness,
+    stop_harness,
+)
 
 pytestmark = pytest.mark.vault
 
@@ -46,12 +53,8 @@ async def guarded(
         yield h
     finally:
         upstream.gate.set()  # never leave a parked upstream call behind
-        await runner.cleanup()
-        await h.vault.close()
-        h.events.close()
-        ev_bytes = h.events_path.read_bytes() if h.events_path.exists() else b""
-        assert_no_secret(h.secret, [*h.produced, ev_bytes, caplog.text.encode(),
-                                    h.broker.metrics.render()])
+        await stop_harness(h, runner)
+        assert_nothing_leaked(h, caplog.text)
 
 
 def calls(h: Harness) -> list[dict[str, Any]]:
@@ -243,11 +246,7 @@ async def test_head_within_the_limits_is_served(guarded: Harness) -> None:
 
 # -- the per-task in-flight cap ------------------------------------------------------------
 async def wait_until(cond: Any, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + TRICKLE_WINDOW_S
-    while not cond():
-        assert loop.time() < end, f"never happened: {what}"
-        await asyncio.sleep(0.02)
+    await async_wait_until(cond, TRICKLE_WINDOW_S, 0.02, what=f"never happened: {what}")
 
 
 async def test_concurrency_cap_per_task_with_a_slow_upstream(guarded: Harness) -> None:

@@ -20,7 +20,7 @@ from stockade.policy.model import CredentialSource
 
 from stockade.testing.devvault import DevOpenBao, free_port
 
-from .conftest import Upstream, assert_no_secret, start_harness
+from .conftest import Upstream, assert_no_secret, start_harness, stop_harness
 
 pytestmark = pytest.mark.vault
 
@@ -136,9 +136,7 @@ async def test_rotation_used_within_cache_ttl(
         assert new not in doc["body"] and "[REDACTED]" in doc["body"]
         assert h.vault.reads == 2
     finally:
-        await runner.cleanup()
-        await h.vault.close()
-        h.events.close()
+        await stop_harness(h, runner)
     blobs = [*h.produced, h.events_path.read_bytes(), caplog.text.encode()]
     assert_no_secret(old, blobs)
     assert_no_secret(new, blobs)
@@ -181,9 +179,7 @@ async def test_vault_stopped_serves_stale_then_503(
             assert 'stockade_broker_secret_cache_total{result="stale"} 1.0' in metrics
             assert "stockade_broker_vault_up 0.0" in metrics
         finally:
-            await runner.cleanup()
-            await h.vault.close()
-            h.events.close()
+            await stop_harness(h, runner)
         assert_no_secret(h.secret, [*h.produced, h.events_path.read_bytes(),
                                     caplog.text.encode()])
         assert own.address.encode() not in h.events_path.read_bytes()

@@ -3,27 +3,11 @@ import os
 
 import jsonschema
 import pytest
+from sample_events import broker_call, bypass_attempt, denial, dns_decision
 
 from stockade.events import EventWriter, make_event, read_events, validate
 
-
-def _denial(**kw):
-    base = dict(
-        component="gateway",
-        action="connection_decision",
-        decision="denied",
-        reason="no_matching_rule",
-        task_id="t-1",
-        profile="pypi-build",
-        policy_version="abc123",
-        source_ip="10.213.0.2",
-        destination_domain="evil.test",
-        destination_port=443,
-        transport="tcp",
-        protocol="tls",
-    )
-    base.update(kw)
-    return make_event(**base)
+_denial = denial
 
 
 def test_denial_uses_ecs_fields_and_validates():
@@ -49,28 +33,11 @@ def test_allow_close_dns_broker_and_bypass_shapes_validate():
     )
     validate(close)
     assert close["event"]["type"] == ["end", "connection"]
-    validate(
-        make_event(
-            component="dns",
-            action="dns_decision",
-            decision="denied",
-            reason="qtype_refused",
-            dns_question={"name": "x.test", "type": "TXT"},
-            dns_response_code="REFUSED",
-        )
-    )
-    validate(
-        make_event(
-            component="broker",
-            action="broker_call",
-            decision="allowed",
-            http_method="GET",
-            http_status=200,
-            url={"path": "/v1/whoami"},
-            extra={"api": "demo", "latency_ms": 1.5},
-        )
-    )
-    bypass = make_event(component="launcher", action="bypass_attempt", decision="denied")
+    validate(dns_decision("x.test", "TXT", decision="denied", reason="qtype_refused",
+                          dns_response_code="REFUSED"))
+    validate(broker_call(decision="allowed", http_method="GET", http_status=200,
+                         url={"path": "/v1/whoami"}, extra={"api": "demo", "latency_ms": 1.5}))
+    bypass = bypass_attempt()
     validate(bypass)
     assert bypass["event"]["kind"] == "alert"
 

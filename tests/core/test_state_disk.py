@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from polling import async_wait_until
 
 from stockade.loops import ErrorLog, every
 from stockade.tasks import (
@@ -158,10 +159,7 @@ async def test_broker_expiry_loop_survives_a_full_disk(
         await asyncio.sleep(1.5)  # several failed rounds (0.5 s each)
         assert not loop.done() and svc.registry.get("t1") is not None
         disk.free()
-        for _ in range(100):
-            if svc.registry.get("t1") is None:
-                break
-            await asyncio.sleep(0.1)
+        await async_wait_until(lambda: svc.registry.get("t1") is None, 10, 0.1)
         assert svc.registry.get("t1") is None
         assert "t1" not in _state(disk.path / "broker-tasks.json")
     finally:

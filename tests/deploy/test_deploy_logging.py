@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from deploy_support import EXAMPLE_CONFIG, FLUENT_BIT, VECTOR
+from sample_events import broker_call, bypass_attempt, denial, dns_decision
 
 from stockade.config import load_config
 from stockade.events import EventWriter, make_event, read_events, validate
@@ -32,58 +33,22 @@ def events_file() -> Path:
 
 def _sample_events() -> list[dict[str, Any]]:
     evs = [
-        make_event(
-            component="gateway",
-            action="connection_decision",
-            decision="denied",
-            reason="destination_mismatch",
-            task_id="t-1",
-            profile="pypi-build",
-            policy_version="abc123",
-            rule_id="pypi",
-            source_ip="10.213.0.2",
-            source_port=40000,
-            destination_domain="pypi.org",
-            destination_ip="151.101.0.223",
-            destination_port=443,
-            transport="tcp",
-            protocol="tls",
-            message="SNI pypi.org != Host evil.example",
-            extra={"listener": "transparent"},
-        ),
-        make_event(
-            component="dns",
-            action="dns_decision",
-            decision="denied",
-            reason="high_entropy_label",
-            task_id="t-1",
-            profile="pypi-build",
-            source_ip="10.213.0.2",
-            transport="udp",
-            protocol="dns",
-            dns_question={"name": "a9f3k2j4h5g6f7d8.evil.example", "type": "TXT"},
-            dns_response_code="REFUSED",
-        ),
-        make_event(
-            component="launcher",
-            action="bypass_attempt",
-            decision="denied",
-            reason="bypass_attempt",
-            task_id="t-1",
-            source_ip="10.213.0.2",
-            destination_ip="8.8.8.8",
-            destination_port=53,
-            transport="udp",
-        ),
+        denial(reason="destination_mismatch", rule_id="pypi", source_port=40000,
+               destination_domain="pypi.org", destination_ip="151.101.0.223",
+               message="SNI pypi.org != Host evil.example", extra={"listener": "transparent"}),
+        dns_decision("a9f3k2j4h5g6f7d8.evil.example", "TXT", decision="denied",
+                     reason="high_entropy_label", task_id="t-1", profile="pypi-build",
+                     source_ip="10.213.0.2", transport="udp", protocol="dns",
+                     dns_response_code="REFUSED"),
+        bypass_attempt(reason="bypass_attempt", task_id="t-1", source_ip="10.213.0.2",
+                       destination_ip="8.8.8.8", destination_port=53, transport="udp"),
         make_event(
             component="broker",
             action="vault_status",
             reason="vault_unavailable",
             message="vault down (connection refused)",
         ),
-        make_event(
-            component="broker",
-            action="broker_call",
+        broker_call(
             decision="allowed",
             reason="allowed_by_rule",
             task_id="t-2",

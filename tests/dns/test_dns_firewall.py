@@ -17,6 +17,7 @@ import dns.rdatatype
 import pytest
 from dns_harness import Harness, loopback, start_harness
 from dns_upstream import Upstream
+from polling import async_wait_until
 from prometheus_client import generate_latest
 from stockade.policy.ruleset import RuleSet
 
@@ -457,10 +458,7 @@ async def test_tcp_connections_are_shared_per_task(upstream: Upstream, ruleset: 
             "transport": "tcp"}) == 1
         for w in held[:3]:  # closing gives the shares back
             w.close()
-        for _ in range(100):
-            if h.fw._tcp_shares.count <= 2:
-                break
-            await asyncio.sleep(0.05)
+        await async_wait_until(lambda: h.fw._tcp_shares.count <= 2, 5)
         writer, rcode = await _tcp_query(h, third)
         held.append(writer)
         assert rcode == dns.rcode.NOERROR

@@ -3,55 +3,58 @@ the gateway's Resolver, task registry, rule holder (reloads) and metrics registr
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import dns.asyncquery
 import dns.message
 import dns.rcode
-import yaml
 from dns_harness import PROFILE, loopback
 from dns_upstream import Upstream
+from gw_config import write_config
+from polling import async_wait_until
 
 from stockade.config import Config, load_config
 from stockade.events import read_events, validate
 from stockade.tasks.registry import Task
 
 
-def _config(tmp: Path, rules: Path, upstream: Upstream, dns_listen: str) -> Path:
-    cfg: dict[str, Any] = {
-        "rules_dir": str(rules),
-        "state_dir": str(tmp / "state"),
-        "log_dir": str(tmp / "log"),
-        "run_dir": str(tmp / "run"),
-        "gateway": {
-            "control_socket": str(tmp / "run" / "gateway.sock"),
-            "metrics_listen": f"{loopback()}:0",
-            "transparent_listen": [f"{loopback()}:0"],
-            "proxy_listen": [f"{loopback()}:0"],
-            "resolvers": [upstream.server],
-        },
-        "dns": {"listen": [dns_listen], "ttl_min_s": 9},
-    }
-    path = tmp / "stockade.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
 def _service_config(tmp: Path, upstream: Upstream, *, dns_settings: dict[str, Any] | None = None,
                     events: dict[str, Any] | None = None) -> Config:
-    """The dns-test profile and a config with these dns/events settings on top."""
+    """The dns-test profile and a gateway on loopback before `upstream`, with these
+    dns/events settings on top (no events: the defaults, throttle included)."""
     rules = tmp / "rules"
     for d in ("profiles", "apis", "presets", "tests"):
         (rules / d).mkdir(parents=True)
     (rules / "profiles" / "dns-test.yaml").write_text(PROFILE)
-    path = _config(tmp, rules, upstream, f"{loopback()}:0")
-    raw = yaml.safe_load(path.read_text())
-    raw["dns"].update(dns_settings or {})
-    if events:
-        raw["events"] = events
-    path.write_text(yaml.safe_dump(raw))
-    return load_config(path)
+    return load_config(write_config(
+        tmp, rules, {"listen": [f"{loopback()}:0"], "ttl_min_s": 9, **(dns_settings or {})},
+        events=events or None, metrics_listen=f"{loopback()}:0",
+        transparent_listen=[f"{loopback()}:0"], proxy_listen=[f"{loopback()}:0"],
+        resolvers=[upstream.server],
+    ))
+
+
+@contextlib.asynccontextmanager
+async def _running(config: Config, **start: Any) -> AsyncIterator[Any]:
+    """`config`'s GatewayService, started (`start`: its keywords) and stopped afterwards."""
+    from stockade.gateway.service import GatewayService
+
+    svc = GatewayService(config)
+    await svc.start(**start)
+    try:
+        yield svc
+    finally:
+        await svc.stop()
+
+
+def _totals(stored: list[dict[str, Any]]) -> dict[str, Any]:
+    """The one event_totals' counts among a task's stored events."""
+    (totals,) = [e["stockade"]["totals"] for e in stored
+                 if e["event"]["action"] == "event_totals"]
+    return totals
 
 
 async def _ask_as(svc: Any, task_id: str, names: list[str]) -> None:
@@ -66,16 +69,9 @@ async def _ask_as(svc: Any, task_id: str, names: list[str]) -> None:
 
 
 async def test_dns_inside_gateway_service(tmp_path: Path, upstream: Upstream) -> None:
-    from stockade.gateway.service import GatewayService
-
-    rules = tmp_path / "rules"
-    for d in ("profiles", "apis", "presets", "tests"):
-        (rules / d).mkdir(parents=True)
-    (rules / "profiles" / "dns-test.yaml").write_text(PROFILE)
-    config = load_config(_config(tmp_path, rules, upstream, f"{loopback()}:0"))
-    svc = GatewayService(config)
-    await svc.start()
-    try:
+    config = _service_config(tmp_path, upstream)
+    rules = Path(config.rules_dir)
+    async with _running(config) as svc:
         assert svc.dns is not None
         host, port = svc.dns.addresses[0]
         client = loopback()
@@ -99,8 +95,6 @@ async def test_dns_inside_gateway_service(tmp_path: Path, upstream: Upstream) ->
         assert (await ask("other.test")).rcode() == dns.rcode.NOERROR
         text = svc.metrics.render().decode()
         assert "stockade_dns_queries_total" in text
-    finally:
-        await svc.stop()
     events = [e for e in read_events(config.events_file) if e["event"]["action"] == "dns_decision"]
     for e in events:
         validate(e)
@@ -111,24 +105,17 @@ async def test_service_tallies_and_ends_a_task_in_its_store(
         tmp_path: Path, upstream: Upstream) -> None:
     """Wired as `gateway serve` runs it: rate-limited queries are tallied, and when the
     task is deregistered its summaries and totals land in the task's store."""
-    from stockade.gateway.service import GatewayService
-
     from stockade.events.taskstore import read_task_events
 
     config = _service_config(tmp_path, upstream,
                              dns_settings={"queries_per_second": 0.001, "query_burst": 3})
-    svc = GatewayService(config)
-    await svc.start()
-    try:
+    async with _running(config) as svc:
         await _ask_as(svc, "svc-flood", ["other.test"] * 60)
         svc.registry.deregister("svc-flood")
-    finally:
-        await svc.stop()
     stored = read_task_events(config.task_events_dir, "svc-flood")
     for e in stored:
         validate(e)
-    (totals,) = [e["stockade"]["totals"] for e in stored
-                 if e["event"]["action"] == "event_totals"]
+    totals = _totals(stored)
     assert totals["written"] + totals["summarised"] == 60
     counted = sum(1 for e in stored if e["event"]["action"] == "dns_decision") + sum(
         e["stockade"]["summary"]["count"] for e in stored
@@ -140,29 +127,22 @@ async def test_name_budget_summaries_come_before_the_tasks_totals(
         tmp_path: Path, upstream: Upstream) -> None:
     """The DNS firewall's end-of-task name-budget summary is written while the writer
     still tracks the task: counted in its totals, and no throttle state left behind."""
-    from stockade.gateway.service import GatewayService
-
     from stockade.events.taskstore import read_task_events
 
     config = _service_config(tmp_path, upstream, dns_settings={
         "wildcard_names_per_window": 2, "queries_per_second": 1000, "query_burst": 1000})
-    svc = GatewayService(config)
-    await svc.start()
-    try:
+    async with _running(config) as svc:
         assert svc.dns is not None and svc.writer.throttle is not None
         await _ask_as(svc, "svc-names", [f"n{i}.allowed.test" for i in range(10)])
         svc.registry.deregister("svc-names")
         assert svc.writer.throttle.tracked_tasks == 0
-    finally:
-        await svc.stop()
     stored = read_task_events(config.task_events_dir, "svc-names")
     actions = [e["event"]["action"] for e in stored]
     assert actions[-1] == "event_totals" and actions.count("event_totals") == 1
     budget = [e for e in stored if e["event"].get("reason") == "name_budget_exceeded"
               and e["event"]["action"] == "dns_decision"]
     assert any(e["stockade"].get("suppressed_events") for e in budget)  # the end summary
-    (totals,) = [e["stockade"]["totals"] for e in stored
-                 if e["event"]["action"] == "event_totals"]
+    totals = _totals(stored)
     dns_written = sum(1 for e in stored if e["event"]["action"] == "dns_decision")
     row = [r for r in totals["by"] if r["reason"] == "name_budget_exceeded"]
     assert sum(r["written"] for r in row) == len(budget)
@@ -173,29 +153,17 @@ async def test_a_quiet_tasks_summary_is_written_once_its_window_ends(
         tmp_path: Path, upstream: Upstream) -> None:
     """No later event is needed: the service writes ended windows' summaries on its own,
     so a gateway killed afterwards has lost nothing of them."""
-    import asyncio
-
-    from stockade.gateway.service import GatewayService
-
     from stockade.events.taskstore import read_task_events
 
     config = _service_config(tmp_path, upstream,
                              events={"verbatim_per_key": 1, "summary_window_s": 0.2})
-    svc = GatewayService(config)
-    await svc.start()
-    try:
+    async with _running(config) as svc:
         await _ask_as(svc, "svc-quiet", ["other.test"] * 5)
-        summaries: list[dict[str, Any]] = []
-        for _ in range(200):  # the test's own patience, not a speed requirement
-            summaries = [e for e in read_task_events(config.task_events_dir, "svc-quiet")
-                         if e["event"]["action"] == "event_summary"]
-            if summaries:
-                break
-            await asyncio.sleep(0.05)
+        summaries = await async_wait_until(  # the test's own patience, not a speed requirement
+            lambda: [e for e in read_task_events(config.task_events_dir, "svc-quiet")
+                     if e["event"]["action"] == "event_summary"], 10)
         assert sum(e["stockade"]["summary"]["count"] for e in summaries) == 4
         assert svc.registry.get("svc-quiet") is not None  # the task is still running
-    finally:
-        await svc.stop()
 
 
 async def test_tcp_path_budget_refusals_are_in_the_tasks_totals(
@@ -205,14 +173,10 @@ async def test_tcp_path_budget_refusals_are_in_the_tasks_totals(
     task's event totals (the writer's tally), as the DNS path's are."""
     import asyncio
 
-    from stockade.gateway.service import GatewayService
-
     from stockade.events.taskstore import read_task_events
 
     config = _service_config(tmp_path, upstream, dns_settings={"wildcard_names_per_window": 2})
-    svc = GatewayService(config)
-    await svc.start(dns=False)
-    try:
+    async with _running(config, dns=False) as svc:
         host, port = svc.gateway.bound["proxy"][0][:2]
         client = loopback()
         svc.registry.register(Task("svc-tcp", client, "dns-test"))
@@ -224,11 +188,7 @@ async def test_tcp_path_budget_refusals_are_in_the_tasks_totals(
             writer.close()
         assert statuses[2:] == [b"403"] * 4
         svc.registry.deregister("svc-tcp")
-    finally:
-        await svc.stop()
-    stored = read_task_events(config.task_events_dir, "svc-tcp")
-    (totals,) = [e["stockade"]["totals"] for e in stored
-                 if e["event"]["action"] == "event_totals"]
+    totals = _totals(read_task_events(config.task_events_dir, "svc-tcp"))
     (row,) = [r for r in totals["by"] if r["reason"] == "name_budget_exceeded"]
     # the first refusal and the end summary were written; the other three were counted
     assert (row["written"], row["summarised"]) == (2, 3)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from polling import eventually
 
 from stockade.instance import PORT_SPAN
 from stockade.ports import free_port_block
@@ -92,3 +93,12 @@ def stockade_procs(marker: str) -> dict[int, str]:
                          check=False).stdout
     procs = (line.strip().partition(" ") for line in out.splitlines())
     return {int(pid): args for pid, _, args in procs if marker in args and "stockade" in args}
+
+
+def up_ready(up: subprocess.Popen[bytes], err: Path, timeout: float = 120) -> str:
+    """`stockade up`'s stderr (the file `err`) once it says it is ready, asserting that it
+    did and is still running."""
+    assert eventually(lambda: "ready (Ctrl-C" in err.read_text() or up.poll() is not None,
+                      timeout, 0.1), err.read_text()
+    assert up.poll() is None, err.read_text()
+    return err.read_text()

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
+from gw_config import write_profiles
 
 from stockade.events import read_events, validate
 from stockade.events.taskstore import read_task_events, task_file
@@ -53,9 +54,7 @@ def _count(events: list[dict[str, Any]], action: str, **summary_has: Any) -> int
 
 @pytest.fixture
 def flood_config(tmp_path: Path, fake_internet) -> Path:
-    rules = tmp_path / "rules"
-    (rules / "profiles").mkdir(parents=True)
-    (rules / "profiles" / "flood.yaml").write_text(PROFILE)
+    rules = write_profiles(tmp_path / "rules", {"flood": PROFILE})
     cfg = demo_config(tmp_path / "root", fake_internet)
     cfg = cfg.model_copy(update={
         "rules_dir": str(rules),

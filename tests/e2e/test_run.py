@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 from e2e_leftovers import new_since, snapshot
+from gw_config import write_profiles
 
 from stockade.stack.demo import demo_config
 
@@ -44,9 +45,7 @@ except OSError as e:
 
 @pytest.fixture
 def run_config(tmp_path: Path, fake_internet) -> Path:
-    rules = tmp_path / "rules"
-    (rules / "profiles").mkdir(parents=True)
-    (rules / "profiles" / "e2e.yaml").write_text(PROFILE)
+    rules = write_profiles(tmp_path / "rules", {"e2e": PROFILE})
     cfg = demo_config(tmp_path / "root", fake_internet)
     cfg = cfg.model_copy(
         update={

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from e2e_instance import instance_config, run_argv, stockade_procs, write_config
 from e2e_leftovers import new_since, snapshot
+from polling import eventually
 
 from stockade.config import load_config
 from stockade.stack.services import stack_running
@@ -56,9 +57,7 @@ def test_four_concurrent_runs_share_one_stack(tmp_path: Path, fake_internet) -> 
     assert not list((run_dir / "leases").glob("*.lease"))
     assert not list(run_dir.glob("*.sock"))
     assert not (run_dir / "dev-vault-token").exists()
-    deadline = time.monotonic() + 10
-    while stockade_procs(str(tmp_path)) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    eventually(lambda: not stockade_procs(str(tmp_path)), 10, 0.2)
     assert stockade_procs(str(tmp_path)) == {}
     after = snapshot((lnch.name_prefix, lnch.nft_table), lnch.cgroup_parent, str(tmp_path))
     assert new_since(before, after) == {}

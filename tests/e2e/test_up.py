@@ -8,11 +8,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
+from e2e_instance import up_ready
 from e2e_leftovers import new_since, snapshot
 from stockade.launcher import SandboxSpec
 from stockade.launcher.service import LauncherClient
@@ -22,15 +22,6 @@ from stockade.stack.demo import demo_config
 from stockade.stack.services import stack_running
 
 pytestmark = [pytest.mark.netns, pytest.mark.vault, pytest.mark.slow]
-
-
-def _wait_for(pred, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 @pytest.mark.timeout(300)
@@ -51,11 +42,7 @@ def test_up_runs_the_stack_and_stops_cleanly_on_ctrl_c(tmp_path: Path, fake_inte
             start_new_session=True,
         )
     try:
-        assert _wait_for(
-            lambda: "ready (Ctrl-C" in err.read_text() or proc.poll() is not None, 120
-        ), err.read_text()
-        assert proc.poll() is None, err.read_text()
-        text = err.read_text()
+        text = up_ready(proc, err)
         for component in ("openbao (dev)", "gateway", "broker", "launcher"):
             assert f"stockade up: {component}" in text, text
         assert any(

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import hvac
 import pytest
-from e2e_instance import instance_config, write_config
+from e2e_instance import instance_config, up_ready, write_config
+from polling import eventually
 from stockade.launcher import SandboxSpec
 from stockade.launcher.service import LauncherClient
 
@@ -41,15 +42,6 @@ done
 """
 
 
-def _wait_for(pred, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def _pid(text: str, component: str) -> int:
     pids = re.findall(rf"stockade up: {re.escape(component)}\s+pid (\d+)", text)
     assert pids, text
@@ -70,10 +62,7 @@ def test_a_killed_gateway_is_restarted_and_the_fence_holds(tmp_path: Path, fake_
              "--secret", f"stockade/kept:value=@{key}"],
             stdout=subprocess.DEVNULL, stderr=fh, start_new_session=True)
     try:
-        assert _wait_for(lambda: "ready (Ctrl-C" in err.read_text() or up.poll() is not None,
-                         120), err.read_text()
-        assert up.poll() is None, err.read_text()
-        text = err.read_text()
+        text = up_ready(up, err)
         gateway, bao = _pid(text, "gateway"), _pid(text, "openbao (dev)")
         client = LauncherClient(cfg.launcher.control_socket, timeout=30)
         task = client.start(SandboxSpec(
@@ -81,9 +70,9 @@ def test_a_killed_gateway_is_restarted_and_the_fence_holds(tmp_path: Path, fake_
         time.sleep(3)  # a few probes through the live gateway first
         os.kill(gateway, signal.SIGKILL)
         back = re.compile(r"stockade up: gateway\s+pid \d+\s+restarted")
-        assert _wait_for(lambda: back.search(err.read_text()), 90), err.read_text()
+        assert eventually(lambda: back.search(err.read_text()), 90, 0.1), err.read_text()
         assert "gateway exited (-9); restarting in 2.0s" in err.read_text()
-        assert _wait_for(lambda: client.result(task) is not None, 90)
+        assert eventually(lambda: client.result(task) is not None, 90, 0.1)
         res = client.result(task)
         assert res is not None and res.ended_by == "exit", res
         codes = res.stdout.split()

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gw_harness import GatewayHarness, registered_client, write_config
+from gw_harness import GatewayHarness, gateway_config, registered_client, running_gateway
 from gw_rules import write_rules
 
 from stockade.testing.testnet import ClientNamespace, FakeInternet
@@ -19,13 +19,10 @@ def gw(
 ) -> Iterator[GatewayHarness]:
     tmp = tmp_path_factory.mktemp("gw")
     rules = write_rules(tmp / "rules", cidr=fake_internet.subnet)
-    cfg = write_config(
+    cfg = gateway_config(
         tmp,
+        fake_internet,
         rules,
-        transparent_listen=["0.0.0.0:0"],
-        proxy_listen=["0.0.0.0:0"],
-        resolvers=[fake_internet.dns_server],
-        allow_addresses=[fake_internet.subnet],
         sniff_timeout_s=1.5,
         sniff_max_bytes=8192,
         rules_poll_interval_s=0.5,
@@ -35,11 +32,8 @@ def gw(
         # has its own gateway in test_gw_inspection.py
         inspection={"enabled": False},
     )
-    h = GatewayHarness(cfg).start()
-    try:
+    with running_gateway(cfg) as h:
         yield h
-    finally:
-        h.stop()
 
 
 @pytest.fixture(scope="module")

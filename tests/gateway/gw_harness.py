@@ -14,7 +14,8 @@ from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
-import yaml
+from gw_config import write_config, write_profiles
+from polling import wait_until
 from stockade.gateway.service import GatewayService
 
 from stockade.config import load_config
@@ -24,43 +25,23 @@ from stockade.tasks import ControlClient, Task
 from stockade.testing.testnet import ClientNamespace
 
 
-def write_config(
-    tmp: Path, rules_dir: Path, dns: dict[str, Any] | None = None, **gateway: Any
+def gateway_config(
+    tmp: Path, fi: Any, rules: Path, dns: dict[str, Any] | None = None, **gateway: Any
 ) -> Path:
-    cfg = {
-        "rules_dir": str(rules_dir),
-        "state_dir": str(tmp / "state"),
-        "log_dir": str(tmp / "log"),
-        "run_dir": str(tmp / "run"),
-        "gateway": {
-            "control_socket": str(tmp / "run" / "gateway.sock"),
-            "metrics_listen": f"127.0.0.1:{free_port()}",
-            **gateway,
-        },
-        "dns": dns or {},
-        # the gateway tests look at every event of their long-lived tasks one by one;
-        # the throttle has its own tests (tests/core/test_events_summary.py, e2e flood)
-        "events": {"verbatim_per_key": 10**9, "task_budget_events": 10**9,
-                   "task_budget_bytes": 2**50},
-    }
-    path = tmp / "stockade.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    """A gateway on the fake internet `fi` over the rules directory `rules`: both listeners
+    on any address, its DNS server upstream, its subnet dialable; `gateway` settings (these
+    too) on top."""
+    shared = {"transparent_listen": ["0.0.0.0:0"], "proxy_listen": ["0.0.0.0:0"],
+              "resolvers": [fi.dns_server], "allow_addresses": [fi.subnet]}
+    return write_config(tmp, rules, dns, **{**shared, **gateway})
 
 
 def fake_internet_config(
     tmp: Path, fi: Any, profiles: dict[str, str], dns: dict[str, Any] | None = None,
     **gateway: Any,
 ) -> Path:
-    """A rules directory with these profiles and a gateway on the fake internet `fi`: both
-    listeners on any address, its DNS server upstream, its subnet dialable."""
-    rules = tmp / "rules"
-    (rules / "profiles").mkdir(parents=True)
-    for name, text in profiles.items():
-        (rules / "profiles" / f"{name}.yaml").write_text(text)
-    return write_config(tmp, rules, dns, transparent_listen=["0.0.0.0:0"],
-                        proxy_listen=["0.0.0.0:0"], resolvers=[fi.dns_server],
-                        allow_addresses=[fi.subnet], **gateway)  # fmt: skip
+    """`gateway_config` over a rules directory with just these profiles."""
+    return gateway_config(tmp, fi, write_profiles(tmp / "rules", profiles), dns, **gateway)
 
 
 class GatewayHarness:
@@ -120,12 +101,52 @@ class GatewayHarness:
         ]
 
 
+def wait_ready(gw: GatewayHarness, timeout: float = 60) -> None:
+    """Until `gw`'s inspector child answers (AssertionError with its why after `timeout`)."""
+    insp = gw.svc.inspector  # type: ignore[union-attr]
+    assert insp is not None
+    wait_until(lambda: insp.ready, timeout, what=lambda: f"inspector not ready: {insp.why}")
+
+
+@contextlib.contextmanager
+def running_gateway(
+    cfg: Path, *, dns: bool = False, inspector: bool = False
+) -> Iterator[GatewayHarness]:
+    """A started GatewayHarness on `cfg` (with its DNS firewall if `dns`; its inspector
+    ready first if `inspector`), stopped afterwards."""
+    h = GatewayHarness(cfg).start(dns=dns)
+    try:
+        if inspector:
+            wait_ready(h)
+        yield h
+    finally:
+        h.stop()
+
+
 def dotted(ev: dict[str, Any], path: str) -> Any:
     """An event's field by a dotted path written with `__` (labels__task_id), or None."""
     cur: Any = ev
     for part in path.split("__"):
         cur = cur.get(part) if isinstance(cur, dict) else None
     return cur
+
+
+def newest_event(
+    gw: GatewayHarness, action: str, timeout: float = 10, **match: Any
+) -> dict[str, Any]:
+    """The newest event of `action` whose dotted fields (a__b) equal `match`, waited for up
+    to `timeout` s: the gateway's and the inspector's events are written a moment after
+    the fact (those of allowed flows in batches)."""
+
+    def newest() -> dict[str, Any] | None:
+        for ev in reversed(gw.events()):
+            if ev["event"]["action"] == action and all(
+                dotted(ev, k) == v for k, v in match.items()
+            ):
+                return ev
+        return None
+
+    return wait_until(newest, timeout, 0.1, what=f"no {action} event matching {match}")
 
 
 def client_namespace(gw: GatewayHarness, tag: str = "gw") -> ClientNamespace:

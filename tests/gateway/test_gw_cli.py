@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gw_harness import free_port, write_config
+from gw_harness import free_port, gateway_config, write_config
 from gw_rules import write_rules
+from polling import wait_until
 
 from stockade.config import load_config
 from stockade.events import read_events, validate
@@ -67,26 +68,25 @@ class Served:
         return [e for e in evs if action is None or e["event"]["action"] == action]
 
     def wait_event(self, action: str, n: int) -> list[dict[str, Any]]:
-        for _ in range(100):
+        def enough() -> list[dict[str, Any]]:
             evs = self.events(action)
-            if len(evs) >= n:
-                return evs
-            time.sleep(0.1)
-        raise AssertionError(f"expected {n} {action} events, got {self.events(action)}")
+            return evs if len(evs) >= n else []
+
+        return wait_until(enough, 10, 0.1,
+                          what=lambda: f"expected {n} {action} events, got {self.events(action)}")
 
 
 @pytest.fixture
 def served(fake_internet: FakeInternet, tmp_path: Path) -> Iterator[Served]:
     rules = write_rules(tmp_path / "rules", cidr=fake_internet.subnet)
     dns_port = free_port()
-    cfg = write_config(
+    cfg = gateway_config(
         tmp_path,
+        fake_internet,
         rules,
         dns={"listen": [f"127.0.0.1:{dns_port}"]},
         transparent_listen=[f"127.0.0.1:{free_port()}"],
         proxy_listen=[f"127.0.0.1:{free_port()}"],
-        resolvers=[fake_internet.dns_server],
-        allow_addresses=[fake_internet.subnet],
         rules_poll_interval_s=0.5,
     )
     s = Served(cfg).start()

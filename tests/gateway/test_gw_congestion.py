@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 import pytest
 from gw_harness import GatewayHarness, write_config
 from gw_rules import write_rules
+from polling import eventually
 
 
 def _cc(sock: socket.socket) -> str:
@@ -50,11 +50,7 @@ def _accepted_cc(h: GatewayHarness) -> str:
     """The congestion control of a connection the transparent listener accepted (which
     also inherits TCP_NODELAY from it: the gateway sets neither per connection)."""
     with socket.create_connection(("127.0.0.1", h.port("transparent")), timeout=5):
-        deadline = time.monotonic() + 5
-        opts = h.run(_first_conn_options(h))
-        while opts is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-            opts = h.run(_first_conn_options(h))
+        opts = eventually(lambda: h.run(_first_conn_options(h)), 5, 0.01)
         assert opts is not None, "the gateway did not accept the connection"
         nodelay, cc = opts
         assert nodelay == 1

@@ -53,19 +53,23 @@ def test_original_ip_is_never_the_destination_of_a_named_flow(rules: RuleSet) ->
     assert d.allowed and d.ip is None and d.host == "allowed.test"
 
 
-def test_unlisted_sni_denied(rules: RuleSet) -> None:
-    d = transparent(rules, tls=tls("denied.test"))
-    assert not d.allowed and d.reason == Reason.NO_MATCHING_RULE
+# a TLS flow refused on its ClientHello: (port, the hello's maker, the reason)
+TLS_DENIALS = {
+    "unlisted_sni_denied": (443, lambda: tls("denied.test"), Reason.NO_MATCHING_RULE),
+    "deny_entry_wins": (443, lambda: tls("bad.wild.test"), Reason.DENIED_BY_RULE),
+    "port_not_allowed": (8443, lambda: tls("allowed.test"), Reason.PORT_NOT_ALLOWED),
+    "missing_sni": (443, lambda: tls(None), Reason.SNI_MISSING),
+    "ech_denied": (443, lambda: synth("allowed.test", ech=True), Reason.ECH_PRESENT),
+    "ip_literal_sni_without_cidr": (443, lambda: synth("93.184.216.34"),
+                                    Reason.NO_MATCHING_RULE),
+}
 
 
-def test_deny_entry_wins(rules: RuleSet) -> None:
-    d = transparent(rules, tls=tls("bad.wild.test"))
-    assert not d.allowed and d.reason == Reason.DENIED_BY_RULE
-
-
-def test_port_not_allowed(rules: RuleSet) -> None:
-    d = transparent(rules, port=8443, tls=tls("allowed.test"))
-    assert not d.allowed and d.reason == Reason.PORT_NOT_ALLOWED
+@pytest.mark.parametrize("case", list(TLS_DENIALS))
+def test_tls_flow_denied(rules: RuleSet, case: str) -> None:
+    port, hello, reason = TLS_DENIALS[case]
+    d = transparent(rules, port=port, tls=hello())
+    assert not d.allowed and d.reason == reason
 
 
 @pytest.mark.parametrize("name", ["ALLOWED.test", "allowed.test."])
@@ -84,26 +88,11 @@ def test_idn_names(rules: RuleSet) -> None:
     assert not d.allowed
 
 
-def test_missing_sni(rules: RuleSet) -> None:
-    d = transparent(rules, tls=tls(None))
-    assert not d.allowed and d.reason == Reason.SNI_MISSING
-
-
 def test_two_snis(rules: RuleSet) -> None:
     r = synth("allowed.test", "denied.test")
     assert isinstance(r, SniffError)
     d = transparent(rules, sniff_error=r)
     assert not d.allowed and d.reason == Reason.SNI_MISSING
-
-
-def test_ech_denied(rules: RuleSet) -> None:
-    d = transparent(rules, tls=synth("allowed.test", ech=True))
-    assert not d.allowed and d.reason == Reason.ECH_PRESENT
-
-
-def test_ip_literal_sni_without_cidr(rules: RuleSet) -> None:
-    d = transparent(rules, tls=synth("93.184.216.34"))
-    assert not d.allowed and d.reason == Reason.NO_MATCHING_RULE
 
 
 def test_ip_literal_with_cidr_rule(rules: RuleSet) -> None:

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gw_harness import GatewayHarness, fake_internet_config, registered_client
-from test_gw_inspection import ca, curl, find_event, split, wait_ready
+from gw_harness import GatewayHarness, fake_internet_config, registered_client, running_gateway
+from test_gw_inspection import ca, curl, find_event, split
 
 from stockade.testing.testnet import ClientNamespace, FakeInternet
 
@@ -95,12 +95,8 @@ def fgw(
         dns={"ttl_min_s": 0},
         inspection={"upstream_ca_file": fake_internet.ca_pem, "restart_delay_s": 1.0},
     )
-    h = GatewayHarness(cfg).start()
-    try:
-        wait_ready(h)
+    with running_gateway(cfg, inspector=True) as h:
         yield h
-    finally:
-        h.stop()
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,11 @@ in the shared schema, and the gateway goes on serving."""
 from __future__ import annotations
 
 import logging
-import time
+from typing import Any
 
 import pytest
 from gw_harness import GatewayHarness
+from polling import eventually
 from test_gw_net import client, curl, ip
 
 from stockade.testing.testnet import ClientNamespace, FakeInternet
@@ -47,15 +48,16 @@ def test_hostile_first_flights_are_refused_and_closed(
             assert bytes.fromhex(r["reply"]).startswith(b"HTTP/1.1 403"), r
     # every hostile connection has its decision event, a denial (matched by source port)
     ports = {r["port"] for r in results}
-    for _ in range(50):  # events are written a moment after the decision
-        mine = [
+
+    def all_mine() -> list[dict[str, Any]]:  # once there is a decision for every port
+        evs = [
             e
             for e in gw.events()[n0:]
             if e["event"]["action"] == "connection_decision" and e["source"]["port"] in ports
         ]
-        if {e["source"]["port"] for e in mine} == ports:
-            break
-        time.sleep(0.1)
+        return evs if {e["source"]["port"] for e in evs} == ports else []
+
+    mine = eventually(all_mine, 5, 0.1)  # events are written a moment after the decision
     assert {e["source"]["port"] for e in mine} == ports
     assert {e["stockade"]["decision"] for e in mine} == {"denied"}, [
         e for e in mine if e["stockade"]["decision"] != "denied"

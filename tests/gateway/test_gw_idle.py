@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gw_harness import GatewayHarness, write_config
+from gw_harness import GatewayHarness, gateway_config, newest_event, running_gateway
 from gw_rules import write_rules
 
 from stockade.testing.testnet import FakeInternet
@@ -19,21 +18,17 @@ pytestmark = pytest.mark.netns
 @pytest.fixture
 def idle_gw(fake_internet: FakeInternet, tmp_path: Path) -> Iterator[GatewayHarness]:
     rules = write_rules(tmp_path / "rules", cidr=fake_internet.subnet)
-    cfg = write_config(
+    cfg = gateway_config(
         tmp_path,
+        fake_internet,
         rules,
         transparent_listen=["127.0.0.1:0"],
         proxy_listen=["127.0.0.1:0"],
-        resolvers=[fake_internet.dns_server],
-        allow_addresses=[fake_internet.subnet],
         idle_timeout_s=1.0,
     )
-    h = GatewayHarness(cfg).start()
-    try:
+    with running_gateway(cfg) as h:
         h.register("t-idle", "127.0.0.1", "web")
         yield h
-    finally:
-        h.stop()
 
 
 def test_idle_tunnel_is_closed(idle_gw: GatewayHarness, fake_internet: FakeInternet) -> None:
@@ -51,11 +46,7 @@ def test_idle_tunnel_is_closed(idle_gw: GatewayHarness, fake_internet: FakeInter
     assert got == b"hello"
     assert s.recv(1) == b""  # nothing more is sent: the gateway closes the idle tunnel
     s.close()
-    for _ in range(50):
-        closes = [e for e in idle_gw.events() if e["event"]["action"] == "connection_close"]
-        if closes:
-            break
-        time.sleep(0.1)
+    closes = [newest_event(idle_gw, "connection_close", 5)]
     assert closes[-1]["event"]["reason"] == "idle_timeout"
     assert closes[-1]["stockade"]["bytes_up"] == 5
     assert closes[-1]["stockade"]["bytes_down"] == 5

@@ -14,19 +14,22 @@ import ssl
 import stat
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from gw_config import UNTHROTTLED
 from gw_harness import (
     GatewayHarness,
-    dotted,
+    gateway_config,
     pip_download,
     registered_client,
-    write_config,
+    running_gateway,
+    wait_ready,
 )
+from gw_harness import newest_event as find_event
+from polling import wait_until
 from stockade.gateway.inspector.handoff import FlowMeta, connect_request
 
 from stockade.testing.testnet import ClientNamespace, FakeInternet
@@ -80,40 +83,28 @@ def write_l7_rules(root: Path) -> Path:
     return root
 
 
-def l7_config(tmp: Path, fi: FakeInternet, **inspection: Any) -> Path:
+def l7_config(
+    tmp: Path, fi: FakeInternet, events: dict[str, Any] | None = UNTHROTTLED, **inspection: Any
+) -> Path:
     rules = write_l7_rules(tmp / "rules")
-    return write_config(
+    return gateway_config(
         tmp,
+        fi,
         rules,
-        transparent_listen=["0.0.0.0:0"],
-        proxy_listen=["0.0.0.0:0"],
-        resolvers=[fi.dns_server],
-        allow_addresses=[fi.subnet],
+        events=events,
         sniff_timeout_s=3.0,
         dns={"ttl_min_s": 0},
         inspection={"upstream_ca_file": fi.ca_pem, "restart_delay_s": 1.0, **inspection},
     )
 
 
-def wait_ready(gw: GatewayHarness, timeout: float = 60) -> None:
-    insp = gw.svc.inspector  # type: ignore[union-attr]
-    assert insp is not None
-    end = time.monotonic() + timeout
-    while not insp.ready:
-        assert time.monotonic() < end, f"inspector not ready: {insp.why}"
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def l7gw(
     fake_internet: FakeInternet, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GatewayHarness]:
-    h = GatewayHarness(l7_config(tmp_path_factory.mktemp("l7gw"), fake_internet)).start()
-    try:
-        wait_ready(h)
+    with running_gateway(l7_config(tmp_path_factory.mktemp("l7gw"), fake_internet),
+                         inspector=True) as h:
         yield h
-    finally:
-        h.stop()
 
 
 @pytest.fixture(scope="module")
@@ -153,18 +144,6 @@ def split(r: subprocess.CompletedProcess[str]) -> tuple[int, dict[str, str], str
         k, _, v = line.partition(":")
         headers[k.strip().lower()] = v.strip()
     return status, headers, body
-
-
-def find_event(gw: GatewayHarness, action: str, **match: Any) -> dict[str, Any]:
-    """The newest event of `action` whose dotted fields (a__b) equal `match` (waits: the
-    inspector's and the gateway's events are written a moment after the fact)."""
-    for _ in range(100):
-        for ev in reversed(gw.events()):
-            matches = all(dotted(ev, k) == v for k, v in match.items())
-            if ev["event"]["action"] == action and matches:
-                return ev
-        time.sleep(0.1)
-    raise AssertionError(f"no {action} event matching {match}")
 
 
 def requests_of(gw: GatewayHarness, connection_id: int) -> list[dict[str, Any]]:
@@ -425,10 +404,7 @@ def test_inspector_killed_fails_closed_then_restarts(
         pid = insp.pid
         assert pid is not None and insp.ready
         os.kill(pid, signal.SIGKILL)
-        end = time.monotonic() + 30
-        while insp.ready and insp.pid == pid:
-            assert time.monotonic() < end
-            time.sleep(0.005)
+        wait_until(lambda old=pid: not (insp.ready and insp.pid == old), 30, 0.005)
         r = curl(l7ns, fake_internet, l7gw, "echo.test", "https://echo.test/allowed/down")
         if insp.ready:  # restarted before the request came: try again
             wait_ready(l7gw)

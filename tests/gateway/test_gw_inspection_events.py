@@ -5,15 +5,14 @@ it the task ended (a line on its stdin), not only when the child stops."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from gw_harness import GatewayHarness, registered_client
-from test_gw_inspection import curl, l7_config, split, wait_ready
+from gw_harness import GatewayHarness, registered_client, running_gateway
+from polling import wait_until
+from test_gw_inspection import curl, l7_config, split
 
 from stockade.events.taskstore import read_task_events
 from stockade.testing.testnet import FakeInternet
@@ -27,16 +26,10 @@ POSTS = 3  # denied POSTs: 1 written verbatim (verbatim_per_key), the rest summa
 def evgw(
     fake_internet: FakeInternet, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GatewayHarness]:
-    path = l7_config(tmp_path_factory.mktemp("l7ev"), fake_internet)
-    cfg = yaml.safe_load(path.read_text())
-    cfg["events"] = {"verbatim_per_key": 1, "summary_window_s": 1.0}
-    path.write_text(yaml.safe_dump(cfg))
-    h = GatewayHarness(path).start()
-    try:
-        wait_ready(h)
+    path = l7_config(tmp_path_factory.mktemp("l7ev"), fake_internet,
+                     events={"verbatim_per_key": 1, "summary_window_s": 1.0})
+    with running_gateway(path, inspector=True) as h:
         yield h
-    finally:
-        h.stop()
 
 
 def _stored(gw: GatewayHarness, task: str, action: str) -> list[dict[str, Any]]:
@@ -45,12 +38,8 @@ def _stored(gw: GatewayHarness, task: str, action: str) -> list[dict[str, Any]]:
 
 
 def _wait_stored(gw: GatewayHarness, task: str, action: str) -> list[dict[str, Any]]:
-    for _ in range(300):  # the test's own patience, not a speed requirement
-        found = _stored(gw, task, action)
-        if found:
-            return found
-        time.sleep(0.1)
-    raise AssertionError(f"no {action} for {task} in the task store")
+    return wait_until(lambda: _stored(gw, task, action), 30, 0.1,  # the test's own patience
+                      what=f"no {action} for {task} in the task store")
 
 
 def _requests(gw: GatewayHarness, fi: FakeInternet, ns: Any) -> None:
@@ -75,10 +64,7 @@ def test_a_quiet_tasks_inspector_summary_is_written_once_its_window_ends(
     with registered_client(evgw, "t-ev-quiet", "l7", "ev") as ns:
         _requests(evgw, fake_internet, ns)
         _wait_stored(evgw, "t-ev-quiet", "event_summary")
-        for _ in range(100):
-            if _inspector_summaries(evgw, "t-ev-quiet") == POSTS - 1:
-                break
-            time.sleep(0.1)
+        wait_until(lambda: _inspector_summaries(evgw, "t-ev-quiet") == POSTS - 1, 10, 0.1)
         assert _inspector_summaries(evgw, "t-ev-quiet") == POSTS - 1
         assert evgw.svc.registry.get("t-ev-quiet") is not None  # type: ignore[union-attr]
 
@@ -93,14 +79,9 @@ def test_deregistration_brings_the_inspectors_totals_into_the_task_store(
         _requests(evgw, fake_internet, ns)
         assert _stored(evgw, "t-ev-end", "request_decision")
     # registered_client deregistered the task; the inspector keeps running
-    rows: list[dict[str, Any]] = []
-    for _ in range(300):  # the test's own patience, not a speed requirement
-        rows = [r for e in _stored(evgw, "t-ev-end", "event_totals")
-                for r in e["stockade"]["totals"]["by"]
-                if r["reason"] in ("allowed_by_rule", "method_not_allowed")]
-        if rows:
-            break
-        time.sleep(0.1)
+    rows = wait_until(lambda: [  # the test's own patience, not a speed requirement
+        r for e in _stored(evgw, "t-ev-end", "event_totals") for r in e["stockade"]["totals"]["by"]
+        if r["reason"] in ("allowed_by_rule", "method_not_allowed")], 30, 0.1)
     by_reason = {r["reason"]: (r["written"], r["summarised"]) for r in rows}
     assert by_reason == {"allowed_by_rule": (1, 0), "method_not_allowed": (1, POSTS - 1)}
     assert _inspector_summaries(evgw, "t-ev-end") == POSTS - 1

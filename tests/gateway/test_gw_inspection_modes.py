@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from gw_harness import GatewayHarness, registered_client
+from polling import wait_until
 from stockade.gateway.sniff_http import RequestHead, body_length, parse_head
 from test_gw_inspection import curl, find_event, l7_config, split, wait_ready
 
@@ -253,16 +254,11 @@ def test_a_hung_inspector_is_detected_killed_and_restarted(
         assert insp is not None
         pid = insp.pid
         assert pid is not None
-        end = time.monotonic() + 60
-        while insp.probes_ok < 3:  # a live inspector answers its probes
-            assert time.monotonic() < end, "the health probe never succeeded"
-            time.sleep(0.05)
+        # a live inspector answers its probes
+        wait_until(lambda: insp.probes_ok >= 3, 60, what="the health probe never succeeded")
         assert insp.hung == 0 and insp.pid == pid
         os.kill(pid, signal.SIGSTOP)  # alive, but its event loop answers nothing
-        end = time.monotonic() + 60
-        while insp.hung == 0:
-            assert time.monotonic() < end, "the hung inspector was not detected"
-            time.sleep(0.05)
+        wait_until(lambda: insp.hung != 0, 60, what="the hung inspector was not detected")
         wait_ready(h)
         assert insp.pid != pid
         with pytest.raises(ProcessLookupError):

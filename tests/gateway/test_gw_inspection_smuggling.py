@@ -24,9 +24,9 @@ import h2.exceptions
 import h2.settings
 import pytest
 import trustme
-from gw_harness import GatewayHarness, registered_client
+from gw_harness import GatewayHarness, registered_client, running_gateway
 from stockade.gateway.inspector.handoff import FlowMeta, connect_request
-from test_gw_inspection import _handoff, ca, find_event, l7_config, wait_ready
+from test_gw_inspection import _handoff, ca, find_event, l7_config
 
 from stockade.testing.testnet import FakeInternet
 
@@ -122,12 +122,8 @@ def sgw(
     bundle.write_bytes(Path(fake_internet.ca_pem).read_bytes() + upstream_ca.cert_pem.bytes())
     cfg = l7_config(tmp, fake_internet, upstream_ca_file=str(bundle))
     (tmp / "rules" / "profiles" / "mo.yaml").write_text(METHODS_ONLY)
-    h = GatewayHarness(cfg).start()
-    try:
-        wait_ready(h)
+    with running_gateway(cfg, inspector=True) as h:
         yield h
-    finally:
-        h.stop()
 
 
 def _tunnel(gw: GatewayHarness, alpn: str, profile: str = "l7") -> tuple[ssl.SSLSocket, int]:

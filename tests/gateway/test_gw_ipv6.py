@@ -8,12 +8,11 @@ import ipaddress
 import json
 import secrets
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gw_harness import GatewayHarness, write_config
+from gw_harness import GatewayHarness, gateway_config, newest_event
 from gw_rules import write_rules
 
 from stockade.testing.testnet import FakeInternet
@@ -90,13 +89,12 @@ class V6Client:
 @pytest.fixture
 def v6(fake_internet: FakeInternet, tmp_path: Path) -> Iterator[tuple[GatewayHarness, V6Client]]:
     rules = write_rules(tmp_path / "rules", cidr=fake_internet.subnet)
-    cfg = write_config(
+    cfg = gateway_config(
         tmp_path,
+        fake_internet,
         rules,
         transparent_listen=["[::]:0"],  # dual-stack
         proxy_listen=["127.0.0.1:0"],
-        resolvers=[fake_internet.dns_server],
-        allow_addresses=[fake_internet.subnet],
     )
     gw = GatewayHarness(cfg).start()
     client = V6Client(gw.port("transparent"))
@@ -126,12 +124,7 @@ def test_ipv6_transparent_uses_checked_address(
     )
     assert r.returncode == 0, r.stderr
     assert "Hello from allowed.test" in r.stdout
-    for _ in range(50):
-        evs = gw.decisions("t-v6")
-        if evs:
-            break
-        time.sleep(0.1)
-    ev = evs[-1]
+    ev = newest_event(gw, "connection_decision", 5, labels__task_id="t-v6")
     assert ev["source"]["ip"] == client.address
     assert ev["stockade"]["original_destination"] == f"{client.far_ip}:443"
     assert ev["destination"]["ip"] == fake_internet.addresses["allowed.test"]
@@ -144,9 +137,5 @@ def test_ipv6_literal_sni_is_denied(
     gw, client = v6
     r = client.run("curl", "-sS", "-k", "--max-time", "15", f"https://[{client.far_ip}]/")
     assert r.returncode != 0
-    for _ in range(50):
-        evs = gw.decisions("t-v6")
-        if evs:
-            break
-        time.sleep(0.1)
+    evs = [newest_event(gw, "connection_decision", 5, labels__task_id="t-v6")]
     assert evs[-1]["stockade"]["decision"] == "denied"

@@ -12,13 +12,19 @@ import json
 import secrets
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from gw_harness import GatewayHarness, fake_internet_config, pip_download
+from gw_harness import (
+    GatewayHarness,
+    fake_internet_config,
+    newest_event,
+    pip_download,
+    running_gateway,
+)
+from polling import wait_until
 from stockade.gateway.dns.settings import DnsSettings
 
 from stockade.ports import free_dual_port
@@ -71,11 +77,8 @@ def gwd(
             "max_name_length": 120,
         },
     )
-    h = GatewayHarness(cfg).start(dns=True)
-    try:
+    with running_gateway(cfg, dns=True) as h:
         yield h
-    finally:
-        h.stop()
 
 
 @pytest.fixture(scope="module")
@@ -133,16 +136,7 @@ def dig(n: ClientNamespace, name: str) -> str:
 
 def event(gw: GatewayHarness, task: str, action: str, name: str) -> dict[str, Any]:
     """The newest event of `task` for `name` (events of allowed flows are batched)."""
-    for _ in range(50):
-        for ev in reversed(gw.events()):  # validated against the schema
-            if (
-                ev["event"]["action"] == action
-                and ev.get("labels", {}).get("task_id") == task
-                and ev.get("destination", {}).get("domain") == name
-            ):
-                return ev
-        time.sleep(0.1)
-    raise AssertionError(f"no {action} event of {task} for {name}")
+    return newest_event(gw, action, 5, labels__task_id=task, destination__domain=name)
 
 
 def resolved(gw: GatewayHarness, name: str) -> bool:
@@ -254,14 +248,14 @@ def _registered(gw: GatewayHarness, ns: ClientNamespace) -> str:
 
 def _budget_events(gw: GatewayHarness, task: str, want: int) -> list[dict[str, Any]]:
     """The task's name_budget_exceeded decisions, once at least `want` are written."""
-    for _ in range(100):
+    def budget() -> list[dict[str, Any]]:
         evs = [
             e for e in gw.decisions(task) if e["event"]["reason"] == "name_budget_exceeded"
         ]
-        if len(evs) >= want:
-            return evs
-        time.sleep(0.1)
-    raise AssertionError(f"fewer than {want} name_budget_exceeded events for {task}")
+        return evs if len(evs) >= want else []
+
+    return wait_until(budget, 10, 0.1,
+                      what=f"fewer than {want} name_budget_exceeded events for {task}")
 
 
 @pytest.mark.parametrize("form", ["sni", "host", "connect"])
@@ -365,10 +359,16 @@ def test_pip_and_git_under_wildcards_stay_within_budget(
             assert r.stdout.strip() == str(len(DEMO_COMMITS)), r.stderr
     finally:
         gwd.control.deregister(task)
-    time.sleep(0.5)  # events of allowed flows are written in batches
-    decisions = gwd.decisions(task)
+    def domains_of(evs: list[dict[str, Any]]) -> set[Any]:
+        return {e.get("destination", {}).get("domain") for e in evs}
+
+    def written() -> list[dict[str, Any]]:  # allowed flows' events are written in batches
+        evs = gwd.decisions(task)
+        return evs if {"files.pypi.test", *names} <= domains_of(evs) else []
+
+    decisions = wait_until(written, what=f"decisions of {task} for every name")
     reasons = {e["event"]["reason"] for e in decisions}
     assert "name_budget_exceeded" not in reasons
     assert reasons <= {"allowed_by_rule"}, reasons
-    domains = {e.get("destination", {}).get("domain") for e in decisions}
+    domains = domains_of(decisions)
     assert {"files.pypi.test", *names} <= domains  # git went through the gateway

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gw_harness import GatewayHarness, client_namespace, dotted, pip_download
+from gw_harness import GatewayHarness, client_namespace, newest_event, pip_download
 
 from stockade.testing.testnet import ClientNamespace, FakeInternet
 
@@ -45,13 +45,7 @@ def client(ns: ClientNamespace, *args: str, timeout: int = 40) -> dict[str, Any]
 
 def last_decision(gw: GatewayHarness, task: str, **match: Any) -> dict[str, Any]:
     """The newest decision event of `task` (waits briefly: events are written async)."""
-    for _ in range(50):
-        evs = gw.decisions(task)
-        for ev in reversed(evs):
-            if all(dotted(ev, k) == v for k, v in match.items()):
-                return ev
-        time.sleep(0.1)
-    raise AssertionError(f"no decision event for {task} matching {match}")
+    return newest_event(gw, "connection_decision", 5, labels__task_id=task, **match)
 
 
 def ip(fi: FakeInternet, name: str) -> str:
@@ -83,16 +77,8 @@ def test_allowed_https_through_transparent(
     assert ev["destination"]["ip"] == ip(fake_internet, "allowed.test")
     assert ev["rule"]["ruleset"] == gw.svc.rules.current.version  # type: ignore[union-attr]
     # and the close event carries the byte counts
-    for _ in range(50):
-        closes = [
-            e
-            for e in gw.events()
-            if e["event"]["action"] == "connection_close"
-            and e["stockade"].get("connection_id") == ev["stockade"]["connection_id"]
-        ]
-        if closes:
-            break
-        time.sleep(0.1)
+    closes = [newest_event(gw, "connection_close", 5,
+                           stockade__connection_id=ev["stockade"]["connection_id"])]
     assert closes and closes[0]["stockade"]["bytes_down"] > 0
     assert closes[0]["stockade"]["bytes_up"] > 0
 
@@ -243,39 +229,24 @@ def test_slow_loris_hits_the_deadline(
     assert ev["stockade"]["decision"] == "denied"
 
 
-def test_inspection_unavailable_for_http_rules(
-    gw: GatewayHarness, sandbox: ClientNamespace, fake_internet: FakeInternet
+@pytest.mark.parametrize("name", ["inspect.test", "front.test"])
+def test_flows_needing_the_inspector_fail_closed_without_it(
+    gw: GatewayHarness, sandbox: ClientNamespace, fake_internet: FakeInternet, name: str
 ) -> None:
+    """Inspection is off in this gateway: the TLS flow of an entry with `http` rules
+    (inspect.test) or `host_must_match_sni` (front.test) is denied, never spliced (which
+    would leave its requests, its Host, unchecked)."""
     r = curl(
         sandbox,
         fake_internet,
         "-k",
         "--resolve",
-        f"inspect.test:443:{ip(fake_internet, 'allowed.test')}",
-        "https://inspect.test/",
-    )
-    assert r.returncode != 0
-    last_decision(
-        gw, "t-web", destination__domain="inspect.test", event__reason="inspection_unavailable"
-    )
-
-
-def test_host_must_match_sni_fails_closed_without_the_inspector(
-    gw: GatewayHarness, sandbox: ClientNamespace, fake_internet: FakeInternet
-) -> None:
-    """Inspection is off in this gateway: a `host_must_match_sni` entry's TLS flow is
-    denied, never spliced (which would leave its Host unchecked)."""
-    r = curl(
-        sandbox,
-        fake_internet,
-        "-k",
-        "--resolve",
-        f"front.test:443:{ip(fake_internet, 'allowed.test')}",
-        "https://front.test/",
+        f"{name}:443:{ip(fake_internet, 'allowed.test')}",
+        f"https://{name}/",
     )
     assert r.returncode != 0
     ev = last_decision(
-        gw, "t-web", destination__domain="front.test", event__reason="inspection_unavailable"
+        gw, "t-web", destination__domain=name, event__reason="inspection_unavailable"
     )
     assert ev["stockade"]["decision"] == "denied"
     assert "inspection is disabled" in ev["message"]
@@ -306,22 +277,6 @@ def test_plain_http_host_names_the_destination_not_the_ip(
         "task": "t-web",
     }
     assert ip(fake_internet, "denied.test") not in r.stdout
-
-
-def test_plain_http_absolute_uri_vs_host_mismatch(
-    gw: GatewayHarness, sandbox: ClientNamespace, fake_internet: FakeInternet
-) -> None:
-    r = curl(
-        sandbox,
-        fake_internet,
-        "-i",
-        "--request-target",
-        "http://denied.test/",
-        "-H",
-        "Host: allowed.test",
-        f"http://{ip(fake_internet, 'allowed.test')}/",
-    )
-    assert "x-stockade-deny: destination_mismatch" in r.stdout.lower(), r.stdout[:300]
 
 
 def test_plain_http_allowed(
@@ -355,47 +310,36 @@ def test_second_request_on_a_plain_http_connection_is_not_served(
     assert "HTTP/1." not in str(out["second"])
 
 
-def test_port_confusion_in_host_header(
-    gw: GatewayHarness, sandbox: ClientNamespace, fake_internet: FakeInternet
+def _allowed_ip(fi: FakeInternet) -> str:
+    return f"http://{ip(fi, 'allowed.test')}/"
+
+
+# curl -i arguments (by the fake internet) -> the X-Stockade-Deny reason of the 403
+PLAIN_HTTP_DENIALS = {
+    "absolute_uri_vs_host_mismatch": (
+        lambda fi: ["--request-target", "http://denied.test/", "-H", "Host: allowed.test",
+                    _allowed_ip(fi)],
+        "destination_mismatch",
+    ),
+    "port_confusion_in_host_header": (
+        lambda fi: ["-H", "Host: allowed.test:8080", _allowed_ip(fi)], "destination_mismatch"),
+    "oversized_head_gets_403": (
+        lambda fi: ["-H", "X-Fill: " + "a" * 12000, *fi.resolve_args("allowed.test", 80),
+                    "http://allowed.test/"],
+        "head_too_large",
+    ),
+    "userinfo_in_host_is_refused": (
+        lambda fi: ["-H", "Host: allowed.test@denied.test", _allowed_ip(fi)], "invalid_host"),
+}
+
+
+@pytest.mark.parametrize("case", list(PLAIN_HTTP_DENIALS))
+def test_plain_http_head_is_denied(
+    gw: GatewayHarness, sandbox: ClientNamespace, fake_internet: FakeInternet, case: str
 ) -> None:
-    r = curl(
-        sandbox,
-        fake_internet,
-        "-i",
-        "-H",
-        "Host: allowed.test:8080",
-        f"http://{ip(fake_internet, 'allowed.test')}/",
-    )
-    assert "x-stockade-deny: destination_mismatch" in r.stdout.lower()
-
-
-def test_oversized_head_gets_403(
-    gw: GatewayHarness, sandbox: ClientNamespace, fake_internet: FakeInternet
-) -> None:
-    r = curl(
-        sandbox,
-        fake_internet,
-        "-i",
-        "-H",
-        "X-Fill: " + "a" * 12000,
-        *fake_internet.resolve_args("allowed.test", 80),
-        "http://allowed.test/",
-    )
-    assert "x-stockade-deny: head_too_large" in r.stdout.lower(), r.stdout[:300]
-
-
-def test_userinfo_in_host_is_refused(
-    gw: GatewayHarness, sandbox: ClientNamespace, fake_internet: FakeInternet
-) -> None:
-    r = curl(
-        sandbox,
-        fake_internet,
-        "-i",
-        "-H",
-        "Host: allowed.test@denied.test",
-        f"http://{ip(fake_internet, 'allowed.test')}/",
-    )
-    assert "x-stockade-deny: invalid_host" in r.stdout.lower()
+    args, reason = PLAIN_HTTP_DENIALS[case]
+    r = curl(sandbox, fake_internet, "-i", *args(fake_internet))
+    assert f"x-stockade-deny: {reason}" in r.stdout.lower(), r.stdout[:300]
 
 
 # -- raw TCP (cidr rule) and half-close ------------------------------------------------------
@@ -598,16 +542,7 @@ def test_upload_cap_closes_the_connection(
             str(512 * 1024),
         )
         assert '"received": 524288' not in str(out.get("response", ""))
-        for _ in range(50):
-            closes = [
-                e
-                for e in gw.events()
-                if e["event"]["action"] == "connection_close"
-                and e.get("labels", {}).get("task_id") == "t-tiny"
-            ]
-            if closes:
-                break
-            time.sleep(0.1)
+        closes = [newest_event(gw, "connection_close", 5, labels__task_id="t-tiny")]
         assert closes[-1]["event"]["reason"] == "upload_limit"
         assert closes[-1]["stockade"]["bytes_up"] <= 64 * 1024
     finally:
@@ -665,12 +600,8 @@ def test_deregistration_closes_live_connections(
     out = json.loads(p.stdout.readline())
     assert out["closed"] is True
     p.wait(timeout=30)
-    closes = [
-        e
-        for e in gw.events()
-        if e["event"]["action"] == "connection_close"
-        and e.get("labels", {}).get("task_id") == "t-bye"
-    ]
+    # the close event is written a moment after the tunnel closed
+    closes = [newest_event(gw, "connection_close", 5, labels__task_id="t-bye")]
     assert closes and closes[-1]["event"]["reason"] == "task_ended"
 
 

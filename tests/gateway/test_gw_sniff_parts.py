@@ -17,6 +17,15 @@ from stockade.gateway.sniff_http import (
 from stockade.gateway.sniff_tls import MAX_RECORD, _partial_header_error, _record_length
 from stockade.policy.reasons import Reason
 
+
+def assert_parsed(got: object, expected: object) -> None:
+    """A str `expected` is the detail of the SniffError `got` must be; else `got` is it."""
+    if isinstance(expected, str):
+        assert isinstance(got, SniffError) and got.detail == expected
+    else:
+        assert got == expected
+
+
 # --- sniff_http ----------------------------------------------------------------------------
 
 
@@ -104,10 +113,7 @@ def test_request_line(line: bytes, expected: tuple[str, str, str] | None) -> Non
 )
 def test_header_fields(lines: list[bytes], expected: tuple | str) -> None:
     got = _header_fields(lines)
-    if isinstance(expected, str):
-        assert isinstance(got, SniffError) and got.detail == expected
-    else:
-        assert got == expected
+    assert_parsed(got, expected)
 
 
 # --- sniff_tls -----------------------------------------------------------------------------
@@ -127,10 +133,7 @@ def test_header_fields(lines: list[bytes], expected: tuple | str) -> None:
 )
 def test_record_length(hdr: bytes, expected: int | str) -> None:
     got = _record_length(hdr)
-    if isinstance(expected, str):
-        assert isinstance(got, SniffError) and got.detail == expected
-    else:
-        assert got == expected
+    assert_parsed(got, expected)
 
 
 @pytest.mark.parametrize(

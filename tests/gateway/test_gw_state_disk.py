@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from gw_harness import GatewayHarness, write_config
 from gw_rules import write_rules
+from polling import wait_until
 
 from stockade.tasks import ControlError
 
@@ -20,12 +21,7 @@ DEADLINE_S = 30.0  # the test's own patience, not a speed requirement
 
 
 def _wait(what: str, cond: Callable[[], bool]) -> None:
-    end = time.monotonic() + DEADLINE_S
-    while time.monotonic() < end:
-        if cond():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"not within {DEADLINE_S} s: {what}")
+    wait_until(cond, DEADLINE_S, 0.1, what=what)
 
 
 def test_full_state_disk(tmp_path: Path, full_disk: Callable[[str], Any]) -> None:

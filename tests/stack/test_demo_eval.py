@@ -4,7 +4,8 @@ for blocked steps, reported by a denial event; the key must appear nowhere."""
 import base64
 import json
 
-from stockade.events import make_event
+from sample_events import bypass_attempt, connection_decision, dns_decision
+
 from stockade.stack.demo import STEPS, evaluate, parse_observations, render
 
 SECRET = "demo-key-0123456789abcdef"
@@ -30,40 +31,15 @@ def _good_stdout(extra_env=None):
 
 def _denials():
     def gw(**kw):
-        return make_event(
-            component="gateway",
-            action="connection_decision",
-            decision="denied",
-            task_id="t",
-            reason="no_matching_rule",
-            **kw,
-        )
+        return connection_decision(decision="denied", task_id="t", reason="no_matching_rule",
+                                   **kw)
 
     return [
         gw(destination_domain="denied.test", destination_port=443),
         gw(destination_ip="10.250.0.11", destination_port=80),
-        make_event(
-            component="dns",
-            action="dns_decision",
-            decision="denied",
-            task_id="t",
-            dns_question={"name": "6375.tunnel.test", "type": "A"},
-        ),
-        make_event(
-            component="launcher",
-            action="bypass_attempt",
-            decision="denied",
-            task_id="t",
-            destination_ip="10.250.0.20",
-            transport="udp",
-        ),
-        make_event(
-            component="dns",
-            action="dns_decision",
-            decision="denied",
-            task_id="t",
-            dns_question={"name": "api.test", "type": "A"},
-        ),
+        dns_decision("6375.tunnel.test", "A", decision="denied", task_id="t"),
+        bypass_attempt(task_id="t", destination_ip="10.250.0.20", transport="udp"),
+        dns_decision("api.test", "A", decision="denied", task_id="t"),
     ]
 
 

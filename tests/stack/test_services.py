@@ -7,7 +7,8 @@ import os
 import signal
 import subprocess
 import sys
-import time
+
+from polling import eventually
 
 from stockade.stack.shared import owner_alive
 
@@ -30,9 +31,7 @@ def test_a_service_dies_with_its_sigkilled_owner() -> None:
         assert owner_alive(child)
         owner.send_signal(signal.SIGKILL)
         owner.wait()
-        deadline = time.monotonic() + 30
-        while owner_alive(child) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        eventually(lambda: not owner_alive(child), 30)
         assert not owner_alive(child), "the service outlived its owner"
     finally:
         if owner.poll() is None:
