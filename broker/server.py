@@ -54,14 +54,11 @@ from .request import (
     RequestError,
     Upstream,
     build_url,
-    check_method,
-    check_path,
     encode_query,
-    filter_headers,
     filter_response_headers,
-    normalize_query,
     parse_base_url,
-    parse_query,
+    parse_call_doc,
+    parse_passthrough,
     rewrite_links,
 )
 from .scrub import Patterns, StreamScrubber
@@ -459,66 +456,19 @@ class Broker:
         return task, profile
 
     def _parse_passthrough(self, request: BaseRequest) -> CallRequest:
-        raw = request.raw_path
-        if not raw.startswith("/"):
-            raise Denied(400, Reason.BAD_REQUEST, "absolute-form request target refused")
-        raw_path, _, raw_query = raw.partition("?")
-        api_name = raw_path[1:].partition("/")[0]
-        if not api_name:
-            raise Denied(400, Reason.BAD_REQUEST, "no API name in the path")
-        if "%" in api_name:
-            raise Denied(400, Reason.BAD_REQUEST, "API name must not be percent-encoded")
-        prefix = "/" + api_name
+        items = list(request.headers.items())
+        if inflated(request):  # the body goes upstream as read: decoded
+            items = [(k, v) for k, v in items if k.lower() != "content-encoding"]
         try:
-            method = check_method(request.method)
-            path, decoded = check_path(raw_path[len(prefix):] or "/")
-            query = parse_query(raw_query)
-            api = self.rules.apis.get(api_name)
-            items = list(request.headers.items())
-            if inflated(request):  # the body goes upstream as read: decoded
-                items = [(k, v) for k, v in items if k.lower() != "content-encoding"]
-            headers = filter_headers(items, api.injection if api else None)
+            return parse_passthrough(request.raw_path, request.method, items, self.rules.apis)
         except RequestError as e:
             raise Denied(400, Reason.BAD_REQUEST, str(e)) from None
-        return CallRequest(api_name, method, path, decoded, query, headers, b"")
 
     def _parse_call_doc(self, doc: Any, profile: Profile) -> CallRequest:
-        if not isinstance(doc, dict):
-            raise Denied(400, Reason.BAD_REQUEST, "body must be a JSON object")
-        unknown = set(doc) - {"api", "method", "path", "query", "headers", "body", "json"}
-        if unknown:
-            raise Denied(400, Reason.BAD_REQUEST, "unknown keys: " + ", ".join(sorted(unknown)))
-        api_name = doc.get("api")
-        if not isinstance(api_name, str) or not api_name:
-            raise Denied(400, Reason.BAD_REQUEST, "api must be a string")
         try:
-            method = check_method(str(doc.get("method", "GET")))
-            raw_path = doc.get("path", "/")
-            if not isinstance(raw_path, str):
-                raise RequestError("path must be a string")
-            path, decoded = check_path(raw_path)
-            query = normalize_query(doc.get("query"))
-            hdrs = doc.get("headers") or {}
-            if not isinstance(hdrs, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in hdrs.items()
-            ):
-                raise RequestError("headers must be an object of strings")
-            api = self.rules.apis.get(api_name)
-            headers = filter_headers(hdrs.items(), api.injection if api else None)
-            if "body" in doc and "json" in doc:
-                raise RequestError("give body or json, not both")
-            if "json" in doc:
-                body = json.dumps(doc["json"], separators=(",", ":")).encode()
-                if not any(k.lower() == "content-type" for k, _ in headers):
-                    headers = (*headers, ("Content-Type", "application/json"))
-            else:
-                b = doc.get("body")
-                if b is not None and not isinstance(b, str):
-                    raise RequestError("body must be a string (use json for structured data)")
-                body = (b or "").encode("utf-8")
+            return parse_call_doc(doc, self.rules.apis)
         except RequestError as e:
             raise Denied(400, Reason.BAD_REQUEST, str(e)) from None
-        return CallRequest(api_name, method, path, decoded, query, headers, body)
 
     def _authorize(
         self, cl: CallLog, profile: Profile, call: CallRequest
