@@ -15,7 +15,6 @@ KNOWN_BIG = {"launcher/core.py", "gateway/server.py", "broker/server.py"}
 KNOWN_OVER = {  # module:qualname of data-path functions over 60 lines or complexity 15
     # B
     "stockade.broker.server:Broker._forward",
-    "stockade.broker.service:BrokerService.start",
     # G
     "stockade.gateway.server:Gateway._checked_dial",
     "stockade.gateway.server:Gateway._decide_and_dial",
