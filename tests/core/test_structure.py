@@ -11,10 +11,8 @@ _spec.loader.exec_module(sr)  # type: ignore[union-attr]
 SIZES, FUNCS, IMPORTS = sr.report()
 
 KNOWN_IMPORTS: set[str] = set()  # "src -> dst" (no line numbers: they move)
-KNOWN_BIG = {"launcher/core.py", "gateway/server.py", "broker/server.py"}
+KNOWN_BIG = {"launcher/core.py", "gateway/server.py"}
 KNOWN_OVER = {  # module:qualname of data-path functions over 60 lines or complexity 15
-    # B
-    "stockade.broker.server:Broker._forward",
     # G
     "stockade.gateway.server:Gateway._checked_dial",
     "stockade.gateway.server:Gateway._decide_and_dial",
