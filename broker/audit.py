@@ -70,16 +70,10 @@ def audit_event(cl: CallLog, rules_version: str, api: str | None,
     return make_event(
         component="broker", action="broker_call", decision=cl.decision,  # type: ignore[arg-type]
         reason=str(cl.reason),
-        task_id=cl.task.task_id if cl.task else None,
-        profile=cl.task.profile if cl.task else None,
-        policy_version=rules_version,
-        source_ip=cl.source_ip or None,
-        destination_domain=up.host if up else None,
         destination_port=up.port if up else None,
         transport="tcp", protocol="http",
-        http_method=cl.method, http_status=cl.status,
-        url={"path": cl.path[:2048]} if cl.path else None,
         extra={k: v for k, v in extra.items() if v is not None},
+        **_call_fields(cl, rules_version),
     )
 
 
@@ -87,16 +81,23 @@ def secret_echo_event(cl: CallLog, rules_version: str, api: str) -> dict[str, An
     return make_event(
         component="broker", action="secret_echo", decision=None,
         reason=Reason.SECRET_ECHO,
-        task_id=cl.task.task_id if cl.task else None,
-        profile=cl.task.profile if cl.task else None,
-        policy_version=rules_version,
-        source_ip=cl.source_ip or None,
-        destination_domain=cl.upstream.host if cl.upstream else None,
-        http_method=cl.method, http_status=cl.status,
-        url={"path": cl.path[:2048]} if cl.path else None,
         message="upstream response echoed the credential; removed before the caller saw it",
         extra={"api": api, "scrubs": cl.scrubs},
+        **_call_fields(cl, rules_version),
     )
+
+
+def _call_fields(cl: CallLog, rules_version: str) -> dict[str, Any]:
+    """What both events of a call say about it: who called, under which rules, what."""
+    return {
+        "task_id": cl.task.task_id if cl.task else None,
+        "profile": cl.task.profile if cl.task else None,
+        "policy_version": rules_version,
+        "source_ip": cl.source_ip or None,
+        "destination_domain": cl.upstream.host if cl.upstream else None,
+        "http_method": cl.method, "http_status": cl.status,
+        "url": {"path": cl.path[:2048]} if cl.path else None,
+    }
 
 
 def reload_refused_event(old: str, trigger: str, problems: list[str]) -> dict[str, Any]:
