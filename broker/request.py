@@ -8,9 +8,11 @@ so it is unit- and property-tested without sockets.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import quote, unquote, unquote_plus, urlsplit
 
 from stockade.policy.model import ApiDefinition, Injection
@@ -112,12 +114,24 @@ def check_path(raw: str) -> tuple[str, str]:
 
 
 def _check_path_slow(raw: str) -> tuple[str, str]:
+    _check_path_chars(raw)
+    _check_path_escapes(raw)
+    decoded = _decode_path(raw)
+    # re-quote what is not already safe, keeping existing escapes and the "/" structure
+    encoded = quote(raw, safe="/%:@!$&'()*+,;=-._~")
+    return encoded, decoded
+
+
+def _check_path_chars(raw: str) -> None:
     if not raw.startswith("/") or raw.startswith("//"):
         raise RequestError("path must be absolute-path form, not a URL")
     if "://" in raw or "\\" in raw or "?" in raw or "#" in raw:
         raise RequestError("path contains a URL, backslash, query or fragment")
     if _BAD_VALUE.search(raw) or "\t" in raw or " " in raw:
         raise RequestError("path contains whitespace or control characters")
+
+
+def _check_path_escapes(raw: str) -> None:
     if _BAD_PCT.search(raw):
         raise RequestError("malformed percent-escape in path")
     for m in _PCT.finditer(raw):
@@ -126,6 +140,10 @@ def _check_path_slow(raw: str) -> tuple[str, str]:
         # segment or header; encoded "." is only dangerous in dot segments (checked below)
         if b in (0x2F, 0x5C) or b < 0x20 or b == 0x7F:
             raise RequestError("encoded slash, backslash or control in path")
+
+
+def _decode_path(raw: str) -> str:
+    """The percent-decoded path; a dot segment in either form is refused."""
     try:
         decoded = unquote(raw, errors="strict")
     except UnicodeDecodeError:
@@ -136,9 +154,7 @@ def _check_path_slow(raw: str) -> tuple[str, str]:
     for seg in raw.split("/"):
         if seg in (".", ".."):
             raise RequestError("dot segment in path")
-    # re-quote what is not already safe, keeping existing escapes and the "/" structure
-    encoded = quote(raw, safe="/%:@!$&'()*+,;=-._~")
-    return encoded, decoded
+    return decoded
 
 
 def check_header(name: str, value: str) -> None:
@@ -156,42 +172,44 @@ def filter_headers(
     The header an injection writes (e.g. X-Api-Key) is dropped too, so the caller can
     neither override nor duplicate the injected credential.
     """
-    out: list[tuple[str, str]] = []
     items = list(headers)
     if len(items) > MAX_HEADERS:
         raise RequestError("too many headers")
     own = injection.header.lower() if injection is not None and injection.header else None
+    names = [n for n, _ in items]
+    _check_headers(items, names)
+    lows = [n.lower() for n in names]
+    # a Connection header may name further hop-by-hop headers
+    conn_named = (_connection_named(zip(lows, (v for _, v in items), strict=True))
+                  if "connection" in lows else set())
+    return tuple(item for low, item in zip(lows, items, strict=True)
+                 if not (low in _DROPPED or low == own or low in conn_named
+                         or low.startswith("proxy-") or low.startswith("x-stockade-")))
+
+
+def _check_headers(items: list[tuple[str, str]], names: list[str]) -> None:
     # one search over all names and all values first (nearly always clean); a bad
     # header sends us through the per-header checks for the precise error
-    names = [n for n, _ in items]
     if (not all(names) or not _TOKEN.match("".join(names))
             or _BAD_VALUE.search("".join(v for _, v in items))):
         for name, value in items:
             check_header(name, value)
-    lows = [n.lower() for n in names]
-    # a Connection header may name further hop-by-hop headers
-    conn_named: set[str] = set()
-    if "connection" in lows:
-        for low, (_, value) in zip(lows, items, strict=True):
-            if low == "connection":
-                conn_named.update(t.strip().lower() for t in value.split(",") if t.strip())
-    for low, item in zip(lows, items, strict=True):
-        if low in _DROPPED or low == own or low in conn_named:
-            continue
-        if low.startswith("proxy-") or low.startswith("x-stockade-"):
-            continue
-        out.append(item)
-    return tuple(out)
+
+
+def _connection_named(lowered: Iterable[tuple[str, str]]) -> set[str]:
+    """The header names the Connection headers among (lower-cased name, value) list."""
+    named: set[str] = set()
+    for low, value in lowered:
+        if low == "connection":
+            named.update(t.strip().lower() for t in value.split(",") if t.strip())
+    return named
 
 
 def filter_response_headers(
     headers: Iterable[tuple[str, str]],
 ) -> list[tuple[str, str]]:
-    conn_named: set[str] = set()
     items = [(n.lower(), n, v) for n, v in headers]
-    for low, _, value in items:
-        if low == "connection":
-            conn_named.update(t.strip().lower() for t in value.split(",") if t.strip())
+    conn_named = _connection_named((low, v) for low, _, v in items)
     return [
         (n, v)
         for low, n, v in items
@@ -277,6 +295,82 @@ def _scalar(v: object) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     return str(v)
+
+
+CALL_KEYS = frozenset({"api", "method", "path", "query", "headers", "body", "json"})
+
+
+def parse_passthrough(
+    raw_target: str,
+    method: str,
+    headers: Iterable[tuple[str, str]],
+    apis: Mapping[str, ApiDefinition],
+) -> CallRequest:
+    """`/{api}/{path...}?{query}` as sent by an SDK whose base URL is the broker; the body
+    is read later (only once the call is authorized)."""
+    if not raw_target.startswith("/"):
+        raise RequestError("absolute-form request target refused")
+    raw_path, _, raw_query = raw_target.partition("?")
+    api_name = raw_path[1:].partition("/")[0]
+    if not api_name:
+        raise RequestError("no API name in the path")
+    if "%" in api_name:
+        raise RequestError("API name must not be percent-encoded")
+    m = check_method(method)
+    path, decoded = check_path(raw_path[len(api_name) + 1:] or "/")
+    query = parse_query(raw_query)
+    api = apis.get(api_name)
+    kept = filter_headers(headers, api.injection if api else None)
+    return CallRequest(api_name, m, path, decoded, query, kept, b"")
+
+
+def parse_call_doc(doc: Any, apis: Mapping[str, ApiDefinition]) -> CallRequest:
+    """A `/v1/call` document {api, method, path, query, headers, body | json}."""
+    if not isinstance(doc, dict):
+        raise RequestError("body must be a JSON object")
+    unknown = set(doc) - CALL_KEYS
+    if unknown:
+        raise RequestError("unknown keys: " + ", ".join(sorted(unknown)))
+    api_name = doc.get("api")
+    if not isinstance(api_name, str) or not api_name:
+        raise RequestError("api must be a string")
+    method = check_method(str(doc.get("method", "GET")))
+    raw_path = doc.get("path", "/")
+    if not isinstance(raw_path, str):
+        raise RequestError("path must be a string")
+    path, decoded = check_path(raw_path)
+    query = normalize_query(doc.get("query"))
+    api = apis.get(api_name)
+    headers = filter_headers(_doc_headers(doc.get("headers") or {}),
+                             api.injection if api else None)
+    headers, body = _doc_body(doc, headers)
+    return CallRequest(api_name, method, path, decoded, query, headers, body)
+
+
+def _doc_headers(hdrs: Any) -> Iterable[tuple[str, str]]:
+    if not isinstance(hdrs, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in hdrs.items()
+    ):
+        raise RequestError("headers must be an object of strings")
+    return hdrs.items()
+
+
+def _doc_body(
+    doc: dict[str, Any], headers: tuple[tuple[str, str], ...]
+) -> tuple[tuple[tuple[str, str], ...], bytes]:
+    """The body as bytes: `json` is serialised (Content-Type added when the caller gave
+    none), `body` must be a string."""
+    if "body" in doc and "json" in doc:
+        raise RequestError("give body or json, not both")
+    if "json" in doc:
+        body = json.dumps(doc["json"], separators=(",", ":")).encode()
+        if not any(k.lower() == "content-type" for k, _ in headers):
+            headers = (*headers, ("Content-Type", "application/json"))
+        return headers, body
+    b = doc.get("body")
+    if b is not None and not isinstance(b, str):
+        raise RequestError("body must be a string (use json for structured data)")
+    return headers, (b or "").encode("utf-8")
 
 
 @dataclass(frozen=True, slots=True)

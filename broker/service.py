@@ -42,7 +42,7 @@ class BrokerService:
         self.events: EventWriter | None = None
         self.registry: TaskRegistry | None = None
         self.metrics = BrokerMetrics()
-        self._runners: list[web.AppRunner] = []
+        self._runners: list[web.BaseRunner] = []
         self._tasks: list[asyncio.Task[None]] = []
         self.listen_address: tuple[str, int] | None = None
         self.metrics_address: tuple[str, int] | None = None
@@ -56,25 +56,7 @@ class BrokerService:
         rules = load_rules(rules_dir)  # RulesError: refuse to start on invalid rules
         self.registry = TaskRegistry(s.state_file or Path(cfg.state_dir) / "broker-tasks.json")
         self.events = cfg.event_writer()
-        vs = cfg.vault
-        token: str | None = None
-        if vs.address is None:
-            if not self.dev_vault:
-                raise ValueError("vault.address is not set (or start with a dev OpenBao)")
-            # on this (main) thread, not an executor thread: the dev server is tied to the
-            # life of the thread that starts it (PDEATHSIG); start-up blocks ~1 s, once
-            self.devbao = DevOpenBao().start()
-            vs = VaultSettings(address=self.devbao.address, timeout_s=vs.timeout_s)
-            token = self.devbao.root_token
-        self.vault = VaultClient(
-            vs,
-            cache_ttl_s=s.secret_cache_ttl_s,
-            serve_stale_s=s.serve_stale_s,
-            token=token,
-            on_status=self._vault_status,
-            on_read=self.metrics.vault_read,
-            on_cache=self.metrics.cache_result,
-        )
+        self.vault = self._vault_client()
         # upstream names resolve like the gateway's: configured servers, checked addresses
         from .upstream_dns import checked_resolver
 
@@ -88,28 +70,49 @@ class BrokerService:
         # Broker.vault_status (gauge to 0, `vault_status` event) like a failed read does
         await self.vault.ensure_login()
         await self.broker.start()
-
-        runner = self.broker.runner(access_log=None, handle_signals=False)
-        await runner.setup()
-        self._runners.append(runner)
-        host, port = parse_listen(s.listen)
-        site = web.TCPSite(runner, host, port, reuse_address=True)
-        await site.start()
-        self.listen_address = _bound(site)
-        for sock in site._server.sockets:  # type: ignore[union-attr]
-            set_congestion_control(
-                sock, s.sandbox_congestion_control, "broker.sandbox_congestion_control", log
-            )
-
-        control = make_control_app(self.registry, reload=self.broker.reload,
-                                   status=self.broker.status)
-        self._runners.append(await start_control_server(control, s.control_socket))
-
+        await self._start_listeners()
         if s.metrics_listen:
             await self._start_metrics(s.metrics_listen)
         self._tasks.append(asyncio.create_task(self._expire_loop()))
         self._tasks.append(asyncio.create_task(
             every(SUMMARY_FLUSH_S, events.flush_due, "broker: event summaries", log)))
+
+    def _vault_client(self) -> VaultClient:
+        """The configured Vault, or a dev OpenBao started here when none is configured."""
+        s, vs = self.config.broker, self.config.vault
+        token: str | None = None
+        if vs.address is None:
+            if not self.dev_vault:
+                raise ValueError("vault.address is not set (or start with a dev OpenBao)")
+            # on this (main) thread, not an executor thread: the dev server is tied to the
+            # life of the thread that starts it (PDEATHSIG); start-up blocks ~1 s, once
+            self.devbao = DevOpenBao().start()
+            vs = VaultSettings(address=self.devbao.address, timeout_s=vs.timeout_s)
+            token = self.devbao.root_token
+        return VaultClient(
+            vs,
+            cache_ttl_s=s.secret_cache_ttl_s,
+            serve_stale_s=s.serve_stale_s,
+            token=token,
+            on_status=self._vault_status,
+            on_read=self.metrics.vault_read,
+            on_cache=self.metrics.cache_result,
+        )
+
+    async def _start_listeners(self) -> None:
+        """The sandbox-facing call listener and the control socket."""
+        assert self.broker is not None and self.registry is not None
+        s = self.config.broker
+        site = await self._serve(self.broker.runner(access_log=None, handle_signals=False),
+                                 s.listen)
+        self.listen_address = _bound(site)
+        for sock in site._server.sockets:  # type: ignore[union-attr]
+            set_congestion_control(
+                sock, s.sandbox_congestion_control, "broker.sandbox_congestion_control", log
+            )
+        control = make_control_app(self.registry, reload=self.broker.reload,
+                                   status=self.broker.status)
+        self._runners.append(await start_control_server(control, s.control_socket))
 
     async def _start_metrics(self, listen: str) -> None:
         mapp = web.Application()
@@ -119,13 +122,18 @@ class BrokerService:
                                 content_type="text/plain", charset="utf-8")
 
         mapp.router.add_get("/metrics", metrics_handler)
-        mrunner = web.AppRunner(mapp, access_log=None, handle_signals=False)
-        await mrunner.setup()
-        self._runners.append(mrunner)
-        mhost, mport = parse_listen(listen)
-        msite = web.TCPSite(mrunner, mhost, mport, reuse_address=True)
-        await msite.start()
-        self.metrics_address = _bound(msite)
+        site = await self._serve(web.AppRunner(mapp, access_log=None, handle_signals=False),
+                                 listen)
+        self.metrics_address = _bound(site)
+
+    async def _serve(self, runner: web.BaseRunner, listen: str) -> web.TCPSite:
+        """Set up `runner` (cleaned up by `stop`) and listen on `listen`."""
+        await runner.setup()
+        self._runners.append(runner)
+        host, port = parse_listen(listen)
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        await site.start()
+        return site
 
     def _vault_status(self, state: str, cause: str) -> None:
         if self.broker is not None:
