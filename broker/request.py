@@ -63,7 +63,7 @@ OWNED_RESPONSE = frozenset({"content-length", "content-encoding", "set-cookie", 
 _DROPPED = HOP_BY_HOP | OWNED_REQUEST
 _DROPPED_RESPONSE = HOP_BY_HOP | OWNED_RESPONSE
 
-_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")  # RFC 9110 token
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 token (fullmatch: "$" would pass "x\n")
 _BAD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # CR, LF, NUL and other controls
 _PCT = re.compile(r"%([0-9A-Fa-f]{2})")
 # a path of only unreserved and sub-delim characters (no "%", "?", "#", "\", spaces or
@@ -158,7 +158,7 @@ def _decode_path(raw: str) -> str:
 
 
 def check_header(name: str, value: str) -> None:
-    if not _TOKEN.match(name):
+    if not _TOKEN.fullmatch(name):
         raise RequestError("invalid header name")
     if _BAD_VALUE.search(value):
         raise RequestError("control character (CR/LF/NUL) in header value")
@@ -190,7 +190,7 @@ def filter_headers(
 def _check_headers(items: list[tuple[str, str]], names: list[str]) -> None:
     # one search over all names and all values first (nearly always clean); a bad
     # header sends us through the per-header checks for the precise error
-    if (not all(names) or not _TOKEN.match("".join(names))
+    if (not all(names) or not _TOKEN.fullmatch("".join(names))
             or _BAD_VALUE.search("".join(v for _, v in items))):
         for name, value in items:
             check_header(name, value)
