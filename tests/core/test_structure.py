@@ -11,7 +11,7 @@ _spec.loader.exec_module(sr)  # type: ignore[union-attr]
 SIZES, FUNCS, IMPORTS = sr.report()
 
 KNOWN_IMPORTS: set[str] = set()  # "src -> dst" (no line numbers: they move)
-KNOWN_BIG = {"launcher/core.py", "gateway/server.py", "broker/server.py"}
+KNOWN_BIG = {"launcher/core.py", "broker/server.py"}
 KNOWN_OVER = {  # module:qualname of data-path functions over 60 lines or complexity 15
     # B
     "stockade.broker.request:_check_path_slow",
@@ -19,10 +19,6 @@ KNOWN_OVER = {  # module:qualname of data-path functions over 60 lines or comple
     "stockade.broker.server:Broker._forward",
     "stockade.broker.server:Broker._parse_call_doc",
     "stockade.broker.service:BrokerService.start",
-    # G
-    "stockade.gateway.server:Gateway._checked_dial",
-    "stockade.gateway.server:Gateway._decide_and_dial",
-    "stockade.gateway.server:Gateway._sniff",
     # L
     "stockade.launcher.core:Launcher._create",
     "stockade.launcher.core:Launcher._reconcile_names",
