@@ -18,18 +18,18 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from stockade.policy.holder import RulesHolder
 
 from stockade.events.writer import SUMMARY_FLUSH_S
 from stockade.loops import every
+from stockade.net.addresses import AddressPolicy
+from stockade.net.resolver import Resolver
 from stockade.tasks import TaskRegistry, make_control_app, start_control_server
 
-from .addresses import AddressPolicy
 from .configview import GatewayConfig
 from .dns.guards import GuardState, NameLimits
 from .inspector import InspectorSupervisor
 from .metrics import GatewayMetrics
-from .resolver import Resolver
-from .rulesource import RulesHolder
 from .server import Gateway, parse_listen
 
 log = logging.getLogger("stockade.gateway")

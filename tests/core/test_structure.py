@@ -11,12 +11,8 @@ _spec.loader.exec_module(sr)  # type: ignore[union-attr]
 SIZES, FUNCS, IMPORTS = sr.report()
 
 KNOWN_IMPORTS: set[str] = set()  # "src -> dst" (no line numbers: they move)
-KNOWN_BIG = {"launcher/core.py", "gateway/server.py"}
+KNOWN_BIG = {"launcher/core.py"}
 KNOWN_OVER = {  # module:qualname of data-path functions over 60 lines or complexity 15
-    # G
-    "stockade.gateway.server:Gateway._checked_dial",
-    "stockade.gateway.server:Gateway._decide_and_dial",
-    "stockade.gateway.server:Gateway._sniff",
     # L
     "stockade.launcher.core:Launcher._create",
     "stockade.launcher.core:Launcher._reconcile_names",
