@@ -63,7 +63,8 @@ OWNED_RESPONSE = frozenset({"content-length", "content-encoding", "set-cookie", 
 _DROPPED = HOP_BY_HOP | OWNED_REQUEST
 _DROPPED_RESPONSE = HOP_BY_HOP | OWNED_RESPONSE
 
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 token (fullmatch: "$" would pass "x\n")
+# RFC 9110 token; use fullmatch: a "$" anchor would let "x\n" through
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _BAD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # CR, LF, NUL and other controls
 _PCT = re.compile(r"%([0-9A-Fa-f]{2})")
 # a path of only unreserved and sub-delim characters (no "%", "?", "#", "\", spaces or
