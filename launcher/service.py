@@ -32,17 +32,10 @@ from aiohttp import web
 from stockade.loops import every
 from stockade.tasks.control import ControlError, UnixJsonClient, start_control_server
 
-from .core import (
-    ENV_NAME_RE,
-    TASK_ID_RE,
-    ExportedFile,
-    Launcher,
-    LauncherError,
-    RunResult,
-    SandboxSpec,
-    preflight,
-)
+from .core import Launcher
 from .initscript import check_input_target
+from .isolation import preflight
+from .spec import ENV_NAME_RE, TASK_ID_RE, ExportedFile, LauncherError, RunResult, SandboxSpec
 
 if TYPE_CHECKING:  # annotations only
     from .configview import LauncherConfig as Config
