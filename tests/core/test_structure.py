@@ -23,11 +23,6 @@ KNOWN_OVER = {  # module:qualname of data-path functions over 60 lines or comple
     "stockade.gateway.server:Gateway._checked_dial",
     "stockade.gateway.server:Gateway._decide_and_dial",
     "stockade.gateway.server:Gateway._sniff",
-    # L
-    "stockade.launcher.guest_init:main",
-    "stockade.launcher.initscript:build",
-    "stockade.launcher.sandbox_init:do",
-    "stockade.launcher.service:parse_run_request",
     # P
     "stockade.net.addresses:AddressPolicy._check",
 }
