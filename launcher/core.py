@@ -80,6 +80,7 @@ class Launcher:
         self.deregister_failures = 0  # failed deregistrations (each logged), retries too
         self._congestion_control = permitted_congestion_control(s.congestion_control)
 
+    # the NFLOG reader's state as before the split (the service's status reads the first)
     @property
     def nflog_bound(self) -> bool:
         return self.bypass.bound
