@@ -1,5 +1,6 @@
 """The sandbox launcher (network-namespace backend): `Launcher`, `SandboxSpec`, `RunResult`."""
 
-from .core import ExportedFile, Launcher, LauncherError, RunResult, SandboxSpec
+from .core import Launcher
+from .spec import ExportedFile, LauncherError, RunResult, SandboxSpec
 
 __all__ = ["ExportedFile", "Launcher", "LauncherError", "RunResult", "SandboxSpec"]

@@ -3,7 +3,7 @@
 Every sandbox gets exactly one `sandbox_lifecycle` end event, whoever removes it: its
 run, a kill from another process, the reconcile of the launcher service or of the next
 run. The claim is the removal of the sandbox's record from the shared state file (under
-its flock, `Launcher._teardown`): only the caller whose teardown removed the record of a
+its flock, `cleanup.Cleaner.teardown`): only the caller whose teardown removed the record of a
 sandbox that had started writes the end event, so a kill and a reconcile racing on one
 orphan give one event, not two and not none.
 """
@@ -39,7 +39,7 @@ def end_event(
     now: float | None = None,
 ) -> dict[str, Any]:
     """The end event; without `duration_s` it is the record's age (an orphan's run).
-    `accounting`: the bypass counts and event totals (`Launcher._end_accounting`)."""
+    `accounting`: the bypass counts and event totals (`denials.BypassCollector.end_accounting`)."""
     if duration_s is None:
         duration_s = max(0.0, (time.time() if now is None else now) - rec.started_at)
     extra: dict[str, Any] = {"lifecycle": "end", "ended_by": ended_by,

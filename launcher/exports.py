@@ -9,8 +9,14 @@ from __future__ import annotations
 import json
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from stockade.events import make_event
+
+from .spec import ExportedFile
 
 # magic bytes -> type name usable in a profile's `exports.types`
 MAGIC: tuple[tuple[bytes, int, str], ...] = (
@@ -144,3 +150,35 @@ def write_export(dest_dir: str, name: str, data: bytes) -> None:
     tmp = target.with_name(target.name + ".stockade-tmp")
     tmp.write_bytes(data)
     os.replace(tmp, target)
+
+
+def export_files(task_id: str, profile_name: str, pol: Any, scratch: str, dest: str,
+                 policy_version: str | None,
+                 emit: Callable[[dict[str, Any]], None]) -> list[ExportedFile]:
+    """Copy what the profile's export policy `pol` lets out of `scratch`/scratch/out into
+    `dest`; one `export_decision` event per file."""
+    out_dir = str(Path(scratch) / "scratch" / "out")
+    cands, contents = scan(out_dir, pol.max_file_bytes)
+    result = []
+    for d in decide(cands, pol.max_file_bytes, pol.max_total_bytes, pol.types):
+        info = {"name": d.name, "size": d.size, "type": d.kind or "unknown"}
+        if d.allowed:
+            try:
+                write_export(dest, d.name, contents[d.name])
+            except (OSError, ValueError):
+                d = ExportDecision(d.name, d.size, d.kind, False, "write_failed")
+        if d.allowed:
+            result.append(ExportedFile(d.name, d.size, d.kind or "unknown"))
+            emit(make_event(
+                component="launcher", action="export_decision", decision="allowed",
+                reason="allowed_by_rule", task_id=task_id, profile=profile_name,
+                policy_version=policy_version, message=f"exported {d.name}",
+                extra={"export": info}))
+        else:
+            emit(make_event(
+                component="launcher", action="export_decision", decision="denied",
+                reason="export_refused", task_id=task_id, profile=profile_name,
+                policy_version=policy_version,
+                message=f"export of {d.name} refused: {d.why}",
+                extra={"export": {**info, "why": d.why}}))
+    return result

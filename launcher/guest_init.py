@@ -193,12 +193,9 @@ def child(plan, cg, fds, setpriv_fd):
         os._exit(126)
 
 
-def main():
-    # SIGCHLD blocked: the wait loop sleeps in sigtimedwait until a child changes state
-    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
-    status_fd = os.open(PORTS["status"], os.O_WRONLY)
-    out_fd = os.open(PORTS["stdout"], os.O_WRONLY)
-    err_fd = os.open(PORTS["stderr"], os.O_WRONLY)
+def setup(status_fd, err_fd):
+    """The guest's network, names and inputs from the plan; (plan, the command's cgroup,
+    its stdin, setpriv) or the end of the guest with status 125."""
     try:
         with open(f"{RUN}/plan", "rb") as fh:
             plan = marshal.load(fh)  # noqa: S302 - written by the launcher; builtin, fast
@@ -223,14 +220,12 @@ def main():
     except Exception as e:
         os.write(err_fd, f"stockade-vm-init: {e}\n".encode())
         end(status_fd, "125 0 0\n")
-    pid = os.fork()
-    if pid == 0:
-        child(plan, cg, (in_fd, out_fd, err_fd), setpriv_fd)
-    for fd in (in_fd, out_fd, err_fd, setpriv_fd):
-        os.close(fd)
-    # as pid 1, reap every orphan; leave when the command ends. Like the netns backend, a
-    # command that keeps hitting its pids limit (a fork bomb) is ended: the whole cgroup
-    limit = plan["pids_fail_kill"]
+    return plan, cg, in_fd, setpriv_fd
+
+
+def reap(status_fd, pid, cg, limit):
+    """As pid 1, reap every orphan; leave when the command ends. Like the netns backend, a
+    command that keeps hitting its pids limit (a fork bomb) is ended: the whole cgroup."""
     while True:
         try:
             got, st = os.waitpid(-1, os.WNOHANG)
@@ -245,6 +240,21 @@ def main():
             if counter(f"{cg}/pids.events", "max") >= limit:
                 write(f"{cg}/cgroup.kill", "1")
             signal.sigtimedwait([signal.SIGCHLD], 0.05)
+
+
+def main():
+    # SIGCHLD blocked: the wait loop sleeps in sigtimedwait until a child changes state
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
+    status_fd = os.open(PORTS["status"], os.O_WRONLY)
+    out_fd = os.open(PORTS["stdout"], os.O_WRONLY)
+    err_fd = os.open(PORTS["stderr"], os.O_WRONLY)
+    plan, cg, in_fd, setpriv_fd = setup(status_fd, err_fd)
+    pid = os.fork()
+    if pid == 0:
+        child(plan, cg, (in_fd, out_fd, err_fd), setpriv_fd)
+    for fd in (in_fd, out_fd, err_fd, setpriv_fd):
+        os.close(fd)
+    reap(status_fd, pid, cg, plan["pids_fail_kill"])
 
 
 main()

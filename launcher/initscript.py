@@ -147,9 +147,9 @@ def _bind(b: Bind, r: str, target: str) -> list[list[Any]]:
             ["bind", b.source, t, True, False]]
 
 
-def build(plan: InitPlan) -> dict[str, Any]:
-    r = plan.root.rstrip("/")
-    ops: list[list[Any]] = [
+def _prelude(plan: InitPlan, r: str) -> list[list[Any]]:
+    """The init's own setup in the sandbox's namespaces, then the new root's tmpfs."""
+    return [
         ["cgroup", list(plan.cgroup_procs)],
         # best effort (some hosts forbid lowering it): the OOM killer should take the command,
         # not pid 1 (which reports the command's status);
@@ -166,31 +166,37 @@ def build(plan: InitPlan) -> dict[str, Any]:
         ["write", "/proc/sys/kernel/hostname", plan.hostname, False],
         ["mount", "stockade-root", r, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=0755"],
     ]
-    for b in plan.system:
-        ops += _bind(b, r, _guest(b.target))
+
+
+def _etc(plan: InitPlan, r: str) -> list[list[Any]]:
+    """The sandbox's /etc: the generated files over the host's whole /etc, or a directory
+    of them with the allowlisted host entries and the trust bundle over its default."""
     if plan.host_etc:
-        for name in plan.etc_files:
-            # the host /etc is read-only: a file it lacks cannot be created, so it is skipped
-            ops.append(["bind", f"{plan.etc_dir}/{name}", f"{r}/etc/{name}", True, True])
-    else:
-        # /etc is a directory of the root tmpfs (read-only once the root is remounted)
-        ops.append(["mkdir", r + "/etc", 0o755])
-        for name in plan.etc_files:
-            ops += [["touch", f"{r}/etc/{name}"],
-                    ["bind", f"{plan.etc_dir}/{name}", f"{r}/etc/{name}", True, False]]
-        generated = {"/etc/" + n for n in plan.etc_files}
-        for b in plan.etc:
-            t = _guest(b.target)
-            if not t.startswith("/etc/"):
-                raise ValueError(f"etc entry outside /etc: {b.target!r}")
-            # a glob such as host* must not shadow a generated file
-            if not any(t == g or t.startswith(g + "/") for g in generated):
-                ops += _bind(b, r, t)
-        for name, rel in plan.etc_over:
-            t = _guest("/etc/" + rel)
-            # only over a file the allowlist brought in (the read-only bind cannot grow one)
-            ops.append(["bind", f"{plan.etc_dir}/{name}", r + t, True, True])
-    ops += [
+        # the host /etc is read-only: a file it lacks cannot be created, so it is skipped
+        return [["bind", f"{plan.etc_dir}/{name}", f"{r}/etc/{name}", True, True]
+                for name in plan.etc_files]
+    # /etc is a directory of the root tmpfs (read-only once the root is remounted)
+    ops: list[list[Any]] = [["mkdir", r + "/etc", 0o755]]
+    for name in plan.etc_files:
+        ops += [["touch", f"{r}/etc/{name}"],
+                ["bind", f"{plan.etc_dir}/{name}", f"{r}/etc/{name}", True, False]]
+    generated = {"/etc/" + n for n in plan.etc_files}
+    for b in plan.etc:
+        t = _guest(b.target)
+        if not t.startswith("/etc/"):
+            raise ValueError(f"etc entry outside /etc: {b.target!r}")
+        # a glob such as host* must not shadow a generated file
+        if not any(t == g or t.startswith(g + "/") for g in generated):
+            ops += _bind(b, r, t)
+    for name, rel in plan.etc_over:
+        t = _guest("/etc/" + rel)
+        # only over a file the allowlist brought in (the read-only bind cannot grow one)
+        ops.append(["bind", f"{plan.etc_dir}/{name}", r + t, True, True])
+    return ops
+
+
+def _scratch_and_inputs(plan: InitPlan, r: str) -> list[list[Any]]:
+    ops: list[list[Any]] = [
         ["mkdir", r + SCRATCH, 0o755],
         ["mkdir", r + TMP, 0o755],
         ["bind", plan.scratch, r + SCRATCH, False, False],
@@ -203,8 +209,13 @@ def build(plan: InitPlan) -> dict[str, Any]:
         # inside an earlier input must not lead the init (root, still in the host's tree)
         # to create directories or files elsewhere, nor the bind onto the host's /dev
         ops += [["confined", r + t, r], *_bind(b, r, t)]
+    return ops
+
+
+def _proc_dev_and_pivot(plan: InitPlan, r: str) -> list[list[Any]]:
+    """/proc, a minimal /dev with its own /dev/shm, then the switch into the new root."""
     d = r + "/dev"
-    ops += [
+    ops: list[list[Any]] = [
         ["mkdir", r + "/proc", 0o555],
         ["mount", "proc", r + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None],
         ["mkdir", d, 0o755],
@@ -212,7 +223,8 @@ def build(plan: InitPlan) -> dict[str, Any]:
     ]
     for dev in DEVICES:
         ops += [["touch", f"{d}/{dev}"], ["bind", f"/dev/{dev}", f"{d}/{dev}", False, False]]
-    ops += [
+    return [
+        *ops,
         ["symlink", "/proc/self/fd", d + "/fd"],
         ["symlink", "/proc/self/fd/0", d + "/stdin"],
         ["symlink", "/proc/self/fd/1", d + "/stdout"],
@@ -226,4 +238,12 @@ def build(plan: InitPlan) -> dict[str, Any]:
         ["remount_ro", "/", MS_NOSUID | MS_NODEV],
         ["chdir", SCRATCH],
     ]
+
+
+def build(plan: InitPlan) -> dict[str, Any]:
+    r = plan.root.rstrip("/")
+    ops = _prelude(plan, r)
+    for b in plan.system:
+        ops += _bind(b, r, _guest(b.target))
+    ops += _etc(plan, r) + _scratch_and_inputs(plan, r) + _proc_dev_and_pivot(plan, r)
     return {"ops": ops, "uid": plan.uid, "gid": plan.gid, "rlimits": dict(plan.rlimits)}

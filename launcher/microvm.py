@@ -1,5 +1,5 @@
 """The QEMU microVM backend's pure core: the guest's layout, plan and mount table, the kernel
-command line and the QEMU argv. `core.py` does the I/O (netns, tap, cgroups, processes).
+command line and the QEMU argv. `backends/microvm.py` does the I/O (netns, tap, cgroups, processes).
 
 One sandbox = the netns backend's network pieces (netns, veth, nft elements, registrations),
 but the netns holds no address: a tap there is joined to the netns end of the veth by two

@@ -43,51 +43,79 @@ def mount(src, target, fstype, flags, data):
                      data.encode() if data else None), f"mount {target}")
 
 
+def op_cgroup(op):
+    for path in op[1]:
+        with open(path, "w") as fh:
+            fh.write("0")  # "0" is the writer itself
+
+
+def op_write(op):  # [write, path, text, best_effort]
+    try:
+        with open(op[1], "w") as fh:
+            fh.write(op[2])
+    except OSError:
+        if not op[3]:
+            raise
+
+
+def op_mount(op):
+    mount(op[1], op[2], op[3], op[4], op[5])
+
+
+def op_bind(op):  # [bind, src, target, read_only, only_if_target_exists]
+    if op[4] and not os.path.exists(op[2]):
+        return
+    mount(op[1], op[2], None, MS_BIND, None)
+    if op[3]:
+        mount(None, op[2], None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV,
+              None)
+
+
+def op_remount_ro(op):
+    mount(None, op[1], None, MS_REMOUNT | MS_RDONLY | op[2], None)
+
+
+def op_mkdir(op):
+    os.makedirs(op[1], mode=op[2], exist_ok=True)
+
+
+def op_touch(op):
+    os.makedirs(os.path.dirname(op[1]), exist_ok=True)
+    os.close(os.open(op[1], os.O_WRONLY | os.O_CREAT, 0o644))
+
+
+def op_symlink(op):
+    os.symlink(op[1], op[2])
+
+
+def op_pivot(op):
+    os.chdir(op[1])
+    check(libc.syscall(SYS_PIVOT_ROOT, b".", op[2].encode()), "pivot_root")
+    os.chdir("/")
+    check(libc.umount2(b"/" + op[2].encode(), MNT_DETACH), "umount old root")
+    os.rmdir("/" + op[2])
+
+
+def op_confined(op):  # [confined, path, root]: path resolves to itself under root
+    want = os.path.realpath(op[2]) + op[1][len(op[2]):]
+    if os.path.realpath(op[1]) != want:
+        raise OSError(f"input target {op[1][len(op[2]):]} goes through a symlink")
+
+
+def op_chdir(op):
+    os.chdir(op[1])
+
+
+OPS = {"cgroup": op_cgroup, "write": op_write, "mount": op_mount, "bind": op_bind,
+       "remount_ro": op_remount_ro, "mkdir": op_mkdir, "touch": op_touch,
+       "symlink": op_symlink, "pivot": op_pivot, "confined": op_confined, "chdir": op_chdir}
+
+
 def do(op):
-    kind = op[0]
-    if kind == "cgroup":
-        for path in op[1]:
-            with open(path, "w") as fh:
-                fh.write("0")  # "0" is the writer itself
-    elif kind == "write":
-        try:
-            with open(op[1], "w") as fh:
-                fh.write(op[2])
-        except OSError:
-            if not op[3]:
-                raise
-    elif kind == "mount":
-        mount(op[1], op[2], op[3], op[4], op[5])
-    elif kind == "bind":  # [bind, src, target, read_only, only_if_target_exists]
-        if op[4] and not os.path.exists(op[2]):
-            return
-        mount(op[1], op[2], None, MS_BIND, None)
-        if op[3]:
-            mount(None, op[2], None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV,
-                  None)
-    elif kind == "remount_ro":
-        mount(None, op[1], None, MS_REMOUNT | MS_RDONLY | op[2], None)
-    elif kind == "mkdir":
-        os.makedirs(op[1], mode=op[2], exist_ok=True)
-    elif kind == "touch":
-        os.makedirs(os.path.dirname(op[1]), exist_ok=True)
-        os.close(os.open(op[1], os.O_WRONLY | os.O_CREAT, 0o644))
-    elif kind == "symlink":
-        os.symlink(op[1], op[2])
-    elif kind == "pivot":
-        os.chdir(op[1])
-        check(libc.syscall(SYS_PIVOT_ROOT, b".", op[2].encode()), "pivot_root")
-        os.chdir("/")
-        check(libc.umount2(b"/" + op[2].encode(), MNT_DETACH), "umount old root")
-        os.rmdir("/" + op[2])
-    elif kind == "confined":  # [confined, path, root]: path resolves to itself under root
-        want = os.path.realpath(op[2]) + op[1][len(op[2]):]
-        if os.path.realpath(op[1]) != want:
-            raise OSError(f"input target {op[1][len(op[2]):]} goes through a symlink")
-    elif kind == "chdir":
-        os.chdir(op[1])
-    else:
-        raise ValueError(f"unknown init operation {kind!r}")
+    run = OPS.get(op[0])
+    if run is None:
+        raise ValueError(f"unknown init operation {op[0]!r}")
+    run(op)
 
 
 def become(uid, gid, rlimits):

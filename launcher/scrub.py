@@ -9,9 +9,12 @@ on every Debian host and inside the sandbox, so replacing it would only garble t
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 MIN_ENV_VALUE = 6  # shorter values ("1", "yes", "C") would shred ordinary output
 # environment variables whose values are plain words also found in any output
@@ -106,3 +109,22 @@ def _addr_guard(m: re.Match[str], text: str, table: dict[str, str]) -> str:
         if (end < len(text) and text[end].isdigit()) or (start > 0 and text[start - 1].isdigit()):
             return lit
     return ph
+
+
+def for_sandbox(config: Any, scratch_base: str, host_ip: str, inputs: list[tuple[str, str]],
+                spec_env: Mapping[str, str]) -> Scrubber:
+    """The scrubber of one sandbox's output (the one function here that looks at the host:
+    its directories, environment, names and the infrastructure's addresses)."""
+    paths = [scratch_base, config.state_dir, config.log_dir, config.run_dir, os.getcwd(),
+             os.path.expanduser("~")]
+    paths += [os.path.realpath(h) for h, _ in inputs]
+    addrs = [host_ip]
+    for lst in (config.gateway.transparent_listen, config.dns.listen,
+                [config.broker.listen], config.gateway.resolvers):
+        for item in lst:
+            addrs.append(item.rsplit(":", 1)[0] if item.count(":") == 1 else item)
+    if config.vault.address:
+        addrs.append(config.vault.address)
+    host_env = {k: v for k, v in os.environ.items() if k not in spec_env}
+    return build(host_paths=paths, host_env=host_env,
+                 hostnames=[socket.gethostname(), socket.getfqdn()], addresses=addrs)

@@ -32,17 +32,10 @@ from aiohttp import web
 from stockade.loops import every
 from stockade.tasks.control import ControlError, UnixJsonClient, start_control_server
 
-from .core import (
-    ENV_NAME_RE,
-    TASK_ID_RE,
-    ExportedFile,
-    Launcher,
-    LauncherError,
-    RunResult,
-    SandboxSpec,
-    preflight,
-)
+from .core import Launcher
 from .initscript import check_input_target
+from .isolation import preflight
+from .spec import ENV_NAME_RE, TASK_ID_RE, ExportedFile, LauncherError, RunResult, SandboxSpec
 
 if TYPE_CHECKING:  # annotations only
     from .configview import LauncherConfig as Config
@@ -106,6 +99,60 @@ def _input(item: Any, i: int) -> tuple[str, str]:
     return host, guest
 
 
+def _profile(body: dict[str, Any], profiles: Container[str] | None) -> str:
+    if "profile" not in body:
+        raise RequestError("profile", "is required")
+    profile = _text(body["profile"], "profile")
+    if profiles is not None and profile not in profiles:
+        raise RequestError("profile", f"unknown profile {profile!r}")
+    return profile
+
+
+def _argv(value: Any) -> list[str]:
+    if not isinstance(value, list) or not value:
+        raise RequestError("argv", "must be a non-empty list of strings")
+    if len(value) > MAX_ARGV:
+        raise RequestError("argv", f"at most {MAX_ARGV} items")
+    return [_text(a, f"argv[{i}]", allow_empty=i > 0) for i, a in enumerate(value)]
+
+
+def _inputs(value: Any) -> list[tuple[str, str]]:
+    raw = value or []
+    if not isinstance(raw, list):
+        raise RequestError("inputs", "must be a list")
+    return [_input(item, i) for i, item in enumerate(raw)]
+
+
+def _ttl(ttl: Any) -> int | None:
+    # bool is an int subclass: `"ttl": true` is a mistake, not one second
+    if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool) or ttl < 1):
+        raise RequestError("ttl", "must be a positive integer (seconds) or null")
+    return ttl
+
+
+def _env(value: Any) -> dict[str, str]:
+    raw = value or {}
+    if not isinstance(raw, dict):
+        raise RequestError("env", "must be an object of name: value strings")
+    env: dict[str, str] = {}
+    for k, v in raw.items():
+        if not ENV_NAME_RE.match(k) or k.startswith("STOCKADE_"):
+            raise RequestError("env", f"invalid environment name {k!r}")
+        env[k] = _text(v, f"env.{k}", allow_empty=True)
+    return env
+
+
+def _stdin(stdin: Any) -> bytes | None:
+    if stdin is None:
+        return None
+    if not isinstance(stdin, str):
+        raise RequestError("stdin", "must be a string (UTF-8 text) or null")
+    data = stdin.encode("utf-8")
+    if len(data) > MAX_STDIN:
+        raise RequestError("stdin", f"at most {MAX_STDIN} bytes")
+    return data
+
+
 def parse_run_request(
     body: Any, profiles: Container[str] | None = None
 ) -> tuple[SandboxSpec, bool]:
@@ -113,50 +160,22 @@ def parse_run_request(
 
     Every check that needs no I/O happens here, so a bad request is refused before any
     sandbox piece exists. `profiles`: the names the rules in force define (None: unchecked).
+    The fields are checked in a fixed order: the first bad one is the one reported.
     """
     if not isinstance(body, dict):
         raise RequestError("body", "must be a JSON object")
     unknown = sorted(set(body) - RUN_FIELDS)
     if unknown:
         raise RequestError(unknown[0], f"unknown field (allowed: {', '.join(sorted(RUN_FIELDS))})")
-    if "profile" not in body:
-        raise RequestError("profile", "is required")
-    profile = _text(body["profile"], "profile")
-    if profiles is not None and profile not in profiles:
-        raise RequestError("profile", f"unknown profile {profile!r}")
-    argv = body.get("argv")
-    if not isinstance(argv, list) or not argv:
-        raise RequestError("argv", "must be a non-empty list of strings")
-    if len(argv) > MAX_ARGV:
-        raise RequestError("argv", f"at most {MAX_ARGV} items")
-    argv = [_text(a, f"argv[{i}]", allow_empty=i > 0) for i, a in enumerate(argv)]
-    raw_inputs = body.get("inputs") or []
-    if not isinstance(raw_inputs, list):
-        raise RequestError("inputs", "must be a list")
-    inputs = [_input(item, i) for i, item in enumerate(raw_inputs)]
-    ttl = body.get("ttl")
-    # bool is an int subclass: `"ttl": true` is a mistake, not one second
-    if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool) or ttl < 1):
-        raise RequestError("ttl", "must be a positive integer (seconds) or null")
-    raw_env = body.get("env") or {}
-    if not isinstance(raw_env, dict):
-        raise RequestError("env", "must be an object of name: value strings")
-    env: dict[str, str] = {}
-    for k, v in raw_env.items():
-        if not ENV_NAME_RE.match(k) or k.startswith("STOCKADE_"):
-            raise RequestError("env", f"invalid environment name {k!r}")
-        env[k] = _text(v, f"env.{k}", allow_empty=True)
+    profile = _profile(body, profiles)
+    argv = _argv(body.get("argv"))
+    inputs = _inputs(body.get("inputs"))
+    ttl = _ttl(body.get("ttl"))
+    env = _env(body.get("env"))
     export_dir = body.get("export_dir")
     if export_dir is not None:
         export_dir = _abs_path(export_dir, "export_dir")
-    stdin = body.get("stdin")
-    if stdin is not None:
-        stdin_text = stdin if isinstance(stdin, str) else None
-        if stdin_text is None:
-            raise RequestError("stdin", "must be a string (UTF-8 text) or null")
-        stdin = stdin_text.encode("utf-8")
-        if len(stdin) > MAX_STDIN:
-            raise RequestError("stdin", f"at most {MAX_STDIN} bytes")
+    stdin = _stdin(body.get("stdin"))
     wait = body.get("wait", True)
     if not isinstance(wait, bool):
         raise RequestError("wait", "must be true or false")

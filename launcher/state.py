@@ -50,6 +50,13 @@ class SandboxRecord:
     def from_dict(d: dict[str, Any]) -> SandboxRecord:
         return SandboxRecord(**d)
 
+    def summary(self) -> dict[str, Any]:
+        """The fields `sandbox list` shows."""
+        return {"task_id": self.task_id, "profile": self.profile, "address": self.guest_ip,
+                "state": self.state, "isolation": self.isolation,
+                "started_at": self.started_at, "expires_at": self.expires_at,
+                "owner_pid": self.owner_pid}
+
     def owner_alive(self) -> bool:
         """The launcher process that runs it is still there (not a later one with its pid)."""
         return same_process(self.owner_pid, self.owner_start)

@@ -346,7 +346,7 @@ def test_a_root_guest_cannot_spoof_or_map_the_host(lab: Lab, fake_internet: Any,
     event: the tap's ingress filter passes only the guest's MAC); ARP is answered only for
     the host side's address of this sandbox (arp_ignore=2; other host addresses, a forged
     ARP sender: no answer)."""
-    from stockade.launcher import core
+    from stockade.launcher.backends import microvm as vm_backend
 
     ip, port = fake_internet.udp_echo
     out = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True,
@@ -355,7 +355,7 @@ def test_a_root_guest_cannot_spoof_or_map_the_host(lab: Lab, fake_internet: Any,
                      - {"127.0.0.1"})[:16]
     src = (ROOT_GUEST.replace("DST", repr(ip)).replace("PORT", str(port))
            .replace("TARGETS", repr(targets)))
-    monkeypatch.setattr(core, "_guest_init_source", lambda: src)
+    monkeypatch.setattr(vm_backend, "_guest_init_source", lambda: src)
     res = lab.launcher.run(SandboxSpec("vm", ["true"]), lab.ruleset)
     assert res.exit_code == 0 and "DONE" in res.stdout, res.stdout
     guest_ip = lab.events(res.task_id)[0]["source"]["ip"]

@@ -7,8 +7,9 @@ import marshal
 
 import pytest
 from stockade.launcher import microvm, netns
-from stockade.launcher.core import LauncherError, decide_backend
+from stockade.launcher.isolation import decide_backend
 from stockade.launcher.settings import LauncherSettings
+from stockade.launcher.spec import LauncherError
 
 MIB = 2**20
 
@@ -194,7 +195,7 @@ def test_guest_layout() -> None:
 
 def test_a_failed_vms_reason_carries_no_host_path() -> None:
     from stockade.launcher import scrub
-    from stockade.launcher.core import _scrub_vm_error
+    from stockade.launcher.backends.microvm import scrub_vm_error as _scrub_vm_error
 
     raw = ("the microVM failed: qemu-system-x86_64: -fsdev local,id=fs3,path=/data/in put,"
            "security_model=none: cannot open '/var/cache/stockade/vm/.vm.1/vmlinux': "

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from stockade.launcher import Launcher, LauncherError, SandboxSpec
-from stockade.launcher.core import PROXY_ENV_NAMES, proxy_listen_problem
+from stockade.launcher.environment import PROXY_ENV_NAMES, proxy_listen_problem
 from stockade.policy.model import Limits, Profile
 
 from stockade.config import Config

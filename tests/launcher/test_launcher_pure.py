@@ -398,7 +398,7 @@ def test_state_roundtrip_and_concurrent_updates(tmp_path: Path) -> None:
 
 
 def test_congestion_control_must_be_permitted_in_a_netns(caplog: pytest.LogCaptureFixture) -> None:
-    from stockade.launcher.core import _permitted_congestion_control as permitted
+    from stockade.launcher.environment import permitted_congestion_control as permitted
 
     allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
     assert permitted(None) is None and permitted("reno") == "reno"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from stockade.launcher import initscript
-from stockade.launcher.core import SandboxSpec
+from stockade.launcher.spec import SandboxSpec
 from stockade.launcher.trust import TRUST_BUNDLE_NAME
 
 from stockade.trust import TRUST_ENV_VARS

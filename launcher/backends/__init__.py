@@ -1,0 +1,131 @@
+"""The interface every sandbox backend implements, and the pieces they share.
+
+A backend owns what differs between isolation tiers: the cgroup limits it sets, the
+process it starts (the command under an init in namespaces, or QEMU), how it waits and
+reads the outcome, and how it stops. Everything else (address, nft wiring, scratch,
+registration, teardown of the shared pieces, events) is the launcher's. A new tier is a
+module here with a `BACKEND` object; `backend_for` finds it by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import subprocess
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .. import seccomp_bpf
+from ..spec import LauncherError
+from ..supervise import kill_proc
+
+if TYPE_CHECKING:  # annotations only
+    from .. import cgroups, initscript
+    from ..addresses import SlotAddresses
+    from ..rootfs import Etc
+    from ..settings import LauncherSettings
+    from ..spec import SandboxSpec
+    from ..state import SandboxRecord
+    from ..supervise import Ended
+
+NAMES = ("netns", "microvm")  # the modules of this package that hold a BACKEND
+
+
+@dataclass
+class Live:
+    """A sandbox this launcher process runs."""
+
+    record: SandboxRecord
+    cg: cgroups.CgroupSet
+    backend: Backend
+    proc: subprocess.Popen[bytes] | None = None
+    killed: threading.Event = field(default_factory=threading.Event)
+    pipes: Any = None  # the backend's own handles (the microVM's output pipes)
+    # the control sockets a registration may have reached: what its teardown deregisters
+    registered: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StartContext:
+    """What the launcher prepared for the backend's start."""
+
+    settings: LauncherSettings
+    addresses: SlotAddresses
+    inputs: list[initscript.Bind]
+    etc: Etc
+    limits: Any  # the profile's
+    env: dict[str, str]
+    init_python: str  # the interpreter of the sandbox's init
+    congestion_control: str | None
+    seccomp: Callable[[], bytes]  # the profile's filter (LauncherError: none can be built)
+    state_dir: Path  # the launcher's own state directory (caches)
+
+
+class Backend(Protocol):
+    name: str
+    tap: str | None  # a tap device for the sandbox's netns to create (None: veth only)
+
+    def create(self, live: Live, limits: Any, s: LauncherSettings) -> None:
+        """The sandbox's cgroups with this tier's limits (`limits`: the profile's)."""
+
+    def start(self, live: Live, spec: SandboxSpec, ctx: StartContext) -> None:
+        """Start the sandbox's outermost process (`live.proc`); LauncherError when it
+        cannot start (the caller tears down what exists)."""
+
+    def wait(self, live: Live, spec: SandboxSpec, deadline: float,
+             s: LauncherSettings) -> Ended:
+        """Capture its output, stop it at `deadline`, on a kill or a limit; its outcome."""
+
+    def kill(self, cg: cgroups.CgroupSet, proc: subprocess.Popen[bytes] | None) -> None: ...
+
+    def suspend(self, cg: cgroups.CgroupSet) -> None: ...
+
+    def resume(self, cg: cgroups.CgroupSet) -> None: ...
+
+    def teardown(self, live: Live) -> None:
+        """Reap the process and close the backend's handles (idempotent)."""
+
+
+class CgroupControl:
+    """kill, suspend and resume through the sandbox's cgroups: every process in them."""
+
+    def kill(self, cg: cgroups.CgroupSet, proc: subprocess.Popen[bytes] | None) -> None:
+        cg.kill_all()
+        if proc is not None:
+            kill_proc(proc)
+
+    def suspend(self, cg: cgroups.CgroupSet) -> None:
+        cg.freeze(True)
+
+    def resume(self, cg: cgroups.CgroupSet) -> None:
+        cg.freeze(False)
+
+    def teardown(self, live: Live) -> None:
+        if live.proc is not None:
+            kill_proc(live.proc)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                live.proc.wait(timeout=5)
+
+
+@functools.cache
+def backend_for(name: str) -> Backend:
+    if name not in NAMES:
+        raise LauncherError(f"no {name} backend exists")
+    return importlib.import_module(f"{__name__}.{name}").BACKEND  # type: ignore[no-any-return]
+
+
+def backend_of(rec: SandboxRecord) -> Backend:
+    """The backend a sandbox's record says it runs under (another process's sandbox)."""
+    return backend_for("microvm" if rec.isolation == "microvm" else "netns")
+
+
+def seccomp_program(python: str, profile: Any) -> bytes:
+    """The profile's seccomp program; without one no sandbox starts (fail closed)."""
+    try:
+        return seccomp_bpf.filter_for(python, profile)
+    except seccomp_bpf.SeccompError as e:
+        raise LauncherError(str(e)) from None

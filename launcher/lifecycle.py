@@ -1,0 +1,32 @@
+"""A sandbox's start and operator events (pure); its one end event is ending.py's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stockade.events import make_event
+
+from .isolation import PROVIDED_ISOLATION
+from .state import SandboxRecord
+
+
+def start_event(rec: SandboxRecord, policy_version: str | None, ttl: float,
+                isolation: dict[str, str]) -> dict[str, Any]:
+    """`isolation`: the fields of isolation.decide_backend (a downgrade names both tiers)."""
+    return make_event(
+        component="launcher", action="sandbox_lifecycle", task_id=rec.task_id,
+        profile=rec.profile, policy_version=policy_version, source_ip=rec.guest_ip,
+        message="sandbox started" if len(isolation) == 1 else (
+            f"sandbox started at {PROVIDED_ISOLATION} grade "
+            f"(the profile asks for {isolation['isolation_requested']})"),
+        extra={"lifecycle": "start", "ttl_s": ttl, **isolation},
+    )
+
+
+def operator_event(rec: SandboxRecord | None, task_id: str, what: str) -> dict[str, Any]:
+    """An operator asked to kill, suspend or resume the sandbox."""
+    return make_event(
+        component="launcher", action="sandbox_lifecycle", task_id=task_id,
+        profile=rec.profile if rec else None, source_ip=rec.guest_ip if rec else None,
+        message=f"sandbox {what} requested", extra={"lifecycle": what},
+    )
