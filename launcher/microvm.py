@@ -29,7 +29,7 @@ PORT_NAMES = ("stdout", "stderr", "status")
 TAP = "tap0"
 MIB = 2**20
 # a guest path ends up in the mount table as the rest of a line: no newline, no NUL
-_SAFE_TAG = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
+_SAFE_TAG = re.compile(r"^[a-z][a-z0-9-]{0,30}\Z")
 
 
 @dataclass(frozen=True, slots=True)

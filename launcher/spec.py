@@ -13,8 +13,8 @@ from .environment import proxy_listen_problem
 
 # orphaned: its `stockade run` died; a reconcile removed it (end events only)
 EndedBy = Literal["exit", "ttl", "killed", "limit", "orphaned"]
-TASK_ID_RE = re.compile(r"^[0-9a-f]{10}$")
-ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+TASK_ID_RE = re.compile(r"^[0-9a-f]{10}\Z")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")
 
 
 class LauncherError(RuntimeError):

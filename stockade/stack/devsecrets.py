@@ -17,7 +17,8 @@ from typing import IO, TYPE_CHECKING
 if TYPE_CHECKING:
     from stockade.broker.settings import DevSecret
 
-_TARGET = re.compile(r"^(?P<path>[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*):(?P<field>[A-Za-z0-9_.-]+)$")
+_TARGET = re.compile(
+    r"^(?P<path>[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*):(?P<field>[A-Za-z0-9_.-]+)\Z")
 ARG_HELP = ("put a secret into the embedded dev OpenBao (KV v2 under secret/): PATH:FIELD=@FILE "
             "reads the value from FILE, PATH:FIELD=@- from standard input (never a value on the "
             "command line); repeatable; needs the dev OpenBao (no vault.address)")

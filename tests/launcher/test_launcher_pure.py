@@ -465,3 +465,14 @@ def test_public_paths_survive_scrubbing(noise: str, tree: str, parts: list[str])
     assert scrub.is_public_path(path)
     s = scrub.build(host_paths=[path], host_env={"SOME_DIR": path})
     assert s(f"see {path} here") == f"see {path} here"
+
+
+@pytest.mark.parametrize(("pattern", "good"),
+                         [("TASK_ID_RE", "0123456789"), ("ENV_NAME_RE", "HOME")])
+def test_name_patterns_refuse_a_trailing_newline(pattern: str, good: str) -> None:
+    """re's "$" also matches before a final "\\n": the patterns end in \\Z instead."""
+    import stockade.launcher.spec as spec
+
+    rx = getattr(spec, pattern)
+    assert rx.match(good)
+    assert not rx.match(good + "\n")

@@ -165,6 +165,8 @@ def test_request_round_trip() -> None:
     ({"profile": "svc", "argv": ["true"], "ttl": "5"}, "ttl"),
     ({"profile": "svc", "argv": ["true"], "env": {"STOCKADE_X": "1"}}, "env"),
     ({"profile": "svc", "argv": ["true"], "env": {"A-B": "1"}}, "env"),
+    # a "$" anchor would have let a trailing newline through
+    ({"profile": "svc", "argv": ["true"], "env": {"A\n": "1"}}, "env"),
     ({"profile": "svc", "argv": ["true"], "env": {"A": 1}}, "env.A"),
     ({"profile": "svc", "argv": ["true"], "env": ["A=1"]}, "env"),
     ({"profile": "svc", "argv": ["true"], "inputs": ["relative/path"]}, "inputs[0]"),

@@ -23,7 +23,7 @@ from stockade.testing._startup import stop_on_failure
 from stockade.testing.testnet import host
 from stockade.testing.testnet.layout import pick_client_block
 
-_SUFFIX = re.compile(r"^[a-z0-9_]{1,24}$")
+_SUFFIX = re.compile(r"^[a-z0-9_]{1,24}\Z")
 
 
 def nft_ruleset(
