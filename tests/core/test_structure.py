@@ -33,8 +33,6 @@ KNOWN_OVER = {  # module:qualname of data-path functions over 60 lines or comple
     "stockade.launcher.initscript:build",
     "stockade.launcher.sandbox_init:do",
     "stockade.launcher.service:parse_run_request",
-    # P
-    "stockade.net.addresses:AddressPolicy._check",
 }
 
 
