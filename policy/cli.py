@@ -13,8 +13,6 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-KINDS = ("profiles", "presets", "apis", "tests", "catalogues")
-
 
 def _date(text: str) -> date:
     try:
@@ -103,6 +101,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
 
 def _resolve(path: Path) -> tuple[Path, Path | None]:
     """(rules dir, restrict-to path or None) for a PATH argument."""
+    from .sources import KINDS
+
     if path.is_file():
         return path.parent.parent, path
     if path.is_dir() and path.name in KINDS and not any((path / k).is_dir() for k in KINDS):
@@ -174,9 +174,6 @@ def _entry_by_id(profile: Any, rule_id: str | None) -> Any:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from .decide import decide
-    from .hosts import HostError, normalize_host
-    from .model import RequestFacts
     from .targets import TargetError, parse_target
 
     rs = _load_or_report(args.rules)
@@ -187,20 +184,41 @@ def cmd_explain(args: argparse.Namespace) -> int:
     except TargetError as e:
         print(f"explain: {e}", file=sys.stderr)
         return 2
-    if args.dns:
-        from .decide import decide_name
-
-        facts = RequestFacts(host=args.target, port=53)
-        v = decide_name(rs, args.profile, args.target, today=args.today)
-    else:
-        v = decide(rs, args.profile, facts, today=args.today)
+    facts, v = _explain_decide(args, rs, facts)
     profile = rs.profiles.get(args.profile)
     entry = _entry_by_id(profile, v.rule_id) if profile else None
+    out = _explanation(args, facts, v, profile, entry)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        _print_explanation(out, v, profile, entry, args.dns)
+    return 0 if v.allowed else 1
+
+
+def _explain_decide(args: argparse.Namespace, rs: Any, facts: Any) -> tuple[Any, Any]:
+    """(the facts decided on, the verdict): a DNS lookup of the target, or a connection."""
+    if args.dns:
+        from .decide import decide_name
+        from .model import RequestFacts
+
+        facts = RequestFacts(host=args.target, port=53)
+        return facts, decide_name(rs, args.profile, args.target, today=args.today)
+    from .decide import decide
+
+    return facts, decide(rs, args.profile, facts, today=args.today)
+
+
+def _explanation(
+    args: argparse.Namespace, facts: Any, v: Any, profile: Any, entry: Any
+) -> dict[str, Any]:
+    """The `--json` document (the text output prints from it too)."""
+    from .hosts import HostError, normalize_host
+
     try:
         host = normalize_host(facts.host) if facts.host is not None else None
     except HostError as e:
         host = f"(invalid: {e})"
-    out = {
+    return {
         "kind": "dns" if args.dns else "connection",
         "profile": args.profile,
         "target": args.target,
@@ -222,31 +240,31 @@ def cmd_explain(args: argparse.Namespace) -> int:
         "syscalls_allowed": sorted(profile.syscalls.allow) if profile and profile.syscalls
         else [],
     }
-    if args.json:
-        print(json.dumps(out, indent=2))
+
+
+def _print_explanation(out: dict[str, Any], v: Any, profile: Any, entry: Any, dns: bool) -> None:
+    verdict = out["verdict"] + (" (report mode: the rules deny this)" if v.report_only
+                                else "")  # fmt: skip
+    print(f"verdict:  {verdict}")
+    print(f"reason:   {v.reason}")
+    if v.rule_id:
+        where = f"  ({out['rule_location']}, {out['origin']})" if entry else ""
+        print(f"rule:     {v.rule_id}{where}")
+        print(f"why:      {v.entry_reason}")
     else:
-        verdict = out["verdict"] + (" (report mode: the rules deny this)" if v.report_only
-                                    else "")  # fmt: skip
-        print(f"verdict:  {verdict}")
-        print(f"reason:   {v.reason}")
-        if v.rule_id:
-            where = f"  ({out['rule_location']}, {out['origin']})" if entry else ""
-            print(f"rule:     {v.rule_id}{where}")
-            print(f"why:      {v.entry_reason}")
-        else:
-            print("rule:     (none)")
-        req = f"DNS lookup of {host}" if args.dns else f"{host} port {facts.port}"
-        if facts.method and not args.dns:
-            req += f" {facts.method} {facts.path}"
-        print(f"request:  {req}")
-        if v.needs_inspection:
-            print("note:     the entry is inspected (an http block or host_must_match_sni): "
-                  "the gateway decides each request of this flow (L7)")
-        if profile and profile.syscalls:
-            print(f"sandbox:  the seccomp filter lets {', '.join(out['syscalls_allowed'])} "
-                  f"through ({profile.syscalls.reason})")
-        print(f"policy:   {v.policy_version}")
-    return 0 if v.allowed else 1
+        print("rule:     (none)")
+    host = out["host"]
+    req = f"DNS lookup of {host}" if dns else f"{host} port {out['port']}"
+    if out["method"] and not dns:
+        req += f" {out['method']} {out['path']}"
+    print(f"request:  {req}")
+    if v.needs_inspection:
+        print("note:     the entry is inspected (an http block or host_must_match_sni): "
+              "the gateway decides each request of this flow (L7)")
+    if profile and profile.syscalls:
+        print(f"sandbox:  the seccomp filter lets {', '.join(out['syscalls_allowed'])} "
+              f"through ({profile.syscalls.reason})")
+    print(f"policy:   {v.policy_version}")
 
 
 def cmd_test(args: argparse.Namespace) -> int:
