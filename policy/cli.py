@@ -279,15 +279,7 @@ def cmd_test(args: argparse.Namespace) -> int:
             print(f"{raw}: cannot run tests on invalid rules", file=sys.stderr)
             failed += 1
             continue
-        cases = rs.tests
-        if only is not None:
-            target = only.resolve()
-            cases = tuple(
-                c for c in cases if c.location is not None
-                and (Path(c.location.file).resolve() == target
-                     or target in Path(c.location.file).resolve().parents)
-            )  # fmt: skip
-        for r in run_tests(rs, cases, args.today):
+        for r in run_tests(rs, _cases_under(rs.tests, only), args.today):
             c = r.case
             where = str(c.location) if c.location else "?"
             label = f"{c.profile} {c.method or ''} {c.target}".replace("  ", " ")
@@ -299,18 +291,34 @@ def cmd_test(args: argparse.Namespace) -> int:
                 failed += 1
                 if not args.json:
                     print(f"{where}: FAIL: {label}: {'; '.join(r.failures)}")
-            v = r.verdict
-            report.append({"location": where, "profile": c.profile, "target": c.target,
-                           "method": c.method, "expect": c.expect, "passed": r.passed,
-                           "failures": list(r.failures),
-                           "verdict": None if v is None else {
-                               "allowed": v.allowed, "reason": str(v.reason),
-                               "rule_id": v.rule_id, "report_only": v.report_only}})  # fmt: skip
+            report.append(_result_json(where, r))
     if args.json:
         print(json.dumps({"passed": passed, "failed": failed, "results": report}, indent=2))
     else:
         print(f"{passed} passed, {failed} failed")
     return 1 if failed else 0
+
+
+def _cases_under(cases: tuple[Any, ...], only: Path | None) -> tuple[Any, ...]:
+    """The policy tests written in `only` (a file, or a folder of them); all without it."""
+    if only is None:
+        return cases
+    target = only.resolve()
+    return tuple(
+        c for c in cases if c.location is not None
+        and (Path(c.location.file).resolve() == target
+             or target in Path(c.location.file).resolve().parents)
+    )  # fmt: skip
+
+
+def _result_json(where: str, r: Any) -> dict[str, Any]:
+    c, v = r.case, r.verdict
+    return {"location": where, "profile": c.profile, "target": c.target,
+            "method": c.method, "expect": c.expect, "passed": r.passed,
+            "failures": list(r.failures),
+            "verdict": None if v is None else {
+                "allowed": v.allowed, "reason": str(v.reason),
+                "rule_id": v.rule_id, "report_only": v.report_only}}  # fmt: skip
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
