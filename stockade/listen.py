@@ -12,6 +12,8 @@ from typing import Annotated
 
 from pydantic import AfterValidator
 
+from stockade.net.addresses import is_ip_literal
+
 
 def parse_listen(addr: str, default_port: int | None = None) -> tuple[str, int]:
     """'host:port' or '[v6]:port' -> (host, port), the host without brackets.
@@ -47,7 +49,7 @@ def _split_bracketed(addr: str, default_port: int | None) -> tuple[str, str | in
 
 def _split_plain(addr: str, default_port: int | None) -> tuple[str, str]:
     """'host:port' -> (host, port text); a bare host (or IPv6 literal) takes `default_port`."""
-    if default_port is not None and (":" not in addr or _is_ipv6(addr)):
+    if default_port is not None and (":" not in addr or is_ip_literal(addr, 6)):
         host, port_text = addr, str(default_port)
     else:
         host, colon, port_text = addr.rpartition(":")
@@ -71,14 +73,6 @@ def _port(addr: str, port_text: str) -> int:
     if port > 65535:
         raise ValueError(f"{addr!r}: port {port} is out of range (0-65535)")
     return port
-
-
-def _is_ipv6(text: str) -> bool:
-    try:
-        ipaddress.IPv6Address(text)
-    except ValueError:
-        return False
-    return True
 
 
 def _check_listen(addr: str) -> str:

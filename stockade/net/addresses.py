@@ -155,6 +155,16 @@ def parse_address(ip: object) -> IPAddress | None:
     return None
 
 
+def is_ip_literal(text: str, version: int | None = None) -> bool:
+    """Is `text` an IP address as written (of `version` when given)? Unlike
+    `parse_address`, nothing is taken off first: brackets make it not one."""
+    try:
+        addr = ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return version is None or addr.version == version
+
+
 def embedded_ipv4(addr: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
     """The IPv4 addresses an IPv6 address carries (mapped, compat, NAT64, 6to4, Teredo)."""
     v = int(addr)
