@@ -21,6 +21,9 @@ def _date(text: str) -> date:
         raise argparse.ArgumentTypeError(f"not a date (YYYY-MM-DD): {text!r}") from None
 
 
+_Parents = list[argparse.ArgumentParser]  # the options every subcommand takes
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     group = sub.add_parser(
         "rules",
@@ -35,9 +38,17 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
                        help="evaluate expiry as of this date (default: today, UTC)")  # fmt: skip
     as_json = argparse.ArgumentParser(add_help=False)
     as_json.add_argument("--json", action="store_true", help="machine-readable output")
+    parents = [today, as_json]
+    _add_lint(rsub, parents)
+    _add_explain(rsub, parents)
+    _add_test(rsub, parents)
+    _add_diff(rsub, parents)
 
+
+def _add_lint(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  # type: ignore[type-arg]
+    """`rules lint`: validate, then warn (see policy/lint.py)."""
     lint = rsub.add_parser(
-        "lint", parents=[today, as_json],
+        "lint", parents=parents,
         help="validate rule files; list errors and warnings",
         description="Validate rule directories. Prints one 'file:line:col: message' line per "
         "problem. Exit 1 when there is an error; warnings (expired, soon expiring or "
@@ -57,8 +68,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     )  # fmt: skip
     lint.set_defaults(func=cmd_lint)
 
+
+def _add_explain(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  # type: ignore[type-arg]
+    """`rules explain`: one request's verdict, the way the gateway decides it."""
     explain = rsub.add_parser(
-        "explain", parents=[today, as_json],
+        "explain", parents=parents,
         help="show the verdict for one request",
         description="Decide one request the way the gateway would and show the verdict, rule "
         "id, reason code and the entry's reason. A URL target implies method GET and its "
@@ -74,8 +88,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
                          help="rules directory (default ./rules)")  # fmt: skip
     explain.set_defaults(func=cmd_explain)
 
+
+def _add_test(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  # type: ignore[type-arg]
+    """`rules test`: run the policy tests of rules/tests/."""
     test = rsub.add_parser(
-        "test", parents=[today, as_json],
+        "test", parents=parents,
         help="run the policy tests in rules/tests/",
         description="Run policy tests (rules/tests/*.yaml). Prints each failure and closes "
         "with 'N passed, N failed'. Exit 1 on any failure.",
@@ -87,8 +104,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     test.add_argument("--verbose", "-v", action="store_true", help="print passing cases too")
     test.set_defaults(func=cmd_test)
 
+
+def _add_diff(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  # type: ignore[type-arg]
+    """`rules diff`: what a change of rules opens and closes."""
     diff = rsub.add_parser(
-        "diff", parents=[today, as_json],
+        "diff", parents=parents,
         help="what a rule change opens and closes, per profile",
         description="Compare two rules directories: per profile, what NEW allows that OLD "
         "did not, what it no longer allows, deny entries added/removed and changed settings "
