@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -45,12 +46,35 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     _add_diff(rsub, parents)
 
 
+def _subcommand(
+    rsub: argparse._SubParsersAction,  # type: ignore[type-arg]
+    parents: _Parents,
+    name: str,
+    func: Callable[[argparse.Namespace], int],
+    summary: str,
+    description: str,
+) -> argparse.ArgumentParser:
+    """One `rules` subcommand's parser (`summary`: its line in `rules --help`), run by
+    `func`, with the shared --today/--json options."""
+    parser: argparse.ArgumentParser = rsub.add_parser(
+        name, parents=parents, help=summary, description=description
+    )
+    parser.set_defaults(func=func)
+    return parser
+
+
+def _add_paths(parser: argparse.ArgumentParser, paths_help: str) -> None:
+    """PATH... and `--rules DIR` (the same thing): the rules a command reads."""
+    parser.add_argument("paths", nargs="*", metavar="PATH", help=paths_help)
+    parser.add_argument("--rules", metavar="DIR", help="rules directory (same as PATH)")
+
+
 def _add_lint(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  # type: ignore[type-arg]
     """`rules lint`: validate, then warn (see policy/lint.py)."""
-    lint = rsub.add_parser(
-        "lint", parents=parents,
-        help="validate rule files; list errors and warnings",
-        description="Validate rule directories. Prints one 'file:line:col: message' line per "
+    lint = _subcommand(
+        rsub, parents, "lint", cmd_lint,
+        "validate rule files; list errors and warnings",
+        "Validate rule directories. Prints one 'file:line:col: message' line per "
         "problem. Exit 1 when there is an error; warnings (expired, soon expiring or "
         "shadowed entries, upload hosts without an http block, unused presets, report-mode "
         "profiles, uninspected entries on a shared front-end of rules/catalogues/) do not "
@@ -59,22 +83,19 @@ def _add_lint(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  # t
     lint.add_argument("--strict", action="store_true",
                       help="an uninspected entry on a shared front-end without "
                       "'accept_fronting' is an error")  # fmt: skip
-    lint.add_argument("paths", nargs="*", metavar="PATH",
-                      help="rules directory (or a file inside one); default ./rules")  # fmt: skip
-    lint.add_argument("--rules", metavar="DIR", help="rules directory (same as PATH)")
+    _add_paths(lint, "rules directory (or a file inside one); default ./rules")
     lint.add_argument(
         "--expiring-within", type=int, default=14, metavar="DAYS",
         help="warn about entries that expire within DAYS (default 14; 0: off)",
     )  # fmt: skip
-    lint.set_defaults(func=cmd_lint)
 
 
 def _add_explain(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  # type: ignore[type-arg]
     """`rules explain`: one request's verdict, the way the gateway decides it."""
-    explain = rsub.add_parser(
-        "explain", parents=parents,
-        help="show the verdict for one request",
-        description="Decide one request the way the gateway would and show the verdict, rule "
+    explain = _subcommand(
+        rsub, parents, "explain", cmd_explain,
+        "show the verdict for one request",
+        "Decide one request the way the gateway would and show the verdict, rule "
         "id, reason code and the entry's reason. A URL target implies method GET and its "
         "path; a host:port target is a plain connection (no method/path) unless --method is "
         "given. Exit 0 when allowed, 1 when denied.",
@@ -86,37 +107,31 @@ def _add_explain(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  
                          help="TARGET is a DNS name: may the DNS firewall resolve it?")  # fmt: skip
     explain.add_argument("--rules", default="rules", metavar="DIR",
                          help="rules directory (default ./rules)")  # fmt: skip
-    explain.set_defaults(func=cmd_explain)
 
 
 def _add_test(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  # type: ignore[type-arg]
     """`rules test`: run the policy tests of rules/tests/."""
-    test = rsub.add_parser(
-        "test", parents=parents,
-        help="run the policy tests in rules/tests/",
-        description="Run policy tests (rules/tests/*.yaml). Prints each failure and closes "
+    test = _subcommand(
+        rsub, parents, "test", cmd_test,
+        "run the policy tests in rules/tests/",
+        "Run policy tests (rules/tests/*.yaml). Prints each failure and closes "
         "with 'N passed, N failed'. Exit 1 on any failure.",
     )  # fmt: skip
-    test.add_argument("paths", nargs="*", metavar="PATH",
-                      help="rules directory, its tests/ folder or one test file; "
-                      "default ./rules")  # fmt: skip
-    test.add_argument("--rules", metavar="DIR", help="rules directory (same as PATH)")
+    _add_paths(test, "rules directory, its tests/ folder or one test file; default ./rules")
     test.add_argument("--verbose", "-v", action="store_true", help="print passing cases too")
-    test.set_defaults(func=cmd_test)
 
 
 def _add_diff(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  # type: ignore[type-arg]
     """`rules diff`: what a change of rules opens and closes."""
-    diff = rsub.add_parser(
-        "diff", parents=parents,
-        help="what a rule change opens and closes, per profile",
-        description="Compare two rules directories: per profile, what NEW allows that OLD "
+    diff = _subcommand(
+        rsub, parents, "diff", cmd_diff,
+        "what a rule change opens and closes, per profile",
+        "Compare two rules directories: per profile, what NEW allows that OLD "
         "did not, what it no longer allows, deny entries added/removed and changed settings "
         "(mode, isolation, limits, broker grants). Exit 0 (also when there are changes).",
     )  # fmt: skip
     diff.add_argument("old", metavar="OLD_DIR")
     diff.add_argument("new", metavar="NEW_DIR")
-    diff.set_defaults(func=cmd_diff)
 
 
 def _resolve(path: Path) -> tuple[Path, Path | None]:
