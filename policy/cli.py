@@ -9,11 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from datetime import date
 from pathlib import Path
 from typing import Any
-
-KINDS = ("profiles", "presets", "apis", "tests", "catalogues")
 
 
 def _date(text: str) -> date:
@@ -21,6 +20,9 @@ def _date(text: str) -> date:
         return date.fromisoformat(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a date (YYYY-MM-DD): {text!r}") from None
+
+
+_Parents = list[argparse.ArgumentParser]  # the options every subcommand takes
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -37,11 +39,42 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
                        help="evaluate expiry as of this date (default: today, UTC)")  # fmt: skip
     as_json = argparse.ArgumentParser(add_help=False)
     as_json.add_argument("--json", action="store_true", help="machine-readable output")
+    parents = [today, as_json]
+    _add_lint(rsub, parents)
+    _add_explain(rsub, parents)
+    _add_test(rsub, parents)
+    _add_diff(rsub, parents)
 
-    lint = rsub.add_parser(
-        "lint", parents=[today, as_json],
-        help="validate rule files; list errors and warnings",
-        description="Validate rule directories. Prints one 'file:line:col: message' line per "
+
+def _subcommand(
+    rsub: argparse._SubParsersAction,  # type: ignore[type-arg]
+    parents: _Parents,
+    name: str,
+    func: Callable[[argparse.Namespace], int],
+    summary: str,
+    description: str,
+) -> argparse.ArgumentParser:
+    """One `rules` subcommand's parser (`summary`: its line in `rules --help`), run by
+    `func`, with the shared --today/--json options."""
+    parser: argparse.ArgumentParser = rsub.add_parser(
+        name, parents=parents, help=summary, description=description
+    )
+    parser.set_defaults(func=func)
+    return parser
+
+
+def _add_paths(parser: argparse.ArgumentParser, paths_help: str) -> None:
+    """PATH... and `--rules DIR` (the same thing): the rules a command reads."""
+    parser.add_argument("paths", nargs="*", metavar="PATH", help=paths_help)
+    parser.add_argument("--rules", metavar="DIR", help="rules directory (same as PATH)")
+
+
+def _add_lint(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  # type: ignore[type-arg]
+    """`rules lint`: validate, then warn (see policy/lint.py)."""
+    lint = _subcommand(
+        rsub, parents, "lint", cmd_lint,
+        "validate rule files; list errors and warnings",
+        "Validate rule directories. Prints one 'file:line:col: message' line per "
         "problem. Exit 1 when there is an error; warnings (expired, soon expiring or "
         "shadowed entries, upload hosts without an http block, unused presets, report-mode "
         "profiles, uninspected entries on a shared front-end of rules/catalogues/) do not "
@@ -50,19 +83,19 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     lint.add_argument("--strict", action="store_true",
                       help="an uninspected entry on a shared front-end without "
                       "'accept_fronting' is an error")  # fmt: skip
-    lint.add_argument("paths", nargs="*", metavar="PATH",
-                      help="rules directory (or a file inside one); default ./rules")  # fmt: skip
-    lint.add_argument("--rules", metavar="DIR", help="rules directory (same as PATH)")
+    _add_paths(lint, "rules directory (or a file inside one); default ./rules")
     lint.add_argument(
         "--expiring-within", type=int, default=14, metavar="DAYS",
         help="warn about entries that expire within DAYS (default 14; 0: off)",
     )  # fmt: skip
-    lint.set_defaults(func=cmd_lint)
 
-    explain = rsub.add_parser(
-        "explain", parents=[today, as_json],
-        help="show the verdict for one request",
-        description="Decide one request the way the gateway would and show the verdict, rule "
+
+def _add_explain(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  # type: ignore[type-arg]
+    """`rules explain`: one request's verdict, the way the gateway decides it."""
+    explain = _subcommand(
+        rsub, parents, "explain", cmd_explain,
+        "show the verdict for one request",
+        "Decide one request the way the gateway would and show the verdict, rule "
         "id, reason code and the entry's reason. A URL target implies method GET and its "
         "path; a host:port target is a plain connection (no method/path) unless --method is "
         "given. Exit 0 when allowed, 1 when denied.",
@@ -74,35 +107,37 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
                          help="TARGET is a DNS name: may the DNS firewall resolve it?")  # fmt: skip
     explain.add_argument("--rules", default="rules", metavar="DIR",
                          help="rules directory (default ./rules)")  # fmt: skip
-    explain.set_defaults(func=cmd_explain)
 
-    test = rsub.add_parser(
-        "test", parents=[today, as_json],
-        help="run the policy tests in rules/tests/",
-        description="Run policy tests (rules/tests/*.yaml). Prints each failure and closes "
+
+def _add_test(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  # type: ignore[type-arg]
+    """`rules test`: run the policy tests of rules/tests/."""
+    test = _subcommand(
+        rsub, parents, "test", cmd_test,
+        "run the policy tests in rules/tests/",
+        "Run policy tests (rules/tests/*.yaml). Prints each failure and closes "
         "with 'N passed, N failed'. Exit 1 on any failure.",
     )  # fmt: skip
-    test.add_argument("paths", nargs="*", metavar="PATH",
-                      help="rules directory, its tests/ folder or one test file; "
-                      "default ./rules")  # fmt: skip
-    test.add_argument("--rules", metavar="DIR", help="rules directory (same as PATH)")
+    _add_paths(test, "rules directory, its tests/ folder or one test file; default ./rules")
     test.add_argument("--verbose", "-v", action="store_true", help="print passing cases too")
-    test.set_defaults(func=cmd_test)
 
-    diff = rsub.add_parser(
-        "diff", parents=[today, as_json],
-        help="what a rule change opens and closes, per profile",
-        description="Compare two rules directories: per profile, what NEW allows that OLD "
+
+def _add_diff(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  # type: ignore[type-arg]
+    """`rules diff`: what a change of rules opens and closes."""
+    diff = _subcommand(
+        rsub, parents, "diff", cmd_diff,
+        "what a rule change opens and closes, per profile",
+        "Compare two rules directories: per profile, what NEW allows that OLD "
         "did not, what it no longer allows, deny entries added/removed and changed settings "
         "(mode, isolation, limits, broker grants). Exit 0 (also when there are changes).",
     )  # fmt: skip
     diff.add_argument("old", metavar="OLD_DIR")
     diff.add_argument("new", metavar="NEW_DIR")
-    diff.set_defaults(func=cmd_diff)
 
 
 def _resolve(path: Path) -> tuple[Path, Path | None]:
     """(rules dir, restrict-to path or None) for a PATH argument."""
+    from .sources import KINDS
+
     if path.is_file():
         return path.parent.parent, path
     if path.is_dir() and path.name in KINDS and not any((path / k).is_dir() for k in KINDS):
@@ -174,9 +209,6 @@ def _entry_by_id(profile: Any, rule_id: str | None) -> Any:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from .decide import decide
-    from .hosts import HostError, normalize_host
-    from .model import RequestFacts
     from .targets import TargetError, parse_target
 
     rs = _load_or_report(args.rules)
@@ -187,20 +219,41 @@ def cmd_explain(args: argparse.Namespace) -> int:
     except TargetError as e:
         print(f"explain: {e}", file=sys.stderr)
         return 2
-    if args.dns:
-        from .decide import decide_name
-
-        facts = RequestFacts(host=args.target, port=53)
-        v = decide_name(rs, args.profile, args.target, today=args.today)
-    else:
-        v = decide(rs, args.profile, facts, today=args.today)
+    facts, v = _explain_decide(args, rs, facts)
     profile = rs.profiles.get(args.profile)
     entry = _entry_by_id(profile, v.rule_id) if profile else None
+    out = _explanation(args, facts, v, profile, entry)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        _print_explanation(out, v, profile, entry, args.dns)
+    return 0 if v.allowed else 1
+
+
+def _explain_decide(args: argparse.Namespace, rs: Any, facts: Any) -> tuple[Any, Any]:
+    """(the facts decided on, the verdict): a DNS lookup of the target, or a connection."""
+    if args.dns:
+        from .decide import decide_name
+        from .model import RequestFacts
+
+        facts = RequestFacts(host=args.target, port=53)
+        return facts, decide_name(rs, args.profile, args.target, today=args.today)
+    from .decide import decide
+
+    return facts, decide(rs, args.profile, facts, today=args.today)
+
+
+def _explanation(
+    args: argparse.Namespace, facts: Any, v: Any, profile: Any, entry: Any
+) -> dict[str, Any]:
+    """The `--json` document (the text output prints from it too)."""
+    from .hosts import HostError, normalize_host
+
     try:
         host = normalize_host(facts.host) if facts.host is not None else None
     except HostError as e:
         host = f"(invalid: {e})"
-    out = {
+    return {
         "kind": "dns" if args.dns else "connection",
         "profile": args.profile,
         "target": args.target,
@@ -222,31 +275,31 @@ def cmd_explain(args: argparse.Namespace) -> int:
         "syscalls_allowed": sorted(profile.syscalls.allow) if profile and profile.syscalls
         else [],
     }
-    if args.json:
-        print(json.dumps(out, indent=2))
+
+
+def _print_explanation(out: dict[str, Any], v: Any, profile: Any, entry: Any, dns: bool) -> None:
+    verdict = out["verdict"] + (" (report mode: the rules deny this)" if v.report_only
+                                else "")  # fmt: skip
+    print(f"verdict:  {verdict}")
+    print(f"reason:   {v.reason}")
+    if v.rule_id:
+        where = f"  ({out['rule_location']}, {out['origin']})" if entry else ""
+        print(f"rule:     {v.rule_id}{where}")
+        print(f"why:      {v.entry_reason}")
     else:
-        verdict = out["verdict"] + (" (report mode: the rules deny this)" if v.report_only
-                                    else "")  # fmt: skip
-        print(f"verdict:  {verdict}")
-        print(f"reason:   {v.reason}")
-        if v.rule_id:
-            where = f"  ({out['rule_location']}, {out['origin']})" if entry else ""
-            print(f"rule:     {v.rule_id}{where}")
-            print(f"why:      {v.entry_reason}")
-        else:
-            print("rule:     (none)")
-        req = f"DNS lookup of {host}" if args.dns else f"{host} port {facts.port}"
-        if facts.method and not args.dns:
-            req += f" {facts.method} {facts.path}"
-        print(f"request:  {req}")
-        if v.needs_inspection:
-            print("note:     the entry is inspected (an http block or host_must_match_sni): "
-                  "the gateway decides each request of this flow (L7)")
-        if profile and profile.syscalls:
-            print(f"sandbox:  the seccomp filter lets {', '.join(out['syscalls_allowed'])} "
-                  f"through ({profile.syscalls.reason})")
-        print(f"policy:   {v.policy_version}")
-    return 0 if v.allowed else 1
+        print("rule:     (none)")
+    host = out["host"]
+    req = f"DNS lookup of {host}" if dns else f"{host} port {out['port']}"
+    if out["method"] and not dns:
+        req += f" {out['method']} {out['path']}"
+    print(f"request:  {req}")
+    if v.needs_inspection:
+        print("note:     the entry is inspected (an http block or host_must_match_sni): "
+              "the gateway decides each request of this flow (L7)")
+    if profile and profile.syscalls:
+        print(f"sandbox:  the seccomp filter lets {', '.join(out['syscalls_allowed'])} "
+              f"through ({profile.syscalls.reason})")
+    print(f"policy:   {v.policy_version}")
 
 
 def cmd_test(args: argparse.Namespace) -> int:
@@ -261,15 +314,7 @@ def cmd_test(args: argparse.Namespace) -> int:
             print(f"{raw}: cannot run tests on invalid rules", file=sys.stderr)
             failed += 1
             continue
-        cases = rs.tests
-        if only is not None:
-            target = only.resolve()
-            cases = tuple(
-                c for c in cases if c.location is not None
-                and (Path(c.location.file).resolve() == target
-                     or target in Path(c.location.file).resolve().parents)
-            )  # fmt: skip
-        for r in run_tests(rs, cases, args.today):
+        for r in run_tests(rs, _cases_under(rs.tests, only), args.today):
             c = r.case
             where = str(c.location) if c.location else "?"
             label = f"{c.profile} {c.method or ''} {c.target}".replace("  ", " ")
@@ -281,18 +326,34 @@ def cmd_test(args: argparse.Namespace) -> int:
                 failed += 1
                 if not args.json:
                     print(f"{where}: FAIL: {label}: {'; '.join(r.failures)}")
-            v = r.verdict
-            report.append({"location": where, "profile": c.profile, "target": c.target,
-                           "method": c.method, "expect": c.expect, "passed": r.passed,
-                           "failures": list(r.failures),
-                           "verdict": None if v is None else {
-                               "allowed": v.allowed, "reason": str(v.reason),
-                               "rule_id": v.rule_id, "report_only": v.report_only}})  # fmt: skip
+            report.append(_result_json(where, r))
     if args.json:
         print(json.dumps({"passed": passed, "failed": failed, "results": report}, indent=2))
     else:
         print(f"{passed} passed, {failed} failed")
     return 1 if failed else 0
+
+
+def _cases_under(cases: tuple[Any, ...], only: Path | None) -> tuple[Any, ...]:
+    """The policy tests written in `only` (a file, or a folder of them); all without it."""
+    if only is None:
+        return cases
+    target = only.resolve()
+    return tuple(
+        c for c in cases if c.location is not None
+        and (Path(c.location.file).resolve() == target
+             or target in Path(c.location.file).resolve().parents)
+    )  # fmt: skip
+
+
+def _result_json(where: str, r: Any) -> dict[str, Any]:
+    c, v = r.case, r.verdict
+    return {"location": where, "profile": c.profile, "target": c.target,
+            "method": c.method, "expect": c.expect, "passed": r.passed,
+            "failures": list(r.failures),
+            "verdict": None if v is None else {
+                "allowed": v.allowed, "reason": str(v.reason),
+                "rule_id": v.rule_id, "report_only": v.report_only}}  # fmt: skip
 
 
 def cmd_diff(args: argparse.Namespace) -> int:

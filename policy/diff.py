@@ -13,7 +13,7 @@ from typing import Any
 
 from .decide import in_force, utc_today
 from .lint import entry_covers, shadowing_deny
-from .model import EgressEntry, Profile
+from .model import BrokerGrant, EgressEntry, Profile
 from .ruleset import RuleSet
 
 
@@ -90,6 +90,18 @@ def _settings(old: Profile, new: Profile) -> list[str]:
             a, b = getattr(old.limits, k), getattr(new.limits, k)
             if a != b:
                 out.append(f"limits.{k}: {a} -> {b}")
+    out.extend(_broker_changes(old, new))
+    if old.exports != new.exports:
+        out.append("exports policy changed")
+    relaxed = [", ".join(sorted(p.syscalls.allow)) if p.syscalls else "none" for p in (old, new)]
+    if relaxed[0] != relaxed[1]:
+        out.append(f"sandbox.syscalls allowed through the seccomp filter: {relaxed[0]} -> "
+                   f"{relaxed[1]}")
+    return out
+
+
+def _broker_changes(old: Profile, new: Profile) -> list[str]:
+    out = []
     for api in sorted(set(old.broker) | set(new.broker)):
         a, b = old.broker.get(api), new.broker.get(api)
         if a == b:
@@ -99,20 +111,18 @@ def _settings(old: Profile, new: Profile) -> list[str]:
         elif b is None:
             out.append(f"broker: API {api!r} no longer granted")
         else:
-            for op in sorted(set(b.operations) - set(a.operations), key=str):
-                out.append(f"broker.{api}: operation added {op.method} {op.path}")
-            for op in sorted(set(a.operations) - set(b.operations), key=str):
-                out.append(f"broker.{api}: operation removed {op.method} {op.path}")
-            for k in ("rate_per_second", "burst", "budget_calls", "budget_bytes",
-                      "max_body_bytes"):  # fmt: skip
-                if getattr(a, k) != getattr(b, k):
-                    out.append(f"broker.{api}.{k}: {getattr(a, k)} -> {getattr(b, k)}")
-    if old.exports != new.exports:
-        out.append("exports policy changed")
-    relaxed = [", ".join(sorted(p.syscalls.allow)) if p.syscalls else "none" for p in (old, new)]
-    if relaxed[0] != relaxed[1]:
-        out.append(f"sandbox.syscalls allowed through the seccomp filter: {relaxed[0]} -> "
-                   f"{relaxed[1]}")
+            out.extend(_grant_changes(api, a, b))
+    return out
+
+
+def _grant_changes(api: str, a: BrokerGrant, b: BrokerGrant) -> list[str]:
+    out = [f"broker.{api}: operation added {op.method} {op.path}"
+           for op in sorted(set(b.operations) - set(a.operations), key=str)]
+    out += [f"broker.{api}: operation removed {op.method} {op.path}"
+            for op in sorted(set(a.operations) - set(b.operations), key=str)]
+    for k in ("rate_per_second", "burst", "budget_calls", "budget_bytes", "max_body_bytes"):
+        if getattr(a, k) != getattr(b, k):
+            out.append(f"broker.{api}.{k}: {getattr(a, k)} -> {getattr(b, k)}")
     return out
 
 

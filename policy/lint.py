@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import date
+from itertools import chain
 
 from .decide import in_force, utc_today
 from .model import EgressEntry, Profile, SharedFrontend
@@ -175,52 +176,68 @@ def lint_ruleset(
     without `accept_fronting` an error."""
     today = today or utc_today()
     out: dict[tuple[str, int, int, str], Problem] = {}
-
-    def add(p: Problem) -> None:
+    for p in chain(
+        _frontend_problems(rs, today, strict),
+        _expiry_problems(rs, today, expiring_within),
+        _profiles_problems(rs, today),
+        _unused_presets(rs),
+    ):
         out.setdefault((p.file, p.line, p.column, p.message), p)
+    return sorted(out.values(), key=lambda p: (p.file, p.line, p.column, p.message))
 
-    for fp in _frontend_problems(rs, today, strict):
-        add(fp)
+
+def _expiry_problems(rs: RuleSet, today: date, expiring_within: int) -> Iterable[Problem]:
+    """Entries expired (not in force) or expiring within `expiring_within` days."""
     for e in _defined_entries(rs):
         if not in_force(e, today):
-            add(_warn(e, f"entry {e.id!r} expired on {e.expires}; it is not in force "
-                         "(remove it or extend 'expires')"))  # fmt: skip
+            yield _warn(e, f"entry {e.id!r} expired on {e.expires}; it is not in force "
+                           "(remove it or extend 'expires')")  # fmt: skip
         elif e.expires is not None and (e.expires - today).days < expiring_within:
             days = (e.expires - today).days
-            add(_warn(e, f"entry {e.id!r} expires on {e.expires} (in {days} day(s)); "
-                         "review whether it is still needed"))  # fmt: skip
+            yield _warn(e, f"entry {e.id!r} expires on {e.expires} (in {days} day(s)); "
+                           "review whether it is still needed")  # fmt: skip
+
+
+def _profiles_problems(rs: RuleSet, today: date) -> Iterable[Problem]:
+    """Each profile's own warnings, then those of its in-force allow entries."""
     for p in rs.profiles.values():
-        for pp in _profile_problems(p):
-            add(pp)
+        yield from _profile_problems(p)
         for e in p.allow:
-            if not in_force(e, today):
-                continue
-            if e.inspected:
-                wider = _uninspected_cover(p, e, today)
-                if wider is not None:
-                    what = "http block" if e.http is not None else "host_must_match_sni"
-                    add(_warn(e, f"the {what} of {e.id!r} has no effect in profile "
-                                 f"{p.name!r}: {wider.id!r} allows the same hosts and ports "
-                                 "without inspection"))  # fmt: skip
-            d = shadowing_deny(p, e, today)
-            if d is not None:
-                add(_warn(e, f"entry {e.id!r} is shadowed by deny {d.id!r} in profile "
-                             f"{p.name!r}; it never allows anything there"))  # fmt: skip
-                continue
-            if _any_method(e) and e.host is not None:
-                for u in UPLOAD_HOSTS:
-                    if pattern_covers(e.host, u) and not _denied(p, u, today):
-                        add(_warn(e, f"entry {e.id!r} reaches {u}, which accepts uploads, "
-                                     "without an 'http' block (limit methods/paths, e.g. "
-                                     "GET/HEAD)"))  # fmt: skip
-                        break
+            if in_force(e, today):
+                yield from _allow_problems(p, e, today)
+
+
+def _allow_problems(p: Profile, e: EgressEntry, today: date) -> Iterable[Problem]:
+    """An allow entry's inspection that has no effect, a deny that shadows it, or an upload
+    host it reaches with every method."""
+    if e.inspected:
+        wider = _uninspected_cover(p, e, today)
+        if wider is not None:
+            what = "http block" if e.http is not None else "host_must_match_sni"
+            yield _warn(e, f"the {what} of {e.id!r} has no effect in profile "
+                           f"{p.name!r}: {wider.id!r} allows the same hosts and ports "
+                           "without inspection")  # fmt: skip
+    d = shadowing_deny(p, e, today)
+    if d is not None:
+        yield _warn(e, f"entry {e.id!r} is shadowed by deny {d.id!r} in profile "
+                       f"{p.name!r}; it never allows anything there")  # fmt: skip
+        return
+    if _any_method(e) and e.host is not None:
+        for u in UPLOAD_HOSTS:
+            if pattern_covers(e.host, u) and not _denied(p, u, today):
+                yield _warn(e, f"entry {e.id!r} reaches {u}, which accepts uploads, "
+                               "without an 'http' block (limit methods/paths, e.g. "
+                               "GET/HEAD)")  # fmt: skip
+                return
+
+
+def _unused_presets(rs: RuleSet) -> Iterable[Problem]:
     used = {name for p in rs.profiles.values() for name in p.presets}
     for name, preset in rs.presets.items():
         if name not in used and preset.location is not None:
             loc = preset.location
-            add(Problem(loc.file, loc.line, loc.column,
-                        f"preset: {name!r} is not used by any profile", "warning"))  # fmt: skip
-    return sorted(out.values(), key=lambda p: (p.file, p.line, p.column, p.message))
+            yield Problem(loc.file, loc.line, loc.column,
+                          f"preset: {name!r} is not used by any profile", "warning")  # fmt: skip
 
 
 def _any_method(e: EgressEntry) -> bool:

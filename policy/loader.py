@@ -1,318 +1,126 @@
 """`load_rules(dir)`: read, validate and cross-check every rule file, then compile.
 
 Collects every problem (not just the first) so `stockade rules lint` can list them all;
-any error refuses the whole rule set (the gateway keeps its old rules).
+any error refuses the whole rule set (the gateway keeps its old rules). Reading is
+`sources.py`, building one file's objects `build.py`; this module checks across files
+(unique names and rule ids, known presets, APIs and profiles) and versions the set.
 """
 
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from pydantic import BaseModel, ValidationError
-
+from . import build
 from .index import CompiledProfile
-from .model import (
-    ApiDefinition,
-    BrokerGrant,
-    BrokerOperation,
-    CredentialSource,
-    EgressEntry,
-    ExportPolicy,
-    HttpRule,
-    Injection,
-    Limits,
-    PolicyTestCase,
-    Preset,
-    Profile,
-    SharedFrontend,
-    SourceLocation,
-    SyscallRelaxation,
-)
+from .model import ApiDefinition, EgressEntry, PolicyTestCase, Preset, Profile, SourceLocation
 from .problems import Problem, RulesError
 from .ruleset import RuleSet
-from .schema import (
-    ApiModel,
-    CatalogueModel,
-    DenyEntryModel,
-    EntryModel,
-    PresetModel,
-    ProfileModel,
-    TestFileModel,
-)
-from .yamlsrc import Document, Path_, YamlProblem, dotted, read_yaml
-
-KINDS = ("apis", "presets", "profiles", "tests", "catalogues")
-M = TypeVar("M", bound=BaseModel)
-
-
-class _Source:
-    """One rule file: its name for messages, parsed document, and the problem sink."""
-
-    def __init__(self, path: Path, doc: Document, problems: list[Problem]) -> None:
-        self.name = str(path)
-        self.doc = doc
-        self.problems = problems
-
-    def loc(self, path: Path_) -> SourceLocation:
-        m = self.doc.mark_for(path)
-        return SourceLocation(self.name, m.line, m.column)
-
-    def error(self, path: Path_, message: str, at_key: bool = False) -> None:
-        m = self.doc.key_marks.get(path) if at_key else None
-        m = m or self.doc.mark_for(path)
-        self.problems.append(Problem(self.name, m.line, m.column, f"{dotted(path)}: {message}"))
-
-    def validate(self, model: type[M]) -> M | None:
-        if not isinstance(self.doc.data, dict):
-            self.error((), "expected a mapping at the top level")
-            return None
-        try:
-            return model.model_validate(self.doc.data)
-        except ValidationError as e:
-            for err in e.errors():
-                path = tuple(p for p in err["loc"] if isinstance(p, int) or "[" not in p)
-                self.error(path, _message(err), at_key=err["type"] == "extra_forbidden")
-            return None
-
-
-def _message(err: Any) -> str:
-    kind = err["type"]
-    if kind == "extra_forbidden":
-        return "unknown key"
-    if kind == "missing":
-        return "required key is missing"
-    msg = str(err["msg"])
-    return msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
-
-
-def _read_sources(root: Path, problems: list[Problem]) -> dict[str, list[_Source]]:
-    out: dict[str, list[_Source]] = {k: [] for k in KINDS}
-    for kind in KINDS:
-        folder = root / kind
-        if not folder.is_dir():
-            continue
-        files = sorted(p for p in folder.iterdir() if p.suffix in (".yaml", ".yml"))
-        for path in files:
-            try:
-                text = path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as e:
-                problems.append(Problem(str(path), 1, 1, f"cannot read: {e}"))
-                continue
-            try:
-                doc = read_yaml(text, str(path))
-            except YamlProblem as e:
-                problems.append(Problem(str(path), e.mark.line, e.mark.column, e.message))
-                continue
-            if doc.data is None:
-                problems.append(Problem(str(path), 1, 1, "empty file"))
-                continue
-            out[kind].append(_Source(path, doc, problems))
-    return out
-
-
-def _entries(
-    src: _Source,
-    models: list[EntryModel] | list[DenyEntryModel],
-    base: Path_,
-    kind: str,
-    owner: str,
-    origin: str,
-) -> list[EgressEntry]:
-    out = []
-    for i, m in enumerate(models):
-        dest = m.host if m.host is not None else m.cidr
-        assert dest is not None
-        if m.ports is not None:
-            ports = frozenset(m.ports)
-        else:
-            ports = frozenset() if kind == "deny" else frozenset({443})
-        http = None
-        if m.http is not None:
-            http = HttpRule(frozenset(m.http.methods), tuple(m.http.paths))
-        out.append(
-            EgressEntry(
-                id=m.id or f"{owner}:{kind}:{dest}",
-                reason=m.reason,
-                host=m.host,
-                cidr=ipaddress.ip_network(m.cidr) if m.cidr is not None else None,
-                ports=ports,
-                expires=m.expires,
-                http=http,
-                host_must_match_sni=m.host_must_match_sni,
-                accept_fronting=m.accept_fronting,
-                origin=origin,
-                location=src.loc((*base, kind, i)),
-            )
-        )
-    return out
-
-
-def _catalogues(sources: list[_Source]) -> tuple[SharedFrontend, ...]:
-    """Every host pattern and range of the shared front-end catalogues, with its source."""
-    out: list[SharedFrontend] = []
-    names: dict[str, str] = {}
-    for src in sources:
-        cm = src.validate(CatalogueModel)
-        if cm is None:
-            continue
-        if cm.catalogue in names:
-            src.error(("catalogue",), f"duplicate catalogue name (first in {names[cm.catalogue]})")
-            continue
-        names[cm.catalogue] = src.name
-        for i, g in enumerate(cm.frontends):
-            base = ("frontends", i)
-            out.extend(
-                SharedFrontend(g.provider, g.source, g.checked, host=h,
-                               location=src.loc((*base, "hosts", j)))
-                for j, h in enumerate(g.hosts)
-            )  # fmt: skip
-            out.extend(
-                SharedFrontend(g.provider, g.source, g.checked, cidr=ipaddress.ip_network(c),
-                               location=src.loc((*base, "cidrs", j)))
-                for j, c in enumerate(g.cidrs)
-            )  # fmt: skip
-    return tuple(out)
+from .schema import ApiModel, PresetModel, ProfileModel, TestFileModel
+from .sources import M, Source, read_sources
 
 
 def _canonical(data: Any) -> Any:
     return json.loads(json.dumps(data, sort_keys=True, default=str))
 
 
-def load_rules(rules_dir: str | Path) -> RuleSet:
-    """Load and validate `rules_dir`; raises RulesError listing every problem."""
-    root = Path(rules_dir)
-    problems: list[Problem] = []
-    if not root.is_dir():
-        raise RulesError([Problem(str(root), 1, 1, "rules directory not found")])
-    sources = _read_sources(root, problems)
-    ids: dict[str, SourceLocation] = {}
-    canonical: dict[str, dict[str, Any]] = {"apis": {}, "presets": {}, "profiles": {}}
+class _Book:
+    """What the loader gathers across files: the rule ids (unique in the whole set) and
+    the canonical documents the version is the hash of."""
 
-    def claim_ids(src: _Source, entries: list[EgressEntry]) -> None:
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = problems
+        self.ids: dict[str, SourceLocation] = {}
+        self.canonical: dict[str, dict[str, Any]] = {"apis": {}, "presets": {}, "profiles": {}}
+
+    def claim_ids(self, src: Source, entries: list[EgressEntry]) -> None:
         for e in entries:
-            if e.id in ids:
-                first = ids[e.id]
-                assert e.location is not None
-                problems.append(
+            assert e.location is not None
+            if e.id in self.ids:
+                first = self.ids[e.id]
+                self.problems.append(
                     Problem(src.name, e.location.line, e.location.column,
                             f"id: duplicate rule id {e.id!r} (first at {first}); "
                             "give one of the entries an explicit, distinct 'id'")
-                )
+                )  # fmt: skip
             else:
-                assert e.location is not None
-                ids[e.id] = e.location
+                self.ids[e.id] = e.location
 
-    apis: dict[str, ApiDefinition] = {}
-    for src in sources["apis"]:
-        am = src.validate(ApiModel)
-        if am is None:
-            continue
-        if am.api in apis:
-            src.error(("api",), f"duplicate API name (first at {apis[am.api].location})")
-            continue
-        inj = am.inject
-        apis[am.api] = ApiDefinition(
-            name=am.api,
-            base_url=am.base_url,
-            credential=CredentialSource(am.credential.mount, am.credential.path,
-                                        am.credential.field),
-            injection=Injection(inj.style, header=inj.header, template=inj.template,
-                                query_param=inj.param, username=inj.username),
-            allow_plain_http=am.allow_plain_http,
-            description=am.description,
-            location=src.loc(()),
-        )
-        canonical["apis"][am.api] = _canonical(src.doc.data)
-
-    presets: dict[str, Preset] = {}
-    for src in sources["presets"]:
-        pm = src.validate(PresetModel)
-        if pm is None:
-            continue
-        if pm.preset in presets:
-            first = presets[pm.preset].location
-            src.error(("preset",), f"duplicate preset name (first at {first})")
-            continue
-        origin = f"preset:{pm.preset}"
-        allow = _entries(src, pm.allow, (), "allow", pm.preset, origin)
-        deny = _entries(src, pm.deny, (), "deny", pm.preset, origin)
-        claim_ids(src, allow + deny)
-        presets[pm.preset] = Preset(pm.preset, pm.description, tuple(allow), tuple(deny),
-                                    src.loc(()))  # fmt: skip
-        canonical["presets"][pm.preset] = _canonical(src.doc.data)
-
-    profiles: dict[str, Profile] = {}
-    for src in sources["profiles"]:
-        prm = src.validate(ProfileModel)
-        if prm is None:
-            continue
-        if prm.profile in profiles:
-            src.error(("profile",), f"duplicate profile name (first at "
-                      f"{profiles[prm.profile].location})")  # fmt: skip
-            continue
-        name = prm.profile
-        origin = f"profile:{name}"
-        allow = _entries(src, prm.egress.allow, ("egress",), "allow", name, origin)
-        deny = _entries(src, prm.egress.deny, ("egress",), "deny", name, origin)
-        claim_ids(src, allow + deny)
-        seen: set[str] = set()
-        for i, pname in enumerate(prm.egress.presets):
-            if pname in seen:
-                src.error(("egress", "presets", i), f"preset {pname!r} listed twice")
-                continue
-            seen.add(pname)
-            preset = presets.get(pname)
-            if preset is None:
-                known = ", ".join(sorted(presets)) or "none"
-                src.error(("egress", "presets", i), f"unknown preset {pname!r} (known: {known})")
-                continue
-            allow.extend(preset.allow)
-            deny.extend(preset.deny)
-        grants: dict[str, BrokerGrant] = {}
-        for api, g in prm.broker.apis.items():
-            if api not in apis:
-                known = ", ".join(sorted(apis)) or "none"
-                src.error(("broker", "apis", api), f"unknown API {api!r} (known: {known})")
-                continue
-            grants[api] = BrokerGrant(
-                api=api,
-                operations=tuple(BrokerOperation(o.method, o.path) for o in g.operations),
-                rate_per_second=g.rate,
-                burst=g.burst,
-                budget_calls=g.budget.calls,
-                budget_bytes=g.budget.bytes,
-                max_body_bytes=g.max_body,
-            )
-        lim = prm.limits
-        sc = prm.sandbox.syscalls
-        profiles[name] = Profile(
-            name=name,
-            description=prm.description,
-            isolation=prm.isolation,
-            limits=Limits(cpus=lim.cpus, memory=lim.memory, disk=lim.disk, pids=lim.pids,
-                          ttl=lim.ttl, egress_bytes=lim.egress_bytes),
-            mode=prm.egress.mode,
-            proxy_env=prm.egress.proxy_env,
-            allow=tuple(allow),
-            deny=tuple(deny),
-            presets=tuple(prm.egress.presets),
-            broker=grants,
-            exports=ExportPolicy(prm.exports.max_file, prm.exports.max_total,
-                                 tuple(prm.exports.types)),
-            syscalls=None if sc is None else SyscallRelaxation(
-                frozenset(sc.allow), sc.reason, src.loc(("sandbox", "syscalls"))),
-            location=src.loc(()),
-        )
+    def keep(self, kind: str, name: str, src: Source) -> None:
         # the whole document, so every setting is in the version (`egress.proxy_env: true`
         # changes the sandbox's environment and firewall: a rule change like any other)
-        canonical["profiles"][name] = _canonical(src.doc.data)
+        self.canonical[kind][name] = _canonical(src.doc.data)
 
+    def version(self) -> str:
+        blob = json.dumps(self.canonical, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _named(
+    sources: list[Source], schema: type[M], key: str, label: str, known: Mapping[str, Any]
+) -> Iterator[tuple[Source, M]]:
+    """Each valid document whose name (its `key`) is not in `known` yet; the caller adds
+    every one it is handed, so a later file of the same name is reported as a duplicate."""
+    for src in sources:
+        doc = src.validate(schema)
+        if doc is None:
+            continue
+        name = getattr(doc, key)
+        if name in known:
+            src.error((key,), f"duplicate {label} name (first at {known[name].location})")
+            continue
+        yield src, doc
+
+
+def _apis(sources: list[Source], book: _Book) -> dict[str, ApiDefinition]:
+    apis: dict[str, ApiDefinition] = {}
+    for src, am in _named(sources, ApiModel, "api", "API", apis):
+        apis[am.api] = build.api_definition(src, am)
+        book.keep("apis", am.api, src)
+    return apis
+
+
+def _presets(sources: list[Source], book: _Book) -> dict[str, Preset]:
+    presets: dict[str, Preset] = {}
+    for src, pm in _named(sources, PresetModel, "preset", "preset", presets):
+        origin = f"preset:{pm.preset}"
+        allow = build.entries(src, pm.allow, (), "allow", pm.preset, origin)
+        deny = build.entries(src, pm.deny, (), "deny", pm.preset, origin)
+        book.claim_ids(src, allow + deny)
+        presets[pm.preset] = Preset(pm.preset, pm.description, tuple(allow), tuple(deny),
+                                    src.loc(()))  # fmt: skip
+        book.keep("presets", pm.preset, src)
+    return presets
+
+
+def _profiles(
+    sources: list[Source],
+    presets: Mapping[str, Preset],
+    apis: Mapping[str, ApiDefinition],
+    book: _Book,
+) -> dict[str, Profile]:
+    profiles: dict[str, Profile] = {}
+    for src, prm in _named(sources, ProfileModel, "profile", "profile", profiles):
+        name = prm.profile
+        origin = f"profile:{name}"
+        allow = build.entries(src, prm.egress.allow, ("egress",), "allow", name, origin)
+        deny = build.entries(src, prm.egress.deny, ("egress",), "deny", name, origin)
+        book.claim_ids(src, allow + deny)  # before the presets': those were claimed there
+        build.add_presets(src, prm.egress.presets, presets, allow, deny)
+        grants = build.grants(src, prm, apis)
+        profiles[name] = build.profile(src, prm, allow, deny, grants)
+        book.keep("profiles", name, src)
+    return profiles
+
+
+def _tests(
+    sources: list[Source], profiles: Mapping[str, Profile], ids: Mapping[str, SourceLocation]
+) -> list[PolicyTestCase]:
     tests: list[PolicyTestCase] = []
-    for src in sources["tests"]:
+    for src in sources:
         tm = src.validate(TestFileModel)
         if tm is None:
             continue
@@ -334,12 +142,27 @@ def load_rules(rules_dir: str | Path) -> RuleSet:
                     location=src.loc(("tests", i)),
                 )
             )
+    return tests
 
-    frontends = _catalogues(sources["catalogues"])
+
+def load_rules(rules_dir: str | Path) -> RuleSet:
+    """Load and validate `rules_dir`; raises RulesError listing every problem."""
+    root = Path(rules_dir)
+    problems: list[Problem] = []
+    if not root.is_dir():
+        raise RulesError([Problem(str(root), 1, 1, "rules directory not found")])
+    sources = read_sources(root, problems)
+    book = _Book(problems)
+    # in this order: presets before the profiles that list them, profiles and every
+    # rule id before the tests that name them (and the problems in file order per kind)
+    apis = _apis(sources["apis"], book)
+    presets = _presets(sources["presets"], book)
+    profiles = _profiles(sources["profiles"], presets, apis, book)
+    tests = _tests(sources["tests"], profiles, book.ids)
+    frontends = build.catalogues(sources["catalogues"])
     if any(p.severity == "error" for p in problems):
         raise RulesError(problems)
-    blob = json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()
-    version = hashlib.sha256(blob).hexdigest()[:16]
+    version = book.version()
     return RuleSet(
         root=str(root),
         version=version,

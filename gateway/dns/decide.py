@@ -25,9 +25,9 @@ from stockade.policy.hosts import HostError, normalize_host
 from stockade.policy.ruleset import RuleSet
 
 from stockade.events import make_event
+from stockade.net.resolver import Resolution
 from stockade.tasks.registry import Task
 
-from ..resolver import Resolution
 from .guards import GuardState, shannon_entropy
 from .namebudget import DETAIL, Budget
 from .packet import CLASS_IN, OPCODE_QUERY, Query, Record, Reply, rcode_name

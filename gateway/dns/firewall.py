@@ -23,9 +23,9 @@ from prometheus_client import CollectorRegistry, Counter
 from stockade.policy import Reason
 from stockade.policy.ruleset import RuleSet
 
+from stockade.net.resolver import Resolver, parse_server
 from stockade.tasks.registry import Task, TaskRegistry
 
-from ..resolver import Resolver, parse_server
 from .decide import (
     NeedResolve,
     Outcome,

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from stockade.policy.reasons import Reason
 
 from .namebudget import Budget, NameBudget, NameBudgetLimits, wildcard_suffix
+from .settings import settings_view
 
 if TYPE_CHECKING:
     from stockade.policy.ruleset import RuleSet
@@ -197,12 +198,7 @@ class NameLimits:
 
     @classmethod
     def from_settings(cls, settings: DnsSettings) -> NameLimits:
-        return cls(
-            settings.max_label_length,
-            settings.max_name_length,
-            settings.entropy_min_label_length,
-            settings.entropy_threshold_bits,
-        )
+        return settings_view(cls, settings)
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from .labelshape import name_shape
+from .settings import settings_view
 
 if TYPE_CHECKING:
     from stockade.policy.ruleset import RuleSet
@@ -65,13 +66,10 @@ class NameBudgetLimits:
 
     @classmethod
     def from_settings(cls, s: DnsSettings) -> NameBudgetLimits:
-        return cls(
-            s.name_budget_window_s,
-            s.wildcard_names_per_window,
-            s.name_bytes_per_window,
-            s.encoded_names_per_window,
-            s.encoded_min_label_length,
-        )
+        return settings_view(cls, s, window_s="name_budget_window_s",
+                             names_per_entry="wildcard_names_per_window",
+                             name_bytes="name_bytes_per_window",
+                             encoded_names="encoded_names_per_window")  # fmt: skip
 
 
 @dataclass(slots=True)

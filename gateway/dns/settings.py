@@ -1,10 +1,13 @@
 """The `dns:` section of stockade.yaml (the DNS firewall inside the gateway)."""
 
-from typing import Literal
+from dataclasses import fields
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from stockade.listen import ListenAddress
+
+V = TypeVar("V")
 
 
 class DnsSettings(BaseModel):
@@ -45,3 +48,11 @@ class DnsSettings(BaseModel):
     # concurrent DNS-over-TCP connections per source address (one task's share)
     max_tcp_connections_per_task: int = Field(16, ge=1)
     max_pending: int = Field(1024, ge=1)  # upstream lookups in flight; beyond it: SERVFAIL
+
+
+def settings_view(view: type[V], settings: DnsSettings, **renamed: str) -> V:
+    """The dataclass `view` filled from `settings`: each field from the setting of the same
+    name, or of the name `renamed` gives it. (The guards keep small frozen records of their
+    own: `name_violation` caches on them, and the tests build them without the model.)"""
+    names = fields(view)  # type: ignore[arg-type]
+    return view(**{f.name: getattr(settings, renamed.get(f.name, f.name)) for f in names})

@@ -26,10 +26,11 @@ not log one by one (`suppressed_events`, the name budgets' summaries).
 
 from __future__ import annotations
 
-import ipaddress
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
+
+from stockade.net.addresses import is_ip_literal
 
 from .build import make_event, timestamp
 
@@ -109,14 +110,6 @@ def _carries_a_count(ev: Event) -> bool:
     most one per entry, budget and interval, so passing them keeps the bound."""
     n = _get(ev, "stockade", "suppressed_events")
     return isinstance(n, int) and not isinstance(n, bool) and n > 0
-
-
-def _is_ip(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True
 
 
 class EventThrottle:
@@ -245,7 +238,7 @@ class EventThrottle:
             reason = "" if reason == OVERFLOW else reason
             action = "" if action == OVERFLOW else action
             decision = "" if decision == OVERFLOW else decision
-        ip = dst if _is_ip(dst) else None
+        ip = dst if is_ip_literal(dst) else None
         return make_event(
             component=component,  # type: ignore[arg-type]
             action=SUMMARY_ACTION,

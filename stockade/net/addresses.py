@@ -122,6 +122,14 @@ def _lookup(blocks: tuple[_Block, ...], value: int) -> str | None:
 _TABLE_V4, _TABLE_V6 = _compile((ipaddress.ip_network(n), c) for n, c in SPECIAL_PURPOSE)
 
 
+def _special_category(addr: IPAddress, v4: bool, value: int) -> str | None:
+    """The registry's category for `addr`; IPv6 outside global unicast is "reserved"."""
+    category = _lookup(_TABLE_V4 if v4 else _TABLE_V6, value)
+    if category is None and not v4 and addr not in _GLOBAL_UNICAST_V6:
+        return "reserved"
+    return category
+
+
 def parse_address(ip: object) -> IPAddress | None:
     """Any str / bytes / int / ipaddress value to an address, or None when it is not one."""
     try:
@@ -145,6 +153,16 @@ def parse_address(ip: object) -> IPAddress | None:
     except (ValueError, UnicodeDecodeError, TypeError):
         return None
     return None
+
+
+def is_ip_literal(text: str, version: int | None = None) -> bool:
+    """Is `text` an IP address as written (of `version` when given)? Unlike
+    `parse_address`, nothing is taken off first: brackets make it not one."""
+    try:
+        addr = ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return version is None or addr.version == version
 
 
 def embedded_ipv4(addr: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
@@ -190,30 +208,36 @@ class AddressPolicy:
         return self._check(addr, depth=0)
 
     def _check(self, addr: IPAddress, depth: int) -> str | None:
-        value = int(addr)
         v4 = addr.version == 4
-        if _lookup(self._own_v4 if v4 else self._own_v6, value) is not None:
-            return "own_address"
-        # a dual-stack socket dials the mapped IPv4 address: the gateway's own
-        # addresses must stay forbidden in that spelling too
-        mapped = addr.ipv4_mapped if isinstance(addr, ipaddress.IPv6Address) else None
-        if mapped is not None and _lookup(self._own_v4, int(mapped)) is not None:
+        if self._is_own(addr, v4):
             return "own_address"
         if addr in self._metadata and addr not in self._exact_allow:
             return "metadata"
+        value = int(addr)
         allowed = _lookup(self._allow_v4 if v4 else self._allow_v6, value) is not None
-        category = _lookup(_TABLE_V4 if v4 else _TABLE_V6, value)
-        if category is None and not v4 and addr not in _GLOBAL_UNICAST_V6:
-            category = "reserved"
+        category = _special_category(addr, v4, value)
         if isinstance(addr, ipaddress.IPv6Address) and depth == 0:
-            for inner in embedded_ipv4(addr):
-                inner_cat = self._check(inner, depth + 1)
-                if inner_cat is not None:
-                    # an exempted translation prefix still may not reach a forbidden IPv4
-                    return category if category is not None and not allowed else inner_cat
-        if allowed:
-            return None
-        return category
+            inner_cat = self._embedded_category(addr)
+            if inner_cat is not None:
+                # an exempted translation prefix still may not reach a forbidden IPv4
+                return category if category is not None and not allowed else inner_cat
+        return None if allowed else category
+
+    def _is_own(self, addr: IPAddress, v4: bool) -> bool:
+        if _lookup(self._own_v4 if v4 else self._own_v6, int(addr)) is not None:
+            return True
+        # a dual-stack socket dials the mapped IPv4 address: the gateway's own
+        # addresses must stay forbidden in that spelling too
+        mapped = addr.ipv4_mapped if isinstance(addr, ipaddress.IPv6Address) else None
+        return mapped is not None and _lookup(self._own_v4, int(mapped)) is not None
+
+    def _embedded_category(self, addr: ipaddress.IPv6Address) -> str | None:
+        """The first forbidding category among the IPv4 addresses `addr` carries."""
+        for inner in embedded_ipv4(addr):
+            inner_cat = self._check(inner, depth=1)
+            if inner_cat is not None:
+                return inner_cat
+        return None
 
     def dialable(self, ip: object) -> bool:
         return self.check(ip) is None

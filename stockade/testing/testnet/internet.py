@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from stockade.lifecycle import StartStop
 from stockade.testing._startup import stop_on_failure
@@ -42,6 +42,16 @@ READY_TIMEOUT = 30.0
 DEFAULT_API_KEY = "sk-demo-0123456789abcdef"
 
 ExtraRecords = Mapping[str, Iterable[Record | tuple[str, str] | tuple[str, str, int]]]
+
+
+T = TypeVar("T")
+
+
+def _started(value: T | None) -> T:
+    """`value`, set by `start()`; before that the rig has nothing to say."""
+    if value is None:
+        raise RuntimeError("FakeInternet not started")
+    return value
 
 
 class FakeInternet(StartStop):
@@ -84,9 +94,7 @@ class FakeInternet(StartStop):
 
     @property
     def layout(self) -> Layout:
-        if self._layout is None:
-            raise RuntimeError("FakeInternet not started")
-        return self._layout
+        return _started(self._layout)
 
     @property
     def subnet(self) -> str:
@@ -122,15 +130,11 @@ class FakeInternet(StartStop):
 
     @property
     def ca_pem(self) -> str:
-        if self._tmp is None:
-            raise RuntimeError("FakeInternet not started")
-        return str(self._tmp / "ca.pem")
+        return str(self.workdir / "ca.pem")
 
     @property
     def workdir(self) -> Path:
-        if self._tmp is None:
-            raise RuntimeError("FakeInternet not started")
-        return self._tmp
+        return _started(self._tmp)
 
     @property
     def git_root(self) -> Path:
