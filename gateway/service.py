@@ -109,7 +109,7 @@ class GatewayService:
         # task's name-budget summaries are written and counted before its totals
         self.registry.on_removed(lambda task: self.writer.end_task(task.task_id), last=True)
         # L7 inspection: a supervised mitmproxy child for flows whose allow entries need
-        # method/path (gateway/inspection.py); without it they stay denied, fail closed
+        # method/path (gateway/inspector/requests.py); without it they stay denied, fail closed
         self.inspector: InspectorSupervisor | None = None
         if gs.inspection.enabled:
             self.inspector = InspectorSupervisor(config)

@@ -3,9 +3,7 @@ gateway's side of it (`supervisor.py`) and the pure pieces both share (`handoff.
 `requests.py`).
 
 The names below are re-exported lazily (PEP 562): importing the package loads none of
-its modules, so `gateway/inspection.py` (which re-exports `handoff` and `requests`) and
-the modules here that import it cannot form an import cycle, and nothing imports
-mitmproxy before the inspector runs.
+its modules, so nothing imports mitmproxy before the inspector runs.
 """
 
 from __future__ import annotations
