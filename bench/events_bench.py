@@ -1,12 +1,12 @@
 """CPU per event: build (`make_event`) + write (`EventWriter.write`), old vs current.
 
 The shapes are the ones on hot paths: the gateway's `connection_decision` and
-`connection_close` per connection (gateway/server.py `_decision_event`, `_emit_close`)
-and the broker's `broker_call` audit event per call (broker/server.py). "old" is the
-implementation before the events speed-up (recursive `_drop_empty` pass, `json.dumps`
-per event), copied below so that both run side by side, in interleaved rounds, in one
-process; the current one is `stockade.events`. Both write to a real file (O_APPEND, one
-write(2) per line), in a temporary directory.
+`connection_close` per connection (gateway/conn_events.py `decision_event`,
+`close_event`) and the broker's `broker_call` audit event per call (broker/audit.py
+`audit_event`). "old" is the implementation before the events speed-up (recursive
+`_drop_empty` pass, `json.dumps` per event), copied below so that both run side by side,
+in interleaved rounds, in one process; the current one is `stockade.events`. Both write
+to a real file (O_APPEND, one write(2) per line), in a temporary directory.
 
 CPU is this thread's CPU time (`time.thread_time_ns`) over `--events` events per round;
 the table shows the median over `--rounds` rounds in microseconds per event. Before
@@ -46,7 +46,7 @@ class OldWriter(EventWriter):
 
 
 def decision_kw(i: int, now: float | None) -> dict[str, Any]:
-    """gateway/server.py `_decision_event`, an allowed transparent TLS flow."""
+    """gateway/conn_events.py `decision_event`, an allowed transparent TLS flow."""
     return dict(
         component="gateway",
         action="connection_decision",
@@ -75,7 +75,7 @@ def decision_kw(i: int, now: float | None) -> dict[str, Any]:
 
 
 def close_kw(i: int, now: float | None) -> dict[str, Any]:
-    """gateway/server.py `_emit_close`, a normal close."""
+    """gateway/conn_events.py `close_event`, a normal close."""
     return dict(
         component="gateway",
         action="connection_close",
@@ -103,7 +103,7 @@ def close_kw(i: int, now: float | None) -> dict[str, Any]:
 
 
 def broker_kw(i: int, now: float | None) -> dict[str, Any]:
-    """broker/server.py's `broker_call` audit event (extra already without None)."""
+    """broker/audit.py `audit_event`: the `broker_call` event (extra already without None)."""
     extra = {
         "api": "github",
         "status": 200,

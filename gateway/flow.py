@@ -5,7 +5,7 @@ per flow" (CONNECT authority, SNI, Host and absolute-URI authority must all name
 same host and port) before the rule engine (`stockade.policy.decide`) is asked, and it
 never offers the client's original destination address as something to dial except
 for raw-TCP `cidr` flows, where that address is exactly what a rule allowed.
-No I/O: the asyncio shell (`server.py`) resolves and dials what this returns.
+No I/O: the asyncio shell (`tcp/pipeline.py`, `tcp/dial.py`) resolves and dials it.
 """
 
 from __future__ import annotations

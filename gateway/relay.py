@@ -135,7 +135,7 @@ class Relay:
         self.bytes_up = len(first)
         self.bytes_down = 0
         # at most this many bytes (with `first`) ever go upstream; the client's bytes
-        # after them are never read (a plain-HTTP request's framed end, see server.py)
+        # after them are never read (a plain-HTTP request's framed end, see tcp/start.py)
         self.up_left = None if up_limit is None else max(0, up_limit - len(first))
 
     async def run(self) -> None:

@@ -6,8 +6,9 @@ Why this shape (see ARCHITECTURE.md, "mitmproxy" pitfalls):
   entries are all inspected (an `http:` block, or `host_must_match_sni: true`, which
   asks only for the Host check of `requests.decide_request`, on every request), it
   resolves the allowed name itself, checks the addresses against the special-purpose
-  registry (the same `_checked_dial` path as every other flow, only without
-  connecting), and hands the flow to the inspector with `CONNECT <checked-ip>:<port>`.
+  registry (`Dialer.checked_addresses` in `gateway/tcp/dial.py`, as for every other
+  flow, only without connecting: `hand_over`), and hands the flow to the inspector with
+  `CONNECT <checked-ip>:<port>`.
   The inspector (mitmproxy, a child process: see `child.py`) dials only that literal
   address, never a name and never the client's original destination; its
   `server_connect` hook refuses any other address.

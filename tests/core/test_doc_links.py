@@ -34,3 +34,37 @@ def _broken(page: Path) -> list[str]:
 def test_relative_links_resolve():
     broken = {str(p.relative_to(ROOT)): b for p in PAGES if (b := _broken(p))}
     assert broken == {}
+
+
+# `path.py` `Name` and `path.py` (`Name`: the module the architecture page names, then a
+# name in it; `Class.method` names a method of that class's module. A bare `name.py` is
+# relative to the folder its sentence names, so only paths with a folder are checked.
+_CITED = re.compile(r"`([\w/]+/\w+\.py)`(?:'s)?\s+\(?`([A-Za-z_][\w.]*)`")
+_FILE = re.compile(r"`([\w/]+/\w+\.py)`")
+
+
+def _defines(source: str, name: str) -> bool:
+    for part in name.split("."):
+        part = re.escape(part)
+        if not re.search(rf"^\s*(?:async\s+def|def|class)\s+{part}\b|^\s*{part}\s*[:=]", source,
+                         flags=re.M):
+            return False
+    return True
+
+
+def _stale_citations(page: Path) -> list[str]:
+    text = _FENCE.sub("", page.read_text())
+    out = []
+    for path in sorted(set(_FILE.findall(text))):
+        if not (ROOT / path).is_file():
+            out.append(f"{path}: no such file")
+    for path, name in _CITED.findall(text):
+        file = ROOT / path
+        if file.is_file() and not _defines(file.read_text(), name):
+            out.append(f"{path} {name}: not defined there")
+    return out
+
+
+def test_architecture_citations_exist():
+    """The data paths of docs/architecture.md name modules and functions that exist."""
+    assert _stale_citations(ROOT / "docs" / "architecture.md") == []
