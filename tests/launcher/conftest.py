@@ -167,6 +167,23 @@ def command_running(task_id: str, comm: str) -> bool:
     return False
 
 
+@contextlib.contextmanager
+def control_server(registry: TaskRegistry, sock: Path) -> Iterator[None]:
+    """A task control server for `registry` on `sock`, on an event loop in a thread of its
+    own (a gateway's or a broker's registry, outside the lab's)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    runner = asyncio.run_coroutine_threadsafe(
+        start_control_server(make_control_app(registry), sock), loop).result(10)
+    try:
+        yield
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
 def profiles() -> dict[str, Profile]:
     small = Limits(cpus=1.0, memory=64 * 2**20, disk=8 * 2**20, pids=64, ttl=30)
     return {
