@@ -55,7 +55,7 @@ def test_v1_limits_freeze_kill_remove() -> None:
         assert cg.pids() == [p.pid]
         cg.freeze(True)
         assert eventually(lambda: (cg.dirs["freezer"] / "freezer.state").read_text().strip()
-                          == "FROZEN", 1, 0.01)
+                          == "FROZEN", interval=0.01)
         cg.freeze(False)
         cg.kill_all()
         p.wait(timeout=10)
@@ -86,7 +86,7 @@ def test_v2_paths_on_unified_hierarchy() -> None:
         p = _spawn_into(str(d / "cgroup.procs"))
         assert cg.pids() == [p.pid]
         cg.freeze(True)
-        assert eventually(lambda: "frozen 1" in (d / "cgroup.events").read_text(), 1, 0.01)
+        assert eventually(lambda: "frozen 1" in (d / "cgroup.events").read_text(), interval=0.01)
         cg.freeze(False)
         cg.kill_all()
         p.wait(timeout=10)
