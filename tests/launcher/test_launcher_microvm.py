@@ -474,7 +474,7 @@ def test_accel_auto_is_probed_once_and_cached(lab: Lab, tmp_path: Path,
 
     def slow_timeout(*a: object) -> str:
         calls.append(a)
-        time.sleep(0.3)
+        time.sleep(0.3)  # a slow probe: the other threads reach the flock meanwhile
         return "timeout"
 
     # concurrent first sandboxes: one probe (under the flock), every one gets its answer

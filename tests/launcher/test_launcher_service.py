@@ -400,7 +400,7 @@ def test_a_run_that_ends_itself_has_one_end_event(served: Served, lab: Lab) -> N
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout)
     assert res["stdout"] == "done\n"
-    time.sleep(1.5)
+    time.sleep(1.5)  # the service's reconcile rounds (1 s): none may add an end event
     ends = _ends(lab, res["task_id"])
     assert [e["stockade"]["ended_by"] for e in ends] == ["exit"]
 
