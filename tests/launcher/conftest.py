@@ -18,7 +18,6 @@ import socket
 import struct
 import subprocess
 import threading
-import time
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from polling import eventually
 from stockade.launcher import Launcher, RunResult, SandboxSpec
 from stockade.launcher.cgroups import remove_parent
 from stockade.policy.model import ExportPolicy, Limits, Profile, SyscallRelaxation
@@ -123,11 +123,11 @@ class Lab:
         return self.run(["python3", "-c", code], profile=profile, **kw)
 
     def background(
-        self, argv: list[str], profile: str = "test", polls: int = 500, **kw: Any
+        self, argv: list[str], profile: str = "test", start_timeout: float = 10.0, **kw: Any
     ) -> tuple[threading.Thread, dict[str, Any]]:
         """Run a sandbox in a thread: the thread, and a box with the sandbox's `list()` row
-        once it is running (polled every 10 ms, `polls` times) and, when it ends, its
-        `result`."""
+        once it is running (polled every 10 ms for up to `start_timeout` s) and, when it
+        ends, its `result`."""
         box: dict[str, Any] = {}
         known = {r["task_id"] for r in self.launcher.list()}
 
@@ -136,14 +136,13 @@ class Lab:
 
         t = threading.Thread(target=go, daemon=True)
         t.start()
-        for _ in range(polls):
-            new = [r for r in self.launcher.list()
-                   if r["task_id"] not in known and r["state"] == "running"]
-            if new:
-                box.update(new[0])
-                return t, box
-            time.sleep(0.01)
-        raise AssertionError(f"the {profile} sandbox did not start")
+        new = eventually(lambda: [r for r in self.launcher.list()
+                                  if r["task_id"] not in known and r["state"] == "running"],
+                         timeout=start_timeout, interval=0.01)
+        if not new:
+            raise AssertionError(f"the {profile} sandbox did not start")
+        box.update(new[0])
+        return t, box
 
     def events(self, task_id: str) -> list[dict[str, Any]]:
         evs = [e for e in read_events(self.config.events_file)
@@ -154,6 +153,35 @@ class Lab:
 
     def bypass(self, task_id: str) -> list[dict[str, Any]]:
         return [e for e in self.events(task_id) if e["event"]["action"] == "bypass_attempt"]
+
+
+def command_running(task_id: str, comm: str) -> bool:
+    """True when a process named `comm` sits in the sandbox's cgroup (v1 or v2)."""
+    for procs in Path("/sys/fs/cgroup").glob(f"**/{task_id}/cgroup.procs"):
+        for pid in procs.read_text().split():
+            try:
+                if Path(f"/proc/{pid}/comm").read_text().strip() == comm:
+                    return True
+            except OSError:
+                continue
+    return False
+
+
+@contextlib.contextmanager
+def control_server(registry: TaskRegistry, sock: Path) -> Iterator[None]:
+    """A task control server for `registry` on `sock`, on an event loop in a thread of its
+    own (a gateway's or a broker's registry, outside the lab's)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    runner = asyncio.run_coroutine_threadsafe(
+        start_control_server(make_control_app(registry), sock), loop).result(10)
+    try:
+        yield
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
 
 
 def profiles() -> dict[str, Profile]:

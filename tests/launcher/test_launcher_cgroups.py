@@ -8,10 +8,10 @@ import contextlib
 import os
 import secrets
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
+from polling import eventually
 from stockade.launcher.cgroups import (
     V1_CONTROLLERS,
     CgroupSet,
@@ -54,11 +54,8 @@ def test_v1_limits_freeze_kill_remove() -> None:
             Path(f).write_text(str(p.pid))
         assert cg.pids() == [p.pid]
         cg.freeze(True)
-        for _ in range(100):
-            if (cg.dirs["freezer"] / "freezer.state").read_text().strip() == "FROZEN":
-                break
-            time.sleep(0.01)
-        assert (cg.dirs["freezer"] / "freezer.state").read_text().strip() == "FROZEN"
+        assert eventually(lambda: (cg.dirs["freezer"] / "freezer.state").read_text().strip()
+                          == "FROZEN", interval=0.01)
         cg.freeze(False)
         cg.kill_all()
         p.wait(timeout=10)
@@ -89,11 +86,7 @@ def test_v2_paths_on_unified_hierarchy() -> None:
         p = _spawn_into(str(d / "cgroup.procs"))
         assert cg.pids() == [p.pid]
         cg.freeze(True)
-        for _ in range(100):
-            if "frozen 1" in (d / "cgroup.events").read_text():
-                break
-            time.sleep(0.01)
-        assert "frozen 1" in (d / "cgroup.events").read_text()
+        assert eventually(lambda: "frozen 1" in (d / "cgroup.events").read_text(), interval=0.01)
         cg.freeze(False)
         cg.kill_all()
         p.wait(timeout=10)

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import secrets
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +18,9 @@ from stockade.launcher.cgroups import leftover_names
 from stockade.config import load_config
 from stockade.events import validate
 from stockade.stack.run import _parse_input
-from stockade.tasks import TaskRegistry, make_control_app, start_control_server
+from stockade.tasks import TaskRegistry
 
-from .conftest import Lab
+from .conftest import Lab, control_server
 
 pytestmark = pytest.mark.netns
 
@@ -190,13 +188,8 @@ def test_run_on_a_full_state_disk(lab: Lab, tmp_path: Path, full_disk: Any) -> N
 
     # the launcher's state has room; the gateway's registry does not
     registry = TaskRegistry(disk.path / "gateway-tasks.json")
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
     sock = tmp_path / "full-gateway.sock"
-    runner = asyncio.run_coroutine_threadsafe(
-        start_control_server(make_control_app(registry), sock), loop).result(10)
-    try:
+    with control_server(registry, sock):
         gateway = lab.config.gateway.model_copy(update={"control_socket": str(sock)})
         cfg = _own_launcher_config(lab, tmp_path, tmp_path / "state-ok", gateway=gateway)
         p = _stockade("run", "--profile", "cli", "--rules", str(rules), "--config", str(cfg),
@@ -209,7 +202,3 @@ def test_run_on_a_full_state_disk(lab: Lab, tmp_path: Path, full_disk: Any) -> N
         assert json.loads((tmp_path / "state-ok" / "launcher" /
                            f"{load_config(cfg).launcher.nft_table}.json").read_text()) == {
             "sandboxes": []}
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)

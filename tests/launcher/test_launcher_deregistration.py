@@ -4,10 +4,8 @@ new sandbox gets (launcher/deregistration.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import secrets
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,9 +13,9 @@ from typing import Any
 import pytest
 from stockade.launcher import Launcher
 
-from stockade.tasks import TaskRegistry, make_control_app, start_control_server
+from stockade.tasks import TaskRegistry
 
-from .conftest import Lab
+from .conftest import Lab, control_server
 
 pytestmark = pytest.mark.netns
 
@@ -29,12 +27,7 @@ def full_gateway(lab: Lab, tmp_path: Path, full_disk: Any) -> Iterator[tuple[Any
     (own table, names, cgroups, scratch, addresses) in a copy of the lab."""
     disk = full_disk("gwstate")
     registry = TaskRegistry(disk.path / "gateway-tasks.json")
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
     sock = tmp_path / "gw.sock"
-    runner = asyncio.run_coroutine_threadsafe(
-        start_control_server(make_control_app(registry), sock), loop).result(10)
     sfx = secrets.token_hex(2)
     settings = lab.config.launcher.model_copy(update={
         "nft_table": f"stockade_dr{sfx}", "name_prefix": f"d{sfx[:3]}",
@@ -43,16 +36,14 @@ def full_gateway(lab: Lab, tmp_path: Path, full_disk: Any) -> Iterator[tuple[Any
     cfg = lab.config.model_copy(update={
         "state_dir": str(tmp_path / "state"), "launcher": settings,
         "gateway": lab.config.gateway.model_copy(update={"control_socket": str(sock)})})
-    launcher = Launcher(cfg, nflog=False)
-    launcher.start()
-    try:
-        yield disk, registry, dataclasses.replace(lab, launcher=launcher, config=cfg)
-    finally:
-        disk.free()
-        launcher.close()
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+    with control_server(registry, sock):
+        launcher = Launcher(cfg, nflog=False)
+        launcher.start()
+        try:
+            yield disk, registry, dataclasses.replace(lab, launcher=launcher, config=cfg)
+        finally:
+            disk.free()
+            launcher.close()
 
 
 def _killed_on_a_full_disk(disk: Any, registry: TaskRegistry, box: Lab) -> str:

@@ -12,16 +12,16 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from polling import wait_until
 from stockade.launcher import RunResult
 
 from stockade.events import validate
 
-from .conftest import Lab
+from .conftest import Lab, command_running
 
 pytestmark = pytest.mark.netns
 
@@ -156,7 +156,9 @@ def test_host_service_ports(lab: Lab) -> None:
 
 def _background(lab: Lab, argv: list[str]) -> tuple[threading.Thread, dict[str, Any]]:
     t, box = lab.background(argv)
-    time.sleep(0.3)  # let its init reach the command
+    # "running" is the record: wait for its init to reach the command
+    wait_until(lambda: command_running(box["task_id"], argv[0]),
+               what=f"{argv[0]} in the sandbox")
     return t, box
 
 
@@ -210,7 +212,10 @@ def test_ipv6_disabled_and_dropped(lab: Lab, fake_internet: Any) -> None:
                         "python3 -c \"import socket; s=socket.socket(socket.AF_INET6,"
                         "socket.SOCK_DGRAM); [s.sendto(b'x', ('fd00:5::1', 53)) "
                         "for _ in range(3)]\"")
-        time.sleep(0.3)
+        wait_until(lambda: [e for e in lab.bypass(box["task_id"])
+                            if e["rule"]["id"] == "launcher:ipv6"
+                            and e.get("source", {}).get("ip") == "fd00:5::2"],
+                   what="the IPv6 packets' bypass events")
     finally:
         res = _finish(lab, t, box)
     evs = [e for e in lab.bypass(res.task_id) if e["rule"]["id"] == "launcher:ipv6"]
@@ -218,6 +223,15 @@ def test_ipv6_disabled_and_dropped(lab: Lab, fake_internet: Any) -> None:
     # the first packets are neighbour solicitations for fd00:5::1; all are reported
     assert any(e.get("source", {}).get("ip") == "fd00:5::2" for e in evs), evs
     assert all(e["network"]["transport"] in ("udp", "ipv6-icmp", "other") for e in evs)
+
+
+def both_spoofs_reported(lab: Lab, task_id: str, address: str, port: int) -> bool:
+    """Both forged sends reported: the foreign address, and the own address from a
+    foreign MAC (to the echo port + 1)."""
+    spoof = [e for e in lab.bypass(task_id) if e["rule"]["id"] == "launcher:spoof"]
+    return (any(e["source"]["ip"] == "10.9.9.9" for e in spoof)
+            and any(e["source"]["ip"] == address and e["destination"]["port"] == port + 1
+                    for e in spoof))
 
 
 def test_spoofed_source_address_and_mac(lab: Lab, fake_internet: Any) -> None:
@@ -243,7 +257,8 @@ def test_spoofed_source_address_and_mac(lab: Lab, fake_internet: Any) -> None:
                         "ip link set eth0 address 02:66:66:66:66:66; "
                         f"python3 -c \"import socket; socket.socket(2,2).sendto(b'y', "
                         f"('{ip}', {port + 1}))\"")
-        time.sleep(0.3)
+        wait_until(lambda: both_spoofs_reported(lab, box["task_id"], box["address"], port),
+                   what="the spoofed packets' bypass events")
     finally:
         res = _finish(lab, t, box)
     spoof = [e for e in lab.bypass(res.task_id) if e["rule"]["id"] == "launcher:spoof"]

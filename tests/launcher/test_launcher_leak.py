@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from polling import eventually, wait_until
 from stockade.launcher import SandboxSpec, netns, nft
 from stockade.launcher.cgroups import CgroupSet, Limits, leftover_names
 
@@ -56,8 +57,7 @@ def _start_and_kill(lab: Lab) -> dict[str, Any]:
 
     t = threading.Thread(target=go, daemon=True)
     t.start()
-    while not lab.launcher.list():
-        time.sleep(0.002)
+    wait_until(lab.launcher.list, interval=0.002, what="the sandbox in the list")
     lab.launcher.kill(lab.launcher.list()[0]["task_id"])
     t.join(timeout=20)
     return box
@@ -91,13 +91,13 @@ def test_reconcile_after_launcher_crash(lab: Lab) -> None:
     cfg = lab.config.model_dump()
     proc = subprocess.Popen([sys.executable, "-c", CRASHER, json.dumps(cfg)])
     try:
-        for _ in range(1000):
-            rows = lab.launcher.list()
-            if rows and rows[0]["state"] == "running":
-                break
-            time.sleep(0.01)
+        rows = eventually(lambda: [r for r in lab.launcher.list() if r["state"] == "running"],
+                          interval=0.01)
         assert lab.launcher.list(), "crasher did not start its sandbox"
-        time.sleep(0.2)
+        # its command runs in the cgroup before the launcher dies (checked below)
+        s = lab.config.launcher
+        wait_until(CgroupSet(s.cgroup_root, s.cgroup_parent, rows[0]["task_id"]).pids,
+                   what="the crasher's sandbox's processes")
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()

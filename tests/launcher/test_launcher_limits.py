@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from polling import eventually
 from stockade.launcher import RunResult, SandboxSpec
 from stockade.launcher.cgroups import CgroupSet, leftover_names
 
@@ -89,28 +90,19 @@ def test_suspend_resume(lab: Lab) -> None:
     tid = box["task_id"]
     counter = Path(lab.config.launcher.scratch_dir, tid, "scratch", "n")
     try:
-        for _ in range(300):
-            if counter.exists() and counter.read_text().strip():
-                break
-            time.sleep(0.01)
+        eventually(lambda: counter.exists() and counter.read_text().strip(), interval=0.01)
         assert lab.launcher.suspend(tid)
         s = lab.config.launcher
         cg = CgroupSet(s.cgroup_root, s.cgroup_parent, tid)
         if cg.version == 1:
-            for _ in range(100):
-                if (cg.dirs["freezer"] / "freezer.state").read_text().strip() == "FROZEN":
-                    break
-                time.sleep(0.01)
+            eventually(lambda: (cg.dirs["freezer"] / "freezer.state").read_text().strip()
+                       == "FROZEN", interval=0.01)
         assert [r["state"] for r in lab.launcher.list()] == ["frozen"]
         frozen_at = counter.read_text()
-        time.sleep(0.3)
+        time.sleep(0.3)  # the scenario: a while frozen, in which the counter would move
         assert counter.read_text() == frozen_at  # no progress while frozen
         assert lab.launcher.resume(tid)
-        for _ in range(300):
-            if counter.read_text() not in (frozen_at, ""):
-                break
-            time.sleep(0.01)
-        assert counter.read_text() not in (frozen_at, "")
+        assert eventually(lambda: counter.read_text() not in (frozen_at, ""), interval=0.01)
     finally:
         lab.launcher.kill(tid)
         t.join(timeout=20)

@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from polling import eventually, wait_until
 from stockade.launcher import LauncherError, SandboxSpec, vmimage
 
 from stockade.events import validate
 from stockade.trust import TRUST_ENV_VARS
 
 from .conftest import Lab
-from .test_launcher_escapes import NET_PROBES, PROMPT
+from .test_launcher_escapes import NET_PROBES, PROMPT, both_spoofs_reported
 from .test_launcher_leak import EMPTY, leftovers
 from .test_launcher_sandbox import check_ro_binds_with_etc
 
@@ -192,7 +193,7 @@ def test_an_input_reached_through_a_symlink_is_refused_in_the_guest(lab: Lab,
 
 
 def _background(lab: Lab, argv: list[str], **kw: Any) -> tuple[threading.Thread, dict[str, Any]]:
-    t, box = lab.background(argv, "vm", polls=1000, **kw)
+    t, box = lab.background(argv, "vm", start_timeout=20.0, **kw)
     assert box["isolation"] == "microvm"  # what `stockade sandbox list` shows
     return t, box
 
@@ -237,10 +238,8 @@ def test_suspend_resume_spoof_and_kill(lab: Lab, fake_internet: Any) -> None:
     tid = box["task_id"]
     s = lab.config.launcher
     started = Path(s.scratch_dir, tid, "scratch", "started")
-    for _ in range(1200):  # the guest boots (seconds under TCG); no timing is asserted
-        if started.exists() or not t.is_alive():
-            break
-        time.sleep(0.05)
+    # the guest boots (seconds under TCG); no timing is asserted
+    eventually(lambda: started.exists() or not t.is_alive(), timeout=60)
     try:
         assert started.exists(), "the guest's command did not start"
         # QEMU: pid 1 of a pid namespace of its own, in a mount namespace of its own, as
@@ -271,7 +270,8 @@ def test_suspend_resume_spoof_and_kill(lab: Lab, fake_internet: Any) -> None:
              rec.guest_ip, rec.guest_mac, ip, str(port)], capture_output=True, text=True,
             timeout=30)
         assert spoof.returncode == 0, spoof.stderr
-        time.sleep(0.3)
+        wait_until(lambda: both_spoofs_reported(lab, tid, rec.guest_ip, port),
+                   what="the forged frames' bypass events")
     finally:
         assert lab.launcher.kill(tid)
         t.join(timeout=60)
@@ -474,7 +474,7 @@ def test_accel_auto_is_probed_once_and_cached(lab: Lab, tmp_path: Path,
 
     def slow_timeout(*a: object) -> str:
         calls.append(a)
-        time.sleep(0.3)
+        time.sleep(0.3)  # a slow probe: the other threads reach the flock meanwhile
         return "timeout"
 
     # concurrent first sandboxes: one probe (under the flock), every one gets its answer
@@ -523,6 +523,14 @@ Launcher(cfg, nflog=False).run(SandboxSpec("vm", ["sleep", "60"]), rs)
 """
 
 
+def _running_vm(lab: Lab) -> str | None:
+    """The one sandbox's task id once it is running and its QEMU has exec'd."""
+    rows = lab.launcher.list()
+    if rows and rows[0]["state"] == "running" and not _vm_proc_gone(rows[0]["task_id"]):
+        return str(rows[0]["task_id"])
+    return None
+
+
 def test_reconcile_removes_a_crashed_launchers_vm(lab: Lab) -> None:
     proc = subprocess.Popen([sys.executable, "-c", CRASHER,
                              json.dumps(lab.config.model_dump())])
@@ -531,13 +539,7 @@ def test_reconcile_removes_a_crashed_launchers_vm(lab: Lab) -> None:
         try:
             # "running" is recorded once the sh/nsenter/unshare chain is spawned; QEMU
             # itself execs a moment later (longer on a loaded host): wait for QEMU
-            for _ in range(3000):
-                rows = lab.launcher.list()
-                if rows and rows[0]["state"] == "running":
-                    tid = rows[0]["task_id"]
-                    if not _vm_proc_gone(tid):
-                        break
-                time.sleep(0.01)
+            tid = eventually(lambda: _running_vm(lab), timeout=30, interval=0.01)
             assert tid is not None and not _vm_proc_gone(tid), \
                 "the crasher did not start its microVM"
         finally:

@@ -5,10 +5,10 @@ for them and counts them (docs/events.md)."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
+from polling import eventually
 from stockade.launcher import Launcher, SandboxSpec
 
 from stockade.events import validate
@@ -38,11 +38,8 @@ def _launcher_totals(lab: Lab, task_id: str) -> list[dict[str, Any]]:
 
 
 def test_the_readers_totals_of_another_launchers_sandbox_are_written(lab: Lab) -> None:
-    for _ in range(300):  # the lab's launcher's reader binds the NFLOG group
-        if lab.launcher.nflog_bound:
-            break
-        time.sleep(0.1)
-    assert lab.launcher.nflog_bound  # it reads every sandbox's records
+    # the lab's launcher's reader binds the NFLOG group
+    assert eventually(lambda: lab.launcher.nflog_bound, 30, 0.1)  # it reads every sandbox's records
     other = Launcher(lab.config, nflog=False)
     try:
         res = other.run(SandboxSpec("test", ["python3", "-c", BLOCKED]), lab.ruleset)

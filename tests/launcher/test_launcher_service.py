@@ -17,13 +17,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from polling import eventually
 from stockade.launcher import SandboxSpec, netns
 from stockade.launcher.cgroups import remove_parent
 from stockade.launcher.service import (
@@ -37,7 +38,7 @@ from stockade.config import Config
 from stockade.events import validate
 from stockade.tasks import ControlError
 
-from .conftest import Lab
+from .conftest import Lab, command_running
 from .test_launcher_flood import _attempts_in
 
 pytestmark = pytest.mark.netns
@@ -54,16 +55,6 @@ exports: {{max_file: 1KiB, max_total: 4KiB, types: [text]}}
 WHOAMI = ("import os, urllib.request\n"
           "print(urllib.request.urlopen(os.environ['STOCKADE_BROKER'] + '/v1/whoami',"
           " timeout=5).read().decode())\n")
-
-
-def _wait_for(pred: Callable[[], Any], timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.05)
-    return pred()
 
 
 @dataclass
@@ -121,7 +112,7 @@ def _serve(lab: Lab, tmp: Path) -> Iterator[Served]:
             except OSError:
                 return False
 
-        assert _wait_for(healthy, 60), err.read_text()
+        assert eventually(healthy, 60), err.read_text()
         yield served
     finally:
         served.stop()
@@ -211,27 +202,15 @@ def test_run_through_the_service(served: Served, lab: Lab, tmp_path: Path) -> No
     assert served.client.result(res.task_id) == res
 
 
-def _command_running(task_id: str, comm: str) -> bool:
-    """True when a process named `comm` sits in the sandbox's cgroup (v1 or v2)."""
-    for procs in Path("/sys/fs/cgroup").glob(f"**/{task_id}/cgroup.procs"):
-        for pid in procs.read_text().split():
-            try:
-                if Path(f"/proc/{pid}/comm").read_text().strip() == comm:
-                    return True
-            except OSError:
-                continue
-    return False
-
-
 def test_list_suspend_resume_kill_while_running(served: Served) -> None:
     c = served.client
     tid = c.start(SandboxSpec("svc", ["sleep", "60"]))
-    rows = _wait_for(lambda: [r for r in c.list() if r["task_id"] == tid
-                              and r["state"] == "running"])
+    rows = eventually(lambda: [r for r in c.list() if r["task_id"] == tid
+                               and r["state"] == "running"], 30)
     assert rows and rows[0]["profile"] == "svc", c.list()
     # "running" is the record; wait for the command itself, so the freeze below never
     # lands inside the sandbox's own set-up (unshare, mounts)
-    assert _wait_for(lambda: _command_running(tid, "sleep"), 30)
+    assert eventually(lambda: command_running(tid, "sleep"), 30)
     assert c.result(tid) is None  # still running
     assert c.health()["sandboxes"] == 1
     assert c.suspend(tid)
@@ -239,7 +218,7 @@ def test_list_suspend_resume_kill_while_running(served: Served) -> None:
     assert c.resume(tid)
     assert [r["state"] for r in c.list() if r["task_id"] == tid] == ["running"]
     assert c.kill(tid)
-    res = _wait_for(lambda: c.result(tid), 30)
+    res = eventually(lambda: c.result(tid), 30)
     assert res is not None and res.ended_by == "killed" and res.exit_code == 137
     assert c.list() == []
     assert not c.kill(tid) and not c.suspend(tid) and not c.resume(tid)
@@ -310,7 +289,7 @@ def test_reload_keeps_old_rules_when_invalid(served: Served) -> None:
     # SIGHUP picks up a new profile, as with the gateway and the broker
     (served.rules / "profiles" / "svc2.yaml").write_text(PROFILE.format(name="svc2"))
     served.proc.send_signal(signal.SIGHUP)
-    assert _wait_for(lambda: c.health()["rules"] != before), served.err.read_text()
+    assert eventually(lambda: c.health()["rules"] != before, 30), served.err.read_text()
     assert c.run(SandboxSpec("svc2", ["true"])).exit_code == 0
 
 
@@ -339,8 +318,8 @@ def _run_in_background(served: Served, argv: list[str]) -> tuple[subprocess.Pope
                              "--", *argv],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    rows = _wait_for(lambda: [r for r in served.client.list()
-                              if r["task_id"] not in known and r["state"] == "running"], 60)
+    rows = eventually(lambda: [r for r in served.client.list()
+                               if r["task_id"] not in known and r["state"] == "running"], 60)
     assert rows, "the run's sandbox did not start"
     assert rows[0]["owner_pid"] == proc.pid
     return proc, rows[0]["task_id"]
@@ -365,7 +344,7 @@ def test_a_killed_run_is_reconciled_by_the_service(served: Served, lab: Lab) -> 
     proc, tid = _run_in_background(served, ["sleep", "300"])
     proc.kill()
     proc.wait()
-    assert _wait_for(lambda: _gone(served, lab, tid), 30), served.client.list()
+    assert eventually(lambda: _gone(served, lab, tid), 30), served.client.list()
     time.sleep(2.5)  # two more reconcile rounds: still one end event
     ends = _ends(lab, tid)
     assert len(ends) == 1, ends
@@ -404,7 +383,7 @@ def test_kill_and_reconcile_race_on_an_orphan_give_one_end_event(
     finally:
         for o in others:
             o.close()
-    assert _wait_for(lambda: _gone(served, lab, tid), 30)
+    assert eventually(lambda: _gone(served, lab, tid), 30)
     time.sleep(2.5)  # the service's reconcile had its rounds too
     ends = _ends(lab, tid)
     assert len(ends) == 1, ends
@@ -421,7 +400,7 @@ def test_a_run_that_ends_itself_has_one_end_event(served: Served, lab: Lab) -> N
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout)
     assert res["stdout"] == "done\n"
-    time.sleep(1.5)
+    time.sleep(1.5)  # the service's reconcile rounds (1 s): none may add an end event
     ends = _ends(lab, res["task_id"])
     assert [e["stockade"]["ended_by"] for e in ends] == ["exit"]
 
@@ -470,7 +449,7 @@ def test_an_orphans_end_event_counts_its_bypass_attempts(
 
     n = 300
     proc, tid = _run_in_background(served, ["python3", "-c", BLOCKED_UDP, str(n)])
-    assert _wait_for(lambda: lab.bypass(tid), 30)
+    assert eventually(lambda: lab.bypass(tid), 30)
     time.sleep(1.0)  # the rest of the burst: a few hundred sends take milliseconds
     if remover == "kill":
         proc.send_signal(signal.SIGSTOP)  # its owner alive but stuck: the kill removes it
@@ -483,7 +462,7 @@ def test_an_orphans_end_event_counts_its_bypass_attempts(
     else:
         proc.kill()
     proc.wait()
-    assert _wait_for(lambda: _gone(served, lab, tid), 30)
+    assert eventually(lambda: _gone(served, lab, tid), 30)
     time.sleep(2.5)  # more reconcile rounds: still one end event
     ends = _ends(lab, tid)
     assert len(ends) == 1, ends

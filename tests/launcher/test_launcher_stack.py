@@ -9,13 +9,13 @@ import json
 import secrets
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from polling import eventually
 from stockade.launcher import Launcher, RunResult, SandboxSpec
 from stockade.launcher.cgroups import remove_parent
 
@@ -67,19 +67,19 @@ class Stack:
 
 
 def _wait_healthy(path: str, proc: subprocess.Popen[bytes], name: str) -> None:
-    for _ in range(600):
+    def healthy() -> bool:
         if proc.poll() is not None:
             err = proc.stderr.read().decode() if proc.stderr else ""
             raise RuntimeError(f"{name} exited: {err}")
         try:
-            body = ControlClient(path, timeout=1).health()
-            inspector = body.get("inspector")
-            if not isinstance(inspector, dict) or inspector.get("ready"):
-                return  # the gateway's L7 inspector too (inspected flows fail until then)
+            inspector = ControlClient(path, timeout=1).health().get("inspector")
         except OSError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"{name} did not become healthy")
+            return False
+        # the gateway's L7 inspector too (inspected flows fail until then)
+        return not isinstance(inspector, dict) or bool(inspector.get("ready"))
+
+    if not eventually(healthy, timeout=30):
+        raise RuntimeError(f"{name} did not become healthy")
 
 
 @pytest.fixture(scope="module")
@@ -251,13 +251,12 @@ def _gateway_events(stack: Stack, task_id: str) -> list[dict[str, Any]]:
 def _proxy_decisions(stack: Stack, task_id: str, want: int) -> list[dict[str, Any]]:
     # allowed flows' events are written by the gateway in a short batch: wait for them
     # (bounded; no timing is asserted)
-    for _ in range(200):
-        evs = [e for e in _gateway_events(stack, task_id)
-               if e["stockade"].get("listener") == "proxy"]
-        if len(evs) >= want:
-            return evs
-        time.sleep(0.05)
-    return evs
+    def proxied() -> list[dict[str, Any]]:
+        return [e for e in _gateway_events(stack, task_id)
+                if e["stockade"].get("listener") == "proxy"]
+
+    eventually(lambda: len(proxied()) >= want, timeout=10)
+    return proxied()
 
 
 def test_proxy_env_profile_uses_the_explicit_proxy(stack: Stack) -> None:

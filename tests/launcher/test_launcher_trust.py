@@ -33,12 +33,18 @@ def system_bundle(tmp_path: Path) -> str:
     return str(p)
 
 
+@pytest.fixture
+def etc(tmp_path: Path) -> Path:
+    """The sandbox's /etc on the host: empty."""
+    d = tmp_path / "etc"
+    d.mkdir()
+    return d
+
+
 def test_the_bundle_is_written_root_owned_0644_with_the_env(
-    tmp_path: Path, system_bundle: str
+    tmp_path: Path, etc: Path, system_bundle: str
 ) -> None:
     cfg = _config(tmp_path)
-    etc = tmp_path / "etc"
-    etc.mkdir()
     out = write_trust_bundle(cfg, etc, system_bundle)
     assert out is not None
     name, env = out
@@ -57,20 +63,18 @@ def test_the_bundle_is_written_root_owned_0644_with_the_env(
     assert sorted(p.name for p in etc.iterdir()) == [name]  # no temporary file left
 
 
-def test_disabled_inspection_writes_nothing(tmp_path: Path, system_bundle: str) -> None:
-    etc = tmp_path / "etc"
-    etc.mkdir()
+def test_disabled_inspection_writes_nothing(
+    tmp_path: Path, etc: Path, system_bundle: str
+) -> None:
     assert write_trust_bundle(_config(tmp_path, enabled=False), etc, system_bundle) is None
     assert list(etc.iterdir()) == []
     assert not (tmp_path / "ca").exists()  # no CA made either
 
 
 def test_an_existing_file_or_symlink_is_replaced_not_followed(
-    tmp_path: Path, system_bundle: str
+    tmp_path: Path, etc: Path, system_bundle: str
 ) -> None:
     cfg = _config(tmp_path)
-    etc = tmp_path / "etc"
-    etc.mkdir()
     victim = tmp_path / "victim"
     victim.write_bytes(b"keep")
     (etc / TRUST_BUNDLE_NAME).symlink_to(victim)
@@ -82,9 +86,7 @@ def test_an_existing_file_or_symlink_is_replaced_not_followed(
     assert (etc / TRUST_BUNDLE_NAME).read_bytes() == first
 
 
-def test_another_in_sandbox_directory(tmp_path: Path, system_bundle: str) -> None:
-    etc = tmp_path / "etc"
-    etc.mkdir()
+def test_another_in_sandbox_directory(tmp_path: Path, etc: Path, system_bundle: str) -> None:
     out = write_trust_bundle(_config(tmp_path), etc, system_bundle, sandbox_dir="/sbx/trust")
     assert out is not None
     assert set(out[1].values()) == {f"/sbx/trust/{TRUST_BUNDLE_NAME}"}
