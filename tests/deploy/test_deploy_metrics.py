@@ -53,6 +53,7 @@ def test_source_defines_the_metrics_the_components_export() -> None:
         "stockade_broker_scrubs",
         "stockade_broker_vault_up",
         "stockade_broker_events_dropped",
+        "stockade_broker_rule_reloads",
     ):
         assert expected in names
 
@@ -123,7 +124,7 @@ def test_alerts_cover_what_operators_must_hear_about() -> None:
         "StockadeDnsTunnelling": "stockade_dns_queries_total",
         "StockadeSandboxBypassAttempt": "stockade_events_total",
         "StockadeGatewayRuleReloadFailed": "stockade_gateway_rule_reloads_total",
-        "StockadeBrokerRuleReloadFailed": "stockade_events_total",
+        "StockadeBrokerRuleReloadFailed": "stockade_broker_rule_reloads_total",
         "StockadeVaultUnavailable": "stockade_broker_vault_up",
         "StockadeSecretEchoScrubbed": "stockade_broker_scrubs_total",
         "StockadeGatewayEventsDropped": "stockade_gateway_events_dropped",
