@@ -12,6 +12,7 @@ APT_PACKAGES=(
     python3-venv python3-pip   # the demo agent runs Debian's python3 + pip inside the sandbox
     squid tinyproxy   # side-by-side comparisons in bench/
     prometheus strace # promtool checks deploy/prometheus; strace checks the units' syscall filters
+    jq                # tests/deploy runs docs/runbooks.md's event queries
     python3-seccomp   # libseccomp's binding for the system Python: compiles the sandbox's seccomp filter
     gcc libc6-dev     # the seccomp tests check a C compiler still works inside the sandbox
 )

@@ -23,6 +23,7 @@ UNITS = {
 }
 RULES_FILE = DEPLOY / "prometheus" / "stockade-rules.yaml"
 RULES_TEST_FILE = DEPLOY / "prometheus" / "stockade-rules.test.yaml"
+RUNBOOKS = REPO / "docs" / "runbooks.md"
 PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yaml"
 DASHBOARD = DEPLOY / "grafana" / "stockade-dashboard.json"
 VECTOR = DEPLOY / "logging" / "vector.toml"

@@ -6,6 +6,7 @@ dashboard expression (when promtool is installed)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import tomllib
 from pathlib import Path
@@ -17,6 +18,7 @@ from deploy_support import (
     PROMETHEUS_CONFIG,
     RULES_FILE,
     RULES_TEST_FILE,
+    RUNBOOKS,
     TARGET_LABELS,
     VECTOR,
     dashboard_exprs,
@@ -36,6 +38,10 @@ ALL_EXPRS = [("rules", n, e) for n, e in rule_exprs()] + [
 ]
 
 
+def _alerts() -> dict[str, dict]:
+    return {r["alert"]: r for g in load_rules()["groups"] for r in g["rules"] if "alert" in r}
+
+
 def test_source_defines_the_metrics_the_components_export() -> None:
     names = set(source_metrics())
     for expected in (
@@ -47,6 +53,7 @@ def test_source_defines_the_metrics_the_components_export() -> None:
         "stockade_broker_scrubs",
         "stockade_broker_vault_up",
         "stockade_broker_events_dropped",
+        "stockade_broker_rule_reloads",
     ):
         assert expected in names
 
@@ -107,7 +114,7 @@ def test_recording_rule_inputs_keep_their_labels() -> None:
 
 
 def test_alerts_cover_what_operators_must_hear_about() -> None:
-    alerts = {r["alert"]: r for g in load_rules()["groups"] for r in g["rules"] if "alert" in r}
+    alerts = _alerts()
     wanted = {
         "StockadeGatewayDenialSpike": "stockade:gateway_denied:rate5m",
         "StockadeDnsDenialSpike": "stockade:dns_denied:rate5m",
@@ -117,7 +124,7 @@ def test_alerts_cover_what_operators_must_hear_about() -> None:
         "StockadeDnsTunnelling": "stockade_dns_queries_total",
         "StockadeSandboxBypassAttempt": "stockade_events_total",
         "StockadeGatewayRuleReloadFailed": "stockade_gateway_rule_reloads_total",
-        "StockadeBrokerRuleReloadFailed": "stockade_events_total",
+        "StockadeBrokerRuleReloadFailed": "stockade_broker_rule_reloads_total",
         "StockadeVaultUnavailable": "stockade_broker_vault_up",
         "StockadeSecretEchoScrubbed": "stockade_broker_scrubs_total",
         "StockadeGatewayEventsDropped": "stockade_gateway_events_dropped",
@@ -139,6 +146,32 @@ def test_alerts_are_labelled_and_documented() -> None:
             assert rule["labels"]["severity"] in ("critical", "warning", "info"), rule["alert"]
             assert rule["annotations"]["summary"] and rule["annotations"]["description"]
     assert len(names) == len(set(names))
+
+
+def test_every_alert_links_its_runbook_section() -> None:
+    """runbook_url is docs/runbooks.md#<name lowercased>, and that section exists: an
+    alert name is letters and digits only, so GitHub's heading id is the name lowercased."""
+    headings = set(re.findall(r"^## (\S+)$", RUNBOOKS.read_text(), flags=re.M))
+    for name, rule in _alerts().items():
+        assert re.fullmatch(r"[A-Za-z0-9]+", name), name
+        url = rule["annotations"].get("runbook_url")
+        assert url == f"docs/runbooks.md#{name.lower()}", f"{name}: runbook_url {url!r}"
+        assert name in headings, f"{name}: no '## {name}' section in {RUNBOOKS.name}"
+
+
+def test_every_alert_has_a_firing_and_a_quiet_unit_test() -> None:
+    """The ratchet: an alert added without promtool cases (one where it fires, one
+    where it stays quiet) fails here, even where promtool is not installed."""
+    cases = [
+        c
+        for t in yaml.safe_load(RULES_TEST_FILE.read_text())["tests"]
+        for c in t.get("alert_rule_test", [])
+    ]
+    for name in _alerts():
+        mine = [c for c in cases if c["alertname"] == name]
+        assert any(c.get("exp_alerts") for c in mine), f"{name}: no case where it fires"
+        assert any(not c.get("exp_alerts") for c in mine), f"{name}: no quiet case"
+    assert {c["alertname"] for c in cases} <= set(_alerts()), "a case for no alert"
 
 
 def test_reason_codes_in_rules_exist() -> None:
