@@ -247,6 +247,8 @@ def _fits(key: str, v: Any) -> bool:
         return isinstance(v, str)
     if key in ("duration_s", "latency_ms"):  # seconds or ms, to a long of nanoseconds
         return isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < _LONG / 1e9
+    if key == "exit_code":  # negative: killed by that signal
+        return isinstance(v, int) and not isinstance(v, bool) and -_LONG <= v < _LONG
     return _is_count(v)
 
 

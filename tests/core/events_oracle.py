@@ -188,7 +188,7 @@ def _v2_moved(st: dict[str, Any], http_status: Any) -> list[tuple[str, str, Any]
             moves.append(("event", "duration", round(v * 1_000_000_000)))
         elif key == "latency_ms" and number:
             moves.append(("event", "duration", round(v * 1_000_000)))
-        elif key == "exit_code" and _is_long(v):
+        elif key == "exit_code" and type(v) is int and -(2**63) <= v < 2**63:
             moves.append(("process", "exit_code", v))
         elif key in ("http_version", "error") and type(v) is str:
             moves.append(("http", "version", v) if key == "http_version" else ("error", "type", v))

@@ -160,6 +160,28 @@ def test_standard_fields_move_out_of_stockade():
     assert export["stockade"]["export"] == {"type": "text", "why": "too_big"}
 
 
+def test_a_negative_exit_code_is_a_signal_and_moves():
+    ev = make_event(component="stack", action="component_restarted", extra={"exit_code": -9})
+    assert ev["process"] == {"exit_code": -9} and "exit_code" not in ev["stockade"]
+    validate(ev)
+    assert problems(ev, ECS) == []
+
+
+def test_the_schema_uses_only_known_keywords():
+    known = {"$schema", "$id", "title", "description", "type", "required", "properties",
+             "additionalProperties", "items", "enum", "const", "pattern", "minimum", "maximum",
+             "exclusiveMinimum", "x-es-type"}
+
+    def walk(node: Any, where: str) -> None:
+        if isinstance(node, dict):
+            assert set(node) <= known, f"{where}: {set(node) - known}"
+            for k, sub in node.get("properties", {}).items():
+                walk(sub, f"{where}.{k}")
+            for k in ("items", "additionalProperties"):
+                walk(node.get(k), f"{where}[{k}]")
+    walk(schema(), "$")
+
+
 def test_a_standard_key_of_the_wrong_type_stays_and_fails_the_schema(unchecked_events):
     ev = make_event(component="gateway", action="connection_close",
                     extra={"bytes_up": "lots", "duration_s": -1})
