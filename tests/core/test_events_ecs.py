@@ -5,6 +5,7 @@ ecs_check's rules rejects what it should."""
 from __future__ import annotations
 
 import copy
+import importlib
 from typing import Any
 
 import jsonschema
@@ -272,3 +273,28 @@ def test_each_rule_rejects_its_case(change, expect):
 
 def test_stockade_fields_are_left_to_the_schema():
     assert _broken(lambda ev: ev["stockade"].update(anything={"x": 1})) == []
+
+
+# --- the suite-wide check (tests/conftest.py) -----------------------------------------------
+
+@pytest.mark.parametrize("module", [
+    "stockade.events", "stockade.events.build", "stockade.events.summary",
+    "stockade.events.writer", "stockade.gateway.conn_events", "stockade.gateway.dns.decide",
+    "stockade.broker.audit", "stockade.launcher.lifecycle", "stockade.policy.holder",
+    "stockade.stack.up"])
+def test_the_suite_wide_check_sees_every_builder(module):
+    bound = importlib.import_module(module).make_event
+    assert bound is importlib.import_module("stockade.events.build").make_event
+    assert getattr(bound, "__wrapped__", None) is not None, "make_event is not wrapped"
+
+
+def test_the_suite_wide_check_reports_a_bad_event(unchecked_events):
+    bad = make_event(component="gateway", action="connection_decision", decision="denied",
+                     extra={"surprise": 1})
+    saved = list(unchecked_events.failures)
+    try:
+        unchecked_events.check(bad)
+        found = unchecked_events.failures[len(saved):]
+    finally:
+        unchecked_events.failures[:] = saved  # not a failure of this session
+    assert len(found) == 1 and "'surprise' was unexpected" in found[0], found
