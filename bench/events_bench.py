@@ -10,8 +10,9 @@ to a real file (O_APPEND, one write(2) per line), in a temporary directory.
 
 CPU is this thread's CPU time (`time.thread_time_ns`) over `--events` events per round;
 the table shows the median over `--rounds` rounds in microseconds per event. Before
-timing, the script checks that old and current write the same lines for each shape
-(same fixed timestamp), byte for byte.
+timing, the script checks that current writes, for each shape, the old lines upgraded to
+schema 2.0 (`upgrade_v2`: ECS fields added and moved; same fixed timestamp) byte for byte,
+and prints each shape's line size in both schemas (what the ECS fields cost per line).
 
     .venv/bin/python bench/events_bench.py [--events 5000] [--rounds 15]
 """
@@ -32,7 +33,7 @@ from stockade.events import EventWriter, make_event
 # --- the old implementation: the test oracle (tests/core/events_oracle.py) -------------
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "core"))
-from events_oracle import old_line, old_make_event
+from events_oracle import old_line, old_make_event, upgrade_v2
 
 
 class OldWriter(EventWriter):
@@ -140,12 +141,15 @@ SHAPES: dict[str, Callable[[int, float | None], dict[str, Any]]] = {
 
 
 def check_same(tmp: Path) -> None:
-    """Old and current must write the same bytes (fixed timestamp)."""
+    """Current must write the old events upgraded to schema 2.0 (fixed timestamp)."""
     now = 1_790_000_000.123456
     for name, kw in SHAPES.items():
         old_w, new_w = OldWriter(tmp / "old.jsonl"), EventWriter(tmp / "new.jsonl")
+        v1 = len(old_line(old_make_event(**kw(0, now))))
+        print(f"{name}: {v1} bytes per line in schema 1.0, "
+              f"{len(old_line(make_event(**kw(0, now))))} in 2.0")
         for i in range(3):
-            old_w.write(old_make_event(**kw(i, now)))
+            old_w.write(upgrade_v2(old_make_event(**kw(i, now)), kw(i, now)))
             new_w.write(make_event(**kw(i, now)))
         old_w.close()
         new_w.close()

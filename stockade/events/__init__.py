@@ -5,7 +5,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from .build import SCHEMA_VERSION, make_event, timestamp
+from .build import ECS_VERSION, SCHEMA_VERSION, make_event, timestamp
 from .writer import Event, EventWriter, read_events
 
 
@@ -22,6 +22,7 @@ def validate(event: dict[str, Any]) -> None:
 
 
 __all__ = [
+    "ECS_VERSION",
     "SCHEMA_VERSION",
     "Event",
     "EventWriter",

@@ -6,30 +6,79 @@ gets one schema (`schema.json`, versioned by SCHEMA_VERSION).
 
 from __future__ import annotations
 
+import socket
 import time
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-SCHEMA_VERSION = "1.0"
+from stockade import __version__
+
+SCHEMA_VERSION = "2.0"
+ECS_VERSION = "9.4.0"  # every event's ecs.version; schema.json's x-es-type are this release's
 
 Component = Literal["gateway", "dns", "broker", "launcher", "rules", "stack"]
 Decision = Literal["allowed", "denied"]
 
-# event.category per action, from ECS's allowed values
-_CATEGORY = {
-    "connection_decision": ["network"],
-    "connection_close": ["network"],
-    "request_decision": ["network"],  # one request inside an inspected (L7) TLS flow
-    "dns_decision": ["network"],
-    "broker_call": ["network", "iam"],
-    "secret_echo": ["network", "iam"],
-    "bypass_attempt": ["network", "intrusion_detection"],
-    "sandbox_lifecycle": ["process"],
-    "export_decision": ["file"],
-    "rules_reload": ["configuration"],
-    "vault_status": ["iam"],
-    "component_restarted": ["process"],  # `stockade up` restarted a component that died
+_T = tuple[str, ...]
+# action -> (event.category, event.type when allowed, when denied, when undecided). Every
+# type is among ECS's expected types of every category listed (checked in the tests).
+_CATEGORY: dict[str, tuple[list[str], _T, _T, _T]] = {
+    "connection_decision": (["network"], ("connection", "allowed"), ("connection", "denied"),
+                            ("info",)),
+    "connection_close": (["network"], ("end", "connection"), ("end", "connection"),
+                         ("end", "connection")),
+    # one request inside an inspected (L7) TLS flow, one DNS query
+    "request_decision": (["network"], ("protocol", "allowed"), ("protocol", "denied"),
+                         ("protocol",)),
+    "dns_decision": (["network"], ("protocol", "allowed"), ("protocol", "denied"), ("protocol",)),
+    "broker_call": (["api", "network"], ("access", "allowed"), ("access", "denied"), ("info",)),
+    "secret_echo": (["api", "intrusion_detection"], ("info",), ("info",), ("info",)),
+    "bypass_attempt": (["network", "intrusion_detection"], ("allowed",), ("denied",), ("info",)),
+    "sandbox_lifecycle": (["process"], ("change",), ("change",), ("change",)),  # see _types
+    # the decision is the outcome: file/configuration allow no allowed/denied type
+    "export_decision": (["file"], ("creation",), ("creation",), ("creation",)),
+    "rules_reload": (["configuration"], ("change",), ("change",), ("change",)),
+    "vault_status": (["api"], ("info",), ("info",), ("info",)),
+    "component_restarted": (["process"], ("start",), ("start",), ("start",)),  # `stockade up`
+    # the writer's own records about the log
+    "event_totals": (["file"], ("info",), ("info",), ("info",)),
+    "events_lost": (["file"], ("info",), ("info",), ("info",)),
+    "chain_checkpoint": (["file"], ("info",), ("info",), ("info",)),
 }
+_DEFAULT = (["network"], ("allowed",), ("denied",), ("info",))
+_LIFECYCLE_TYPE = {"start": "start", "end": "end"}  # kill/suspend/resume: a change
+_SUMMARY = "event_summary"
+
+# Stockade's own names for what ECS has a field for: moved out of `extra` (`stockade.*`)
+# into (ECS object, field, conversion or None). An entry of None: the key is dropped, it
+# repeats another field. `export` is split by _move_export.
+_STANDARD: dict[str, tuple[str, str, Any] | None] = {
+    "bytes_up": ("source", "bytes", None),
+    "bytes_down": ("destination", "bytes", None),
+    "duration_s": ("event", "duration", lambda s: round(s * 1e9)),  # ECS: nanoseconds
+    "latency_ms": ("event", "duration", lambda ms: round(ms * 1e6)),
+    "exit_code": ("process", "exit_code", None),
+    "status": None,  # the broker's copy of http.response.status_code
+    "http_version": ("http", "version", None),
+    "error": ("error", "type", None),  # an exception class name, never its text
+}
+_STANDARD_KEYS = frozenset((*_STANDARD, "export"))
+
+_OBSERVER_TYPE = {"gateway": "firewall", "dns": "firewall", "broker": "proxy",
+                  "launcher": "sandbox", "rules": "manager", "stack": "manager"}
+
+
+def _observer(kind: str) -> dict[str, str]:
+    return {"vendor": "Stockade", "product": "Stockade", "version": __version__,
+            "hostname": _HOSTNAME, "type": kind}
+
+
+_HOSTNAME = socket.gethostname()  # once: the host does not change under a running process
+# one `observer` object per component, shared by its events: nobody mutates it
+_OBSERVERS = {c: _observer(t) for c, t in _OBSERVER_TYPE.items()}
+_OBSERVER_OTHER = _observer("manager")
+_DATASETS = {c: f"stockade.{c}" for c in _OBSERVER_TYPE}
+_ECS = {"version": ECS_VERSION}  # shared by every event, like the observers
 
 
 _second_cache: tuple[int, str] = (-1, "")
@@ -72,7 +121,6 @@ def _clean(d: dict[str, Any]) -> dict[str, Any]:
 
 
 _ALERT_ACTIONS = frozenset(("bypass_attempt", "secret_echo"))
-_NETWORK = ["network"]
 
 
 def make_event(
@@ -102,17 +150,17 @@ def make_event(
     extra: dict[str, Any] | None = None,
     now: float | None = None,
 ) -> dict[str, Any]:
-    """Build one event. `extra` lands under `stockade.*` (bytes, durations, api, ...).
+    """Build one event. `extra` lands under `stockade.*` (api, listener, ...), except the
+    keys ECS has a field for (`_STANDARD`: bytes, durations, exit code, ...).
 
     None values and empty objects are left out. The parts are built without them
     directly (no cleanup pass over the whole event: this runs per connection and per
-    broker call); keys keep the schema's order, so the written line is the same as when
-    every field was set to None and then dropped.
+    broker call); keys keep the schema's order, then the moved ECS fields, then `stockade`.
     """
-    ev: dict[str, Any] = {"@timestamp": timestamp(now)}
+    ev: dict[str, Any] = {"@timestamp": timestamp(now), "ecs": _ECS}
     if message is not None:
         ev["message"] = message
-    ev["event"] = _event_part(action, decision, reason)
+    ev["event"] = _event_part(component, action, decision, reason, extra)
     # the field table: one ECS object per line, its keys in the schema's order
     _put(ev, "source", "ip", source_ip, "port", source_port)
     _put(ev, "destination", "domain", destination_domain, "ip", destination_ip,
@@ -126,32 +174,108 @@ def make_event(
     _put(ev, "dns", "question", _caller_part(dns_question), "response_code", dns_response_code)
     _put(ev, "rule", "id", rule_id, "ruleset", policy_version)
     _put(ev, "labels", "task_id", task_id, "profile", profile)
+    ev["observer"] = _OBSERVERS.get(component, _OBSERVER_OTHER)  # type: ignore[arg-type]
     st = _stockade_part(component, decision, report_only, extra)
+    if extra and not _STANDARD_KEYS.isdisjoint(st):
+        _move_standard(ev, st, http_status)
     if st:  # only empty when extra set every key to None
         ev["stockade"] = st
     return ev
 
 
-def _event_part(action: str, decision: Decision | None, reason: str | None) -> dict[str, Any]:
-    """The ECS `event` object; its type list is fresh per event."""
-    if decision == "denied":
-        types, outcome = ["denied"], "failure"
-    elif decision == "allowed":
-        types, outcome = ["allowed"], "success"
+def _event_part(component: str, action: str, decision: Decision | None, reason: str | None,
+                extra: dict[str, Any] | None) -> dict[str, Any]:
+    """The ECS `event` object; its category and type lists are fresh per event."""
+    categories, types = _types(action, decision, extra)
+    if action == "vault_status":  # no decision: the outcome is whether Vault answers
+        outcome: str | None = "success" if reason == "vault_up" else "failure"
     else:
-        types, outcome = ["info"], None
+        outcome = _OUTCOME.get(decision)  # type: ignore[arg-type]
     # an allowed bypass attempt or secret echo is not an alert; a denied or undecided one is
     kind = "alert" if decision != "allowed" and action in _ALERT_ACTIONS else "event"
-    if action == "connection_close":
-        types = ["end", "connection"]
-    e: dict[str, Any] = {"kind": kind, "category": _CATEGORY.get(action, _NETWORK), "type": types}
+    e: dict[str, Any] = {"kind": kind, "category": categories, "type": types}
     if action is not None:
         e["action"] = action
+    e["dataset"] = _DATASETS.get(component) or f"stockade.{component}"
+    e["module"] = "stockade"
     if outcome is not None:
         e["outcome"] = outcome
     if reason is not None:
         e["reason"] = reason
     return e
+
+
+_OUTCOME = {"allowed": "success", "denied": "failure"}
+_BY_DECISION = {"allowed": 1, "denied": 2}
+
+
+def _types(action: str, decision: Decision | None,
+           extra: dict[str, Any] | None) -> tuple[list[str], list[str]]:
+    """(event.category, event.type) of one event. A summary takes those of the action it
+    summarises; a lifecycle event's type is its `lifecycle` (start, end, else a change)."""
+    if action == _SUMMARY and extra and isinstance(extra.get("summary"), dict):
+        action = extra["summary"].get("action")
+    row = _CATEGORY.get(action, _DEFAULT)
+    if action == "sandbox_lifecycle" and extra:
+        return list(row[0]), [_LIFECYCLE_TYPE.get(str(extra.get("lifecycle")), "change")]
+    return list(row[0]), list(row[_BY_DECISION.get(decision, 3)])  # type: ignore[misc]
+
+
+def _move_standard(ev: dict[str, Any], st: dict[str, Any], http_status: int | None) -> None:
+    """Move the `_STANDARD` keys of the stockade part `st` into their ECS fields, in
+    place. A value of the wrong type stays where it was: schema.json then reports it
+    (nothing is lost, nothing is coerced)."""
+    for key in [k for k in st if k in _STANDARD_KEYS]:
+        v = st[key]
+        if key == "export":
+            _move_export(ev, st, v)
+        elif key == "status":
+            if v == http_status:
+                del st[key]
+        elif _fits(key, v):
+            obj, name, convert = _STANDARD[key]  # type: ignore[misc]
+            ev.setdefault(obj, {})[name] = v if convert is None else convert(v)
+            del st[key]
+    src, dst = ev.get("source", {}).get("bytes"), ev.get("destination", {}).get("bytes")
+    if src is not None and dst is not None:
+        ev.setdefault("network", {})["bytes"] = src + dst
+
+
+def _fits(key: str, v: Any) -> bool:
+    """Whether `v` has the type of `key`'s ECS field (long, or str for the keywords)."""
+    if key in ("http_version", "error"):
+        return isinstance(v, str)
+    if key in ("duration_s", "latency_ms"):  # seconds or ms, to a long of nanoseconds
+        return isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < _LONG / 1e9
+    if key == "exit_code":  # negative: killed by that signal
+        return isinstance(v, int) and not isinstance(v, bool) and -_LONG <= v < _LONG
+    return _is_count(v)
+
+
+_LONG = 2**63  # an ECS long is signed 64-bit
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < _LONG
+
+
+def _move_export(ev: dict[str, Any], st: dict[str, Any], export: Any) -> None:
+    """`export.name`/`size` are ECS `file.name`/`file.size`; `type` and `why` stay."""
+    if not isinstance(export, dict):
+        return
+    name, size = export.get("name"), export.get("size")
+    f: dict[str, Any] = {}
+    if isinstance(name, str):
+        f["name"] = name
+    if _is_count(size):
+        f["size"] = size
+    if f:
+        ev["file"] = f
+        rest = {k: v for k, v in export.items() if k not in f}
+        if rest:
+            st["export"] = rest
+        else:
+            del st["export"]
 
 
 def _put(

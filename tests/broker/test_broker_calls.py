@@ -41,7 +41,7 @@ async def test_passthrough_injects_bearer_and_scrubs_echo(harness: Harness) -> N
     call = [e for e in evs if e["event"]["action"] == "broker_call"][-1]
     assert call["event"]["outcome"] == "success" and call["labels"]["task_id"] == "t1"
     assert call["stockade"]["api"] == "echo" and call["http"]["response"]["status_code"] == 200
-    assert call["stockade"]["bytes_down"] > 0 and call["stockade"]["latency_ms"] >= 0
+    assert call["destination"]["bytes"] > 0 and call["event"]["duration"] >= 0
     echo = [e for e in evs if e["event"]["action"] == "secret_echo"]
     assert echo and echo[-1]["event"]["kind"] == "alert" and echo[-1]["stockade"]["scrubs"] >= 1
 
@@ -303,7 +303,7 @@ async def test_internal_error_is_fixed_text_without_secret(harness: Harness) -> 
         assert json.loads(body) == {"error": "denied", "reason": "internal_error",
                                     "message": "internal error"}
     calls = broker_calls(h)
-    assert [e["stockade"]["error"] for e in calls] == ["RuntimeError", "RuntimeError"]
+    assert [e["error"]["type"] for e in calls] == ["RuntimeError", "RuntimeError"]
 
 
 async def test_operation_answers_follow_a_reload(harness: Harness) -> None:

@@ -103,7 +103,7 @@ async def test_api_test_through_broker(
         validate(ev)
     calls = [e for e in evs if e["event"]["action"] == "broker_call"]
     assert [e["event"]["outcome"] for e in calls] == ["success"] * 4 + ["failure", "success"]
-    assert calls[4]["stockade"]["error"] == "ClientConnectorDNSError"  # refused before dialling
+    assert calls[4]["error"]["type"] == "ClientConnectorDNSError"  # refused before dialling
     assert calls[0]["destination"]["domain"] == "api.test"
     assert any(e["event"]["action"] == "secret_echo" for e in evs)
     assert_no_secret(fi.api_key, [*produced, events_path.read_bytes(), caplog.text.encode()])

@@ -230,7 +230,7 @@ async def test_oversized_or_malformed_head_is_a_denial_with_an_event(
     assert len(ev) == 1 and ev[0]["event"]["reason"] == reason
     assert ev[0]["http"]["response"]["status_code"] == status
     assert ev[0]["stockade"]["phase"] == "head" and ev[0]["labels"]["task_id"] == "t1"
-    assert ev[0]["stockade"]["error"].endswith(error)  # class name only
+    assert ev[0]["error"]["type"].endswith(error)  # class name only
     assert MARK not in json.dumps(ev)
     assert metric(h, f'stockade_broker_calls_total{{api="-",outcome="{reason}"}}') == 1
     assert h.upstream.seen == []

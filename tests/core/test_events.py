@@ -14,12 +14,15 @@ def test_denial_uses_ecs_fields_and_validates():
     ev = _denial()
     validate(ev)
     assert ev["event"]["outcome"] == "failure"
-    assert ev["event"]["type"] == ["denied"]
+    assert ev["event"]["type"] == ["connection", "denied"]
     assert ev["event"]["reason"] == "no_matching_rule"
     assert ev["destination"] == {"domain": "evil.test", "port": 443}
     assert ev["labels"] == {"task_id": "t-1", "profile": "pypi-build"}
     assert ev["rule"] == {"ruleset": "abc123"}
-    assert ev["stockade"]["schema_version"] == "1.0"
+    assert ev["stockade"]["schema_version"] == "2.0"
+    assert ev["ecs"] == {"version": "9.4.0"}
+    assert ev["event"]["dataset"] == "stockade.gateway" and ev["event"]["module"] == "stockade"
+    assert ev["observer"]["type"] == "firewall" and ev["observer"]["vendor"] == "Stockade"
     assert ev["stockade"]["decision"] == "denied"
 
 
@@ -33,6 +36,9 @@ def test_allow_close_dns_broker_and_bypass_shapes_validate():
     )
     validate(close)
     assert close["event"]["type"] == ["end", "connection"]
+    assert close["source"] == {"bytes": 10} and close["destination"] == {"bytes": 20}
+    assert close["network"] == {"bytes": 30} and close["event"]["duration"] == 500_000_000
+    assert "bytes_up" not in close["stockade"] and "duration_s" not in close["stockade"]
     validate(dns_decision("x.test", "TXT", decision="denied", reason="qtype_refused",
                           dns_response_code="REFUSED"))
     validate(broker_call(decision="allowed", http_method="GET", http_status=200,

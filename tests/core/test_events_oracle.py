@@ -1,6 +1,6 @@
 """The fast event path (make_event without a cleanup pass, orjson lines) against the
-implementation it replaced (tests/core/events_oracle.py, verbatim): same fields, same key
-order, same lines."""
+implementation it replaced (tests/core/events_oracle.py, verbatim) upgraded to schema 2.0
+by the documented changes (`upgrade_v2`): same fields, same key order, same lines."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from events_oracle import _OLD_CATEGORY, old_line, old_make_event
+from events_oracle import old_line, old_make_event, upgrade_v2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stockade.events import EventWriter, make_event, read_events, validate
+from stockade.events import EventWriter, make_event, read_events, schema, validate
 from stockade.events.writer import encode_line
 
 # --- strategies ---------------------------------------------------------------------------
 
-ACTIONS = [*_OLD_CATEGORY, "something_new"]
+ACTIONS = [*schema()["properties"]["event"]["properties"]["action"]["enum"], "something_new"]
 opt_text = st.none() | st.text(max_size=12)
 opt_port = st.none() | st.integers(0, 65535)
 # ints past 64 bits exercise the stdlib fallback (orjson refuses them)
@@ -92,7 +92,7 @@ def _has_float(x: Any) -> bool:
 @given(event_kwargs)
 def test_new_event_and_line_equal_the_old(kw):
     kw.setdefault("now", 1_790_000_000.5)
-    new, old = make_event(**kw), old_make_event(**kw)
+    new, old = make_event(**kw), upgrade_v2(old_make_event(**kw), kw)
     assert new == old
     # same key order at every level (dict equality ignores order)
     assert json.dumps(new, default=str) == json.dumps(old, default=str)
@@ -143,13 +143,12 @@ def test_hot_shapes_are_byte_identical_and_valid(tmp_path):
     for kw in shapes:
         ev = make_event(**kw)
         validate(ev)
-        assert encode_line(ev) == old_line(old_make_event(**kw))
+        assert encode_line(ev) == old_line(upgrade_v2(old_make_event(**kw), kw))
         assert w.write(ev)
     w.close()
-    assert (tmp_path / "e.jsonl").read_bytes() == b"".join(
-        old_line(old_make_event(**kw)) for kw in shapes
-    )
-    assert read_events(tmp_path / "e.jsonl") == [old_make_event(**kw) for kw in shapes]
+    want = [upgrade_v2(old_make_event(**kw), kw) for kw in shapes]
+    assert (tmp_path / "e.jsonl").read_bytes() == b"".join(old_line(ev) for ev in want)
+    assert read_events(tmp_path / "e.jsonl") == want
 
 
 def test_lines_orjson_refuses_keep_the_old_form():

@@ -95,7 +95,7 @@ def test_a_killed_gateway_is_restarted_and_the_fence_holds(tmp_path: Path, fake_
         validate(ev)
         assert ev["stockade"]["component"] == "stack"
         assert ev["stockade"]["service"] == "gateway" and ev["stockade"]["restarts"] == 1
-        assert ev["stockade"]["exit_code"] == -signal.SIGKILL
+        assert ev["process"]["exit_code"] == -signal.SIGKILL
         os.killpg(up.pid, signal.SIGINT)
         assert up.wait(timeout=90) == 0, err.read_text()
     finally:

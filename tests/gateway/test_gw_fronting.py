@@ -182,7 +182,7 @@ def test_a_later_request_on_the_same_connection_is_held_to_the_sni(
     assert json.loads(b2)["reason"] == "destination_mismatch"
     version = "HTTP/1.1" if mode == "h1" else "HTTP/2.0"
     first = find_event(fgw, "request_decision", labels__task_id="t-front",
-                       url__path="/first/path", stockade__http_version=version)  # fmt: skip
+                       url__path="/first/path", http__version=version)  # fmt: skip
     second = find_event(fgw, "request_decision", labels__task_id="t-front",
                         url__path="/second/path", stockade__request_host="other.test")  # fmt: skip
     assert first["stockade"]["connection_id"] == second["stockade"]["connection_id"]

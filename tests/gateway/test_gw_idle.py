@@ -48,5 +48,5 @@ def test_idle_tunnel_is_closed(idle_gw: GatewayHarness, fake_internet: FakeInter
     s.close()
     closes = [newest_event(idle_gw, "connection_close", 5)]
     assert closes[-1]["event"]["reason"] == "idle_timeout"
-    assert closes[-1]["stockade"]["bytes_up"] == 5
-    assert closes[-1]["stockade"]["bytes_down"] == 5
+    assert closes[-1]["source"]["bytes"] == 5
+    assert closes[-1]["destination"]["bytes"] == 5

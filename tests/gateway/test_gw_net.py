@@ -79,8 +79,8 @@ def test_allowed_https_through_transparent(
     # and the close event carries the byte counts
     closes = [newest_event(gw, "connection_close", 5,
                            stockade__connection_id=ev["stockade"]["connection_id"])]
-    assert closes and closes[0]["stockade"]["bytes_down"] > 0
-    assert closes[0]["stockade"]["bytes_up"] > 0
+    assert closes and closes[0]["destination"]["bytes"] > 0
+    assert closes[0]["source"]["bytes"] > 0
 
 
 def test_spoofed_original_destination_is_not_dialled(
@@ -544,7 +544,7 @@ def test_upload_cap_closes_the_connection(
         assert '"received": 524288' not in str(out.get("response", ""))
         closes = [newest_event(gw, "connection_close", 5, labels__task_id="t-tiny")]
         assert closes[-1]["event"]["reason"] == "upload_limit"
-        assert closes[-1]["stockade"]["bytes_up"] <= 64 * 1024
+        assert closes[-1]["source"]["bytes"] <= 64 * 1024
     finally:
         gw.control.deregister("t-tiny")
 
@@ -651,10 +651,10 @@ def test_metrics_endpoint(
     assert "stockade_gateway_registry_tasks" in text
     assert "stockade_gateway_connections_live" in text
     # the byte counters agree with the close events (both written by the same close)
-    for direction in ("up", "down"):
+    for direction, side in (("up", "source"), ("down", "destination")):
         line = f'stockade_gateway_bytes_total{{direction="{direction}"}} '
         value = float(next(x for x in text.splitlines() if x.startswith(line)).split()[-1])
-        assert value == sum(e["stockade"].get(f"bytes_{direction}", 0) for e in first)
+        assert value == sum(e.get(side, {}).get("bytes", 0) for e in first)
 
 
 async def _live_conns(gw: GatewayHarness) -> int:

@@ -127,7 +127,7 @@ def test_exports_by_content(lab: Lab, tmp_path: Path) -> None:
     assert got == {"a.txt": (6, "text"), "r.json": (13, "json"), "sub/n.txt": (7, "text")}
     assert (dest / "a.txt").read_text() == "hello\n"
     assert sorted(os.listdir(dest)) == ["a.txt", "r.json", "sub"]
-    refused = {e["stockade"]["export"]["name"]: e["stockade"]["export"]["why"]
+    refused = {e["file"]["name"]: e["stockade"]["export"]["why"]
                for e in res.denials if e["event"]["action"] == "export_decision"}
     assert refused == {"big.txt": "too_large", "fake.txt": "type_not_allowed",
                        "link.txt": "not_regular"}

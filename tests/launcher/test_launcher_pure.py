@@ -440,10 +440,10 @@ def test_end_event_of_an_orphan() -> None:
     ev = end_event(_record(), "orphaned", now=1012.5)
     validate(ev)
     assert ev["stockade"]["lifecycle"] == "end" and ev["stockade"]["ended_by"] == "orphaned"
-    assert ev["stockade"]["duration_s"] == 12.5 and "exit_code" not in ev["stockade"]
+    assert ev["event"]["duration"] == 12_500_000_000 and "process" not in ev
     assert ev["labels"]["task_id"] == "0123456789"
     ev = end_event(_record(), "ttl", exit_code=137, duration_s=3.0, now=2000.0)
-    assert (ev["event"]["reason"], ev["stockade"]["exit_code"]) == ("ttl_expired", 137)
+    assert (ev["event"]["reason"], ev["process"]["exit_code"]) == ("ttl_expired", 137)
 
 
 def test_owner_is_one_process_not_one_pid() -> None:

@@ -349,7 +349,7 @@ def test_a_killed_run_is_reconciled_by_the_service(served: Served, lab: Lab) -> 
     ends = _ends(lab, tid)
     assert len(ends) == 1, ends
     assert ends[0]["stockade"]["ended_by"] == "orphaned"
-    assert ends[0]["stockade"]["duration_s"] > 0
+    assert ends[0]["event"]["duration"] > 0
     starts = [e for e in lab.events(tid) if e["stockade"].get("lifecycle") == "start"]
     assert len(starts) == 1
 

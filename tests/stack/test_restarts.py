@@ -94,7 +94,7 @@ def test_supervisor_restarts_a_dead_service_with_an_event(tmp_path: Path) -> Non
         ev = events[0]
         validate(ev)
         assert ev["event"]["action"] == "component_restarted"
-        assert ev["stockade"]["service"] == "gateway" and ev["stockade"]["exit_code"] == 3
+        assert ev["stockade"]["service"] == "gateway" and ev["process"]["exit_code"] == 3
     finally:
         dies.stop()
         lives.stop()
