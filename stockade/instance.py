@@ -1,5 +1,5 @@
 """Settings of one self-contained instance that follow `run_dir`, `base_port` and
-`upstream_ca_file` (pure).
+`upstream_ca_file` (pure); the event chain's directory follows `state_dir`.
 
 Without this a second instance on one host had to restate a dozen sockets and ports. Each
 derived key is filled in only where the file leaves it unset, so every one stays
@@ -36,6 +36,7 @@ UPSTREAM_CA_KEYS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("broker",), "ca_file"),
 )
 DEFAULT_RUN_DIR = "/run/stockade"
+DEFAULT_STATE_DIR = "/var/lib/stockade"  # Config.state_dir's default
 
 
 def _is_set(section: Any, key: str) -> bool:
@@ -80,6 +81,9 @@ def derive(data: Any) -> Any:
             addr = f"{host}:{base + offset}"
             _fill(out, path, key, [addr] if many else addr)
         _fill(out, ("dev_vault",), "port", base + DEV_VAULT_PORT_OFFSET)
+    state_dir = out.get("state_dir", DEFAULT_STATE_DIR)
+    if isinstance(state_dir, str):
+        _fill(out, ("events",), "chain_dir", str(PurePosixPath(state_dir) / "events-chain"))
     ca = out.get("upstream_ca_file")
     if isinstance(ca, str) and ca:
         for path, key in UPSTREAM_CA_KEYS:

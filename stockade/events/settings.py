@@ -1,6 +1,7 @@
-"""The `events:` section of stockade.yaml: the events file, its rotation and the per-task
-throttle. On the ground floor so every component (and the inspector child, which gets the
-section as JSON) reads it without the top floor's `stockade.config`, which composes it.
+"""The `events:` section of stockade.yaml: the events file, its rotation, the per-task
+throttle and the chain. On the ground floor so every component (and the inspector child,
+which gets the section as JSON) reads it without the top floor's `stockade.config`, which
+composes it.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .chain import ChainSigner, load_or_create_key
 from .summary import ThrottleSettings
 from .writer import EventWriter
 
@@ -34,12 +36,26 @@ class EventSettings(BaseModel):
     task_dir: str | None = None
     task_store_bytes: int = Field(4 * 2**20, gt=0)  # task store cap per task and process
     task_retention_s: float = Field(86400.0, ge=0)  # task store files older than this are removed
+    # hash-chain each process's lines (event.sequence, stockade.chain.prev) and sign
+    # checkpoints (docs/events-integrity.md); false: only event.id and event.sequence
+    chain: bool = True
+    # signing key (signing.key, signing.pub) and heads/; default: <state_dir>/events-chain
+    chain_dir: str | None = None
+    checkpoint_every: int = Field(1000, ge=1)  # a signed checkpoint after this many lines
+    checkpoint_s: float = Field(60.0, gt=0)  # or after this many seconds, whichever is first
 
     def throttle(self) -> ThrottleSettings:
         return ThrottleSettings(
             verbatim_per_key=self.verbatim_per_key, window_s=self.summary_window_s,
             task_events=self.task_budget_events, task_bytes=self.task_budget_bytes,
             keys_per_task=self.keys_per_task)
+
+    def chain_signer(self) -> ChainSigner:
+        """A new stream's signer (one per writer). Without chain_dir it links lines but
+        signs nothing; raises chain.ChainError when the key cannot be read or made."""
+        key = load_or_create_key(self.chain_dir) if self.chain and self.chain_dir else None
+        return ChainSigner(key, self.chain_dir if key is not None else None, link=self.chain,
+                           every=self.checkpoint_every, interval_s=self.checkpoint_s)
 
     def writer(self, path: str | Path | None, task_dir: str | Path | None,
                stdout: bool) -> EventWriter:
