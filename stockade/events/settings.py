@@ -10,7 +10,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .chain import ChainSigner, load_or_create_key
+from .chain import ChainSigner
+from .chainkey import load_or_create_key
 from .summary import ThrottleSettings
 from .writer import EventWriter
 
@@ -52,7 +53,7 @@ class EventSettings(BaseModel):
 
     def chain_signer(self) -> ChainSigner:
         """A new stream's signer (one per writer). Without chain_dir it links lines but
-        signs nothing; raises chain.ChainError when the key cannot be read or made."""
+        signs nothing; raises chainkey.ChainError when the key cannot be read or made."""
         key = load_or_create_key(self.chain_dir) if self.chain and self.chain_dir else None
         return ChainSigner(key, self.chain_dir if key is not None else None, link=self.chain,
                            every=self.checkpoint_every, interval_s=self.checkpoint_s)

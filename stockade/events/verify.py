@@ -21,17 +21,8 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from .chain import (
-    CHECKPOINT_ACTION,
-    GENESIS,
-    HEADS_DIR,
-    PUB_FILE,
-    ChainError,
-    check_signature,
-    digest,
-    key_id,
-    load_public_key,
-)
+from .chain import CHECKPOINT_ACTION, GENESIS, check_signature, digest
+from .chainkey import HEADS_DIR, PUB_FILE, ChainError, key_id, load_public_key
 from .writer import ROTATION_CHECK_S
 
 _ROTATED = re.compile(r"(.+)\.(\d+)")
@@ -118,11 +109,8 @@ class Verifier:
             return
         if not st.failed:
             self._link(st, where, s, seq, prev)
-        if not st.failed and st.gap is None and isinstance(ev["stockade"].get("checkpoint"), dict):
+        if not st.failed and st.gap is None:
             self._checkpoint(st, where, s, ev)
-        if not st.failed and _action(ev) == CHECKPOINT_ACTION and \
-                not isinstance(ev["stockade"].get("checkpoint"), dict):
-            self._fail(st, Finding(where, s, "checkpoint", "a checkpoint without its signature"))
         st.seq, st.digest, st.where = max(st.seq, seq), digest(raw), where
         st.lines += 1
 
@@ -161,7 +149,12 @@ class Verifier:
                                    "(its digest is not this line's prev)"))
 
     def _checkpoint(self, st: _Stream, where: str, s: str, ev: dict[str, Any]) -> None:
-        cp = ev["stockade"]["checkpoint"]
+        """A checkpoint line must verify and cover the line before it in its stream."""
+        cp = ev["stockade"].get("checkpoint")
+        if not isinstance(cp, dict):
+            if _action(ev) == CHECKPOINT_ACTION:
+                self._fail(st, Finding(where, s, "checkpoint", "a checkpoint without its fields"))
+            return
         bad = self._bad_checkpoint(cp)
         if bad is None and (cp.get("stream") != s or cp.get("seq") != st.seq
                             or cp.get("digest") != st.digest):
@@ -325,18 +318,25 @@ def _inputs(args: argparse.Namespace) -> tuple[list[Path], list[str], Path | Non
     heads = Path(args.heads) if args.heads else None
     loader = getattr(args, "config_loader", None)
     if (not files or not keys or heads is None) and loader is not None:
-        cfg = loader(getattr(args, "config", None), "events verify")
-        chain_dir = Path(cfg.events.chain_dir) if cfg.events.chain_dir else None
-        files = files or rotations(cfg.events_file)
-        if chain_dir is not None:
-            keys = keys or [str(chain_dir / PUB_FILE)]
-            heads = heads if heads is not None else chain_dir / HEADS_DIR
-        if not files:
-            raise ChainError(f"no events file at {cfg.events_file}")
+        files, keys, heads = _configured(loader(getattr(args, "config", None), "events verify"),
+                                         files, keys, heads)
     if not files:
         raise ChainError("give the event files to check (FILE ...)")
     if not keys:
         raise ChainError("give the chain's public key (--key signing.pub)")
+    return files, keys, heads
+
+
+def _configured(cfg: Any, files: list[Path], keys: list[str],
+                heads: Path | None) -> tuple[list[Path], list[str], Path | None]:
+    """What the flags left out, from the loaded stockade.yaml."""
+    files = files or rotations(cfg.events_file)
+    if not files:
+        raise ChainError(f"no events file at {cfg.events_file}")
+    if cfg.events.chain_dir:
+        chain_dir = Path(cfg.events.chain_dir)
+        keys = keys or [str(chain_dir / PUB_FILE)]
+        heads = heads if heads is not None else chain_dir / HEADS_DIR
     return files, keys, heads
 
 

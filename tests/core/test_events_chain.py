@@ -14,17 +14,8 @@ from chain_writer import chained_writer as _writer
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from stockade.events import EventWriter, make_event
-from stockade.events.chain import (
-    GENESIS,
-    ChainError,
-    ChainSigner,
-    check_signature,
-    digest,
-    key_id,
-    load_or_create_key,
-    load_public_key,
-    sig_payload,
-)
+from stockade.events.chain import GENESIS, ChainSigner, check_signature, digest, sig_payload
+from stockade.events.chainkey import ChainError, key_id, load_or_create_key, load_public_key
 from stockade.events.settings import EventSettings
 
 
