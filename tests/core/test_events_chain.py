@@ -189,6 +189,17 @@ def test_the_key_is_made_once_with_private_permissions(tmp_path):
     assert not [p for p in d.iterdir() if p.name.startswith(".")]  # no temporary files left
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+def test_root_hands_the_key_to_the_directorys_owner(tmp_path):
+    d = tmp_path / "chain"
+    d.mkdir(mode=0o700)
+    os.chown(d, 4242, 4243)
+    load_or_create_key(d)
+    for name in ("signing.key", "signing.pub", "heads"):
+        st = (d / name).stat()
+        assert (st.st_uid, st.st_gid) == (4242, 4243), name
+
+
 def _make_key(d: str, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
     out.put(key_id(load_or_create_key(d).public_key()))
 
