@@ -40,7 +40,8 @@ class EventSettings(BaseModel):
     # hash-chain each process's lines (event.sequence, stockade.chain.prev) and sign
     # checkpoints (docs/events-integrity.md); false: only event.id and event.sequence
     chain: bool = True
-    # signing key (signing.key, signing.pub) and heads/; default: <state_dir>/events-chain
+    # signing key (signing.key, signing.pub) and heads/; default (or null):
+    # <state_dir>/events-chain
     chain_dir: str | None = None
     checkpoint_every: int = Field(1000, ge=1)  # a signed checkpoint after this many lines
     checkpoint_s: float = Field(60.0, gt=0)  # or after this many seconds, whichever is first

@@ -242,4 +242,6 @@ def test_chain_dir_follows_state_dir():
 
     assert Config(state_dir="/srv/st").events.chain_dir == "/srv/st/events-chain"
     assert Config(events={"chain_dir": "/k"}).events.chain_dir == "/k"
+    assert Config(state_dir="/s", events={"chain_dir": None}).events.chain_dir == \
+        "/s/events-chain"
     assert Config().events.chain_dir == "/var/lib/stockade/events-chain"
