@@ -61,7 +61,9 @@ class EventSettings(BaseModel):
 
     def writer(self, path: str | Path | None, task_dir: str | Path | None,
                stdout: bool) -> EventWriter:
-        """An event writer with these settings: throttle and per-task store included."""
+        """An event writer with these settings: throttle, per-task store and chain included
+        (its own stream). Raises chainkey.ChainError when the signing key is unusable."""
         return EventWriter(
             path, max_bytes=self.max_bytes, backups=self.backups, stdout=stdout,
-            throttle=self.throttle(), task_dir=task_dir, task_store_bytes=self.task_store_bytes)
+            throttle=self.throttle(), task_dir=task_dir, task_store_bytes=self.task_store_bytes,
+            chain=self.chain_signer())

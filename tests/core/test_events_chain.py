@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from chain_writer import chained_writer as _writer
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from stockade.events import EventWriter, make_event
@@ -35,7 +34,7 @@ def _settings(tmp_path: Path, **kw: object) -> EventSettings:
 
 def test_each_line_carries_id_sequence_and_the_previous_lines_digest(tmp_path):
     path = tmp_path / "e.jsonl"
-    w = _writer(_settings(tmp_path, checkpoint_every=1000), path, None, False)
+    w = _settings(tmp_path, checkpoint_every=1000).writer(path, None, False)
     for i in range(5):
         w.write(_event(i))
     raw = path.read_bytes().splitlines()
@@ -50,7 +49,7 @@ def test_each_line_carries_id_sequence_and_the_previous_lines_digest(tmp_path):
 
 
 def test_stamping_leaves_the_callers_nested_objects_alone(tmp_path):
-    w = _writer(_settings(tmp_path), tmp_path / "e.jsonl", None, False)
+    w = _settings(tmp_path).writer(tmp_path / "e.jsonl", None, False)
     ev = _event(1)
     inner_event, inner_stockade = ev["event"], ev["stockade"]
     w.write(ev)
@@ -60,7 +59,7 @@ def test_stamping_leaves_the_callers_nested_objects_alone(tmp_path):
 
 def test_a_signed_checkpoint_follows_every_n_lines_and_close(tmp_path):
     path = tmp_path / "e.jsonl"
-    w = _writer(_settings(tmp_path, checkpoint_every=3), path, None, False)
+    w = _settings(tmp_path, checkpoint_every=3).writer(path, None, False)
     for i in range(7):
         w.write(_event(i))
     w.close()
@@ -101,7 +100,7 @@ def test_a_quiet_stream_gets_its_checkpoint_from_flush_due(tmp_path):
 
 def test_chain_false_keeps_id_and_sequence_only(tmp_path):
     path = tmp_path / "e.jsonl"
-    w = _writer(_settings(tmp_path, chain=False, checkpoint_every=1), path, None, False)
+    w = _settings(tmp_path, chain=False, checkpoint_every=1).writer(path, None, False)
     w.write(_event(1))
     w.write(_event(2))
     w.close()
@@ -113,7 +112,7 @@ def test_chain_false_keeps_id_and_sequence_only(tmp_path):
 
 def test_without_chain_dir_lines_are_linked_but_not_signed(tmp_path):
     path = tmp_path / "e.jsonl"
-    w = _writer(EventSettings(checkpoint_every=1), path, None, False)
+    w = EventSettings(checkpoint_every=1).writer(path, None, False)
     for i in range(3):
         w.write(_event(i))
     w.close()
@@ -133,7 +132,7 @@ def test_a_bare_writer_writes_lines_as_before(tmp_path):
 
 def test_a_stdout_failure_does_not_use_the_sequence_number_again(tmp_path, monkeypatch):
     path = tmp_path / "e.jsonl"
-    w = _writer(_settings(tmp_path), path, None, True)
+    w = _settings(tmp_path).writer(path, None, True)
     closed = open(os.devnull, "w")  # noqa: SIM115 - closed at once: writing to it fails
     closed.close()
     monkeypatch.setattr(sys, "stdout", closed)
@@ -150,7 +149,7 @@ def test_a_stdout_failure_does_not_use_the_sequence_number_again(tmp_path, monke
 
 def test_a_failed_file_write_takes_no_sequence_number(tmp_path):
     path = tmp_path / "e.jsonl"
-    w = _writer(_settings(tmp_path), path, None, False)
+    w = _settings(tmp_path).writer(path, None, False)
     w.write(_event(1))
     path.rename(tmp_path / "e.jsonl.1")
     path.mkdir()  # the reopen after this "rotation" fails, even for root
@@ -167,7 +166,7 @@ def test_a_failed_file_write_takes_no_sequence_number(tmp_path):
 
 def test_summarised_events_use_no_sequence_number(tmp_path):
     path = tmp_path / "e.jsonl"
-    w = _writer(_settings(tmp_path, verbatim_per_key=1), path, None, False)
+    w = _settings(tmp_path, verbatim_per_key=1).writer(path, None, False)
     for _ in range(5):
         w.write(_event(1, task_id="t1"))
     w.end_task("t1")

@@ -10,12 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
-from chain_writer import chained_writer as _writer
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from stockade.events import make_event, writer
+from stockade.events import make_event, schema, writer
 from stockade.events.settings import EventSettings
 from stockade.events.verify import main, order_files
 
@@ -39,8 +39,8 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> Path:
         # each writer sees the other's rotation at once, as two processes do after
         # ROTATION_CHECK_S: both streams then share every file
         mp.setattr(writer, "ROTATION_CHECK_S", 0.0)
-        a = _writer(settings, d / "events.jsonl", None, False)
-        b = _writer(settings, d / "events.jsonl", None, False)
+        a = settings.writer(d / "events.jsonl", None, False)
+        b = settings.writer(d / "events.jsonl", None, False)
         for i in range(EVENTS):
             (a if i % 2 else b).write(_event(i))
         a.close()
@@ -97,6 +97,7 @@ def _middle(d: Path) -> tuple[Path, list[bytes], int]:
 def test_clean_files_verify_with_two_streams_and_rotations(logs, capsys):
     files = _files(logs)
     assert len(files) >= 4  # at least three rotations
+    checker = jsonschema.Draft202012Validator(schema())
     rc, result = _verify(logs, capsys)
     assert rc == 0, result["findings"]
     assert result["ok"] and not result["findings"]
@@ -107,6 +108,8 @@ def test_clean_files_verify_with_two_streams_and_rotations(logs, capsys):
         assert s["first_seq"] == 1 and s["signed_seq"] == s["last_seq"] - 1
     for f in files:
         assert len({_stream_of(r) for r in _rows(f)}) == 2  # both streams in each file
+        for r in _rows(f):  # the chain fields and checkpoints are in the schema
+            checker.validate(json.loads(r))
 
 
 def test_text_output_and_exit_codes(logs, capsys):
@@ -186,9 +189,9 @@ def _quiet_stream_files(d: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path,
     monkeypatch.setattr(writer, "ROTATION_CHECK_S", 0.0)
     settings = EventSettings(chain_dir=str(d / "chain"), checkpoint_every=10,
                              max_bytes=20_000, backups=2)
-    quiet = _writer(settings, d / "events.jsonl", None, False)
+    quiet = settings.writer(d / "events.jsonl", None, False)
     quiet.write(_event(0))
-    busy = _writer(settings, d / "events.jsonl", None, False)
+    busy = settings.writer(d / "events.jsonl", None, False)
     for i in range(300):
         busy.write(_event(i))
     quiet.write(_event(1))
