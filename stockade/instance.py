@@ -1,5 +1,5 @@
 """Settings of one self-contained instance that follow `run_dir`, `base_port` and
-`upstream_ca_file` (pure).
+`upstream_ca_file` (pure); the event chain's directory follows `state_dir`.
 
 Without this a second instance on one host had to restate a dozen sockets and ports. Each
 derived key is filled in only where the file leaves it unset, so every one stays
@@ -36,16 +36,21 @@ UPSTREAM_CA_KEYS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("broker",), "ca_file"),
 )
 DEFAULT_RUN_DIR = "/run/stockade"
+DEFAULT_STATE_DIR = "/var/lib/stockade"  # Config.state_dir's default
 
 
-def _is_set(section: Any, key: str) -> bool:
+def _is_set(section: Any, key: str, null_unset: bool) -> bool:
     if isinstance(section, BaseModel):
-        return key in section.model_fields_set
-    return isinstance(section, dict) and key in section
+        return key in section.model_fields_set and not (
+            null_unset and getattr(section, key) is None)
+    return isinstance(section, dict) and key in section and not (
+        null_unset and section[key] is None)
 
 
-def _fill(data: dict[str, Any], path: tuple[str, ...], key: str, value: Any) -> None:
-    """data[path...][key] = value unless the user set it; sections may be dicts or models."""
+def _fill(data: dict[str, Any], path: tuple[str, ...], key: str, value: Any,
+          null_unset: bool = False) -> None:
+    """data[path...][key] = value unless the user set it (with `null_unset`, a null counts
+    as unset); sections may be dicts or models."""
     head, rest = path[0], path[1:]
     section = data.get(head, {})
     if rest:
@@ -54,10 +59,10 @@ def _fill(data: dict[str, Any], path: tuple[str, ...], key: str, value: Any) -> 
         section = dict(section) if isinstance(section, dict) else section
         if not isinstance(section, dict):
             return  # not a mapping: let validation report it
-        _fill(section, rest, key, value)
+        _fill(section, rest, key, value, null_unset)
         data[head] = section
         return
-    if _is_set(section, key):
+    if _is_set(section, key, null_unset):
         return
     if isinstance(section, BaseModel):
         data[head] = section.model_copy(update={key: value})
@@ -80,6 +85,11 @@ def derive(data: Any) -> Any:
             addr = f"{host}:{base + offset}"
             _fill(out, path, key, [addr] if many else addr)
         _fill(out, ("dev_vault",), "port", base + DEV_VAULT_PORT_OFFSET)
+    state_dir = out.get("state_dir", DEFAULT_STATE_DIR)
+    if isinstance(state_dir, str):
+        # null too: a chain without a key (unsigned) is never what a config file means
+        _fill(out, ("events",), "chain_dir", str(PurePosixPath(state_dir) / "events-chain"),
+              null_unset=True)
     ca = out.get("upstream_ca_file")
     if isinstance(ca, str) and ca:
         for path, key in UPSTREAM_CA_KEYS:

@@ -1,6 +1,7 @@
-"""The `events:` section of stockade.yaml: the events file, its rotation and the per-task
-throttle. On the ground floor so every component (and the inspector child, which gets the
-section as JSON) reads it without the top floor's `stockade.config`, which composes it.
+"""The `events:` section of stockade.yaml: the events file, its rotation, the per-task
+throttle and the chain. On the ground floor so every component (and the inspector child,
+which gets the section as JSON) reads it without the top floor's `stockade.config`, which
+composes it.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .chain import ChainSigner
+from .chainkey import load_or_create_key
 from .summary import ThrottleSettings
 from .writer import EventWriter
 
@@ -34,6 +37,14 @@ class EventSettings(BaseModel):
     task_dir: str | None = None
     task_store_bytes: int = Field(4 * 2**20, gt=0)  # task store cap per task and process
     task_retention_s: float = Field(86400.0, ge=0)  # task store files older than this are removed
+    # hash-chain each process's lines (event.sequence, stockade.chain.prev) and sign
+    # checkpoints (docs/events-integrity.md); false: only event.id and event.sequence
+    chain: bool = True
+    # signing key (signing.key, signing.pub) and heads/; default (or null):
+    # <state_dir>/events-chain
+    chain_dir: str | None = None
+    checkpoint_every: int = Field(1000, ge=1)  # a signed checkpoint after this many lines
+    checkpoint_s: float = Field(60.0, gt=0)  # or after this many seconds, whichever is first
 
     def throttle(self) -> ThrottleSettings:
         return ThrottleSettings(
@@ -41,9 +52,18 @@ class EventSettings(BaseModel):
             task_events=self.task_budget_events, task_bytes=self.task_budget_bytes,
             keys_per_task=self.keys_per_task)
 
+    def chain_signer(self) -> ChainSigner:
+        """A new stream's signer (one per writer). Without chain_dir it links lines but
+        signs nothing; raises chainkey.ChainError when the key cannot be read or made."""
+        key = load_or_create_key(self.chain_dir) if self.chain and self.chain_dir else None
+        return ChainSigner(key, self.chain_dir if key is not None else None, link=self.chain,
+                           every=self.checkpoint_every, interval_s=self.checkpoint_s)
+
     def writer(self, path: str | Path | None, task_dir: str | Path | None,
                stdout: bool) -> EventWriter:
-        """An event writer with these settings: throttle and per-task store included."""
+        """An event writer with these settings: throttle, per-task store and chain included
+        (its own stream). Raises chainkey.ChainError when the signing key is unusable."""
         return EventWriter(
             path, max_bytes=self.max_bytes, backups=self.backups, stdout=stdout,
-            throttle=self.throttle(), task_dir=task_dir, task_store_bytes=self.task_store_bytes)
+            throttle=self.throttle(), task_dir=task_dir, task_store_bytes=self.task_store_bytes,
+            chain=self.chain_signer())

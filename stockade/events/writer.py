@@ -7,7 +7,9 @@ says how many were lost. A line is written whole or not at all (taskstore.append
 
 With a `throttle` (summary.py) a task's denials past the first few per key, and all its
 events past its budget, become summary events; with a `task_dir` every event that
-carries a task id is also appended to that task's store (taskstore.py).
+carries a task id is also appended to that task's store (taskstore.py). With a `chain`
+(chain.py) every line gets an id, a sequence number and the previous line's digest, and
+signed checkpoints follow at intervals.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import orjson
 
 from . import taskstore
 from .build import make_event
+from .chain import ChainSigner
 from .summary import LOST_ACTION, EventThrottle, ThrottleSettings, task_of
 
 Event = dict[str, Any]
@@ -79,6 +82,7 @@ class EventWriter:
         throttle: ThrottleSettings | None = None,
         task_dir: str | os.PathLike[str] | None = None,
         task_store_bytes: int = TASK_STORE_BYTES,
+        chain: ChainSigner | None = None,
     ) -> None:
         self.path = Path(path) if path is not None else None
         self.max_bytes = max_bytes
@@ -90,6 +94,7 @@ class EventWriter:
         self.throttle = EventThrottle(throttle) if throttle is not None else None
         self.task_dir = Path(task_dir) if task_dir is not None else None
         self.task_store_bytes = task_store_bytes
+        self.chain = chain
         # task id -> [bytes stored, events not stored]; bounded like the throttle's tasks
         self._stored: dict[str, list[int]] = {}
         self._lost = 0  # events lost since the last `events_lost` event
@@ -187,12 +192,13 @@ class EventWriter:
         event; the components also call this periodically, so a quiet task's counts are
         on disk a window after they happened, not only at its end (a SIGKILL loses at
         most the counts of windows still open)."""
-        if self.throttle is None:
-            return
         done: list[Event] = []
         with self._lock:
-            for ev in self.throttle.due(time.time() if now is None else now):
-                self._write_locked(ev, None, done)
+            if self.throttle is not None:
+                for ev in self.throttle.due(time.time() if now is None else now):
+                    self._write_locked(ev, None, done)
+            # a quiet stream's tail gets its checkpoint here, not only with the next event
+            self._checkpoint_if_due(done)
         self._notify(done)
 
     def end_task(self, task_id: str) -> list[Event]:
@@ -227,15 +233,10 @@ class EventWriter:
                         self._lost, self.path, self.dropped)
 
     def _write_locked(self, event: Event, data: bytes | None, done: list[Event]) -> bool:
-        if data is None:
-            try:
-                data = self.encode(event)
-            except (TypeError, ValueError):
-                self._lose(event)
-                return False
         if self._lost:
             self._report_loss(done)
-        if not self._emit_line(data):
+        data = self._line(event, data)
+        if data is None or not self._emit_line(data):
             self._lose(event)
             return False
         self.written += 1
@@ -243,7 +244,27 @@ class EventWriter:
             self.recent.append(event)
         self._store(event, data)
         done.append(event)
+        self._checkpoint_if_due(done)
         return True
+
+    def _line(self, event: Event, data: bytes | None) -> bytes | None:
+        """The event's line: stamped by the chain (encoded again, with its id, sequence
+        and link) or `data` as pre-encoded; None when it cannot be encoded."""
+        try:
+            if self.chain is not None:
+                return self.chain.stamp(event, self.encode)
+            return self.encode(event) if data is None else data
+        except (TypeError, ValueError):
+            return None
+
+    def _checkpoint_if_due(self, done: list[Event], now: float | None = None) -> None:
+        if self.chain is None or not self.chain.due(now):
+            return
+        ev = self.chain.checkpoint_event()
+        if self._emit_line(self.chain.stamp(ev, self.encode)):
+            self.written += 1
+            done.append(ev)
+        # else the checkpoint is retried after the next line: it is still due
 
     def _report_loss(self, done: list[Event]) -> None:
         """An `events_lost` event, written before the next event once writing works."""
@@ -252,35 +273,46 @@ class EventWriter:
             component=self._lost_component, action=LOST_ACTION,  # type: ignore[arg-type]
             message=f"{lost} event(s) could not be written (disk full or unwritable)",
             extra={"lost": lost, "lost_total": self.dropped})
-        if self._emit_line(self.encode(note)):
+        line = self._line(note, None)
+        if line is not None and self._emit_line(line):
             self._lost = 0
             log.warning("events: writing works again; %d event(s) were lost", lost)
             done.append(note)
 
     def _emit_line(self, data: bytes) -> bool:
-        ok = True
-        if self.path is not None:
-            try:
+        """Write the line to the file and stdout; False when either failed. The chain
+        advances once the file has it (a stdout failure must not reuse its sequence
+        number: the line is in the file), or stdout when there is no file."""
+        file_ok = self._emit_file(data) if self.path is not None else None
+        stdout_ok = self._emit_stdout(data) if self.stdout else None
+        if self.chain is not None and (file_ok or (file_ok is None and stdout_ok is not False)):
+            self.chain.advance(data)
+        return file_ok is not False and stdout_ok is not False
+
+    def _emit_stdout(self, data: bytes) -> bool:
+        try:
+            sys.stdout.write(data.decode("utf-8"))
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            return False
+        return True
+
+    def _emit_file(self, data: bytes) -> bool:
+        try:
+            fd = self._open()
+            if self._size and self._size + len(data) > self.max_bytes:
+                self._rotate()
                 fd = self._open()
-                if self._size and self._size + len(data) > self.max_bytes:
-                    self._rotate()
-                    fd = self._open()
-                # one write(2) per line in O_APPEND mode: lines of several writers
-                # never interleave, and nothing waits in a user-space buffer
-                taskstore.append_line(fd, data)
-                self._size += len(data)
-            except OSError:
-                ok = False
-                if self._fd is not None:
-                    os.close(self._fd)
-                self._fd = None
-        if self.stdout:
-            try:
-                sys.stdout.write(data.decode("utf-8"))
-                sys.stdout.flush()
-            except (OSError, ValueError):
-                ok = False
-        return ok
+            # one write(2) per line in O_APPEND mode: lines of several writers
+            # never interleave, and nothing waits in a user-space buffer
+            taskstore.append_line(fd, data)
+            self._size += len(data)
+        except OSError:
+            if self._fd is not None:
+                os.close(self._fd)
+            self._fd = None
+            return False
+        return True
 
     def _store(self, event: Event, data: bytes) -> None:
         """Append to the task's store (within its cap; totals always go in)."""
@@ -311,6 +343,7 @@ class EventWriter:
             if self.throttle is not None:
                 for ev in self.throttle.flush_all(time.time()):
                     self._write_locked(ev, None, done)
+            self._checkpoint_if_due(done, float("inf"))  # the tail is signed too
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from stockade.config import Config
 from stockade.events.build import make_event
+from stockade.events.chainkey import ChainError
 from stockade.events.writer import EventWriter
 
 from .devsecrets import SecretValue
@@ -124,12 +125,13 @@ def _print_ready(stack: Stack) -> None:
 def run_up(cfg: Config, secrets: Sequence[SecretValue] = ()) -> int:
     """Until Ctrl-C/SIGTERM (0) or a component that cannot be kept up (1)."""
     try:
+        chain = cfg.events.chain_signer()  # an unusable key stops `up` before anything starts
         stack = _start(cfg, secrets)
-    except StackError as e:
+    except (StackError, ChainError) as e:
         _say(str(e))
         return 1
     events = EventWriter(cfg.events_file, max_bytes=cfg.events.max_bytes,
-                         backups=cfg.events.backups)
+                         backups=cfg.events.backups, chain=chain)
     try:
         _print_ready(stack)
         sup = Supervisor(stack, events.write, _say, time.monotonic())

@@ -124,13 +124,16 @@ def test_every_path_a_service_writes_is_writable_in_its_unit(config: Config) -> 
     gw = _writable(parse_unit(UNITS["gateway"]))
     br = _writable(parse_unit(UNITS["broker"]))
     assert config.gateway.registry_file is not None and config.broker.state_file is not None
+    chain_head = f"{config.events.chain_dir}/heads/x.json"  # the event chain's heads
     for path in (
         config.gateway.registry_file,
         config.gateway.control_socket,
         str(config.events_file),
+        chain_head,
     ):
         assert _under(str(PurePosixPath(path).parent), gw), f"gateway cannot write {path}"
-    for path in (config.broker.state_file, config.broker.control_socket, str(config.events_file)):
+    for path in (config.broker.state_file, config.broker.control_socket, str(config.events_file),
+                 chain_head):
         assert _under(str(PurePosixPath(path).parent), br), f"broker cannot write {path}"
 
 
