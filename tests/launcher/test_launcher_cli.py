@@ -115,7 +115,7 @@ def test_sandbox_commands_from_another_process(lab: Lab, tmp_path: Path) -> None
 def test_run_refuses_a_stronger_isolation_and_names_the_way_out(
     lab: Lab, tmp_path: Path
 ) -> None:
-    """A tier this host cannot give (gvisor: no backend; microvm with its backend disabled)
+    """A tier this host cannot give (gvisor with runsc missing; microvm with its backend disabled)
     is refused at once with the way out, and with the downgrade configured it runs (at
     container grade)."""
     rules = tmp_path / "rules"
@@ -127,8 +127,9 @@ def test_run_refuses_a_stronger_isolation_and_names_the_way_out(
     cfg = _config_file(lab, tmp_path)
     data = lab.config.model_dump()
     data["launcher"]["microvm"]["enabled"] = False
+    data["launcher"]["gvisor"]["runsc"] = "/nonexistent/runsc"
     cfg.write_text(yaml.safe_dump(data))
-    for name, why in (("gv", "no gvisor backend exists"),
+    for name, why in (("gv", "runsc (/nonexistent/runsc) is not installed"),
                       ("vm", "launcher.microvm.enabled is false")):
         p = _stockade("run", "--profile", name, "--rules", str(rules), "--config", str(cfg),
                       "--", "true")

@@ -1,0 +1,240 @@
+"""The gVisor tier with real runsc: the command's I/O, its filesystem, its limits, kill,
+suspend/resume, start/kill cycles and the reconciliation of what a crashed run leaves.
+(The escape matrix runs over this tier in test_launcher_escapes.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from stockade.launcher import RunResult, SandboxSpec, netns, nft
+from stockade.launcher.backends import gvisor as gvisor_backend
+from stockade.launcher.cgroups import leftover_names
+
+from .conftest import Lab
+from .test_launcher_limits import _assert_clean
+
+pytestmark = [pytest.mark.netns, pytest.mark.gvisor]
+BACKEND = gvisor_backend.BACKEND
+
+
+@pytest.fixture(autouse=True)
+def _runsc(lab: Lab) -> None:
+    why = BACKEND.problem(lab.launcher.s)
+    if why is not None:
+        pytest.skip(f"gVisor unavailable: {why}")
+
+
+def runsc(lab: Lab, *args: str) -> subprocess.CompletedProcess[str]:
+    s = lab.launcher.s
+    return subprocess.run([*BACKEND._flags(s), *args], capture_output=True, text=True,
+                          timeout=30, check=False)
+
+
+def containers(lab: Lab) -> list[str]:
+    return [c["id"] for c in json.loads(runsc(lab, "list", "-format=json").stdout or "null")
+            or []]
+
+
+def runsc_cgroups(lab: Lab) -> list[str]:
+    s = lab.launcher.s
+    return sorted(p.name for h in gvisor_backend.RUNSC_HIERARCHIES
+                  if Path(s.cgroup_root, h, s.cgroup_parent).is_dir()
+                  for p in Path(s.cgroup_root, h, s.cgroup_parent).iterdir())
+
+
+def assert_gone(lab: Lab, res: RunResult) -> None:
+    _assert_clean(lab, res)
+    assert res.task_id not in containers(lab)
+    assert res.task_id not in runsc_cgroups(lab)
+
+
+def gv(lab: Lab, code: str, **kw: Any) -> RunResult:
+    return lab.py(code, profile="gv", **kw)
+
+
+def test_output_exit_code_stdin(lab: Lab) -> None:
+    res = lab.run(["sh", "-c", "echo out; cat; echo err >&2; exit 7"], profile="gv",
+                  stdin=b"fed\n")
+    assert (res.exit_code, res.ended_by) == (7, "exit"), res.stderr
+    assert res.stdout == "out\nfed\n" and res.stderr == "err\n"
+    assert_gone(lab, res)
+
+
+def test_start_event_names_the_tier_platform_and_network(lab: Lab) -> None:
+    res = lab.run(["true"], profile="gv")
+    start = lab.events(res.task_id)[0]["stockade"]
+    assert start["lifecycle"] == "start" and start["isolation"] == "gvisor"
+    assert start["gvisor"] == BACKEND.runtime(lab.launcher.s)
+    assert start["gvisor"]["platform"] in ("systrap", "ptrace")
+    assert start["gvisor"]["network"] in ("sandbox", "host")
+    assert lab.launcher.list() == []
+
+
+def test_identity_environment_and_etc(lab: Lab) -> None:
+    res = gv(lab, "import ctypes, os, json\n"
+             "st = dict(l.split(':\\t') for l in open('/proc/self/status').read()"
+             ".splitlines() if ':\\t' in l)\n"
+             "print(json.dumps({'uid': os.getuid(), 'gid': os.getgid(), 'groups': os.getgroups(),"
+             " 'caps': {k: st[k].strip() for k in"
+             " ('CapInh', 'CapPrm', 'CapEff', 'CapBnd', 'CapAmb') if k in st},"
+             " 'nnp': ctypes.CDLL(None).prctl(39, 0, 0, 0, 0), 'env': sorted(os.environ),"
+             " 'etc': sorted(os.listdir('/etc')), 'root': sorted(os.listdir('/')),"
+             " 'cwd': os.getcwd(), 'host': open('/etc/hostname').read().strip(),"
+             " 'mounts': open('/proc/mounts').read()}))")
+    assert res.exit_code == 0, res.stderr
+    d = json.loads(res.stdout)
+    assert (d["uid"], d["gid"], d["groups"]) == (65534, 65534, [])
+    # (the Sentry's /proc shows no CapAmb line)
+    assert {"CapPrm", "CapEff", "CapBnd"} <= set(d["caps"]), d["caps"]
+    assert set(d["caps"].values()) == {"0000000000000000"} and d["nnp"] == 1  # PR_GET_NO_NEW_PRIVS
+    assert not [k for k in d["env"] if k.lower().endswith("_proxy")]
+    assert "STOCKADE_BROKER" in d["env"]
+    assert {"passwd", "group", "hosts", "resolv.conf", "ssl"} <= set(d["etc"])
+    assert not {"shadow", "sudoers", "machine-id", "fstab"} & set(d["etc"])
+    assert not {"home", "root", "var", "run"} & set(d["root"])
+    assert d["cwd"] == "/scratch" and d["host"] == "sandbox"
+    s = lab.launcher.s
+    for hidden in (s.scratch_dir, str(lab.tmp)):  # no host path shows in the mount table
+        assert hidden not in d["mounts"]
+
+
+def test_writes_refused_outside_scratch_and_inputs_read_only(lab: Lab, tmp_path: Path) -> None:
+    data = tmp_path / "in"
+    data.mkdir()
+    (data / "f.txt").write_text("input\n")
+    code = ("import errno\n"
+            "def w(p):\n"
+            "    try:\n        open(p, 'w').write('x'); return 'ok'\n"
+            "    except OSError as e:\n        return errno.errorcode[e.errno]\n"
+            "print(open('/inputs/in/f.txt').read().strip(),"
+            " *[w(p) for p in ('/inputs/in/f.txt', '/usr/x', '/etc/passwd', '/x',"
+            " '/scratch/ok', '/tmp/ok')])")
+    res = lab.launcher.run(SandboxSpec("gv", ["python3", "-c", code],
+                                       inputs=[(str(data), "/inputs/in")]), lab.ruleset)
+    assert res.exit_code == 0, res.stderr
+    words = res.stdout.split()
+    assert words[0] == "input" and words[-2:] == ["ok", "ok"]
+    assert all(w in ("EROFS", "EACCES") for w in words[1:5]), words
+    assert (data / "f.txt").read_text() == "input\n"
+
+
+def test_trust_bundle_visible(lab: Lab) -> None:
+    res = gv(lab, "import os; p = os.environ.get('SSL_CERT_FILE', "
+             "'/etc/ssl/certs/ca-certificates.crt'); print(os.path.getsize(p) > 0)")
+    assert (res.exit_code, res.stdout.strip()) == (0, "True"), res.stderr
+
+
+def test_disk_fill(lab: Lab) -> None:
+    res = lab.run(["sh", "-c", "dd if=/dev/zero of=/scratch/fill bs=1M count=64"],
+                  profile="gv")
+    assert res.exit_code != 0 and "No space left" in res.stderr
+    assert res.ended_by == "limit"
+    assert_gone(lab, res)
+
+
+def test_memory_bomb(lab: Lab) -> None:
+    res = gv(lab, "b = []\nwhile True: b.append(bytearray(1 << 20))")
+    # the host OOM killer takes the command's task inside the Sentry (the Sentry survives
+    # and reports the command's failure, not a 137 as the other tiers do)
+    assert res.ended_by == "limit" and res.exit_code != 0
+    assert_gone(lab, res)
+
+
+def test_fork_bomb(lab: Lab) -> None:
+    res = lab.run(["sh", "-c", "f() { f | f & }; f; sleep 20"], profile="gv")
+    assert res.ended_by == "limit"
+    assert_gone(lab, res)
+    ends = [e for e in lab.events(res.task_id) if e["stockade"].get("lifecycle") == "end"]
+    assert ends[0]["event"]["reason"] == "resource_limit"
+
+
+def test_ttl(lab: Lab) -> None:
+    res = lab.launcher.run(SandboxSpec("gv", ["sh", "-c", "while :; do :; done"], ttl=2),
+                           lab.ruleset)
+    assert (res.ended_by, res.exit_code) == ("ttl", 137)
+    assert_gone(lab, res)
+
+
+def test_kill(lab: Lab) -> None:
+    t, box = lab.background(["sleep", "60"], profile="gv")
+    assert lab.launcher.kill(box["task_id"])
+    t.join(timeout=20)
+    res = box["result"]
+    assert (res.ended_by, res.exit_code) == ("killed", 137)
+    assert_gone(lab, res)
+
+
+def test_suspend_resume(lab: Lab) -> None:
+    t, box = lab.background(["sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /scratch/n; "
+                             "sleep 0.02; done"], profile="gv")
+    tid = box["task_id"]
+    counter = Path(lab.config.launcher.scratch_dir, tid, "scratch", "n")
+    try:
+        for _ in range(500):
+            if counter.exists() and counter.read_text().strip():
+                break
+            time.sleep(0.01)
+        assert lab.launcher.suspend(tid)
+        assert json.loads(runsc(lab, "state", tid).stdout)["status"] == "paused"
+        assert [r["state"] for r in lab.launcher.list()] == ["frozen"]
+        frozen_at = counter.read_text()
+        time.sleep(0.3)
+        assert counter.read_text() == frozen_at  # no progress while paused
+        assert lab.launcher.resume(tid)
+        assert json.loads(runsc(lab, "state", tid).stdout)["status"] == "running"
+        for _ in range(500):
+            if counter.read_text() not in (frozen_at, ""):
+                break
+            time.sleep(0.01)
+        assert counter.read_text() not in (frozen_at, "")
+    finally:
+        lab.launcher.kill(tid)
+        t.join(timeout=20)
+    assert_gone(lab, box["result"])
+
+
+def test_a_sigkilled_runsc_of_a_gone_run_is_reconciled(lab: Lab) -> None:
+    """As a launcher that died would leave it: its record, and `runsc run` SIGKILLed (the
+    sandbox goes with it; runsc's state and the cgroup dirs of all hierarchies stay). A
+    reconcile removes all of it, with the netns, the scratch and the registrations."""
+    s = lab.launcher.s
+    t, box = lab.background(["sleep", "60"], profile="gv")
+    tid = box["task_id"]
+    for _ in range(500):
+        if tid in containers(lab):
+            break
+        time.sleep(0.01)
+    live = lab.launcher._live.pop(tid)  # its run is gone: nothing in this process owns it
+    assert live.proc is not None
+    os.killpg(live.proc.pid, signal.SIGKILL)
+    live.proc.wait(timeout=10)
+    assert tid in containers(lab) and tid in runsc_cgroups(lab)
+    lab.launcher.reconcile()  # (the run's own thread, seeing runsc gone, may race it)
+    t.join(timeout=30)
+    assert lab.launcher.list() == [] and not lab.gateway_registry.tasks()
+    assert tid not in containers(lab) and tid not in runsc_cgroups(lab)
+    assert tid not in leftover_names(s.cgroup_root, s.cgroup_parent)
+    assert not Path("/run/netns", f"{s.name_prefix}-{tid}").exists()
+    assert not Path(s.scratch_dir, tid).exists()
+
+
+def test_start_kill_cycles_leave_nothing(lab: Lab) -> None:
+    s = lab.launcher.s
+    for _ in range(int(os.environ.get("STOCKADE_GVISOR_CYCLES", "20"))):
+        t, box = lab.background(["sleep", "60"], profile="gv")
+        assert lab.launcher.kill(box["task_id"])
+        t.join(timeout=30)
+        assert box["result"].ended_by == "killed"
+    assert containers(lab) == [] and runsc_cgroups(lab) == []
+    assert leftover_names(s.cgroup_root, s.cgroup_parent) == set()
+    assert netns.list_netns(s.name_prefix) == [] and netns.list_links(s.name_prefix) == []
+    assert not os.listdir(s.scratch_dir) and lab.launcher.list() == []
+    elements = nft.list_elements(s.nft_table)
+    assert not any(elements.get(k) for k in nft.PER_SANDBOX_SETS)
