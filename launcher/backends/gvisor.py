@@ -6,6 +6,7 @@ namespace: every start and probe enters a netns of the launcher's first (nsenter
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -16,9 +17,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import cgroups, gvisor, netns
+from .. import cgroups, gvisor, initscript, mounts, netns
 from ..environment import SANDBOX_PATH
-from ..spec import LauncherError
+from ..spec import TASK_ID_RE, LauncherError
 from ..supervise import Ended, exit_status, feed_stdin, started, watch
 from . import CgroupControl, Live, StartContext, init_plan
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:  # annotations only
     from ..spec import SandboxSpec
 
 # cgroup v1 hierarchies runsc makes <parent>/<id> in besides the launcher's own four
+STAGED = "inputs-ro"  # <base>/inputs-ro/<n>: the inputs' read-only host binds
 RUNSC_HIERARCHIES = ("blkio", "cpuacct", "cpuset", "devices", "systemd")
 CALL_TIMEOUT_S = 15.0
 STATS_EVERY_S = 1.0  # `runsc events --stats` costs ~150 ms under load: at most this often
@@ -140,8 +142,8 @@ class GvisorBackend(CgroupControl):
         s, rec = ctx.settings, live.record
         flags = self._flags(s)
         _netns_sysctls(rec.netns, ctx.congestion_control)
-        plan = init_plan(live, ctx)
         base = Path(rec.scratch)
+        plan = dataclasses.replace(init_plan(live, ctx), inputs=_stage_inputs(base, ctx.inputs))
         try:
             layout = gvisor.root_layout(plan, tuple(s.ro_binds))
             _materialize(base / "root", layout)
@@ -217,10 +219,12 @@ class GvisorBackend(CgroupControl):
             raise LauncherError(f"runsc {what} failed: {p.stderr.strip()[-300:]}")
 
     def discard(self, task_id: str, s: LauncherSettings) -> None:
-        """`delete -force`: idempotent; removes runsc's state and its own cgroup dirs."""
+        """`delete -force`: idempotent; removes runsc's state and its own cgroup dirs. Then
+        the staged inputs' mounts (before the scratch directory is removed)."""
         with contextlib.suppress(LauncherError, OSError, subprocess.TimeoutExpired):
             _call([*self._flags(s), "delete", "-force", task_id])
         _remove_runsc_cgroups(s, task_id)
+        _unstage(Path(s.scratch_dir, task_id))
 
     def sweep(self, keep: set[str], s: LauncherSettings) -> list[str]:
         if not os.path.isdir(state_root(s)) or shutil.which(s.gvisor.runsc) is None:
@@ -236,6 +240,10 @@ class GvisorBackend(CgroupControl):
         for name in _runsc_cgroup_names(s):
             if name not in keep:
                 _remove_runsc_cgroups(s, name)
+        with contextlib.suppress(OSError):
+            for d in Path(s.scratch_dir).iterdir():
+                if d.name not in keep and TASK_ID_RE.match(d.name):
+                    _unstage(d)
         return gone
 
 
@@ -259,6 +267,38 @@ class _Ceiling:
         self.streak = self.streak + 1 if n is not None and n >= self.pids - 1 else 0
         self.seen = self.seen or self.streak >= 2
         return self.seen
+
+
+def _stage_inputs(base: Path, inputs: list[initscript.Bind]) -> tuple[initscript.Bind, ...]:
+    """Each input through a bind that is read-only in the host's kernel: runsc's gofer
+    opens host files as root, and an open(O_TRUNC) of a host file the sandbox user may
+    write (mode 0666) truncated it although the OCI mount says "ro" (runsc 20240729)."""
+    if not inputs:
+        return ()
+    staged = base / STAGED
+    staged.mkdir(mode=0o711)
+    out = []
+    for i, b in enumerate(inputs):
+        target = staged / str(i)
+        if b.is_dir:
+            target.mkdir(mode=0o755)
+        else:
+            target.touch(mode=0o644)
+        try:
+            mounts.bind_ro(b.source, str(target))
+        except OSError as e:
+            raise LauncherError(f"cannot stage input {b.target}: {e.strerror}") from None
+        out.append(dataclasses.replace(b, source=str(target)))
+    return tuple(out)
+
+
+def _unstage(base: Path) -> None:
+    staged = base / STAGED
+    with contextlib.suppress(OSError):
+        for d in staged.iterdir():
+            for _ in range(3):
+                if not mounts.umount(str(d)):
+                    break
 
 
 def _netns_sysctls(ns: str, congestion_control: str | None) -> None:
