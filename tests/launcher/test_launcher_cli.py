@@ -18,7 +18,7 @@ from stockade.launcher import netns, nft
 from stockade.launcher.cgroups import leftover_names
 
 from stockade.config import load_config
-from stockade.events import validate
+from stockade.events import read_events, validate
 from stockade.stack.run import _parse_input
 from stockade.tasks import TaskRegistry, make_control_app, start_control_server
 
@@ -214,3 +214,31 @@ def test_run_on_a_full_state_disk(lab: Lab, tmp_path: Path, full_disk: Any) -> N
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
+
+
+def test_run_picks_the_backend_from_the_profile(lab: Lab, tmp_path: Path) -> None:
+    """`stockade run --profile X`: a gvisor profile runs under runsc (its start event says
+    so, with the platform and network), a container one in the netns backend."""
+    from stockade.launcher.backends.gvisor import BACKEND
+
+    why = BACKEND.problem(lab.config.launcher)
+    if why is not None:
+        pytest.skip(f"gVisor unavailable: {why}")
+    rules = tmp_path / "rules"
+    (rules / "profiles").mkdir(parents=True)
+    (rules / "profiles" / "gv.yaml").write_text(
+        PROFILE.replace("profile: cli", "profile: gv") + "isolation: gvisor\n")
+    (rules / "profiles" / "cli.yaml").write_text(PROFILE)
+    cfg = _config_file(lab, tmp_path)
+    tiers = {}
+    for name in ("gv", "cli"):
+        p = _stockade("run", "--profile", name, "--rules", str(rules), "--config", str(cfg),
+                      "--json", "--", "echo", "ran")
+        assert p.returncode == 0, p.stderr
+        out = json.loads(p.stdout)
+        assert out["stdout"] == "ran\n"
+        start = next(e for e in read_events(lab.config.events_file)
+                     if e.get("labels", {}).get("task_id") == out["task_id"])["stockade"]
+        tiers[name] = (start["isolation"], start.get("gvisor"))
+    assert tiers["gv"] == ("gvisor", BACKEND.runtime(lab.config.launcher))
+    assert tiers["cli"] == ("container", None)
