@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import initscript, rootfs, seccomp_bpf, trust
 from ..spec import LauncherError
-from ..supervise import kill_proc
+from ..supervise import Capture, feed_stdin, kill_proc, started
 
 if TYPE_CHECKING:  # annotations only
     from .. import cgroups
@@ -128,6 +128,17 @@ class CgroupControl:
 
     def sweep(self, keep: set[str], s: LauncherSettings) -> list[str]:
         return []
+
+
+def captures(proc: subprocess.Popen[bytes] | None, spec: SandboxSpec,
+             s: LauncherSettings) -> tuple[Capture, Capture]:
+    """The command's stdout and stderr captured from `proc`'s pipes, its stdin fed (the
+    tiers whose outermost process has the command's stdio)."""
+    assert proc is not None and proc.stdout is not None and proc.stderr is not None
+    out = started(proc.stdout, s.max_output_bytes)  # type: ignore[arg-type]
+    err = started(proc.stderr, s.max_output_bytes)  # type: ignore[arg-type]
+    feed_stdin(proc, spec.stdin)
+    return out, err
 
 
 @functools.cache

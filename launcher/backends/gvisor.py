@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 from .. import cgroups, gvisor, initscript, mounts, netns
 from ..environment import SANDBOX_PATH
 from ..spec import TASK_ID_RE, LauncherError
-from ..supervise import Ended, exit_status, feed_stdin, started, watch
-from . import CgroupControl, Live, StartContext, init_plan
+from ..supervise import Ended, exit_status, watch
+from . import CgroupControl, Live, StartContext, captures, init_plan
 
 if TYPE_CHECKING:  # annotations only
     from ..settings import LauncherSettings
@@ -169,14 +169,18 @@ class GvisorBackend(CgroupControl):
     def wait(self, live: Live, spec: SandboxSpec, deadline: float,
              s: LauncherSettings) -> Ended:
         proc, cg = live.proc, live.cg
-        assert proc is not None and proc.stdout is not None and proc.stderr is not None
-        out = started(proc.stdout, s.max_output_bytes)  # type: ignore[arg-type]
-        err = started(proc.stderr, s.max_output_bytes)  # type: ignore[arg-type]
-        feed_stdin(proc, spec.stdin)
+        out, err = captures(proc, spec, s)
+        assert proc is not None
         ceiling = _Ceiling(self, s, live.record.task_id, cg, live.pipes or 0)
         ended_by = watch(proc, cg, live.killed, deadline, ceiling.hit)
-        out.join(timeout=5)
-        err.join(timeout=5)
+        # killed while runsc was still starting, its sandbox and gofer (own session, our
+        # pipes) may join the cgroups only now: kill them as they arrive, not at a timeout
+        for _ in range(100):
+            out.join(timeout=0.05)
+            err.join(timeout=0.05)
+            if not (out.is_alive() or err.is_alive()):
+                break
+            cg.kill_all()
         # exit 2 with failed host forks: the Sentry itself could not make a thread
         sentry_died = proc.returncode == 2 and cg.pids_failures() > 0
         return Ended(ended_by, exit_status(proc.returncode), ceiling.seen or sentry_died,
@@ -190,18 +194,17 @@ class GvisorBackend(CgroupControl):
             return None
         return gvisor.stats_pids(p.stdout) if p.returncode == 0 else None
 
-    def _runsc(self, cg: cgroups.CgroupSet, command: str,
-               *after: str) -> subprocess.CompletedProcess[str]:
-        """`runsc <flags> <command> <the sandbox's id> <after>` with its launcher's flags."""
+    def _runsc(self, cg: cgroups.CgroupSet, command: str) -> subprocess.CompletedProcess[str]:
+        """`runsc <flags> <command> <the sandbox's id>` with its launcher's flags."""
         s = self._settings.get(cg.parent)
         if s is None:
             raise LauncherError(f"no launcher settings for cgroup parent {cg.parent!r}")
-        return _call([*self._flags(s), command, cg.name, *after])
+        return _call([*self._flags(s), command, cg.name])
 
-    def kill(self, cg: cgroups.CgroupSet, proc: subprocess.Popen[bytes] | None) -> None:
-        with contextlib.suppress(LauncherError, OSError, subprocess.TimeoutExpired):
-            self._runsc(cg, "kill", "KILL")
-        super().kill(cg, proc)  # the cgroups hold the Sentry, the gofer and the stubs
+    # kill: the cgroups' (inherited). They hold the Sentry, the gofer and the stubs, and
+    # SIGKILLing them ends `runsc run` at once; `runsc kill` would add a runsc start (tens
+    # of ms, over a second under load) before anything dies. The state it leaves is
+    # `delete -force`'s, at teardown.
 
     def suspend(self, cg: cgroups.CgroupSet) -> None:
         self._pause(cg, "pause")
@@ -260,7 +263,10 @@ class _Ceiling:
 
     def hit(self) -> bool:
         now = time.monotonic()
-        if self.pids <= 0 or now < self.next_at or self.cg.pids_current() < self.pids:
+        # the host count holds runsc's own Go threads too (~60-70 idle): only well above
+        # that can the guest be near its ceiling
+        busy = self.pids + self.s.gvisor.pids_overhead // 2
+        if self.pids <= 0 or now < self.next_at or self.cg.pids_current() < busy:
             return False
         self.next_at = now + STATS_EVERY_S
         n = self.backend.guest_pids(self.s, self.task_id)

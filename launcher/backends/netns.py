@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from .. import cgroups, initscript, netns
 from ..environment import SANDBOX_PATH
-from ..supervise import Ended, exit_status, feed_stdin, started, watch
-from . import CgroupControl, Live, StartContext, init_plan
+from ..supervise import Ended, exit_status, watch
+from . import CgroupControl, Live, StartContext, captures, init_plan
 
 if TYPE_CHECKING:  # annotations only
     from ..settings import LauncherSettings
@@ -53,10 +53,8 @@ class NetnsBackend(CgroupControl):
     def wait(self, live: Live, spec: SandboxSpec, deadline: float,
              s: LauncherSettings) -> Ended:
         proc, cg = live.proc, live.cg
-        assert proc is not None and proc.stdout is not None and proc.stderr is not None
-        out = started(proc.stdout, s.max_output_bytes)  # type: ignore[arg-type]
-        err = started(proc.stderr, s.max_output_bytes)  # type: ignore[arg-type]
-        feed_stdin(proc, spec.stdin)
+        out, err = captures(proc, spec, s)
+        assert proc is not None
 
         def pids_hit() -> bool:
             return cg.pids_failures() >= s.pids_fail_kill

@@ -27,17 +27,6 @@ from .conftest import Lab
 pytestmark = pytest.mark.netns
 
 
-@pytest.fixture(params=["test", "gv"])
-def tier(request: pytest.FixtureRequest, lab: Lab) -> str:
-    """The profile whose tier the attempt runs in: container, gVisor (skipped without runsc)."""
-    if request.param == "gv":
-        from stockade.launcher.backends.gvisor import BACKEND
-
-        why = BACKEND.problem(lab.launcher.s)
-        if why is not None:
-            pytest.skip(f"gVisor unavailable: {why}")
-    return str(request.param)
-
 # the probes both backends' escape tests run inside a sandbox (errno names, not texts)
 NET_PROBES = r"""
 def err(e):

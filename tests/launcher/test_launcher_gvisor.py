@@ -1,6 +1,7 @@
-"""The gVisor tier with real runsc: the command's I/O, its filesystem, its limits, kill,
-suspend/resume, start/kill cycles and the reconciliation of what a crashed run leaves.
-(The escape matrix runs over this tier in test_launcher_escapes.py.)"""
+"""The gVisor tier with real runsc: the command's I/O, its filesystem, its limits, start/kill
+cycles and the reconciliation of what a crashed run leaves.
+(The escape matrix, the fork bomb, the disk fill, kill and suspend/resume run over this
+tier in test_launcher_escapes.py and test_launcher_limits.py.)"""
 
 from __future__ import annotations
 
@@ -131,14 +132,6 @@ def test_trust_bundle_visible(lab: Lab) -> None:
     assert (res.exit_code, res.stdout.strip()) == (0, "True"), res.stderr
 
 
-def test_disk_fill(lab: Lab) -> None:
-    res = lab.run(["sh", "-c", "dd if=/dev/zero of=/scratch/fill bs=1M count=64"],
-                  profile="gv")
-    assert res.exit_code != 0 and "No space left" in res.stderr
-    assert res.ended_by == "limit"
-    assert_gone(lab, res)
-
-
 def test_memory_bomb(lab: Lab) -> None:
     res = gv(lab, "b = []\nwhile True: b.append(bytearray(1 << 20))")
     # the host OOM killer takes the command's task inside the Sentry (the Sentry survives
@@ -147,57 +140,11 @@ def test_memory_bomb(lab: Lab) -> None:
     assert_gone(lab, res)
 
 
-def test_fork_bomb(lab: Lab) -> None:
-    res = lab.run(["sh", "-c", "f() { f | f & }; f; sleep 20"], profile="gv")
-    assert res.ended_by == "limit"
-    assert_gone(lab, res)
-    ends = [e for e in lab.events(res.task_id) if e["stockade"].get("lifecycle") == "end"]
-    assert ends[0]["event"]["reason"] == "resource_limit"
-
-
 def test_ttl(lab: Lab) -> None:
     res = lab.launcher.run(SandboxSpec("gv", ["sh", "-c", "while :; do :; done"], ttl=2),
                            lab.ruleset)
     assert (res.ended_by, res.exit_code) == ("ttl", 137)
     assert_gone(lab, res)
-
-
-def test_kill(lab: Lab) -> None:
-    t, box = lab.background(["sleep", "60"], profile="gv")
-    assert lab.launcher.kill(box["task_id"])
-    t.join(timeout=20)
-    res = box["result"]
-    assert (res.ended_by, res.exit_code) == ("killed", 137)
-    assert_gone(lab, res)
-
-
-def test_suspend_resume(lab: Lab) -> None:
-    t, box = lab.background(["sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /scratch/n; "
-                             "sleep 0.02; done"], profile="gv")
-    tid = box["task_id"]
-    counter = Path(lab.config.launcher.scratch_dir, tid, "scratch", "n")
-    try:
-        for _ in range(500):
-            if counter.exists() and counter.read_text().strip():
-                break
-            time.sleep(0.01)
-        assert lab.launcher.suspend(tid)
-        assert json.loads(runsc(lab, "state", tid).stdout)["status"] == "paused"
-        assert [r["state"] for r in lab.launcher.list()] == ["frozen"]
-        frozen_at = counter.read_text()
-        time.sleep(0.3)
-        assert counter.read_text() == frozen_at  # no progress while paused
-        assert lab.launcher.resume(tid)
-        assert json.loads(runsc(lab, "state", tid).stdout)["status"] == "running"
-        for _ in range(500):
-            if counter.read_text() not in (frozen_at, ""):
-                break
-            time.sleep(0.01)
-        assert counter.read_text() not in (frozen_at, "")
-    finally:
-        lab.launcher.kill(tid)
-        t.join(timeout=20)
-    assert_gone(lab, box["result"])
 
 
 def test_a_sigkilled_runsc_of_a_gone_run_is_reconciled(lab: Lab) -> None:
