@@ -174,7 +174,7 @@ def test_a_sigkilled_runsc_of_a_gone_run_is_reconciled(lab: Lab) -> None:
 
 def test_start_kill_cycles_leave_nothing(lab: Lab) -> None:
     s = lab.launcher.s
-    for _ in range(int(os.environ.get("STOCKADE_GVISOR_CYCLES", "20"))):
+    for _ in range(int(os.environ.get("STOCKADE_GVISOR_CYCLES", "50"))):
         t, box = lab.background(["sleep", "60"], profile="gv")
         assert lab.launcher.kill(box["task_id"])
         t.join(timeout=30)
