@@ -134,6 +134,8 @@ class Cleaner:
             if not records or all(r.state == DEREGISTERING for r in records.values()):
                 if nft.table_exists(self.s.nft_table):
                     nft.run(nft.delete_table_command(self.s.nft_table))
+                for name in NAMES:  # the tiers' own state of this table (runsc's root)
+                    backend_for(name).sweep(set(), self.s)
                 cgroups.remove_parent(self.s.cgroup_root, self.s.cgroup_parent)
 
     # -- reconcile: sandboxes no live launcher owns, pieces no record keeps ---------------

@@ -208,6 +208,20 @@ def reconcile_ids(ids: list[str], keep: set[str]) -> list[str]:
     return sorted(i for i in ids if TASK_ID_RE.match(i) and i not in keep)
 
 
+_STATE_FILE = re.compile(r"(?:runsc-)?([0-9a-f]{10})[_.]")
+
+
+def stale_state_files(names: list[str], keep: set[str]) -> list[str]:
+    """Files in runsc's state root of containers no record keeps (`<id>_sandbox:<id>.lock`,
+    `.state`, `runsc-<id>.sock`: what a runsc killed while starting leaves)."""
+    out = []
+    for n in names:
+        m = _STATE_FILE.match(n)
+        if m is not None and TASK_ID_RE.match(m.group(1)) and m.group(1) not in keep:
+            out.append(n)
+    return sorted(out)
+
+
 def stats_pids(stdout: str) -> int | None:
     """The Sentry's task count from `runsc events --stats` (None when it says nothing)."""
     try:

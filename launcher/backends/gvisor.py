@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -226,6 +227,8 @@ class GvisorBackend(CgroupControl):
         the staged inputs' mounts (before the scratch directory is removed)."""
         with contextlib.suppress(LauncherError, OSError, subprocess.TimeoutExpired):
             _call([*self._flags(s), "delete", "-force", task_id])
+        _remove_state_files(s, lambda names: [n for n in gvisor.stale_state_files(names, set())
+                                              if task_id in n])
         _remove_runsc_cgroups(s, task_id)
         _unstage(Path(s.scratch_dir, task_id))
 
@@ -240,13 +243,7 @@ class GvisorBackend(CgroupControl):
         gone = gvisor.reconcile_ids(ids, keep)
         for tid in gone:
             self.discard(tid, s)
-        for name in _runsc_cgroup_names(s):
-            if name not in keep:
-                _remove_runsc_cgroups(s, name)
-        with contextlib.suppress(OSError):
-            for d in Path(s.scratch_dir).iterdir():
-                if d.name not in keep and TASK_ID_RE.match(d.name):
-                    _unstage(d)
+        _sweep_host(s, keep)
         return gone
 
 
@@ -335,6 +332,35 @@ def _materialize(root: Path, layout: gvisor.RootLayout) -> None:
         p = gvisor.confined(str(root), guest)
         os.makedirs(os.path.dirname(p), mode=0o755, exist_ok=True)
         os.symlink(target, p)
+
+
+def _sweep_host(s: LauncherSettings, keep: set[str]) -> None:
+    """What runsc leaves on the host of containers no record keeps: cgroup dirs, staged
+    input mounts, state files; with no record at all, the table's state root and the
+    cgroup parents runsc made (each removed only once empty)."""
+    for name in _runsc_cgroup_names(s):
+        if name not in keep:
+            _remove_runsc_cgroups(s, name)
+    with contextlib.suppress(OSError):
+        for d in Path(s.scratch_dir).iterdir():
+            if d.name not in keep and TASK_ID_RE.match(d.name):
+                _unstage(d)
+    _remove_state_files(s, lambda names: gvisor.stale_state_files(names, keep))
+    if not keep:
+        with contextlib.suppress(OSError):
+            Path(state_root(s)).rmdir()
+        for h in RUNSC_HIERARCHIES:
+            with contextlib.suppress(OSError):
+                Path(s.cgroup_root, h, s.cgroup_parent).rmdir()
+
+
+def _remove_state_files(s: LauncherSettings,
+                        which: Callable[[list[str]], list[str]]) -> None:
+    """runsc's files of gone containers (`delete -force` leaves the `.lock`)."""
+    root = Path(state_root(s))
+    with contextlib.suppress(OSError):
+        for name in which(os.listdir(root)):
+            (root / name).unlink(missing_ok=True)
 
 
 def _runsc_cgroup_names(s: LauncherSettings) -> set[str]:

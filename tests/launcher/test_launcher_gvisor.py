@@ -1,15 +1,14 @@
 """The gVisor tier with real runsc: the command's I/O, its filesystem, its limits, start/kill
 cycles and the reconciliation of what a crashed run leaves.
-(The escape matrix, the fork bomb, the disk fill, kill and suspend/resume run over this
-tier in test_launcher_escapes.py and test_launcher_limits.py.)"""
+(The escape matrix, the fork bomb, the disk fill, kill, suspend/resume and the reconcile
+after a launcher crash run over this tier in test_launcher_escapes.py,
+test_launcher_limits.py and test_launcher_leak.py.)"""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -147,31 +146,6 @@ def test_ttl(lab: Lab) -> None:
     assert_gone(lab, res)
 
 
-def test_a_sigkilled_runsc_of_a_gone_run_is_reconciled(lab: Lab) -> None:
-    """As a launcher that died would leave it: its record, and `runsc run` SIGKILLed (the
-    sandbox goes with it; runsc's state and the cgroup dirs of all hierarchies stay). A
-    reconcile removes all of it, with the netns, the scratch and the registrations."""
-    s = lab.launcher.s
-    t, box = lab.background(["sleep", "60"], profile="gv")
-    tid = box["task_id"]
-    for _ in range(500):
-        if tid in containers(lab):
-            break
-        time.sleep(0.01)
-    live = lab.launcher._live.pop(tid)  # its run is gone: nothing in this process owns it
-    assert live.proc is not None
-    os.killpg(live.proc.pid, signal.SIGKILL)
-    live.proc.wait(timeout=10)
-    assert tid in containers(lab) and tid in runsc_cgroups(lab)
-    lab.launcher.reconcile()  # (the run's own thread, seeing runsc gone, may race it)
-    t.join(timeout=30)
-    assert lab.launcher.list() == [] and not lab.gateway_registry.tasks()
-    assert tid not in containers(lab) and tid not in runsc_cgroups(lab)
-    assert tid not in leftover_names(s.cgroup_root, s.cgroup_parent)
-    assert not Path("/run/netns", f"{s.name_prefix}-{tid}").exists()
-    assert not Path(s.scratch_dir, tid).exists()
-
-
 def test_start_kill_cycles_leave_nothing(lab: Lab) -> None:
     s = lab.launcher.s
     for _ in range(int(os.environ.get("STOCKADE_GVISOR_CYCLES", "50"))):
@@ -180,6 +154,8 @@ def test_start_kill_cycles_leave_nothing(lab: Lab) -> None:
         t.join(timeout=30)
         assert box["result"].ended_by == "killed"
     assert containers(lab) == [] and runsc_cgroups(lab) == []
+    root = gvisor_backend.state_root(s)
+    assert not os.path.isdir(root) or os.listdir(root) == []  # no runsc state file left
     assert leftover_names(s.cgroup_root, s.cgroup_parent) == set()
     assert netns.list_netns(s.name_prefix) == [] and netns.list_links(s.name_prefix) == []
     assert not os.listdir(s.scratch_dir) and lab.launcher.list() == []

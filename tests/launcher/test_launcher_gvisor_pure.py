@@ -140,6 +140,14 @@ def test_parse_list_and_reconcile_ids() -> None:
         "0123456789"]
 
 
+def test_stale_state_files() -> None:
+    names = ["0123456789_sandbox:0123456789.lock", "0123456789_sandbox:0123456789.state",
+             "runsc-0123456789.sock", "abcdefabcd_sandbox:abcdefabcd.lock", "other", "probe1.x"]
+    assert gvisor.stale_state_files(names, {"abcdefabcd"}) == [
+        "0123456789_sandbox:0123456789.lock", "0123456789_sandbox:0123456789.state",
+        "runsc-0123456789.sock"]
+
+
 def test_stats_pids() -> None:
     assert gvisor.stats_pids('{"type":"stats","data":{"pids":{"current":63}}}') == 63
     assert gvisor.stats_pids("not json") is None and gvisor.stats_pids("{}") is None
