@@ -3,30 +3,26 @@
 Run as root: `.venv/bin/python bench/launcher_bench.py [--runs N] [--concurrent N]`.
 Prints one table that puts the launcher next to baselines measured in the same run (a plain
 fork/exec of the same command, and `ip netns exec` into a fresh namespace) and the targets.
+`--tiers container,gvisor,microvm` instead puts the isolation tiers side by side in one
+run: start-to-exec, kill-to-gone and the memory of an idle sandbox (PSS of every process in
+its cgroups, and the memory cgroup's charge, over `--idle N` concurrent sandboxes).
 All traffic stays inside the benchmark's own namespaces; every piece is removed at the end.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import secrets
-import shutil
 import statistics
 import subprocess
-import tempfile
 import threading
 import time
 import types
-from pathlib import Path
 from typing import Any
 
-from stockade.launcher import Launcher, SandboxSpec
-from stockade.launcher.cgroups import remove_parent
+from launcher_rig import started_launcher
+from stockade.launcher import SandboxSpec
 from stockade.policy.model import Limits, Profile
-
-from stockade.config import Config
-from stockade.tasks import TaskRegistry, make_control_app, start_control_server
 
 CMD = ["bash", "-c", "echo $EPOCHREALTIME"]
 
@@ -71,32 +67,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--concurrent", type=int, default=50)
+    ap.add_argument("--tiers", help="e.g. container,gvisor,microvm: the tiers side by side")
+    ap.add_argument("--idle", type=int, default=10, help="concurrent idle sandboxes per tier")
+    ap.add_argument("--vm-runs", type=int, default=5, help="runs of the microvm tier (TCG)")
     args = ap.parse_args()
+    if args.tiers:
+        from tier_bench import run_tiers
 
-    tmp = Path(tempfile.mkdtemp(prefix="stockade-bench-"))
-    sfx = secrets.token_hex(3)
-    cfg = Config.model_validate({
-        "state_dir": str(tmp / "state"), "log_dir": str(tmp / "log"), "run_dir": str(tmp / "run"),
-        "gateway": {"transparent_listen": ["0.0.0.0:47001"],
-                    "control_socket": str(tmp / "gw.sock")},
-        "dns": {"listen": ["0.0.0.0:47053"]},
-        "broker": {"listen": "0.0.0.0:47081", "control_socket": str(tmp / "br.sock")},
-        "launcher": {"nft_table": f"stockade_bench{sfx}", "name_prefix": f"b{sfx[:3]}",
-                     "cgroup_parent": f"stockade_bench{sfx}", "scratch_dir": str(tmp / "sbx"),
-                     "address_pool": "10.213.240.0/22", "nflog_group": 7399},
-    })
+        run_tiers(args.tiers.split(","), args.runs, args.vm_runs, args.idle)
+        return
+
     rs = types.SimpleNamespace(profiles={"bench": Profile("bench", "bench", limits=Limits(
         memory=128 * 2**20, disk=16 * 2**20, pids=64, ttl=60, cpus=0.5))}, version="bench")
-
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    runners = [asyncio.run_coroutine_threadsafe(start_control_server(
-        make_control_app(TaskRegistry()), p), loop).result(10)
-        for p in (cfg.gateway.control_socket, cfg.broker.control_socket)]
-    launcher = Launcher(cfg)
     results: dict[str, Any] = {}
-    try:
-        launcher.start()
+    with started_launcher("bench", "10.213.240.0/22", 7399) as launcher:
         for _ in range(3):  # warm caches
             launcher.run(SandboxSpec("bench", CMD), rs)
         starts, teardowns, setups = [], [], []
@@ -149,14 +133,6 @@ def main() -> None:
         results["concurrent"] = (n, peak, ok, wall)
         leftover = launcher.reconcile()
         results["leftover"] = sum(len(v) for v in leftover.values())
-    finally:
-        launcher.close()
-        subprocess.run(["nft", "delete", "table", "inet", cfg.launcher.nft_table], check=False)
-        remove_parent(cfg.launcher.cgroup_root, cfg.launcher.cgroup_parent)
-        shutil.rmtree(tmp, ignore_errors=True)
-        for r in runners:
-            asyncio.run_coroutine_threadsafe(r.cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
 
     base_exec = baseline_exec(args.runs)
     base_ns = baseline_netns(args.runs)

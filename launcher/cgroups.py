@@ -120,6 +120,14 @@ class CgroupSet:
         except OSError:
             return []
 
+    def pids_current(self) -> int:
+        """Tasks (threads included) in the pids cgroup now."""
+        d = self.dirs["unified" if self.version == 2 else "pids"]
+        try:
+            return int((d / "pids.current").read_text())
+        except (OSError, ValueError):
+            return 0
+
     def oom_kills(self) -> int:
         if self.version == 2:
             return _read_kv(self.dirs["unified"] / "memory.events").get("oom_kill", 0)

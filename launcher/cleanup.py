@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from stockade.tasks import StateWriteError
 
 from . import cgroups, netns, nft, rootfs
-from .backends import backend_of
+from .backends import NAMES, backend_for, backend_of
 from .deregistration import DEREGISTERING, settle
 from .ending import end_due
 from .spec import TASK_ID_RE
@@ -65,6 +65,8 @@ class Cleaner:
         cg.kill_all()
         if live is not None:
             live.backend.teardown(live)
+        if rec is not None:  # what the tier keeps outside the cgroups (runsc's state)
+            backend_of(rec, self.s).discard(task_id, self.s)
         failed: list[str] = []
         if rec is not None:
             failed = self.deregister(task_id, rec.deregister if rec.state == DEREGISTERING
@@ -116,7 +118,7 @@ class Cleaner:
         tore it down meanwhile (else the caller does)."""
         with contextlib.suppress(OSError):
             kill_marker(rec.scratch).touch()
-        backend_of(rec).kill(self.cgroup(rec.task_id), None)
+        backend_of(rec, self.s).kill(self.cgroup(rec.task_id), None)
         if rec.owner_alive() and rec.owner_pid != os.getpid():
             # the owner notices its command died and tears down; wait for that
             for _ in range(200):
@@ -132,13 +134,15 @@ class Cleaner:
             if not records or all(r.state == DEREGISTERING for r in records.values()):
                 if nft.table_exists(self.s.nft_table):
                     nft.run(nft.delete_table_command(self.s.nft_table))
+                for name in NAMES:  # the tiers' own state of this table (runsc's root)
+                    backend_for(name).sweep(set(), self.s)
                 cgroups.remove_parent(self.s.cgroup_root, self.s.cgroup_parent)
 
     # -- reconcile: sandboxes no live launcher owns, pieces no record keeps ---------------
     def reconcile(self, orphan: Callable[[str], None]) -> Removed:
         """`orphan(task_id)` removes a sandbox whose launcher is gone."""
         removed: Removed = {"sandboxes": [], "netns": [], "links": [], "elements": [],
-                            "cgroups": [], "scratch": []}
+                            "cgroups": [], "scratch": [], "containers": []}
         for tid, rec in self.state.read().items():
             try:
                 if rec.state == DEREGISTERING:  # torn down; its deregistration is retried
@@ -160,6 +164,8 @@ class Cleaner:
 
     def reconcile_names(self, keep: set[str], removed: Removed) -> None:
         keep_if = {ifname_of(self.s.name_prefix, t) for t in keep}
+        for name in NAMES:  # a tier's own leftovers first (runsc's containers hold cgroups)
+            removed.setdefault("containers", []).extend(backend_for(name).sweep(keep, self.s))
         self._netns(keep, removed)
         self._links(keep_if, removed)
         self._elements(keep_if, removed)

@@ -201,7 +201,7 @@ class Launcher:
         if rec is None:
             return False
         self._emit(operator_event(rec, task_id, "suspend" if frozen else "resume"))
-        backend, cg = backend_of(rec), self.cleaner.cgroup(task_id)
+        backend, cg = backend_of(rec, self.s), self.cleaner.cgroup(task_id)
         backend.suspend(cg) if frozen else backend.resume(cg)
         with self.state.locked() as records:
             if task_id in records:
@@ -241,7 +241,7 @@ class Launcher:
         return profile_of(ruleset, name)
 
     def _create(self, spec: SandboxSpec, profile: Any, policy_version: str | None,
-                isolation: dict[str, str], backend: Backend) -> Live:
+                isolation: dict[str, Any], backend: Backend) -> Live:
         proxy_env = check_spec(spec, profile, self.config.gateway.proxy_listen)
         inputs = check_inputs(spec.inputs, self.s.ro_binds)
         limits = profile.limits

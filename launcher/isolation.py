@@ -6,30 +6,34 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import vmimage
+from .backends.gvisor import BACKEND as GVISOR
 from .spec import LauncherError
 
 if TYPE_CHECKING:  # annotations only
     from .settings import LauncherSettings
 
 PROVIDED_ISOLATION = "container"  # what the netns backend gives (see `isolation`)
-BackendName = Literal["netns", "microvm"]
+BackendName = Literal["netns", "microvm", "gvisor"]
+TIERS: dict[str, BackendName] = {"microvm": "microvm", "gvisor": "gvisor"}
+WHAT = {"microvm": "the microVM backend", "gvisor": "the gVisor backend (runsc)"}
 
 
 def decide_backend(settings: LauncherSettings, profile_name: str, requested: str,
-                   vm_problem: str | None) -> tuple[BackendName, dict[str, str]]:
+                   problem: str | None) -> tuple[BackendName, dict[str, Any]]:
     """Which backend runs a profile, and the start event's isolation fields (pure).
 
-    container -> netns; microvm -> the microVM backend when this host has it (`vm_problem`
-    None), else netns only if `downgrade_isolation` accepts it; gvisor (no backend) likewise.
-    LauncherError names the way out.
+    container -> netns; microvm and gvisor -> their backend when this host has it
+    (`problem`: why the requested tier's backend cannot run here, None: it can), else netns
+    only if `downgrade_isolation` accepts it (never silently). LauncherError names the way
+    out.
     """
     if requested == PROVIDED_ISOLATION:
         return "netns", {"isolation": PROVIDED_ISOLATION}
-    if requested == "microvm" and vm_problem is None:
-        return "microvm", {"isolation": "microvm"}
+    tier = TIERS.get(requested)
+    if tier is not None and problem is None:
+        return tier, {"isolation": requested}
     if requested not in settings.downgrade_isolation:
-        why = (f"the microVM backend is unavailable here: {vm_problem}"
-               if requested == "microvm" else
+        why = (f"{WHAT[requested]} is unavailable here: {problem}" if tier is not None else
                f"no {requested} backend exists; the netns backend gives "
                f"{PROVIDED_ISOLATION!r} only")
         raise LauncherError(
@@ -48,13 +52,20 @@ def microvm_problem(settings: LauncherSettings) -> str | None:
 
 
 def choose_backend(settings: LauncherSettings,
-                   profile: Any) -> tuple[BackendName, dict[str, str]]:
+                   profile: Any) -> tuple[BackendName, dict[str, Any]]:
     requested = getattr(profile, "isolation", PROVIDED_ISOLATION)
-    problem = microvm_problem(settings) if requested == "microvm" else None
-    return decide_backend(settings, profile.name, requested, problem)
+    problem = None
+    if requested == "microvm":
+        problem = microvm_problem(settings)
+    elif requested == "gvisor":
+        problem = GVISOR.problem(settings)
+    name, fields = decide_backend(settings, profile.name, requested, problem)
+    if name == "gvisor":  # the start event says what runsc runs under
+        fields["gvisor"] = GVISOR.runtime(settings)
+    return name, fields
 
 
-def isolation_fields(settings: LauncherSettings, profile: Any) -> dict[str, str]:
+def isolation_fields(settings: LauncherSettings, profile: Any) -> dict[str, Any]:
     """The start event's isolation fields; LauncherError when the profile asks for a tier
     this host cannot give and the configuration does not accept a downgrade."""
     return choose_backend(settings, profile)[1]

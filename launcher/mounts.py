@@ -13,8 +13,11 @@ _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctype
                         ctypes.c_char_p]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
+MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
+MS_REMOUNT = 32
+MS_BIND = 4096
 MNT_DETACH = 2
 
 
@@ -24,6 +27,17 @@ def mount_tmpfs(target: str, size: int, uid: int, gid: int, mode: int = 0o700) -
                    opts) != 0:
         e = ctypes.get_errno()
         raise OSError(e, f"mount tmpfs on {target}: {os.strerror(e)}")
+
+
+def bind_ro(source: str, target: str) -> None:
+    """A read-only, nosuid, nodev bind of `source` at `target` (not recursive: what is
+    mounted below `source` is not shown), read-only in the host's kernel itself."""
+    for flags in (MS_BIND, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV):
+        if _libc.mount(source.encode(), target.encode(), None, flags, None) != 0:
+            e = ctypes.get_errno()
+            if flags != MS_BIND:
+                umount(target)
+            raise OSError(e, f"read-only bind of {source} on {target}: {os.strerror(e)}")
 
 
 def private_dir(path: str | os.PathLike[str]) -> None:

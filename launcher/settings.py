@@ -36,15 +36,45 @@ class MicrovmSettings(BaseModel):
     harden_qemu: bool = True
 
 
+class GvisorSettings(BaseModel):
+    """`launcher.gvisor`: the runsc backend of `isolation: gvisor` profiles."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # false: gvisor profiles are refused (or downgraded, see downgrade_isolation)
+    enabled: bool = True
+    runsc: str = "runsc"  # the runsc binary (PATH lookup)
+    # auto: systrap when the installed runsc has it, else ptrace; kvm only when asked
+    # for and a probe run ends within probe_timeout_s (it hangs on hosts without nested KVM)
+    platform: Literal["auto", "systrap", "ptrace", "kvm"] = "auto"
+    # sandbox: gVisor's own netstack; host: the Sentry's sockets are host sockets inside
+    # the sandbox's own netns (the nft fence unchanged); auto: one probe run in a throwaway
+    # netns per launcher process decides (sandbox where it starts, else host)
+    network: Literal["auto", "sandbox", "host"] = "auto"
+    # runsc's state (one directory per nft_table below this; a tmpfs such as /run)
+    root_dir: str = "/run/stockade/runsc"
+    # the host memory cgroup holds the Sentry and the gofer too (idle: 13-19 MiB)
+    memory_overhead_mib: int = Field(64, ge=16)
+    # host pids.max = 2 x the profile's pids + this: under systrap every guest process has
+    # a host stub, and runsc's Go runtimes need their threads (the profile's pids are the
+    # guest's RLIMIT_NPROC, counted by the Sentry)
+    pids_overhead: int = Field(128, ge=64)
+    probe_timeout_s: float = Field(10.0, gt=0)  # the network and kvm probes end within this
+    debug_log_dir: str | None = None  # runsc --debug logs here (slower starts)
+
+
 class LauncherSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # backend of `isolation: container` profiles (the netns backend, container grade);
-    # `isolation: microvm` profiles run in the microVM backend (launcher.microvm)
+    # `isolation: microvm` profiles run in the microVM backend (launcher.microvm),
+    # `isolation: gvisor` ones under runsc (launcher.gvisor)
     backend: Literal["netns"] = "netns"
     microvm: MicrovmSettings = MicrovmSettings()
-    # A profile whose `isolation` asks for a tier this host cannot give (gvisor: no backend;
-    # microvm: launcher.microvm disabled, QEMU or the image missing) is refused, unless its
+    gvisor: GvisorSettings = GvisorSettings()
+    # A profile whose `isolation` asks for a tier this host cannot give (gvisor:
+    # launcher.gvisor disabled or runsc missing; microvm: launcher.microvm disabled, QEMU or
+    # the image missing) is refused, unless its
     # tier is listed here: then it runs at container grade on purpose, and its start event
     # says so.
     downgrade_isolation: list[Literal["gvisor", "microvm"]] = []

@@ -32,6 +32,28 @@ if [ ${#missing[@]} -gt 0 ]; then
     done
 fi
 
+# the gVisor tier's runsc: bookworm-backports has 20240729 (the systrap platform); bookworm's
+# own 20221219 runs with ptrace only. The backports source is added when missing (opt out:
+# STOCKADE_BACKPORTS=0); apt pins backports low, so only packages asked for with -t come from
+# it. A failure there falls back to bookworm's runsc; no runsc at all is a warning (gvisor
+# profiles are then refused with the reason).
+if ! dpkg-query -W -f='${Status}' runsc 2>/dev/null | grep -q "install ok installed"; then
+    export DEBIAN_FRONTEND=noninteractive
+    bpo=/etc/apt/sources.list.d/bookworm-backports.list
+    if [ "${STOCKADE_BACKPORTS:-1}" = 1 ] && . /etc/os-release && [ "${VERSION_CODENAME:-}" = bookworm ] \
+        && ! grep -rqs "bookworm-backports" /etc/apt/sources.list /etc/apt/sources.list.d/; then
+        echo "bootstrap: adding $bpo (runsc with systrap)" >&2
+        echo "deb http://deb.debian.org/debian bookworm-backports main" > "$bpo"
+    fi
+    # a plain update: `-o Dir::Etc::sourcelist=<one file>` would drop every other list
+    apt-get update -qq || true
+    echo "bootstrap: installing runsc" >&2
+    apt-get install -y -qq --no-install-recommends -t bookworm-backports runsc >/dev/null 2>&1 \
+        || apt-get install -y -qq --no-install-recommends runsc >/dev/null \
+        || echo "bootstrap: WARNING: runsc could not be installed; profiles with" \
+                "isolation: gvisor are refused (or list gvisor in launcher.downgrade_isolation)" >&2
+fi
+
 # the microVM backend's guest (Debian's kernel + a busybox initramfs); idempotent, into the
 # launcher's default launcher.microvm.image_dir
 # (no mirror, no kernel package: a warning, not a failed bootstrap; microvm profiles are then

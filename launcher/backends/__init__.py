@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .. import seccomp_bpf
+from .. import initscript, rootfs, seccomp_bpf, trust
 from ..spec import LauncherError
-from ..supervise import kill_proc
+from ..supervise import Capture, feed_stdin, kill_proc, started
 
 if TYPE_CHECKING:  # annotations only
-    from .. import cgroups, initscript
+    from .. import cgroups
     from ..addresses import SlotAddresses
     from ..rootfs import Etc
     from ..settings import LauncherSettings
@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # annotations only
     from ..state import SandboxRecord
     from ..supervise import Ended
 
-NAMES = ("netns", "microvm")  # the modules of this package that hold a BACKEND
+NAMES = ("netns", "microvm", "gvisor")  # the modules of this package that hold a BACKEND
 
 
 @dataclass
@@ -89,6 +89,15 @@ class Backend(Protocol):
     def teardown(self, live: Live) -> None:
         """Reap the process and close the backend's handles (idempotent)."""
 
+    def configure(self, s: LauncherSettings) -> None:
+        """Remember the settings its kill/suspend/resume need (they get only the cgroups)."""
+
+    def discard(self, task_id: str, s: LauncherSettings) -> None:
+        """Remove what the tier keeps of a sandbox outside its cgroups (any process's)."""
+
+    def sweep(self, keep: set[str], s: LauncherSettings) -> list[str]:
+        """Remove the tier's own leftovers of sandboxes no record keeps (reconcile)."""
+
 
 class CgroupControl:
     """kill, suspend and resume through the sandbox's cgroups: every process in them."""
@@ -110,6 +119,27 @@ class CgroupControl:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 live.proc.wait(timeout=5)
 
+    # the cgroups and the netns are the whole sandbox: nothing else to remember or remove
+    def configure(self, s: LauncherSettings) -> None:
+        pass
+
+    def discard(self, task_id: str, s: LauncherSettings) -> None:
+        pass
+
+    def sweep(self, keep: set[str], s: LauncherSettings) -> list[str]:
+        return []
+
+
+def captures(proc: subprocess.Popen[bytes] | None, spec: SandboxSpec,
+             s: LauncherSettings) -> tuple[Capture, Capture]:
+    """The command's stdout and stderr captured from `proc`'s pipes, its stdin fed (the
+    tiers whose outermost process has the command's stdio)."""
+    assert proc is not None and proc.stdout is not None and proc.stderr is not None
+    out = started(proc.stdout, s.max_output_bytes)  # type: ignore[arg-type]
+    err = started(proc.stderr, s.max_output_bytes)  # type: ignore[arg-type]
+    feed_stdin(proc, spec.stdin)
+    return out, err
+
 
 @functools.cache
 def backend_for(name: str) -> Backend:
@@ -118,9 +148,31 @@ def backend_for(name: str) -> Backend:
     return importlib.import_module(f"{__name__}.{name}").BACKEND  # type: ignore[no-any-return]
 
 
-def backend_of(rec: SandboxRecord) -> Backend:
-    """The backend a sandbox's record says it runs under (another process's sandbox)."""
-    return backend_for("microvm" if rec.isolation == "microvm" else "netns")
+def backend_of(rec: SandboxRecord, s: LauncherSettings) -> Backend:
+    """The backend a sandbox's record says it runs under (another process's sandbox), with
+    this launcher's settings."""
+    b = backend_for(rec.isolation if rec.isolation in ("microvm", "gvisor") else "netns")
+    b.configure(s)
+    return b
+
+
+def init_plan(live: Live, ctx: StartContext) -> initscript.InitPlan:
+    """The sandbox's filesystem and init as the container tier's init performs it; the
+    gVisor tier builds its OCI bundle from the same plan."""
+    s, etc = ctx.settings, ctx.etc
+    base = Path(live.record.scratch)
+    return initscript.InitPlan(
+        root=str(base / "root"), scratch=str(base / "scratch"), etc_dir=str(base / "etc"),
+        uid=s.sandbox_uid, gid=s.sandbox_gid,
+        system=tuple(rootfs.system_binds(s.ro_binds)), inputs=tuple(ctx.inputs),
+        etc_files=etc.names, host_etc=etc.host_etc,
+        etc=() if etc.host_etc else tuple(rootfs.etc_binds(s.etc_allowlist)),
+        etc_over=((trust.TRUST_BUNDLE_NAME, trust.DEFAULT_BUNDLE),) if etc.trust_vars else (),
+        shm_size=s.shm_size, cgroup_procs=tuple(live.cg.procs_files()),
+        rlimits=(("NOFILE", s.rlimit_nofile), ("CORE", s.rlimit_core),
+                 ("MEMLOCK", s.rlimit_memlock)),
+        congestion_control=ctx.congestion_control,
+    )
 
 
 def seccomp_program(python: str, profile: Any) -> bytes:

@@ -10,10 +10,10 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import cgroups, initscript, netns, rootfs, trust
+from .. import cgroups, initscript, netns
 from ..environment import SANDBOX_PATH
-from ..supervise import Ended, exit_status, feed_stdin, started, watch
-from . import CgroupControl, Live, StartContext
+from ..supervise import Ended, exit_status, watch
+from . import CgroupControl, Live, StartContext, captures, init_plan
 
 if TYPE_CHECKING:  # annotations only
     from ..settings import LauncherSettings
@@ -34,7 +34,7 @@ class NetnsBackend(CgroupControl):
         # the plan travels in a memfd, not argv: /proc/1/cmdline shows no host paths
         plan_fd = os.memfd_create("stockade-init-plan", 0)
         try:
-            os.write(plan_fd, marshal.dumps({**initscript.build(_plan(live, ctx)),
+            os.write(plan_fd, marshal.dumps({**initscript.build(init_plan(live, ctx)),
                                              "env": ctx.env, "seccomp": bpf}, 4))
             os.lseek(plan_fd, 0, os.SEEK_SET)
             argv = ["nsenter", f"--net={netns.NETNS_DIR}/{rec.netns}", "--",
@@ -53,10 +53,8 @@ class NetnsBackend(CgroupControl):
     def wait(self, live: Live, spec: SandboxSpec, deadline: float,
              s: LauncherSettings) -> Ended:
         proc, cg = live.proc, live.cg
-        assert proc is not None and proc.stdout is not None and proc.stderr is not None
-        out = started(proc.stdout, s.max_output_bytes)  # type: ignore[arg-type]
-        err = started(proc.stderr, s.max_output_bytes)  # type: ignore[arg-type]
-        feed_stdin(proc, spec.stdin)
+        out, err = captures(proc, spec, s)
+        assert proc is not None
 
         def pids_hit() -> bool:
             return cg.pids_failures() >= s.pids_fail_kill
@@ -66,23 +64,6 @@ class NetnsBackend(CgroupControl):
         err.join(timeout=5)
         # a fork bomb whose shell died of a failed fork between two polls of the watch
         return Ended(ended_by, exit_status(proc.returncode), pids_hit(), out, err)
-
-
-def _plan(live: Live, ctx: StartContext) -> initscript.InitPlan:
-    s, etc = ctx.settings, ctx.etc
-    base = Path(live.record.scratch)
-    return initscript.InitPlan(
-        root=str(base / "root"), scratch=str(base / "scratch"), etc_dir=str(base / "etc"),
-        uid=s.sandbox_uid, gid=s.sandbox_gid,
-        system=tuple(rootfs.system_binds(s.ro_binds)), inputs=tuple(ctx.inputs),
-        etc_files=etc.names, host_etc=etc.host_etc,
-        etc=() if etc.host_etc else tuple(rootfs.etc_binds(s.etc_allowlist)),
-        etc_over=((trust.TRUST_BUNDLE_NAME, trust.DEFAULT_BUNDLE),) if etc.trust_vars else (),
-        shm_size=s.shm_size, cgroup_procs=tuple(live.cg.procs_files()),
-        rlimits=(("NOFILE", s.rlimit_nofile), ("CORE", s.rlimit_core),
-                 ("MEMLOCK", s.rlimit_memlock)),
-        congestion_control=ctx.congestion_control,
-    )
 
 
 @functools.cache

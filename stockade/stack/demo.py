@@ -294,7 +294,8 @@ def run_demo(*, json_out: bool = False, keep_logs: str | None = None) -> int:
         )
     else:
         print(
-            f"\nStockade demo - task {result.task_id} (profile demo), "
+            f"\nStockade demo - task {result.task_id} (profile demo, isolation "
+            f"{ruleset.profiles['demo'].isolation}), "
             f"sandbox ended by {result.ended_by} in {result.duration_s:.1f}s\n"
         )
         print(render(rows, colour))

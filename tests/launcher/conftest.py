@@ -204,6 +204,19 @@ def profiles() -> dict[str, Profile]:
     }
 
 
+@pytest.fixture(params=["test", "gv"])
+def tier(request: pytest.FixtureRequest, lab: Lab) -> str:
+    """The profile of a test that runs in the container tier (`test`) and in the gVisor
+    tier (`gv`, skipped with the reason where runsc cannot run)."""
+    if request.param == "gv":
+        from stockade.launcher.backends.gvisor import BACKEND
+
+        why = BACKEND.problem(lab.launcher.s)
+        if why is not None:
+            pytest.skip(f"gVisor unavailable: {why}")
+    return str(request.param)
+
+
 def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
     asyncio.set_event_loop(loop)
     loop.run_forever()

@@ -15,15 +15,16 @@ SIGKILLED = 128 + signal.SIGKILL
 def test_every_backend_implements_the_protocol(name: str) -> None:
     backend = backend_for(name)
     assert backend.name == name
-    for method in ("create", "start", "wait", "kill", "suspend", "resume", "teardown"):
+    for method in ("create", "start", "wait", "kill", "suspend", "resume", "teardown",
+                   "configure", "discard", "sweep"):
         want = inspect.signature(getattr(Backend, method))
         got = inspect.signature(getattr(type(backend), method))
         assert list(got.parameters) == list(want.parameters), method
 
 
 def test_an_unknown_backend_is_refused() -> None:
-    with pytest.raises(LauncherError, match="no gvisor backend"):
-        backend_for("gvisor")
+    with pytest.raises(LauncherError, match="no firecracker backend"):
+        backend_for("firecracker")
 
 
 @pytest.mark.parametrize(("ended_by", "code", "killed", "limit", "want"), [

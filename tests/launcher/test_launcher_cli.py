@@ -16,7 +16,7 @@ from stockade.launcher import netns, nft
 from stockade.launcher.cgroups import leftover_names
 
 from stockade.config import load_config
-from stockade.events import validate
+from stockade.events import read_events, validate
 from stockade.stack.run import _parse_input
 from stockade.tasks import TaskRegistry
 
@@ -113,7 +113,7 @@ def test_sandbox_commands_from_another_process(lab: Lab, tmp_path: Path) -> None
 def test_run_refuses_a_stronger_isolation_and_names_the_way_out(
     lab: Lab, tmp_path: Path
 ) -> None:
-    """A tier this host cannot give (gvisor: no backend; microvm with its backend disabled)
+    """A tier this host cannot give (gvisor with runsc missing; microvm with its backend disabled)
     is refused at once with the way out, and with the downgrade configured it runs (at
     container grade)."""
     rules = tmp_path / "rules"
@@ -125,8 +125,9 @@ def test_run_refuses_a_stronger_isolation_and_names_the_way_out(
     cfg = _config_file(lab, tmp_path)
     data = lab.config.model_dump()
     data["launcher"]["microvm"]["enabled"] = False
+    data["launcher"]["gvisor"]["runsc"] = "/nonexistent/runsc"
     cfg.write_text(yaml.safe_dump(data))
-    for name, why in (("gv", "no gvisor backend exists"),
+    for name, why in (("gv", "runsc (/nonexistent/runsc) is not installed"),
                       ("vm", "launcher.microvm.enabled is false")):
         p = _stockade("run", "--profile", name, "--rules", str(rules), "--config", str(cfg),
                       "--", "true")
@@ -202,3 +203,31 @@ def test_run_on_a_full_state_disk(lab: Lab, tmp_path: Path, full_disk: Any) -> N
         assert json.loads((tmp_path / "state-ok" / "launcher" /
                            f"{load_config(cfg).launcher.nft_table}.json").read_text()) == {
             "sandboxes": []}
+
+
+def test_run_picks_the_backend_from_the_profile(lab: Lab, tmp_path: Path) -> None:
+    """`stockade run --profile X`: a gvisor profile runs under runsc (its start event says
+    so, with the platform and network), a container one in the netns backend."""
+    from stockade.launcher.backends.gvisor import BACKEND
+
+    why = BACKEND.problem(lab.config.launcher)
+    if why is not None:
+        pytest.skip(f"gVisor unavailable: {why}")
+    rules = tmp_path / "rules"
+    (rules / "profiles").mkdir(parents=True)
+    (rules / "profiles" / "gv.yaml").write_text(
+        PROFILE.replace("profile: cli", "profile: gv") + "isolation: gvisor\n")
+    (rules / "profiles" / "cli.yaml").write_text(PROFILE)
+    cfg = _config_file(lab, tmp_path)
+    tiers = {}
+    for name in ("gv", "cli"):
+        p = _stockade("run", "--profile", name, "--rules", str(rules), "--config", str(cfg),
+                      "--json", "--", "echo", "ran")
+        assert p.returncode == 0, p.stderr
+        out = json.loads(p.stdout)
+        assert out["stdout"] == "ran\n"
+        start = next(e for e in read_events(lab.config.events_file)
+                     if e.get("labels", {}).get("task_id") == out["task_id"])["stockade"]
+        tiers[name] = (start["isolation"], start.get("gvisor"))
+    assert tiers["gv"] == ("gvisor", BACKEND.runtime(lab.config.launcher))
+    assert tiers["cli"] == ("container", None)

@@ -5,6 +5,7 @@ gateway's transparent port: the observer there records the original destination,
 host service behind the port never sees the connection (the gateway reports and denies it;
 tests/launcher/test_launcher_stack.py checks that with the real gateway). Everything that is
 not TCP or DNS is rejected at once (never a hang) and reported as a `bypass_attempt` event.
+Every test runs in the container tier (profile `test`) and in the gVisor tier (`gv`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from stockade.events import validate
 from .conftest import Lab, command_running
 
 pytestmark = pytest.mark.netns
+
 
 # the probes both backends' escape tests run inside a sandbox (errno names, not texts)
 NET_PROBES = r"""
@@ -91,7 +94,7 @@ def assert_reported(lab: Lab, res: RunResult, dst: str, transport: str, port: in
     validate(ev)
     assert ev["event"]["kind"] == "alert" and ev["stockade"]["decision"] == "denied"
     assert ev["event"]["reason"] == "bypass_attempt" and ev["rule"]["id"] == f"launcher:{what}"
-    assert ev["labels"]["profile"] == "test"
+    assert ev["labels"]["profile"] == lab.events(res.task_id)[0]["labels"]["profile"]
     if port is not None:
         assert ev["destination"]["port"] == port
     # the same event is in the run's own result
@@ -99,33 +102,33 @@ def assert_reported(lab: Lab, res: RunResult, dst: str, transport: str, port: in
     return ev
 
 
-def test_direct_ip_tcp_lands_on_gateway_only(lab: Lab, fake_internet: Any) -> None:
+def test_direct_ip_tcp_lands_on_gateway_only(lab: Lab, fake_internet: Any, tier: str) -> None:
     ip = fake_internet.addresses["allowed.test"]
-    out, res = probe(lab, f"tcp({ip!r}, 443)")
+    out, res = probe(lab, f"tcp({ip!r}, 443)", tier)
     assert out == "GW\n"
     src = guest_ip(lab, res)
     assert (src, ip, 443) in lab.obs.tcp
 
 
-def test_udp_rejected_and_reported(lab: Lab, fake_internet: Any) -> None:
+def test_udp_rejected_and_reported(lab: Lab, fake_internet: Any, tier: str) -> None:
     ip, port = fake_internet.udp_echo
-    out, res = probe(lab, f"udp({ip!r}, {port})")
+    out, res = probe(lab, f"udp({ip!r}, {port})", tier)
     assert out in PROMPT  # an answer from the echo server would be the escape
     ev = assert_reported(lab, res, ip, "udp", port)
     assert ev["source"]["ip"] == guest_ip(lab, res)
 
 
-def test_icmp_rejected_and_reported(lab: Lab, fake_internet: Any) -> None:
+def test_icmp_rejected_and_reported(lab: Lab, fake_internet: Any, tier: str) -> None:
     ip = fake_internet.raw_echo_ip
-    out, res = probe(lab, f"icmp({ip!r})")
+    out, res = probe(lab, f"icmp({ip!r})", tier)
     assert out in PROMPT
     assert_reported(lab, res, ip, "icmp")
 
 
-def test_outside_dns_goes_to_dns_firewall(lab: Lab, fake_internet: Any) -> None:
+def test_outside_dns_goes_to_dns_firewall(lab: Lab, fake_internet: Any, tier: str) -> None:
     ip = fake_internet.dns_server
     before = len(lab.obs.dns)
-    out, res = probe(lab, f"[udp({ip!r}, 53, b'\\x12\\x34query'), tcp({ip!r}, 53)]")
+    out, res = probe(lab, f"[udp({ip!r}, 53, b'\\x12\\x34query'), tcp({ip!r}, 53)]", tier)
     # both answers come from the host's DNS firewall port, not the outside resolver
     assert out[0] == "\x12\x34LAB-DNS"
     assert out[1].endswith("LAB-DNS!!")
@@ -133,19 +136,19 @@ def test_outside_dns_goes_to_dns_firewall(lab: Lab, fake_internet: Any) -> None:
     assert {(src, "udp"), (src, "tcp")} <= set(lab.obs.dns[before:])
 
 
-def test_dot_853_only_reaches_gateway(lab: Lab, fake_internet: Any) -> None:
+def test_dot_853_only_reaches_gateway(lab: Lab, fake_internet: Any, tier: str) -> None:
     ip = fake_internet.dns_server
-    out, res = probe(lab, f"tcp({ip!r}, 853)")
+    out, res = probe(lab, f"tcp({ip!r}, 853)", tier)
     assert out == "GW\n"
     assert (guest_ip(lab, res), ip, 853) in lab.obs.tcp
 
 
-def test_host_service_ports(lab: Lab) -> None:
+def test_host_service_ports(lab: Lab, tier: str) -> None:
     # a host service listening on all addresses (like metrics or Vault would)
     code = (f"[tcp(GW, {lab.trap_port}), tcp(GW, 22), udp(GW, {lab.trap_port}), "
             "tcp('127.0.0.1', 9464)]")
     before = len(lab.obs.trap)
-    out, res = probe(lab, code)
+    out, res = probe(lab, code, tier)
     assert out[0] == "GW\n" and out[1] == "GW\n"  # redirected, the service never saw it
     assert lab.obs.trap[before:] == []
     assert out[2] in PROMPT  # UDP to the host: rejected
@@ -154,11 +157,16 @@ def test_host_service_ports(lab: Lab) -> None:
     assert_reported(lab, res, host_ip, "udp", lab.trap_port)
 
 
-def _background(lab: Lab, argv: list[str]) -> tuple[threading.Thread, dict[str, Any]]:
-    t, box = lab.background(argv)
-    # "running" is the record: wait for its init to reach the command
-    wait_until(lambda: command_running(box["task_id"], argv[0]),
-               what=f"{argv[0]} in the sandbox")
+def _background(lab: Lab, argv: list[str],
+                tier: str) -> tuple[threading.Thread, dict[str, Any]]:
+    t, box = lab.background(argv, profile=tier)
+    if tier == "gv":
+        # the command runs inside gVisor's kernel: no host process to look for
+        time.sleep(0.3)
+    else:
+        # "running" is the record: wait for its init to reach the command
+        wait_until(lambda: command_running(box["task_id"], argv[0]),
+                   what=f"{argv[0]} in the sandbox")
     return t, box
 
 
@@ -170,15 +178,16 @@ def _finish(lab: Lab, t: threading.Thread, box: dict[str, Any]) -> RunResult:
     return res
 
 
-def test_other_sandbox_unreachable(lab: Lab) -> None:
+def test_other_sandbox_unreachable(lab: Lab, tier: str) -> None:
     victim_code = ("import socket,time\nu=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n"
                    "u.bind(('0.0.0.0',9999))\nu.settimeout(8)\n"
                    "try:\n  d,p=u.recvfrom(10); u.sendto(b'LEAK',p); print('got',p)\n"
                    "except OSError: pass\n")
-    t, box = _background(lab, ["python3", "-c", victim_code])
+    t, box = _background(lab, ["python3", "-c", victim_code], tier)
     victim = box["address"]
     try:
-        out, res = probe(lab, f"[udp({victim!r}, 9999), icmp({victim!r}), tcp({victim!r}, 22)]")
+        out, res = probe(lab, f"[udp({victim!r}, 9999), icmp({victim!r}), tcp({victim!r}, 22)]",
+                         tier)
     finally:
         vres = _finish(lab, t, box)
     assert out[0] in PROMPT and out[1] in PROMPT
@@ -198,11 +207,11 @@ def _as_root_in(ns: str, script: str) -> None:
                    capture_output=True, timeout=20)
 
 
-def test_ipv6_disabled_and_dropped(lab: Lab, fake_internet: Any) -> None:
+def test_ipv6_disabled_and_dropped(lab: Lab, fake_internet: Any, tier: str) -> None:
     v6 = fake_internet.ipv6_address
-    out, _ = probe(lab, f"tcp6({v6!r}, 443)")
+    out, _ = probe(lab, f"tcp6({v6!r}, 443)", tier)
     assert out in PROMPT | {"ERR:EADDRNOTAVAIL", "ERR:EAFNOSUPPORT"}
-    t, box = _background(lab, ["sleep", "30"])
+    t, box = _background(lab, ["sleep", "30"], tier)
     ns = _netns_of(lab, box["task_id"])
     try:
         _as_root_in(ns, "sysctl -qw net.ipv6.conf.all.disable_ipv6=0 "
@@ -234,14 +243,14 @@ def both_spoofs_reported(lab: Lab, task_id: str, address: str, port: int) -> boo
                     for e in spoof))
 
 
-def test_spoofed_source_address_and_mac(lab: Lab, fake_internet: Any) -> None:
+def test_spoofed_source_address_and_mac(lab: Lab, fake_internet: Any, tier: str) -> None:
     # the sandbox user cannot even try: no raw sockets, no address changes
-    res0 = lab.run(["python3", "-c", "import socket; socket.socket(2, 3, 255)"])
+    res0 = lab.run(["python3", "-c", "import socket; socket.socket(2, 3, 255)"], profile=tier)
     assert res0.exit_code != 0 and "PermissionError" in res0.stderr
-    res1 = lab.run(["ip", "addr", "add", "10.9.9.9/32", "dev", "eth0"])
+    res1 = lab.run(["ip", "addr", "add", "10.9.9.9/32", "dev", "eth0"], profile=tier)
     assert res1.exit_code != 0
     ip, port = fake_internet.udp_echo
-    t, box = _background(lab, ["sleep", "30"])
+    t, box = _background(lab, ["sleep", "30"], tier)
     ns = _netns_of(lab, box["task_id"])
     rec = lab.launcher.state.read()[box["task_id"]]
     host_mac = Path(f"/sys/class/net/{rec.ifname}/address").read_text().strip()
@@ -271,7 +280,7 @@ def test_spoofed_source_address_and_mac(lab: Lab, fake_internet: Any) -> None:
                    for e in lab.bypass(res.task_id))
 
 
-def test_write_to_input_and_outside_scratch(lab: Lab) -> None:
+def test_write_to_input_and_outside_scratch(lab: Lab, tier: str) -> None:
     data = lab.tmp / "input-data"
     data.mkdir(exist_ok=True)
     (data / "f.txt").write_text("original")
@@ -280,8 +289,8 @@ def test_write_to_input_and_outside_scratch(lab: Lab) -> None:
     script = ("for p in /inputs/d/f.txt /inputs/d/new /usr/x /etc/x /x /proc/sys/kernel/hostname "
               "/dev/x; do (echo pwn > $p) 2>/dev/null && echo WROTE $p || echo DENIED $p; done; "
               "echo ok > /scratch/ok && echo WROTE /scratch/ok; cat /inputs/d/f.txt")
-    res = lab.run(["sh", "-c", script], inputs=[(str(data), "/inputs/d")])
+    res = lab.run(["sh", "-c", script], inputs=[(str(data), "/inputs/d")], profile=tier)
     lines = res.stdout.splitlines()
     assert [x for x in lines if x.startswith("WROTE")] == ["WROTE /scratch/ok"]
-    assert lines[-1] == "original"
+    assert lines[-1] == "original", res
     assert (data / "f.txt").read_text() == "original" and not (data / "new").exists()

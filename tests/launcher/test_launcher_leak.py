@@ -81,15 +81,27 @@ from stockade.config import Config
 from stockade.launcher import Launcher, SandboxSpec
 from stockade.policy.model import Limits, Profile
 cfg = Config.model_validate(json.loads(sys.argv[1]))
-rs = types.SimpleNamespace(profiles={"test": Profile("test", "t", limits=Limits(ttl=60))},
-                           version="x")
-Launcher(cfg, nflog=False).run(SandboxSpec("test", ["sleep", "60"]), rs)
+name, isolation = sys.argv[2], sys.argv[3]
+rs = types.SimpleNamespace(profiles={name: Profile(name, "t", isolation=isolation,
+                                                   limits=Limits(ttl=60))}, version="x")
+Launcher(cfg, nflog=False).run(SandboxSpec(name, ["sleep", "60"]), rs)
 """
 
 
-def test_reconcile_after_launcher_crash(lab: Lab) -> None:
+def _runsc_containers(lab: Lab) -> list[str]:
+    from stockade.launcher.backends.gvisor import BACKEND
+
+    p = subprocess.run([*BACKEND._flags(lab.launcher.s), "list", "-format=json"],
+                       capture_output=True, text=True, timeout=30, check=False)
+    return [c["id"] for c in json.loads(p.stdout or "null") or []]
+
+
+def test_reconcile_after_launcher_crash(lab: Lab, tier: str) -> None:
+    """A launcher SIGKILLed while its sandbox runs (in the gVisor tier too: `runsc run`
+    and its sandbox outlive it); reconcile removes everything, runsc's container too."""
     cfg = lab.config.model_dump()
-    proc = subprocess.Popen([sys.executable, "-c", CRASHER, json.dumps(cfg)])
+    proc = subprocess.Popen([sys.executable, "-c", CRASHER, json.dumps(cfg), tier,
+                             "gvisor" if tier == "gv" else "container"])
     try:
         rows = eventually(lambda: [r for r in lab.launcher.list() if r["state"] == "running"],
                           interval=0.01)
@@ -98,6 +110,9 @@ def test_reconcile_after_launcher_crash(lab: Lab) -> None:
         s = lab.config.launcher
         wait_until(CgroupSet(s.cgroup_root, s.cgroup_parent, rows[0]["task_id"]).pids,
                    what="the crasher's sandbox's processes")
+        if tier == "gv":  # runsc writes its state once started
+            wait_until(lambda: lab.launcher.list()[0]["task_id"] in _runsc_containers(lab),
+                       what="runsc's container state")
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -106,8 +121,13 @@ def test_reconcile_after_launcher_crash(lab: Lab) -> None:
     # and its sandbox's processes still run (unshare is in its own session)
     s = lab.config.launcher
     assert CgroupSet(s.cgroup_root, s.cgroup_parent, left["cgroups"][0]).pids()
+    tid = left["state"][0]["task_id"]
+    if tier == "gv":
+        assert tid in _runsc_containers(lab)
     removed = lab.launcher.reconcile()
-    assert removed["sandboxes"] == [left["state"][0]["task_id"]]
+    assert removed["sandboxes"] == [tid]
+    if tier == "gv":
+        assert _runsc_containers(lab) == []
     after = leftovers(lab)
     # the crashed launcher registered its task with gateway and broker; reconcile deregisters
     assert after == EMPTY

@@ -1,8 +1,10 @@
 """Resource bombs, TTL, kill/suspend/resume, exports: each ends cleanly with `ended_by` set
-and leaves the host as it was (no processes, cgroups, namespaces or scratch behind)."""
+and leaves the host as it was (no processes, cgroups, namespaces or scratch behind). The
+fork bomb, the disk fill, kill and suspend/resume run in the container and the gVisor tier."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -27,8 +29,8 @@ def _assert_clean(lab: Lab, res: RunResult) -> None:
     assert ends[-1]["stockade"]["ended_by"] == res.ended_by
 
 
-def test_fork_bomb(lab: Lab) -> None:
-    res = lab.run(["sh", "-c", "f() { f | f & }; f; sleep 20"])
+def test_fork_bomb(lab: Lab, tier: str) -> None:
+    res = lab.run(["sh", "-c", "f() { f | f & }; f; sleep 20"], profile=tier)
     assert res.ended_by == "limit"
     _assert_clean(lab, res)
     ends = [e for e in lab.events(res.task_id) if e["stockade"].get("lifecycle") == "end"]
@@ -42,8 +44,8 @@ def test_memory_bomb(lab: Lab) -> None:
     _assert_clean(lab, res)
 
 
-def test_disk_fill(lab: Lab) -> None:
-    res = lab.run(["sh", "-c", "dd if=/dev/zero of=/scratch/fill bs=1M count=64"])
+def test_disk_fill(lab: Lab, tier: str) -> None:
+    res = lab.run(["sh", "-c", "dd if=/dev/zero of=/scratch/fill bs=1M count=64"], profile=tier)
     assert res.exit_code != 0
     assert "No space left" in res.stderr
     assert res.ended_by == "limit"
@@ -74,8 +76,8 @@ def test_host_unaffected_after_bombs(lab: Lab) -> None:
     assert (res.exit_code, res.stdout, res.ended_by) == (0, "alive\n", "exit")
 
 
-def test_kill(lab: Lab) -> None:
-    t, box = lab.background(["sleep", "60"])
+def test_kill(lab: Lab, tier: str) -> None:
+    t, box = lab.background(["sleep", "60"], profile=tier)
     assert lab.launcher.kill(box["task_id"])
     t.join(timeout=20)
     res = box["result"]
@@ -84,9 +86,15 @@ def test_kill(lab: Lab) -> None:
     assert lab.launcher.kill(box["task_id"]) is False  # idempotent: already gone
 
 
-def test_suspend_resume(lab: Lab) -> None:
+def _runsc_status(cg: CgroupSet) -> str:
+    from stockade.launcher.backends.gvisor import BACKEND
+
+    return str(json.loads(BACKEND._runsc(cg, "state").stdout)["status"])
+
+
+def test_suspend_resume(lab: Lab, tier: str) -> None:
     t, box = lab.background(["sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /scratch/n; "
-                          "sleep 0.02; done"])
+                          "sleep 0.02; done"], profile=tier)
     tid = box["task_id"]
     counter = Path(lab.config.launcher.scratch_dir, tid, "scratch", "n")
     try:
@@ -94,7 +102,9 @@ def test_suspend_resume(lab: Lab) -> None:
         assert lab.launcher.suspend(tid)
         s = lab.config.launcher
         cg = CgroupSet(s.cgroup_root, s.cgroup_parent, tid)
-        if cg.version == 1:
+        if tier == "gv":  # runsc pause: inside the Sentry, the freezer cgroup stays thawed
+            assert _runsc_status(cg) == "paused"
+        elif cg.version == 1:
             eventually(lambda: (cg.dirs["freezer"] / "freezer.state").read_text().strip()
                        == "FROZEN", interval=0.01)
         assert [r["state"] for r in lab.launcher.list()] == ["frozen"]
@@ -102,6 +112,8 @@ def test_suspend_resume(lab: Lab) -> None:
         time.sleep(0.3)  # the scenario: a while frozen, in which the counter would move
         assert counter.read_text() == frozen_at  # no progress while frozen
         assert lab.launcher.resume(tid)
+        if tier == "gv":
+            assert _runsc_status(cg) == "running"
         assert eventually(lambda: counter.read_text() not in (frozen_at, ""), interval=0.01)
     finally:
         lab.launcher.kill(tid)

@@ -37,12 +37,16 @@ def test_backend_per_isolation_tier() -> None:
     with pytest.raises(LauncherError, match=r"microVM backend is unavailable here: no image.*"
                        r"downgrade_isolation"):
         decide_backend(s, "p", "microvm", "no image")
-    with pytest.raises(LauncherError, match="no gvisor backend"):
-        decide_backend(s, "p", "gvisor", None)
+    with pytest.raises(LauncherError, match=r"gVisor backend \(runsc\) is unavailable here: "
+                       r"runsc \(runsc\) is not installed.*downgrade_isolation"):
+        decide_backend(s, "p", "gvisor", "runsc (runsc) is not installed")
+    assert decide_backend(s, "p", "gvisor", None) == ("gvisor", {"isolation": "gvisor"})
+    with pytest.raises(LauncherError, match="no sgx backend exists"):
+        decide_backend(s, "p", "sgx", None)
     down = s.model_copy(update={"downgrade_isolation": ["gvisor", "microvm"]})
     assert decide_backend(down, "p", "microvm", "no image") == (
         "netns", {"isolation": "container", "isolation_requested": "microvm"})
-    assert decide_backend(down, "p", "gvisor", None)[1]["isolation_requested"] == "gvisor"
+    assert decide_backend(down, "p", "gvisor", "x")[1]["isolation_requested"] == "gvisor"
     # a working microVM backend is used even when a downgrade would be accepted
     assert decide_backend(down, "p", "microvm", None)[0] == "microvm"
 

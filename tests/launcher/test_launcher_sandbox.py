@@ -260,11 +260,18 @@ def test_tcp_congestion_control_is_set_inside_the_sandbox(lab: Lab) -> None:
 def test_a_tier_without_a_backend_is_refused(lab: Lab) -> None:
     from stockade.launcher import LauncherError, SandboxSpec
 
-    with pytest.raises(LauncherError, match=r"asks for isolation 'gvisor'.*no gvisor backend.*"
-                       r"launcher\.downgrade_isolation"):
-        lab.launcher.run(SandboxSpec("gv", ["true"]), lab.ruleset)
-    # microvm without its image: refused with how to build it, before anything is created
     strict = lab.launcher.s
+    # gvisor without runsc: refused with what is missing, before anything is created
+    lab.launcher.s = strict.model_copy(update={"gvisor": strict.gvisor.model_copy(
+        update={"runsc": "/nonexistent/runsc"})})
+    try:
+        with pytest.raises(LauncherError, match=r"asks for isolation 'gvisor'.*runsc "
+                           r"\(/nonexistent/runsc\) is not installed.*"
+                           r"launcher\.downgrade_isolation"):
+            lab.launcher.run(SandboxSpec("gv", ["true"]), lab.ruleset)
+    finally:
+        lab.launcher.s = strict
+    # microvm without its image: refused with how to build it, before anything is created
     lab.launcher.s = strict.model_copy(update={"microvm": strict.microvm.model_copy(
         update={"image_dir": str(lab.tmp / "no-image")})})
     try:
@@ -282,6 +289,8 @@ def test_a_configured_downgrade_runs_and_the_start_event_says_so(lab: Lab) -> No
     strict = lab.launcher.s
     lab.launcher.s = strict.model_copy(update={"downgrade_isolation": ["gvisor", "microvm"],
                                                "microvm": strict.microvm.model_copy(
+                                                   update={"enabled": False}),
+                                               "gvisor": strict.gvisor.model_copy(
                                                    update={"enabled": False})})
     try:
         res = lab.launcher.run(SandboxSpec("gv", ["true"]), lab.ruleset)

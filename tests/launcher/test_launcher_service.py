@@ -94,6 +94,8 @@ def _serve(lab: Lab, tmp: Path) -> Iterator[Served]:
         "nflog_group": 7500 + secrets.randbelow(99),
         "control_socket": str(tmp / "run" / "launcher.sock"),
         "reconcile_interval_s": 1.0,  # orphans of a killed `stockade run` go within 1 s
+        # the gv profile stands for a tier this service cannot give
+        "gvisor": lab.config.launcher.gvisor.model_copy(update={"enabled": False}),
     })
     config = lab.config.model_copy(update={"launcher": launcher, "rules_dir": str(rules)})
     cfg_path = tmp / "stockade.yaml"

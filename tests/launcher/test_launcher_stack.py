@@ -49,6 +49,9 @@ PROXY_PROFILE = PROFILE.replace("profile: agent", "profile: agent-proxy").replac
 # the same rules in a microVM
 VM_PROFILE = PROFILE.replace("profile: agent", "profile: agent-vm").replace(
     "isolation: container", "isolation: microvm")
+# and under gVisor
+GV_PROFILE = PROFILE.replace("profile: agent", "profile: agent-gv").replace(
+    "isolation: container", "isolation: gvisor")
 
 
 class Stack:
@@ -93,6 +96,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, fake_internet: Any) -> Itera
     (rules / "profiles" / "agent.yaml").write_text(PROFILE)
     (rules / "profiles" / "agent-proxy.yaml").write_text(PROXY_PROFILE)
     (rules / "profiles" / "agent-vm.yaml").write_text(VM_PROFILE)
+    (rules / "profiles" / "agent-gv.yaml").write_text(GV_PROFILE)
     (tmp / "token").write_text("not-a-real-token")
     sfx = secrets.token_hex(3)
     octet = 100 + secrets.randbelow(100)
@@ -196,14 +200,17 @@ def test_gateway_and_dns_denials_carry_the_task(stack: Stack, fake_internet: Any
     assert all(e["labels"]["task_id"] == res.task_id for e in res.denials)
 
 
+# a broker call for an API the profile does not allow: the broker answers 403 with its reason
+BROKER_CALL = ("import json, os, urllib.request, urllib.error\n"
+               "req = urllib.request.Request(os.environ['STOCKADE_BROKER'] + '/v1/call',"
+               " data=json.dumps({'api': 'github', 'path': '/user'}).encode(),"
+               " headers={'Content-Type': 'application/json'})\n"
+               "try:\n    urllib.request.urlopen(req, timeout=10)\n"
+               "except urllib.error.HTTPError as e:\n    print(e.code, e.read().decode())\n")
+
+
 def test_broker_denial_in_result(stack: Stack) -> None:
-    code = ("import json, os, urllib.request, urllib.error\n"
-            "req = urllib.request.Request(os.environ['STOCKADE_BROKER'] + '/v1/call',"
-            " data=json.dumps({'api': 'github', 'path': '/user'}).encode(),"
-            " headers={'Content-Type': 'application/json'})\n"
-            "try:\n    urllib.request.urlopen(req, timeout=10)\n"
-            "except urllib.error.HTTPError as e:\n    print(e.code, e.read().decode())\n")
-    res = stack.run(["python3", "-c", code])
+    res = stack.run(["python3", "-c", BROKER_CALL])
     assert res.stdout.startswith("403"), res.stdout + res.stderr
     assert json.loads(res.stdout.split(" ", 1)[1])["reason"] == "api_not_allowed"
     assert any(e["stockade"]["component"] == "broker" for e in res.denials), res.denials
@@ -374,4 +381,30 @@ def test_microvm_guest_through_the_real_gateway(stack: Stack, fake_internet: Any
                  if e.get("labels", {}).get("task_id") == res.task_id)
     assert start["stockade"]["isolation"] == "microvm"
     # every denial names the guest's address: the gateway identified the VM as the task
+    assert {e["source"]["ip"] for e in res.denials} == {start["source"]["ip"]}
+
+
+def test_gvisor_sandbox_through_the_real_gateway_and_broker(stack: Stack) -> None:
+    """A gVisor sandbox: the allowed site, the inspected GET (the sandbox trusts the
+    inspection CA) and a broker call, each seen under the task."""
+    from stockade.launcher.backends.gvisor import BACKEND
+
+    from stockade.events import read_events
+
+    why = BACKEND.problem(stack.config.launcher)
+    if why is not None:
+        pytest.skip(f"gVisor unavailable: {why}")
+    res = stack.run(["sh", "-c",
+                     "curl -sS --max-time 10 --cacert /inputs/ca.pem https://allowed.test/ "
+                     "-o /dev/null -w 'allowed %{http_code}\\n'; "
+                     f"python3 -c \"{BROKER_CALL}\"; " + INSPECTED], profile="agent-gv")
+    lines = res.stdout.splitlines()
+    assert "allowed 200" in lines, res.stdout + res.stderr
+    _inspected_ok(res)
+    broker = [line for line in lines if line.startswith("403 ")]
+    assert broker and json.loads(broker[0][4:])["reason"] == "api_not_allowed", lines
+    assert any(e["stockade"]["component"] == "broker" for e in res.denials), res.denials
+    start = next(e for e in read_events(stack.config.events_file)
+                 if e.get("labels", {}).get("task_id") == res.task_id)
+    assert start["stockade"]["isolation"] == "gvisor"
     assert {e["source"]["ip"] for e in res.denials} == {start["source"]["ip"]}

@@ -1,0 +1,152 @@
+"""The isolation tiers side by side (`bench/launcher_bench.py --tiers ...`): one launcher,
+one profile per tier with the same limits, measured in the same run on the same host.
+
+- start-to-exec: the command's own clock (`$EPOCHREALTIME`) minus the time before `run()`
+- kill-to-gone: `kill()` until `run()` returned (every process gone, torn down)
+- idle memory: `--idle N` sandboxes running `sleep`; the PSS of every process in their
+  cgroups (gVisor: Sentry, gofer, stubs; microVM: QEMU; container: init + command) and the
+  memory cgroups' charge, each divided by N. gVisor's `runsc run` parent is outside the
+  sandbox's cgroups: it is listed apart.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+from launcher_rig import started_launcher
+from stockade.launcher import Launcher, SandboxSpec
+from stockade.launcher.cgroups import CgroupSet
+from stockade.policy.model import Limits, Profile
+
+CMD = ["bash", "-c", "echo $EPOCHREALTIME"]
+MIB = 2**20
+
+
+def _pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
+
+
+def _pss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _profiles() -> types.SimpleNamespace:
+    lim = Limits(memory=128 * MIB, disk=16 * MIB, pids=64, ttl=120, cpus=0.5)
+    return types.SimpleNamespace(version="bench", profiles={
+        t: Profile(t, f"bench {t}", isolation=t, limits=lim)
+        for t in ("container", "gvisor", "microvm")})
+
+
+def _start(launcher: Launcher, rs: Any, tier: str, n: int) -> list[float]:
+    for _ in range(2):  # warm caches (and the gVisor runtime probe)
+        launcher.run(SandboxSpec(tier, CMD), rs)
+    out = []
+    for _ in range(n):
+        t0 = time.time()
+        r = launcher.run(SandboxSpec(tier, CMD), rs)
+        out.append(float(r.stdout) - t0)
+    return out
+
+
+def _background(launcher: Launcher, rs: Any, tier: str, n: int,
+                ) -> tuple[list[threading.Thread], list[str]]:
+    """`n` sandboxes of `tier` running `sleep`, once each has started its command."""
+    known = {r["task_id"] for r in launcher.list()}
+    threads = [threading.Thread(target=launcher.run, args=(
+        SandboxSpec(tier, ["sleep", "600"]), rs), daemon=True) for _ in range(n)]
+    for th in threads:
+        th.start()
+    while True:
+        ids = [r["task_id"] for r in launcher.list()
+               if r["state"] == "running" and r["task_id"] not in known]
+        if len(ids) == n:
+            return threads, ids
+        time.sleep(0.01)
+
+
+def _kill(launcher: Launcher, rs: Any, tier: str, n: int, settle: float) -> list[float]:
+    out = []
+    for _ in range(n):
+        threads, (tid,) = _background(launcher, rs, tier, 1)
+        time.sleep(settle)  # the command is running, not its runtime still starting
+        t0 = time.monotonic()
+        launcher.kill(tid)
+        threads[0].join()
+        out.append(time.monotonic() - t0)
+    return out
+
+
+def _idle_memory(launcher: Launcher, rs: Any, tier: str, n: int,
+                 settle: float) -> tuple[float, float, float]:
+    """(PSS per sandbox, cgroup charge per sandbox, PSS of runsc run per sandbox), MiB."""
+    s = launcher.s
+    threads, ids = _background(launcher, rs, tier, n)
+    time.sleep(settle)
+    pss = charge = outside = 0
+    for tid in ids:
+        cg = CgroupSet(s.cgroup_root, s.cgroup_parent, tid)
+        pss += sum(_pss(p) for p in cg.pids())
+        d = cg.dirs.get("memory") or cg.dirs["unified"]
+        f = d / ("memory.usage_in_bytes" if "memory" in cg.dirs else "memory.current")
+        charge += int(f.read_text())
+        live = launcher._live.get(tid)
+        if tier == "gvisor" and live is not None and live.proc is not None:
+            outside += _pss(live.proc.pid)  # nsenter execs runsc: this is `runsc run`
+    for tid in ids:
+        launcher.kill(tid)
+    for th in threads:
+        th.join()
+    return pss / n / MIB, charge / n / MIB, outside / n / MIB
+
+
+def run_tiers(tiers: list[str], runs: int, vm_runs: int, idle: int) -> None:
+    rs = _profiles()
+    rows: dict[str, dict[str, Any]] = {}
+    load_before = os.getloadavg()
+    # KVM guests hang on these hosts: the microVM tier runs under TCG
+    with started_launcher("tiers", "10.213.236.0/22", 7398,
+                          microvm={"accel": "tcg"}) as launcher:
+        for tier in tiers:
+            vm = tier == "microvm"
+            n = vm_runs if vm else runs
+            settle = 3.0 if vm else 0.3
+            rows[tier] = {"start": _start(launcher, rs, tier, n),
+                          "kill": _kill(launcher, rs, tier, n, settle),
+                          "mem": _idle_memory(launcher, rs, tier, min(idle, 3) if vm else idle,
+                                              settle * 2)}
+        leftover = sum(len(v) for v in launcher.reconcile().values())
+    _report(rows, launcher, load_before, leftover)
+
+
+def _report(rows: dict[str, dict[str, Any]], launcher: Launcher,
+            load_before: tuple[float, ...], leftover: int) -> None:
+    from stockade.launcher.backends.gvisor import BACKEND
+
+    print(f"\nisolation tiers side by side (milliseconds, MiB); load average before "
+          f"{'/'.join(f'{x:.1f}' for x in load_before)}, after "
+          f"{'/'.join(f'{x:.1f}' for x in os.getloadavg())}\n")
+    print(f"{'tier':<11}{'runs':>5}{'start p50':>11}{'p95':>8}{'kill p50':>10}{'p95':>8}"
+          f"{'idle PSS':>10}{'cgroup':>8}{'outside':>9}")
+    base = rows.get("container", {}).get("start")
+    for tier, r in rows.items():
+        pss, charge, outside = r["mem"]
+        print(f"{tier:<11}{len(r['start']):>5}{_pct(r['start'], 50) * 1e3:>11.1f}"
+              f"{_pct(r['start'], 95) * 1e3:>8.1f}{_pct(r['kill'], 50) * 1e3:>10.1f}"
+              f"{_pct(r['kill'], 95) * 1e3:>8.1f}{pss:>10.1f}{charge:>8.1f}{outside:>9.1f}")
+    if base and "gvisor" in rows:
+        ratio = _pct(rows["gvisor"]["start"], 50) / _pct(base, 50)
+        print(f"\ngVisor start-to-exec p50 = {ratio:.1f}x the container tier's "
+              f"(runtime {BACKEND.runtime(launcher.s)})")
+    print(f"leftovers after the run: {leftover}")

@@ -1,0 +1,161 @@
+"""The gVisor tier's pure parts: platform choice, runsc's flags, host limits, the OCI
+bundle built from the container tier's plan, runsc's list output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from stockade.launcher import gvisor
+from stockade.launcher.initscript import Bind, InitPlan
+from stockade.launcher.settings import GvisorSettings
+from stockade.policy.model import Limits
+
+SAMPLE_FLAGS = ('    -platform string\n    \tspecifies which platform to use: systrap '
+                '(default), ptrace, kvm. (default "systrap")\n')
+OLD_FLAGS = "  -platform string\n  \tspecifies which platform to use: ptrace (default), kvm.\n"
+
+
+def plan(**kw: object) -> InitPlan:
+    base = {
+        "root": "/b/root", "scratch": "/b/scratch", "etc_dir": "/b/etc", "uid": 65534,
+        "gid": 65534,
+        "system": (Bind("/usr", "/usr"), Bind("/bin", "/bin", symlink_to="usr/bin")),
+        "etc": (Bind("/etc/ssl/certs", "/etc/ssl/certs"),
+                Bind("/etc/localtime", "/etc/localtime", symlink_to="/usr/share/zoneinfo/UTC"),
+                Bind("/etc/hosts.allow", "/etc/hosts", is_dir=False)),  # shadows a generated
+        "etc_files": ("resolv.conf", "hosts", "passwd"),
+        "etc_over": (("stockade-ca.crt", "ssl/certs/ca-certificates.crt"),),
+        "inputs": (Bind("/data/in", "/inputs/in"),),
+        "rlimits": (("NOFILE", 4096), ("CORE", 0)),
+    }
+    base.update(kw)
+    return InitPlan(**base)  # type: ignore[arg-type]
+
+
+def test_platforms_from_runsc_flags() -> None:
+    assert gvisor.platforms(SAMPLE_FLAGS) == {"systrap", "ptrace", "kvm"}
+    assert gvisor.platforms(OLD_FLAGS) == {"ptrace", "kvm"}
+    assert gvisor.platforms("no such line") == set()
+
+
+@pytest.mark.parametrize(("setting", "offered", "kvm_ok", "want"), [
+    ("auto", {"systrap", "ptrace", "kvm"}, True, "systrap"),
+    ("auto", {"ptrace", "kvm"}, True, "ptrace"),  # 20221219: no systrap
+    ("ptrace", {"systrap", "ptrace"}, False, "ptrace"),
+    ("kvm", {"systrap", "kvm"}, True, "kvm"),
+    ("auto", set(), False, "neither systrap nor ptrace"),
+    ("systrap", {"ptrace", "kvm"}, False, "no systrap platform"),
+    ("kvm", {"systrap", "kvm"}, False, "did not run a probe"),
+])
+def test_platform_choice(setting: str, offered: set[str], kvm_ok: bool, want: str) -> None:
+    if want in gvisor.PLATFORMS:
+        assert gvisor.platform_choice(setting, offered, kvm_ok) == want
+    else:
+        with pytest.raises(ValueError, match=want):
+            gvisor.platform_choice(setting, offered, kvm_ok)
+
+
+def test_global_flags() -> None:
+    f = gvisor.global_flags("/usr/bin/runsc", "/run/x/t", "systrap", "host")
+    assert f == ["/usr/bin/runsc", "--root=/run/x/t", "--platform=systrap", "--network=host",
+                 "--overlay2=none", "--host-uds=none", "--file-access=shared"]
+    assert gvisor.global_flags("r", "/s", "ptrace", "sandbox", "/log")[-2:] == [
+        "--debug-log=/log/", "--debug"]
+    with pytest.raises(ValueError):
+        gvisor.global_flags("r", "/s", "qemu", "host")
+
+
+def test_host_limits_hold_the_sentry() -> None:
+    lim = Limits(cpus=0.5, memory=256 * 2**20, disk=2**20, pids=64, ttl=5)
+    h = gvisor.host_limits(lim, GvisorSettings())
+    assert (h.memory, h.pids, h.cpus) == ((256 + 64) * 2**20, 2 * 64 + 128, 0.5)
+
+
+def test_root_layout_binds_only_what_the_plan_names() -> None:
+    layout = gvisor.root_layout(plan())
+    binds = {m["destination"]: m for m in layout.mounts if m["type"] == "bind"}
+    assert binds["/usr"]["source"] == "/usr" and binds["/usr"]["options"] == gvisor.RO_BIND
+    assert ("/bin", "usr/bin") in layout.symlinks and "/bin" not in binds
+    assert ("/etc/localtime", "/usr/share/zoneinfo/UTC") in layout.symlinks
+    # generated files from etc_dir; an allowlisted host file never shadows one
+    assert binds["/etc/hosts"]["source"] == "/b/etc/hosts"
+    assert binds["/etc/ssl/certs/ca-certificates.crt"]["source"] == "/b/etc/stockade-ca.crt"
+    dests = [m["destination"] for m in layout.mounts]
+    assert dests.index("/etc/ssl/certs") < dests.index("/etc/ssl/certs/ca-certificates.crt")
+    assert binds["/scratch"]["options"] == gvisor.RW_BIND
+    assert binds["/tmp"]["source"] == "/b/scratch/tmp"
+    assert binds["/inputs/in"]["options"] == gvisor.RO_BIND
+    # no host path beyond system binds, /etc entries and etc_dir, scratch and inputs
+    allowed = ("/usr", "/etc/ssl/certs", "/b/etc/", "/b/scratch", "/data/in")
+    assert all(any(m["source"].startswith(a) for a in allowed) for m in binds.values())
+    assert {m["type"] for m in layout.mounts} == {"bind", "proc", "tmpfs"}
+    writable = [m["destination"] for m in layout.mounts if "rw" in m.get("options", [])]
+    assert writable == ["/scratch", "/tmp"]
+
+
+def test_root_layout_without_trust_dir_skips_the_bundle_and_host_etc() -> None:
+    layout = gvisor.root_layout(plan(etc=()))
+    assert all("ca-certificates" not in m["destination"] for m in layout.mounts)
+    whole = gvisor.root_layout(plan(host_etc=True, system=(Bind("/etc", "/etc"),)))
+    etc = [m for m in whole.mounts if m["destination"].startswith("/etc/")]
+    assert [m["source"] for m in etc] == ["/b/etc/resolv.conf", "/b/etc/hosts", "/b/etc/passwd"]
+
+
+@pytest.mark.parametrize("target", ["/scratch/x", "/usr/lib/x", "/etc/passwd", "/proc",
+                                    "/tmp", "/dev/shm", "/opt/ro/x"])
+def test_root_layout_refuses_reserved_inputs(target: str) -> None:
+    with pytest.raises(ValueError, match="reserved"):
+        gvisor.root_layout(plan(inputs=(Bind("/data/in", target),)), ("/opt/ro",))
+
+
+def test_oci_config_matches_the_prototype() -> None:
+    layout = gvisor.root_layout(plan())
+    cfg = gvisor.oci_config(layout, "/b/root", ["sh", "-c", "echo hi"], {"PATH": "/usr/bin"},
+                            plan(), 64, "/stockade/0123456789")
+    sample = json.loads((Path(__file__).parent / "data" / "gvisor_config.json").read_text())
+    assert set(cfg) == set(sample)
+    assert set(cfg["process"]) == set(sample["process"])
+    assert set(cfg["linux"]) == set(sample["linux"])
+    p = cfg["process"]
+    assert all(v == [] for v in p["capabilities"].values()) and len(p["capabilities"]) == 5
+    assert p["noNewPrivileges"] is True and p["terminal"] is False
+    assert p["user"] == {"uid": 65534, "gid": 65534, "additionalGids": []}
+    assert {"type": "RLIMIT_NPROC", "hard": 64, "soft": 64} in p["rlimits"]
+    assert p["cwd"] == "/scratch" and p["env"] == ["PATH=/usr/bin"]
+    assert cfg["root"] == {"path": "/b/root", "readonly": True}
+    assert "resources" not in cfg["linux"] and "seccomp" not in cfg["linux"]
+    assert cfg["linux"]["cgroupsPath"] == "/stockade/0123456789"
+    assert {n["type"] for n in cfg["linux"]["namespaces"]} == {"pid", "ipc", "uts", "mount"}
+
+
+def test_parse_list_and_reconcile_ids() -> None:
+    assert gvisor.parse_list("null\n") == [] and gvisor.parse_list("[]") == []
+    two = json.dumps([{"id": "0123456789", "status": "running"}, {"id": "abcdefabcd"}])
+    assert gvisor.parse_list(two) == ["0123456789", "abcdefabcd"]
+    with pytest.raises(ValueError):
+        gvisor.parse_list("{}")
+    assert gvisor.reconcile_ids(["0123456789", "abcdefabcd", "probe1"], {"abcdefabcd"}) == [
+        "0123456789"]
+
+
+def test_stale_state_files() -> None:
+    names = ["0123456789_sandbox:0123456789.lock", "0123456789_sandbox:0123456789.state",
+             "runsc-0123456789.sock", "abcdefabcd_sandbox:abcdefabcd.lock", "other", "probe1.x"]
+    assert gvisor.stale_state_files(names, {"abcdefabcd"}) == [
+        "0123456789_sandbox:0123456789.lock", "0123456789_sandbox:0123456789.state",
+        "runsc-0123456789.sock"]
+
+
+def test_stats_pids() -> None:
+    assert gvisor.stats_pids('{"type":"stats","data":{"pids":{"current":63}}}') == 63
+    assert gvisor.stats_pids("not json") is None and gvisor.stats_pids("{}") is None
+
+
+def test_confined(tmp_path: Path) -> None:
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "link").symlink_to("/")
+    assert gvisor.confined(str(tmp_path), "/etc/x") == str(tmp_path / "etc" / "x")
+    with pytest.raises(ValueError, match="outside"):
+        gvisor.confined(str(tmp_path), "/link/etc/x")
