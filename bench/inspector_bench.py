@@ -5,7 +5,7 @@ and HTTP/2 through the gateway's L7 inspector, next to standalone mitmproxy in r
 plus bulk download throughput of each; one run, interleaved rounds.
 
     .venv/bin/python bench/inspector_bench.py [--requests 300] [--runs 3] [--bytes 128MiB]
-        [--baseline REV]
+        [--baseline REV] [--pyspy PREFIX]
 
 Wiring (needs root; `inspect_cost_bench.start_rig`): the fake internet's HTTPS sites
 (aiohttp, HTTP/1.1 only, certificates from its own CA) are the one upstream of every
@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -45,7 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway_bench import VENV_BIN, baseline_tree, cpu_seconds, parse_size
+from gateway_bench import VENV_BIN, _descendants, baseline_tree, cpu_seconds, parse_size
 from gateway_transparent_bench import code_revision, stop_proc, wait_listen
 from hostcost import describe as host_cost
 from inspect_cost_bench import INSPECTED, SPLICED, start_rig
@@ -126,6 +127,26 @@ def start_mitmproxy(
     return proc, conf / "mitmproxy-ca-cert.pem"
 
 
+def sample(stack: contextlib.ExitStack, pid: int, out: str) -> None:
+    """py-spy on `pid` (its CPU samples, collapsed stacks) until `stack` closes; SIGINT
+    makes it write `out`."""
+    spy = subprocess.Popen(
+        [str(VENV_BIN / "py-spy"), "record", "--pid", str(pid), "--rate", "1000",
+         "--format", "raw", "--output", out],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    stack.callback(spy.wait, 60)
+    stack.callback(spy.send_signal, signal.SIGINT)
+
+
+def inspector_pid(gateway_pid: int) -> int:
+    for pid in _descendants(gateway_pid):
+        with contextlib.suppress(OSError):
+            if b"inspector" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+    raise RuntimeError("no inspector child found")
+
+
 def build_paths(stack: contextlib.ExitStack, baseline: str | None) -> list[Path_]:
     mport = free_port()
     fi, ns, gw, insp_ca = start_rig(stack, exempt_ports=(mport,))
@@ -157,6 +178,10 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3, help="interleaved rounds (median shown)")
     ap.add_argument("--bytes", default="128MiB", help="bulk download size per round")
     ap.add_argument("--baseline", metavar="REV", help="also another commit's gateway, inspected")
+    ap.add_argument(
+        "--pyspy", metavar="PREFIX",
+        help="py-spy the inspector child and mitmdump: PREFIX-inspector.txt, PREFIX-mitm.txt",
+    )  # fmt: skip
     args = ap.parse_args()
 
     from stockade.testing.testnet import host
@@ -173,6 +198,9 @@ def main() -> int:
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
         paths = build_paths(stack, args.baseline)
+        if args.pyspy:
+            sample(stack, inspector_pid(paths[2].pid or 0), f"{args.pyspy}-inspector.txt")
+            sample(stack, paths[-1].pid or 0, f"{args.pyspy}-mitm.txt")
         for _ in range(args.runs):  # interleaved: drift on a shared host hits all alike
             for proto in ("http1.1", "http2"):
                 for path in paths:
