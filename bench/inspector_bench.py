@@ -58,7 +58,7 @@ FORMAT = "%{http_code} %{http_version} %{time_total} %{num_connects} %{size_down
 
 
 @dataclass
-class Path_:
+class Route:
     """One way to reach the upstream: how curl is run and whose CPU it costs."""
 
     label: str
@@ -73,7 +73,7 @@ class Path_:
     bulk: list[float] = field(default_factory=list)
 
 
-def curl(path: Path_, urls: list[str], proto: str) -> list[tuple[str, float, int, int]]:
+def curl(path: Route, urls: list[str], proto: str) -> list[tuple[str, float, int, int]]:
     """(http_version, seconds, new connections, bytes) of each transfer of one curl run
     fetching `urls` in order; raises on any non-200 answer or a failed run."""
     argv = ["curl", "-sS", "--max-time", "600", f"--{proto}", *path.args, "-w", FORMAT]
@@ -86,11 +86,11 @@ def curl(path: Path_, urls: list[str], proto: str) -> list[tuple[str, float, int
     return [(row[1], float(row[2]), int(row[3]), int(row[4])) for row in rows]
 
 
-def cpu_of(path: Path_) -> float:
+def cpu_of(path: Route) -> float:
     return cpu_seconds(path.pid) if path.pid is not None else 0.0
 
 
-def requests_round(path: Path_, proto: str, n: int) -> None:
+def requests_round(path: Route, proto: str, n: int) -> None:
     """One keep-alive run of `n` requests: rate, latencies, protocol and CPU recorded."""
     c0 = cpu_of(path)
     rows = curl(path, [f"https://{path.name}{SMALL}"] * n, proto)
@@ -104,7 +104,7 @@ def requests_round(path: Path_, proto: str, n: int) -> None:
     path.proto[proto] = rows[0][0]
 
 
-def bulk_round(path: Path_, nbytes: int) -> None:
+def bulk_round(path: Route, nbytes: int) -> None:
     ((_, seconds, _, size),) = curl(path, [f"https://{path.name}/bytes/{nbytes}"], "http1.1")
     if size != nbytes:
         raise RuntimeError(f"{path.label}: {size} of {nbytes} bytes")
@@ -147,26 +147,26 @@ def inspector_pid(gateway_pid: int) -> int:
     raise RuntimeError("no inspector child found")
 
 
-def build_paths(stack: contextlib.ExitStack, baseline: str | None) -> list[Path_]:
+def build_paths(stack: contextlib.ExitStack, baseline: str | None) -> list[Route]:
     mport = free_port()
     fi, ns, gw, insp_ca = start_rig(stack, exempt_ports=(mport,))
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="stockade-bench-")))
-    before: list[Path_] = []
+    before: list[Route] = []
     if baseline:  # the same wiring again (its own namespace) for another commit's gateway
         _, ns_b, gw_b, ca_b = start_rig(stack, code=baseline_tree(tmp, baseline), fi=fi)
         args_b = ["--cacert", str(ca_b), *fi.resolve_args(INSPECTED)]
-        before.append(Path_(f"gateway@{baseline[:9]}, insp", ns_b.run, INSPECTED, args_b, gw_b.pid))
+        before.append(Route(f"gateway@{baseline[:9]}, insp", ns_b.run, INSPECTED, args_b, gw_b.pid))
     mitm, mitm_ca = start_mitmproxy(tmp, f"{ns.host_ip}:{mport}", fi.ca_pem)
     stack.callback(stop_proc, mitm)
     ip = fi.addresses[INSPECTED]
     pin, pin_spliced = fi.resolve_args(INSPECTED), fi.resolve_args(SPLICED)
     proxy = ["-x", f"http://{ns.host_ip}:{mport}", "--connect-to", f"{INSPECTED}:443:{ip}:443"]
     return [
-        Path_("direct", subprocess.run, INSPECTED, ["--cacert", fi.ca_pem, *pin], None),
-        Path_("gateway, spliced", ns.run, SPLICED, ["--cacert", fi.ca_pem, *pin_spliced], gw.pid),
-        Path_("gateway, inspected", ns.run, INSPECTED, ["--cacert", str(insp_ca), *pin], gw.pid),
+        Route("direct", subprocess.run, INSPECTED, ["--cacert", fi.ca_pem, *pin], None),
+        Route("gateway, spliced", ns.run, SPLICED, ["--cacert", fi.ca_pem, *pin_spliced], gw.pid),
+        Route("gateway, inspected", ns.run, INSPECTED, ["--cacert", str(insp_ca), *pin], gw.pid),
         *before,
-        Path_(
+        Route(
             "mitmproxy (regular)", ns.run, INSPECTED, ["--cacert", str(mitm_ca), *proxy], mitm.pid
         ),
     ]
@@ -193,7 +193,14 @@ def main() -> int:
     if args.requests < 2 or args.runs < 1:
         print("--requests must be >= 2 and --runs >= 1", file=sys.stderr)
         return 2
-    nbytes = parse_size(args.bytes)
+    if args.pyspy and not (VENV_BIN / "py-spy").exists():
+        print("--pyspy needs py-spy: .venv/bin/pip install py-spy", file=sys.stderr)
+        return 2
+    try:
+        nbytes = parse_size(args.bytes)
+    except ValueError as e:
+        print(f"--bytes: {e}", file=sys.stderr)
+        return 2
     load_before = os.getloadavg()
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
@@ -214,7 +221,7 @@ def main() -> int:
 def print_table(
     args: argparse.Namespace,
     nbytes: int,
-    paths: list[Path_],
+    paths: list[Route],
     load_before: tuple[float, float, float],
     elapsed: float,
 ) -> None:
