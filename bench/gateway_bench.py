@@ -343,11 +343,17 @@ def spawn_gateway(
     (d / "stockade.yaml").write_text(yaml.safe_dump(cfg))
     prof = os.environ.get("STOCKADE_BENCH_PROFILE")  # a profiling wrapper script to run under
     prefix = [sys.executable, prof] if prof else [str(VENV_BIN / "stockade")]
+    env = None
     if code is not None:  # its package first on sys.path, ahead of the editable install
         prefix = [sys.executable, "-c", BASELINE_MAIN, str(code)]
+        # and in its children's (the inspector runs as `python -m stockade`, which puts
+        # the working directory first: not this checkout's, whose `stockade/` would win)
+        env = {**os.environ, "PYTHONPATH": str(code)}
     return subprocess.Popen(
         [*prefix, "gateway", "serve", "--no-dns", "--config", str(d / "stockade.yaml")],
         stdout=subprocess.DEVNULL,
+        env=env,
+        cwd=d if code is not None else None,
     )
 
 

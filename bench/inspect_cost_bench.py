@@ -96,6 +96,50 @@ def register(ctl, task, timeout: float = 30) -> None:  # type: ignore[no-untyped
             time.sleep(0.05)
 
 
+def start_rig(  # type: ignore[no-untyped-def]
+    stack: contextlib.ExitStack,
+    exempt_ports: tuple[int, ...] = (),
+    code: Path | None = None,
+    fi=None,
+):
+    """The fake internet (`fi`, or a new one), a sandbox namespace redirected to a gateway
+    (this tree's, or the build in `code`: gateway_bench's --baseline) with its inspector
+    (ready), the task registered; all torn down by `stack`. `exempt_ports`: host ports
+    the namespace may reach directly (other proxies in a side-by-side run). Returns
+    (fake internet, namespace, gateway process, the inspector CA's path)."""
+    from stockade.tasks import ControlClient, Task
+    from stockade.testing.testnet import ClientNamespace, FakeInternet, host
+
+    tport, pport = free_port(), free_port()
+    if fi is None:
+        host.register_cleanup(stack, stack.close)
+        stack.callback(host.unregister_cleanup, stack)
+        fi = stack.enter_context(FakeInternet())
+    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="stockade-bench-")))
+    ns = ClientNamespace(
+        name_suffix=f"bench{secrets.token_hex(3)}",
+        redirect_tcp_port=tport,
+        redirect_dns_port=free_port(),
+        exempt_tcp_ports=(pport, *exempt_ports),
+    )
+    stack.callback(ns.stop)
+    ns.start()
+    d = tmp / "gw"
+    (d / "rules" / "profiles").mkdir(parents=True)
+    (d / "rules" / "profiles" / "bench.yaml").write_text(RULES)
+    gw = spawn_gateway(
+        d, f"{ns.host_ip}:{tport}", f"{ns.host_ip}:{pport}", 0,
+        resolvers=[fi.dns_server], allow_addresses=[fi.subnet],
+        code=code, inspection={"upstream_ca_file": fi.ca_pem},
+    )  # fmt: skip
+    stack.callback(stop_proc, gw)
+    wait_listen(ns.host_ip, tport, gw)
+    register(ControlClient(d / "run" / "gw.sock"), Task("bench", ns.address, "bench"))
+    insp_ca = d / "state" / "gateway" / "inspector-ca" / "mitmproxy-ca-cert.pem"
+    wait_inspector(ns, fi, insp_ca)
+    return fi, ns, gw, insp_ca
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bytes", default="256MiB", help="download size per run")
@@ -103,8 +147,7 @@ def main() -> int:
     ap.add_argument("--http2", action="store_true", help="curl --http2 (default --http1.1)")
     args = ap.parse_args()
 
-    from stockade.tasks import ControlClient, Task
-    from stockade.testing.testnet import ClientNamespace, FakeInternet, host
+    from stockade.testing.testnet import host
 
     reason = host.available()
     if reason:
@@ -112,33 +155,8 @@ def main() -> int:
         return 2
     nbytes = parse_size(args.bytes)
     load_before = os.getloadavg()
-    tport, pport = free_port(), free_port()
     with contextlib.ExitStack() as stack:
-        host.register_cleanup(stack, stack.close)
-        stack.callback(host.unregister_cleanup, stack)
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="stockade-bench-")))
-        fi = stack.enter_context(FakeInternet())
-        ns = ClientNamespace(
-            name_suffix=f"bench{secrets.token_hex(3)}",
-            redirect_tcp_port=tport,
-            redirect_dns_port=free_port(),
-            exempt_tcp_ports=(pport,),
-        )
-        stack.callback(ns.stop)
-        ns.start()
-        d = tmp / "gw"
-        (d / "rules" / "profiles").mkdir(parents=True)
-        (d / "rules" / "profiles" / "bench.yaml").write_text(RULES)
-        gw = spawn_gateway(
-            d, f"{ns.host_ip}:{tport}", f"{ns.host_ip}:{pport}", 0,
-            resolvers=[fi.dns_server], allow_addresses=[fi.subnet],
-            inspection={"upstream_ca_file": fi.ca_pem},
-        )  # fmt: skip
-        stack.callback(stop_proc, gw)
-        wait_listen(ns.host_ip, tport, gw)
-        register(ControlClient(d / "run" / "gw.sock"), Task("bench", ns.address, "bench"))
-        insp_ca = d / "state" / "gateway" / "inspector-ca" / "mitmproxy-ca-cert.pem"
-        wait_inspector(ns, fi, insp_ca)
+        fi, ns, gw, insp_ca = start_rig(stack)
         paths = {"spliced": (SPLICED, fi.ca_pem), "inspected": (INSPECTED, str(insp_ca))}
         rates: dict[str, list[float]] = {k: [] for k in paths}
         cpu: dict[str, float] = dict.fromkeys(paths, 0.0)
