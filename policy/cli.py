@@ -44,6 +44,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     _add_explain(rsub, parents)
     _add_test(rsub, parents)
     _add_diff(rsub, parents)
+    _add_usage(rsub, parents)
 
 
 def _subcommand(
@@ -132,6 +133,14 @@ def _add_diff(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  # t
     )  # fmt: skip
     diff.add_argument("old", metavar="OLD_DIR")
     diff.add_argument("new", metavar="NEW_DIR")
+
+
+def _add_usage(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  # type: ignore[type-arg]
+    """`rules usage`: the periodic review of what each entry did (policy/usage.py)."""
+    from . import review_cli as r
+
+    r.add_usage_options(_subcommand(rsub, parents, "usage", r.cmd_usage, r.USAGE_SUMMARY,
+                                    r.USAGE_DESCRIPTION))  # fmt: skip
 
 
 def _resolve(path: Path) -> tuple[Path, Path | None]:
