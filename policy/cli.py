@@ -45,6 +45,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     _add_test(rsub, parents)
     _add_diff(rsub, parents)
     _add_usage(rsub, parents)
+    _add_learn(rsub, parents)
 
 
 def _subcommand(
@@ -141,6 +142,14 @@ def _add_usage(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  # 
 
     r.add_usage_options(_subcommand(rsub, parents, "usage", r.cmd_usage, r.USAGE_SUMMARY,
                                     r.USAGE_DESCRIPTION))  # fmt: skip
+
+
+def _add_learn(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  # type: ignore[type-arg]
+    """`rules learn`: a first allowlist from what recorded tasks did (policy/learn.py)."""
+    from . import review_cli as r
+
+    r.add_learn_options(_subcommand(rsub, parents, "learn", r.cmd_learn, r.LEARN_SUMMARY,
+                                    r.LEARN_DESCRIPTION))  # fmt: skip
 
 
 def _resolve(path: Path) -> tuple[Path, Path | None]:

@@ -90,9 +90,24 @@ def outcome(ev: Event) -> str | None:
 
 
 def destination(ev: Event) -> str | None:
-    """The name asked for: `destination.domain`, else the DNS question's name."""
-    name = get(ev, "destination.domain") or get(ev, "dns.question.name")
+    """The name asked for: `destination.domain`, else the request URL's or the DNS
+    question's name; lower case, without a trailing dot."""
+    name = get(ev, "destination.domain") or get(ev, "url.domain") or get(ev, "dns.question.name")
     return name.lower().rstrip(".") if isinstance(name, str) and name else None
+
+
+def port(ev: Event) -> int | None:
+    for path in ("destination.port", "url.port"):
+        v = get(ev, path)
+        if isinstance(v, int) and not isinstance(v, bool) and 0 < v < 65536:
+            return v
+    return None
+
+
+def allowed(ev: Event) -> bool:
+    """Did the flow go through: allowed, or denied by the rules but let through in
+    report mode (`stockade.report_only`; its outcome is already `success`)?"""
+    return outcome(ev) == "allowed"
 
 
 _ROTATED = re.compile(r"\.(\d+)$")
