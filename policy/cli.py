@@ -46,6 +46,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     _add_diff(rsub, parents)
     _add_usage(rsub, parents)
     _add_learn(rsub, parents)
+    _add_replay(rsub, parents)
 
 
 def _subcommand(
@@ -150,6 +151,14 @@ def _add_learn(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  # 
 
     r.add_learn_options(_subcommand(rsub, parents, "learn", r.cmd_learn, r.LEARN_SUMMARY,
                                     r.LEARN_DESCRIPTION))  # fmt: skip
+
+
+def _add_replay(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  # type: ignore[type-arg]
+    """`rules replay`: recorded decisions against candidate rules (policy/replay.py)."""
+    from . import review_cli as r
+
+    r.add_replay_options(_subcommand(rsub, parents, "replay", r.cmd_replay, r.REPLAY_SUMMARY,
+                                     r.REPLAY_DESCRIPTION))  # fmt: skip
 
 
 def _resolve(path: Path) -> tuple[Path, Path | None]:

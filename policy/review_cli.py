@@ -7,8 +7,11 @@ import argparse
 import json
 import sys
 import time
-from datetime import UTC, datetime
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, date, datetime
 from pathlib import Path
+from typing import Any, TypeVar
 
 from . import eventlog
 
@@ -46,6 +49,49 @@ LEARN_DESCRIPTION = (
     "mode: report) so nothing they need is denied. Exit 0; 2 when no events of the tasks "
     "are found or the input cannot be read."
 )
+
+
+REPLAY_SUMMARY = "what a candidate rule set would have done to recorded traffic"
+REPLAY_DESCRIPTION = (
+    "Decide every recorded rule decision (connections, requests, DNS, broker calls; the "
+    "events file and its rotations) again under the candidate rules and print the flows "
+    "newly allowed and newly denied, by entry. Report mode counts as the rules' verdict "
+    "(denied), not the outcome. Exit 0; with --fail-on-new-allow 1 when any flow is newly "
+    "allowed; 2 when the rules or the events cannot be read."
+)
+
+
+def add_replay_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("rules", metavar="CANDIDATE_DIR", help="the candidate rules directory")
+    _add_events_options(p)
+    p.add_argument("--since", default="all", metavar="AGE",
+                   help="replay events of this recent period only (e.g. 30d; default all)")
+    p.add_argument("--markdown", action="store_true",
+                   help="a Markdown report to paste into a merge request")
+    p.add_argument("--fail-on-new-allow", action="store_true",
+                   help="exit 1 when the candidate allows a flow the recorded rules did not")
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from .replay import replay
+    from .replay_out import replay_json, replay_markdown, replay_text
+
+    got = _inputs(args, "rules replay")
+    if got is None:
+        return 2
+    rs, stats = got.rules, got.stats
+    recorded = (e for e in eventlog.read_files(got.files, stats)
+                if got.since is None or (eventlog.when(e) or 0) >= got.since)  # fmt: skip
+    report = _computed("rules replay", stats, lambda: replay(rs, recorded, got.today))
+    if report is None:
+        return 2
+    if args.json:
+        print(json.dumps(replay_json(report, rs.version, stats.files), indent=2))
+    elif args.markdown:
+        sys.stdout.write(replay_markdown(report, rs.version))
+    else:
+        print("\n".join(replay_text(report, rs.version)))
+    return 1 if args.fail_on_new_allow and report.newly(True) else 0
 
 
 def _min_share(text: str) -> float:
@@ -88,13 +134,11 @@ def cmd_learn(args: argparse.Namespace) -> int:
     if events is None:
         return 2
     files, stats = events
-    try:
-        obs = observe(eventlog.read_files(files, stats),
-                      set(args.task) if args.task else None, args.profile)  # fmt: skip
-    except OSError as e:
-        print(f"stockade rules learn: cannot read events: {e}", file=sys.stderr)
+    tasks = set(args.task) if args.task else None
+    obs = _computed("rules learn", stats, lambda: observe(
+        eventlog.read_files(files, stats), tasks, args.profile))  # fmt: skip
+    if obs is None:
         return 2
-    _report_bad_lines(stats)
     if not obs.tasks:
         print(f"stockade rules learn: no decisions of those tasks in {len(files)} file(s)",
               file=sys.stderr)  # fmt: skip
@@ -108,6 +152,7 @@ def cmd_learn(args: argparse.Namespace) -> int:
     return 0
 
 
+_T = TypeVar("_T")
 _Opened = tuple[list[Path], eventlog.ReadStats]
 
 
@@ -122,15 +167,53 @@ def _open_events(args: argparse.Namespace, command: str) -> _Opened | None:
     return files, eventlog.ReadStats()
 
 
-def _report_bad_lines(stats: eventlog.ReadStats) -> None:
+def _computed(command: str, stats: eventlog.ReadStats, compute: Callable[[], _T]) -> _T | None:
+    """`compute()` (which reads the event files), then the lines it skipped, on stderr;
+    None when a file could not be read (said on stderr too)."""
+    try:
+        out = compute()
+    except OSError as e:
+        print(f"stockade {command}: cannot read events: {e}", file=sys.stderr)
+        return None
     for name, n in stats.bad_lines.items():
         print(f"{name}: {n} line(s) are not events; skipped", file=sys.stderr)
+    return out
 
 
 def _since(text: str, now: float) -> float | None:
     from stockade.events.view import parse_duration
 
     return None if text == "all" else now - parse_duration(text)
+
+
+@dataclass
+class _Inputs:
+    """What `usage` and `replay` read before they start: the rules and the event files."""
+
+    now: float
+    since: float | None  # epoch seconds; None: every event
+    today: date
+    rules: Any
+    files: list[Path]
+    stats: eventlog.ReadStats
+
+
+def _inputs(args: argparse.Namespace, command: str) -> _Inputs | None:
+    """The command's inputs, or None once the reason is said on stderr (exit 2)."""
+    from .cli import _load_or_report
+
+    now = time.time()
+    try:
+        since = _since(args.since, now)
+    except ValueError as e:
+        print(f"stockade {command}: --since: {e}", file=sys.stderr)
+        return None
+    rs = _load_or_report(args.rules)
+    opened = None if rs is None else _open_events(args, command)
+    if opened is None:
+        return None
+    today = args.today or datetime.fromtimestamp(now, UTC).date()
+    return _Inputs(now, since, today, rs, *opened)
 
 
 def _events_path(args: argparse.Namespace, command: str) -> Path:
@@ -140,31 +223,18 @@ def _events_path(args: argparse.Namespace, command: str) -> Path:
 
 
 def cmd_usage(args: argparse.Namespace) -> int:
-    from .cli import _load_or_report
     from .usage import usage
     from .usage_out import report_json, report_table
 
-    now = time.time()
-    try:
-        since = _since(args.since, now)
-    except ValueError as e:
-        print(f"stockade rules usage: --since: {e}", file=sys.stderr)
+    got = _inputs(args, "rules usage")
+    if got is None:
         return 2
-    rs = _load_or_report(args.rules)
-    if rs is None:
+    files, stats = got.files, got.stats
+    report = _computed("rules usage", stats, lambda: usage(
+        got.rules, eventlog.read_files(files, stats), got.now, got.since, got.today,
+        args.expiring_within))  # fmt: skip
+    if report is None:
         return 2
-    events = _open_events(args, "rules usage")
-    if events is None:
-        return 2
-    files, stats = events
-    today = args.today or datetime.fromtimestamp(now, UTC).date()
-    try:
-        report = usage(rs, eventlog.read_files(files, stats), now, since, today,
-                       args.expiring_within)  # fmt: skip
-    except OSError as e:
-        print(f"stockade rules usage: cannot read events: {e}", file=sys.stderr)
-        return 2
-    _report_bad_lines(stats)
     if args.json:
         print(json.dumps(report_json(report, stats.files, stats.bad_lines), indent=2))
     else:
