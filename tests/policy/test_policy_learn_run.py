@@ -1,0 +1,69 @@
+"""`stockade rules learn` after real `stockade run`s in report mode against the fake
+internet: the proposal names what the runs reached, and loads as a profile."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gw_config import write_profiles
+from stockade.policy import load_rules
+
+# the e2e suite's self-contained instance (own run_dir, base_port, host-wide names)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+from e2e_instance import instance_config, write_config
+
+pytestmark = [pytest.mark.netns, pytest.mark.vault, pytest.mark.slow]
+
+# nothing allowed, but nothing enforced either: every flow is logged with report_only
+PROFILE = """\
+profile: rec
+description: recording a task's traffic for rules learn
+limits: {memory: 256MiB, pids: 64, ttl: 60s}
+egress:
+  mode: report
+"""
+
+
+@pytest.fixture
+def run_config(tmp_path: Path, fake_internet) -> Path:
+    data = instance_config(tmp_path, fake_internet)
+    (Path(data["rules_dir"]) / "profiles" / "rec.yaml").write_text(PROFILE)
+    return write_config(tmp_path, data)
+
+
+def _run(config: Path, ca: str, script: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "stockade", "run", "--config", str(config), "--profile", "rec",
+         "--json", "--input", f"{ca}:/input/ca.pem", "--", "sh", "-c", script],
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert proc.stdout, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["ended_by"] == "exit", result
+    return result["task_id"]
+
+
+@pytest.mark.timeout(600)
+def test_learn_from_two_report_mode_runs(run_config, fake_internet, tmp_path):
+    ca = str(fake_internet.ca_pem)
+    common = "curl -s --max-time 10 --cacert /input/ca.pem https://allowed.test/ ;"
+    t1 = _run(run_config, ca, common)
+    t2 = _run(run_config, ca, common + " curl -s --max-time 10 --cacert /input/ca.pem "
+                                       "https://denied.test/")  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "stockade", "rules", "learn", "--config", str(run_config),
+         "--task", t1, "--task", t2, "--name", "learned"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert '- host: "allowed.test"' in out
+    assert "# not proposed (too few tasks): denied.test:443 (1 of 2 tasks)" in out
+    rules = write_profiles(tmp_path / "learned", {"learned": out})
+    entries = load_rules(rules).profiles["learned"].allow
+    assert [(e.host, sorted(e.ports), e.reason) for e in entries] == [
+        ("allowed.test", [443], "TODO")]
