@@ -132,14 +132,16 @@ class _Tally:
             self._summary(e, prof)
 
     def _decision(self, e: Event, t: float, prof: str) -> None:
-        rid, out = ev.rule_id(e), ev.outcome(e)
+        rid = ev.rule_id(e)
+        # report mode lets a denied flow through: the rules still denied it
+        denied = ev.outcome(e) == "denied" or bool(ev.get(e, "stockade.report_only"))
         if rid:
             u = self.table.get((prof, rid))
             if u is None:
                 self.report.unknown[(prof, rid)] += 1
-            elif u.kind == "deny" or out == "allowed":
+            elif u.kind == "deny" or not denied:
                 u.use(e, t)
-        if out == "denied" or ev.get(e, "stockade.report_only"):
+        if denied:
             self._near(prof, ev.destination(e), 1)
 
     def _broker(self, e: Event, t: float, prof: str) -> None:

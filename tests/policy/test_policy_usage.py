@@ -92,6 +92,11 @@ def events_file(tmp_path: Path) -> Path:
     w.write(decision(None, "upload2.example.test", "t2", NOW - 2 * DAY, allowed=False))
     w.write(decision("no-upload", "upload.example.test", "t2", NOW - 2 * DAY, allowed=False))
     w.write(decision("gone", "x.test", "t2", NOW - DAY))  # an entry since removed
+    # report mode: the rules refused port 8443 of the entry, the flow went through anyway
+    odd = decision("pkgs", "pkgs.example.test", "t4", NOW - DAY)
+    odd["destination"]["port"], odd["event"]["reason"] = 8443, "port_not_allowed"
+    odd["stockade"]["report_only"] = True
+    w.write(odd)
     w.write(broker_call("t3", NOW - DAY))
     w.write(decision("old", "old.example.test", "t9", NOW - 200 * DAY))  # outside 90d
     w.close()
@@ -149,7 +154,8 @@ def test_usage_per_entry(rules, events_file):
     assert by["soon"].status == ["unused", "expires in 4d"]
     assert by["no-upload"].hits == 1 and by["no-upload"].status == []  # a deny that fired
     assert dict(by["pkgs"].denials_near) == {"upload2.example.test": 1,
-                                             "upload.example.test": 1}  # fmt: skip
+                                             "upload.example.test": 1,
+                                             "pkgs.example.test": 1}  # fmt: skip
     api = by["broker:demo-api"]
     assert (api.hits, api.tasks, api.bytes_up, api.bytes_down) == (1, {"t3"}, 10, 300)
     assert dict(r.unknown) == {("p", "gone"): 1}
