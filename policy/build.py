@@ -44,6 +44,8 @@ def entries(
                 cidr=ipaddress.ip_network(m.cidr) if m.cidr is not None else None,
                 ports=ports,
                 expires=m.expires,
+                review_by=m.review_by,
+                owner=m.owner,
                 http=http,
                 host_must_match_sni=m.host_must_match_sni,
                 accept_fronting=m.accept_fronting,

@@ -44,6 +44,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     _add_explain(rsub, parents)
     _add_test(rsub, parents)
     _add_diff(rsub, parents)
+    _add_usage(rsub, parents)
+    _add_learn(rsub, parents)
+    _add_replay(rsub, parents)
 
 
 def _subcommand(
@@ -132,6 +135,30 @@ def _add_diff(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  # t
     )  # fmt: skip
     diff.add_argument("old", metavar="OLD_DIR")
     diff.add_argument("new", metavar="NEW_DIR")
+
+
+def _add_usage(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  # type: ignore[type-arg]
+    """`rules usage`: the periodic review of what each entry did (policy/usage.py)."""
+    from . import review_cli as r
+
+    r.add_usage_options(_subcommand(rsub, parents, "usage", r.cmd_usage, r.USAGE_SUMMARY,
+                                    r.USAGE_DESCRIPTION))  # fmt: skip
+
+
+def _add_learn(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  # type: ignore[type-arg]
+    """`rules learn`: a first allowlist from what recorded tasks did (policy/learn.py)."""
+    from . import review_cli as r
+
+    r.add_learn_options(_subcommand(rsub, parents, "learn", r.cmd_learn, r.LEARN_SUMMARY,
+                                    r.LEARN_DESCRIPTION))  # fmt: skip
+
+
+def _add_replay(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  # type: ignore[type-arg]
+    """`rules replay`: recorded decisions against candidate rules (policy/replay.py)."""
+    from . import review_cli as r
+
+    r.add_replay_options(_subcommand(rsub, parents, "replay", r.cmd_replay, r.REPLAY_SUMMARY,
+                                     r.REPLAY_DESCRIPTION))  # fmt: skip
 
 
 def _resolve(path: Path) -> tuple[Path, Path | None]:

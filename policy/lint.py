@@ -187,7 +187,8 @@ def lint_ruleset(
 
 
 def _expiry_problems(rs: RuleSet, today: date, expiring_within: int) -> Iterable[Problem]:
-    """Entries expired (not in force) or expiring within `expiring_within` days."""
+    """Entries expired (not in force), expiring within `expiring_within` days, or past
+    their `review_by`."""
     for e in _defined_entries(rs):
         if not in_force(e, today):
             yield _warn(e, f"entry {e.id!r} expired on {e.expires}; it is not in force "
@@ -196,6 +197,10 @@ def _expiry_problems(rs: RuleSet, today: date, expiring_within: int) -> Iterable
             days = (e.expires - today).days
             yield _warn(e, f"entry {e.id!r} expires on {e.expires} (in {days} day(s)); "
                            "review whether it is still needed")  # fmt: skip
+        if e.review_by is not None and e.review_by < today:
+            who = f" (owner: {e.owner})" if e.owner else ""
+            yield _warn(e, f"entry {e.id!r} was due for review on {e.review_by}{who}; "
+                           "review it and move 'review_by' on")  # fmt: skip
 
 
 def _profiles_problems(rs: RuleSet, today: date) -> Iterable[Problem]:

@@ -46,6 +46,8 @@ class EgressEntry:
     # just 443 would leave the same host open on other ports)
     ports: frozenset[int] = frozenset({443})
     expires: date | None = None
+    review_by: date | None = None  # next periodic review due (lint warns once past)
+    owner: str | None = None  # who answers for the entry at review
     http: HttpRule | None = None
     # inspected only to hold every request's Host / :authority to the SNI (no http rule)
     host_must_match_sni: bool = False

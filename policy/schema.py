@@ -70,6 +70,12 @@ def _reason_text(v: str) -> str:
     return v.strip()
 
 
+def _owner(v: str) -> str:
+    if not v.strip():
+        raise ValueError("owner must name the person or team who answers for the entry")
+    return v.strip()
+
+
 def _syscall(v: str) -> str:
     if v not in RELAXABLE_SYSCALLS:
         raise ValueError(f"system call {v!r} cannot be allowed: the sandbox's seccomp filter "
@@ -89,6 +95,7 @@ HostPattern = Annotated[StrictStr, AfterValidator(normalize_pattern)]
 Cidr = Annotated[StrictStr, AfterValidator(_cidr)]
 ReasonText = Annotated[StrictStr, AfterValidator(_reason_text)]
 Syscall = Annotated[StrictStr, AfterValidator(_syscall)]
+Owner = Annotated[StrictStr, AfterValidator(_owner)]
 
 
 class HttpModel(Strict):
@@ -103,6 +110,10 @@ class EntryModel(Strict):
     reason: ReasonText
     id: Annotated[StrictStr, Field(pattern=ID_PATTERN)] | None = None
     expires: Annotated[date, Field(strict=False)] | None = None
+    # the periodic review: when the entry is next looked at, and who answers for it
+    # (`stockade rules usage` prints both; lint warns once review_by has passed)
+    review_by: Annotated[date, Field(strict=False)] | None = None
+    owner: Owner | None = None
     http: HttpModel | None = None
     # TLS flows go through the inspector only to hold Host / :authority to the SNI on
     # every request (shared front-ends route by Host: domain fronting); any method/path

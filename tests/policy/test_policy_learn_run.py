@@ -1,0 +1,106 @@
+"""`stockade rules learn`, `usage` and `replay` on the events of real `stockade run`s
+against the fake internet: learn after runs in report mode (the proposal names what the
+runs reached, and loads as a profile); usage and replay after an enforced run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gw_config import write_profiles
+from stockade.policy import load_rules
+
+# the e2e suite's self-contained instance (own run_dir, base_port, host-wide names)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+from e2e_instance import instance_config, write_config
+
+pytestmark = [pytest.mark.netns, pytest.mark.vault, pytest.mark.slow]
+
+# nothing allowed, but nothing enforced either: every flow is logged with report_only
+PROFILE = """\
+profile: rec
+description: recording a task's traffic for rules learn
+limits: {memory: 256MiB, pids: 64, ttl: 60s}
+egress:
+  mode: report
+"""
+
+
+@pytest.fixture
+def run_config(tmp_path: Path, fake_internet) -> Path:
+    data = instance_config(tmp_path, fake_internet)
+    (Path(data["rules_dir"]) / "profiles" / "rec.yaml").write_text(PROFILE)
+    return write_config(tmp_path, data)
+
+
+def _run(config: Path, ca: str, script: str, profile: str = "rec") -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "stockade", "run", "--config", str(config), "--profile", profile,
+         "--json", "--input", f"{ca}:/input/ca.pem", "--", "sh", "-c", script],
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert proc.stdout, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["ended_by"] == "exit", result
+    return result["task_id"]
+
+
+@pytest.mark.timeout(600)
+def test_learn_from_two_report_mode_runs(run_config, fake_internet, tmp_path):
+    ca = str(fake_internet.ca_pem)
+    common = "curl -s --max-time 10 --cacert /input/ca.pem https://allowed.test/ ;"
+    t1 = _run(run_config, ca, common)
+    t2 = _run(run_config, ca, common + " curl -s --max-time 10 --cacert /input/ca.pem "
+                                       "https://denied.test/")  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "stockade", "rules", "learn", "--config", str(run_config),
+         "--task", t1, "--task", t2, "--name", "learned"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert '- host: "allowed.test"' in out
+    assert "# not proposed (too few tasks): denied.test:443 (1 of 2 tasks)" in out
+    rules = write_profiles(tmp_path / "learned", {"learned": out})
+    entries = load_rules(rules).profiles["learned"].allow
+    assert [(e.host, sorted(e.ports), e.reason) for e in entries] == [
+        ("allowed.test", [443], "TODO")]
+
+
+def _rules(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "stockade", "rules", *argv],
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+
+
+@pytest.mark.timeout(600)
+def test_usage_and_replay_after_an_enforced_run(run_config, fake_internet, tmp_path):
+    ca = str(fake_internet.ca_pem)
+    task = _run(run_config, ca, "curl -s --max-time 10 --cacert /input/ca.pem "
+                "https://allowed.test/ ; curl -s --max-time 10 --cacert /input/ca.pem "
+                "https://echo.test/echo", profile="e2e")  # fmt: skip
+    rules = tmp_path / "rules"
+    proc = _rules("usage", "--config", str(run_config), "--rules", str(rules), "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = {(u["profile"], u["entry"]): u for u in json.loads(proc.stdout)["entries"]}
+    site = rows[("e2e", "e2e:allow:allowed.test")]
+    assert site["hits"] >= 1 and site["tasks"] == 1 and site["bytes_down"] > 0
+    assert rows[("e2e", "e2e:allow:echo.test")]["hits"] >= 1  # handed to the inspector
+    assert rows[("e2e", "broker:demo-api")]["status"] == ["unused"]
+    # a candidate without allowed.test: that flow (and its name) would now be denied
+    candidate = tmp_path / "candidate"
+    shutil.copytree(rules, candidate)
+    profile = candidate / "profiles" / "e2e.yaml"
+    text = profile.read_text()
+    cut = text.index("    - host: allowed.test")
+    profile.write_text(text[:cut] + text[text.index("    - host: echo.test"):])
+    proc = _rules("replay", str(candidate), "--config", str(run_config), "--json",
+                  "--fail-on-new-allow")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["newly_allowed"] == []
+    denied = {(c["kind"], c["target"]) for c in data["newly_denied"]}
+    assert ("connection", "allowed.test:443") in denied, (task, data)
