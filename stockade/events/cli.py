@@ -84,13 +84,13 @@ def _verify_missing(args: argparse.Namespace) -> int:
     return 2
 
 
-def _values(given: list[str] | None) -> frozenset[str] | None:
+def _values(flag: str, given: list[str] | None) -> frozenset[str] | None:
     """Repeated and comma-separated values; None when the flag was not given."""
     if not given:
         return None
     out = frozenset(v.strip() for g in given for v in g.split(",") if v.strip())
     if not out:
-        raise ValueError(f"empty value {given[0]!r}")
+        raise ValueError(f"{flag}: no value in {given[0]!r} (e.g. {flag} a,b or {flag} a)")
     return out
 
 
@@ -121,8 +121,8 @@ def _filter(args: argparse.Namespace) -> EventFilter:
         component=args.component,
         since=_when("--since", args.since, now),
         until=_when("--until", args.until, now),
-        actions=_values(args.action),
-        reasons=_values(args.reason),
+        actions=_values("--action", args.action),
+        reasons=_values("--reason", args.reason),
         labels=_labels(args.label),
     )
 
@@ -159,6 +159,9 @@ def run(args: argparse.Namespace) -> int:
             _print_events(_events(path, args.follow, keep), args)
     except BrokenPipeError:
         return 0
+    except OSError as e:  # a directory, no read permission, an I/O error
+        print(f"stockade events: cannot read {path}: {e.strerror or e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -23,6 +23,9 @@ from typing import BinaryIO
 from .writer import ROTATION_CHECK_S
 
 DRAIN_IDLE_S = 2 * ROTATION_CHECK_S
+# renamed files kept draining at most; past it the longest idle closes first (a writer
+# rotating many times a second would otherwise use up the file descriptors)
+MAX_DRAINING = 64
 
 
 @dataclass
@@ -80,6 +83,11 @@ class _Tail:
             if now - h.last_data > DRAIN_IDLE_S:
                 h.close()
                 self.draining.remove(h)
+        if len(self.draining) > MAX_DRAINING:
+            self.draining.sort(key=lambda h: h.last_data)
+            for h in self.draining[:-MAX_DRAINING]:
+                h.close()
+            del self.draining[:-MAX_DRAINING]
         return out
 
     def check_rotation(self) -> list[str]:

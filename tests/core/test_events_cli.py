@@ -157,6 +157,8 @@ def test_cli_missing_file_and_bad_since(tmp_path, capsys):
     assert main(["events", "--file", str(tmp_path / "none.jsonl")]) == 1
     assert main(["events", "--file", str(tmp_path / "none.jsonl"), "--since", "x"]) == 2
     assert "--since: invalid time" in capsys.readouterr().err
+    assert main(["events", "--file", str(tmp_path)]) == 1  # a directory
+    assert "cannot read" in capsys.readouterr().err
 
 
 def test_cli_action_reason_label_until(tmp_path, capsys):
@@ -181,7 +183,7 @@ def test_cli_action_reason_label_until(tmp_path, capsys):
     assert tasks("--since", "2h", "--until", "30m") == ["t1"]
     for flags, message in (
         (["--label", "profile"], "invalid --label 'profile'"),
-        (["--action", ","], "empty value"),
+        (["--action", ","], "--action: no value in ','"),
         (["--until", "tomorrow"], "--until: invalid time"),
     ):
         assert main(["events", "--file", str(path), *flags]) == 2
