@@ -252,7 +252,9 @@ def test_follow_sees_new_events_and_rotation(tmp_path):
     w = EventWriter(path, max_bytes=1500, backups=3)
     w.write(_ev("t0", "denied"))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "stockade", "events", "--file", str(path), "--follow", "--json"],
+        # the view flags stay on the parent parser next to the verify subcommand
+        [sys.executable, "-m", "stockade", "events", "--file", str(path), "--follow", "--json",
+         "--action", "connection_decision", "--since", "1h"],
         stdout=subprocess.PIPE,
         text=True,
     )
