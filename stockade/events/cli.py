@@ -65,8 +65,9 @@ def _add_verify(cmds: argparse._SubParsersAction) -> None:  # type: ignore[type-
     help_text = "check the events' hash chain: the first gap, reorder, edit or truncation"
     description = "Check the events' hash chain: the first gap, reorder, edit or truncation."
     if importlib.util.find_spec(VERIFY_MODULE) is None:
-        # this build has no chain verifier: take any arguments (no prefix character makes
-        # every one a plain word) and say so, rather than failing on the first as a typo
+        # this build has no chain verifier: take any arguments (a NUL prefix character,
+        # which no argument starts with, makes every one a plain word) and say so, rather
+        # than failing on the first one as if it were a typo
         v = cmds.add_parser("verify", help=help_text, description=description,
                             prefix_chars="\0", add_help=False)
         v.add_argument("args", nargs="*", help="(not available in this build)")
@@ -115,12 +116,15 @@ def _when(flag: str, text: str | None, now: float) -> float | None:
 
 def _filter(args: argparse.Namespace) -> EventFilter:
     now = time.time()
+    since, until = _when("--since", args.since, now), _when("--until", args.until, now)
+    if since is not None and until is not None and since > until:
+        raise ValueError(f"--since {args.since} is after --until {args.until}: nothing matches")
     return EventFilter(
         task=args.task,
         outcome=args.outcome,
         component=args.component,
-        since=_when("--since", args.since, now),
-        until=_when("--until", args.until, now),
+        since=since,
+        until=until,
         actions=_values("--action", args.action),
         reasons=_values("--reason", args.reason),
         labels=_labels(args.label),

@@ -185,6 +185,7 @@ def test_cli_action_reason_label_until(tmp_path, capsys):
         (["--label", "profile"], "invalid --label 'profile'"),
         (["--action", ","], "--action: no value in ','"),
         (["--until", "tomorrow"], "--until: invalid time"),
+        (["--since", "30m", "--until", "2h"], "--since 30m is after --until 2h"),
     ):
         assert main(["events", "--file", str(path), *flags]) == 2
         assert message in capsys.readouterr().err
