@@ -269,3 +269,25 @@ def test_follow_sees_new_events_and_rotation(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_events_verify_runs_the_chain_verifier(tmp_path, capsys):
+    """`stockade events verify` reaches the real verifier: a clean chained file is intact
+    (exit 0), and one edited byte is a finding (exit 1)."""
+    from stockade.events.settings import EventSettings
+
+    chain = tmp_path / "chain"
+    path = tmp_path / "events.jsonl"
+    w = EventSettings(chain_dir=str(chain), checkpoint_every=5).writer(path, None, False)
+    for i in range(12):
+        w.write(_ev(f"t{i}", "denied", "no_matching_rule"))
+    w.close()
+    argv = ["events", "verify", "--key", str(chain / "signing.pub"),
+            "--heads", str(chain / "heads"), "--json", str(path)]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+    rows = path.read_bytes().splitlines(keepends=True)
+    rows[3] = rows[3].replace(b'"t3"', b'"t9"')
+    path.write_bytes(b"".join(rows))
+    assert main(argv) == 1
+    assert json.loads(capsys.readouterr().out)["ok"] is False
