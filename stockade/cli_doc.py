@@ -44,7 +44,8 @@ def _options(p: argparse.ArgumentParser) -> list[str]:
 
 def _walk(p: argparse.ArgumentParser, path: str, help_text: str, out: list[str]) -> None:
     subs = _subparsers(p)
-    if not subs and path != "stockade":  # a leaf command
+    # a leaf command, or one that runs by itself and also has subcommands (`events`)
+    if path != "stockade" and (not subs or p.get_default("func") is not None):
         out.append(f"### `{path}`\n")
         if help_text:
             out.append(help_text[0].upper() + help_text[1:] + ".\n")

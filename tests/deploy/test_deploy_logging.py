@@ -8,6 +8,7 @@ import copy
 import fnmatch
 import json
 import re
+import socket
 import tomllib
 from datetime import datetime
 from pathlib import Path
@@ -154,6 +155,39 @@ def test_vector_parse_keeps_every_ecs_field(vector: dict[str, Any]) -> None:
         assert out == ev, "the event must arrive exactly as written (plus host.name)"
 
 
+@pytest.mark.parametrize("node", ["node-7", "", None])
+def test_vector_host_name_is_the_kubernetes_node_or_the_host(
+    vector: dict[str, Any], monkeypatch: pytest.MonkeyPatch, node: str | None
+) -> None:
+    """NODE_NAME (the downward API's spec.nodeName) first: in a pod the hostname is the
+    pod's. Unset or empty: the host's own name."""
+    vrl = _vrl()
+    if node is None:
+        monkeypatch.delenv("NODE_NAME", raising=False)
+    else:
+        monkeypatch.setenv("NODE_NAME", node)
+    program = vector["transforms"]["stockade_events"]["source"]
+    ev = _sample_events()[0]
+    out = vrl.execute(program, {"message": json.dumps(ev)}).processed_event
+    assert out["host"] == {"name": node or socket.gethostname()}
+
+
+def test_vector_skips_long_lines_and_goes_on(vector: dict[str, Any], tmp_path: Path) -> None:
+    (src,) = [s for s in vector["sources"].values() if s["type"] == "file"]
+    # Vector skips a line over max_line_bytes and reads on; Stockade's are far smaller
+    assert src["max_line_bytes"] >= 2**20
+    assert max(_line_sizes(tmp_path)) * 100 < src["max_line_bytes"]
+
+
+def _line_sizes(tmp_path: Path) -> list[int]:
+    path = tmp_path / "sizes.jsonl"
+    writer = EventWriter(path)
+    for ev in _sample_events():
+        writer.write(ev)
+    writer.close()
+    return [len(line) for line in path.read_bytes().splitlines()]
+
+
 def test_vector_parse_refuses_non_json_lines(vector: dict[str, Any]) -> None:
     vrl = _vrl()
     program = vector["transforms"]["stockade_events"]["source"]
@@ -185,10 +219,10 @@ def test_vector_metric_labels_from_events(vector: dict[str, Any]) -> None:
 
 
 # -- Fluent Bit -----------------------------------------------------------------------------
-def parse_fluent_bit(path: Path) -> list[tuple[str, dict[str, str]]]:
+def parse_fluent_bit(path: Path, text: str | None = None) -> list[tuple[str, dict[str, str]]]:
     """Classic-format sections: [(NAME, {key: value})] (keys case-insensitive, lowered)."""
     sections: list[tuple[str, dict[str, str]]] = []
-    for lineno, raw in enumerate(path.read_text().splitlines(), 1):
+    for lineno, raw in enumerate((path.read_text() if text is None else text).splitlines(), 1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
@@ -213,6 +247,69 @@ def test_fluent_bit_config_structure() -> None:
     for n, s in sections:
         if n in ("FILTER", "OUTPUT"):
             assert any(fnmatch.fnmatch(t, s["match"]) for t in tags), s
+
+
+def _size(text: str) -> int:
+    """Fluent Bit's sizes: 64K, 2M, or bytes."""
+    m = re.fullmatch(r"(\d+)([KMG]?)", text.upper())
+    assert m, text
+    return int(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[m.group(2)]
+
+
+def _fluent_bit_filters(sections: list[tuple[str, dict[str, str]]]) -> list[dict[str, str]]:
+    return [s for n, s in sections if n == "FILTER"]
+
+
+def _apply_host_filters(filters: list[dict[str, str]], record: dict[str, Any],
+                        hostname: str, env: dict[str, str]) -> dict[str, Any]:
+    """What the sysinfo, modify (Set) and nest filters do to a record, in config order."""
+    out = dict(record)
+    for f in filters:
+        if f["name"] == "sysinfo":
+            out[f["hostname_key"]] = hostname
+        elif f["name"] == "modify":
+            key, _, value = f["set"].partition(" ")
+            out[key] = re.sub(r"\$\{(\w+)\}", lambda m: env[m.group(1)], value.strip())
+        elif f["name"] == "nest":
+            assert f["operation"] == "nest"
+            moved = {k: out.pop(k) for k in list(out) if fnmatch.fnmatch(k, f["wildcard"])}
+            prefix = f.get("remove_prefix", "")
+            out[f["nest_under"]] = {k.removeprefix(prefix): v for k, v in moved.items()}
+    return out
+
+
+def test_fluent_bit_adds_host_name_like_vector() -> None:
+    """sysinfo, then nest: each event leaves with host.name (ECS) and nothing else added,
+    the record Vector ships."""
+    filters = _fluent_bit_filters(parse_fluent_bit(FLUENT_BIT))
+    assert [f["name"] for f in filters] == ["sysinfo", "nest"]
+    assert filters[0]["hostname_key"] == filters[1]["wildcard"] == "host_name"
+    for ev in _sample_events():
+        assert "host" not in ev, "the nest would overwrite an event's own host object"
+        out = _apply_host_filters(filters, ev, "gw1", {})
+        assert out == {**ev, "host": {"name": "gw1"}}
+
+
+def test_fluent_bit_kubernetes_node_name_filter_sits_before_the_nest() -> None:
+    """The commented modify filter, once uncommented, overwrites host_name with the node
+    name between sysinfo and nest."""
+    text = FLUENT_BIT.read_text()
+    block = re.search(r"^# \[FILTER\]\n(?:#     .*\n)+", text, re.M)
+    assert block, "the commented Kubernetes filter is missing"
+    uncommented = re.sub(r"^# ", "", block.group(0), flags=re.M)
+    k8s = text.replace(block.group(0), uncommented)
+    filters = _fluent_bit_filters(parse_fluent_bit(FLUENT_BIT, k8s))
+    assert [f["name"] for f in filters] == ["sysinfo", "modify", "nest"]
+    assert filters[1]["match"] == "stockade.events"
+    out = _apply_host_filters(filters, _sample_events()[0], "pod-abc", {"NODE_NAME": "node-7"})
+    assert out["host"] == {"name": "node-7"}
+
+
+def test_fluent_bit_skips_long_lines_instead_of_stopping(tmp_path: Path) -> None:
+    (tail,) = [s for n, s in parse_fluent_bit(FLUENT_BIT) if n == "INPUT"]
+    assert tail["skip_long_lines"].lower() == "on", "Off stops the file at a long line"
+    assert _size(tail["buffer_max_size"]) == 2 * 2**20
+    assert max(_line_sizes(tmp_path)) < _size(tail["buffer_chunk_size"])
 
 
 def test_fluent_bit_tails_the_events_file_and_its_rotations(
