@@ -445,12 +445,27 @@ async def serve(config: Config) -> int:
 
     from stockade.serving import serve_until_signalled
 
-    svc = LauncherService(config)
+    svc: LauncherService | None = None
+
+    async def start() -> None:
+        nonlocal svc
+        # built here: an unusable event-chain key or state dir is a start-up error too
+        svc = LauncherService(config)
+        await svc.start()
+
+    async def stop() -> None:
+        if svc is not None:
+            await svc.stop()
+
+    def banner() -> str:
+        assert svc is not None
+        return f"serving on {svc.socket_path}, rules {svc.rules.current.version}"
+
     # a SIGTERM during start-up still ends in stop() (table removed)
     return await serve_until_signalled(
-        "launcher", start=svc.start, stop=svc.stop, reload=lambda: svc.reload("sighup"),
-        banner=lambda: f"serving on {svc.socket_path}, rules {svc.rules.current.version}",
-        start_errors=(RuntimeError, OSError), invalid_rules=(RulesError,),
+        "launcher", start=start, stop=stop,
+        reload=lambda: svc.reload("sighup") if svc is not None else None,
+        banner=banner, start_errors=(RuntimeError, OSError), invalid_rules=(RulesError,),
     )
 
 

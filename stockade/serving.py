@@ -16,6 +16,8 @@ import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
+from stockade.events.chainkey import ChainError
+
 T = TypeVar("T")
 
 
@@ -64,7 +66,7 @@ async def serve_until_signalled(
         except invalid_rules as e:
             print(f"stockade {name}: invalid rules:\n{e}", file=sys.stderr)
             return 2
-        except start_errors as e:
+        except (*start_errors, ChainError) as e:  # an unusable event-chain key: every service
             print(f"stockade {name}: cannot start: {e}", file=sys.stderr)
             return 2
         print(f"stockade {name}: {banner()}", file=sys.stderr, flush=True)
