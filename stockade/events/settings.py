@@ -7,11 +7,13 @@ composes it.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .chain import ChainSigner
 from .chainkey import load_or_create_key
+from .ocsf import encode_ocsf
 from .summary import ThrottleSettings
 from .writer import EventWriter
 
@@ -19,6 +21,8 @@ from .writer import EventWriter
 class EventSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    # line format: ECS (schema.json) or OCSF 1.5.0 (ocsf.py; docs/events.md "OCSF")
+    format: Literal["ecs", "ocsf"] = "ecs"
     file: str | None = None  # JSON-lines events file; default: <log_dir>/events.jsonl
     stdout: bool = False  # also write every event to standard output
     max_bytes: int = Field(50 * 2**20, gt=0)  # rotate the events file at this size
@@ -66,4 +70,4 @@ class EventSettings(BaseModel):
         return EventWriter(
             path, max_bytes=self.max_bytes, backups=self.backups, stdout=stdout,
             throttle=self.throttle(), task_dir=task_dir, task_store_bytes=self.task_store_bytes,
-            chain=self.chain_signer())
+            chain=self.chain_signer(), encode=encode_ocsf if self.format == "ocsf" else None)
