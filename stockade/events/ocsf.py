@@ -62,6 +62,11 @@ def _get(ev: Event, obj: str, key: str) -> Any:
     return part.get(key) if isinstance(part, dict) else None
 
 
+def _text(v: Any) -> str:
+    """`v` when it is a string, else "": a malformed field never breaks the mapping."""
+    return v if isinstance(v, str) else ""
+
+
 def _method(ev: Event) -> str:
     req = _get(ev, "http", "request")
     m = req.get("method") if isinstance(req, dict) else None
@@ -75,13 +80,13 @@ def _activity(action: str, ev: Event, st: dict[str, Any]) -> int:
     if action == "connection_decision":
         return 5 if st.get("decision") == "denied" else 1
     if action == "connection_close":
-        return 3 if _get(ev, "event", "reason") in _RESET_REASONS else 2
+        return 3 if _text(_get(ev, "event", "reason")) in _RESET_REASONS else 2
     if action == "request_decision":
         return _HTTP_ACTIVITY.get(_method(ev), 99)
     if action == "broker_call":
         return _API_ACTIVITY.get(_method(ev), 99)
     if action == "sandbox_lifecycle":
-        return {"start": 1, "end": 2}.get(st.get("lifecycle"), 99)  # type: ignore[arg-type]
+        return {"start": 1, "end": 2}.get(_text(st.get("lifecycle")), 99)
     return 99
 
 
@@ -156,14 +161,18 @@ def _dns(ev: Event) -> dict[str, Any]:
 
 
 def _actor(st: dict[str, Any]) -> dict[str, Any]:
-    comp = st.get("component")
-    return {"app_name": _ACTOR.get(comp, f"stockade-{comp}")}  # type: ignore[arg-type]
+    comp = _text(st.get("component"))
+    return {"app_name": _ACTOR.get(comp, f"stockade-{comp}")}
 
 
 def _actor_device(ev: Event, st: dict[str, Any]) -> dict[str, Any]:
     # the device is the appliance itself (type_id 1 Server), named as in observer.hostname
     return {"actor": _actor(st),
-            "device": {"type_id": 1, "hostname": _get(ev, "observer", "hostname") or ""}}
+            "device": {"type_id": 1, "hostname": _text(_get(ev, "observer", "hostname"))}}
+
+
+def _action(ev: Event) -> str:
+    return _text(_get(ev, "event", "action"))
 
 
 def _per_class(cls: int, ev: Event, st: dict[str, Any], uid: str) -> dict[str, Any]:
@@ -180,21 +189,21 @@ def _per_class(cls: int, ev: Event, st: dict[str, Any], uid: str) -> dict[str, A
                 "src_endpoint": net.get("src_endpoint", {}),
                 **({"dst_endpoint": net["dst_endpoint"]} if "dst_endpoint" in net else {})}
     if cls == 2004:
-        out: dict[str, Any] = {"finding_info": {"uid": uid, "title": _get(ev, "event", "action")}}
+        out: dict[str, Any] = {"finding_info": {"uid": uid, "title": _action(ev)}}
         if (net := _network(ev)).keys() - {"connection_info"}:
             out["evidences"] = [{k: v for k, v in net.items() if k != "traffic"}]
         return out
     if cls == 1007:
-        proc: dict[str, Any] = {"name": str(_get(ev, "labels", "task_id") or "sandbox")}
+        proc = {"name": _text(_get(ev, "labels", "task_id")) or "sandbox"}
         return {**_actor_device(ev, st), "process": proc}
     if cls == 1001:
-        f = {"type_id": 1, "name": str(_get(ev, "file", "name") or "")}
+        f = {"type_id": 1, "name": _text(_get(ev, "file", "name"))}
         if (size := _get(ev, "file", "size")) is not None:
             f["size"] = size
         return {**_actor_device(ev, st), "file": f}
     if cls == 6002:
         return {"app": {"name": "Stockade", "vendor_name": "Stockade",
-                        "version": str(_get(ev, "observer", "version") or "")}}
+                        "version": _text(_get(ev, "observer", "version"))}}
     return {}
 
 
@@ -202,7 +211,7 @@ def _metadata(ev: Event, action: str) -> dict[str, Any]:
     md: dict[str, Any] = {
         "version": OCSF_VERSION, "profiles": ["security_control"], "event_code": action,
         "product": {"name": "Stockade", "vendor_name": "Stockade",
-                    "version": str(_get(ev, "observer", "version") or "")}}
+                    "version": _text(_get(ev, "observer", "version"))}}
     if (uid := _get(ev, "event", "id")) is not None:
         md["uid"] = uid
     if (seq := _get(ev, "event", "sequence")) is not None:
@@ -219,7 +228,8 @@ def _unmapped(ev: Event, st: dict[str, Any]) -> dict[str, Any]:
         out["chain"] = st["chain"]
     if isinstance(ev.get("labels"), dict):
         out["labels"] = ev["labels"]
-    for obj in ("error", "rule", "process"):  # no attribute of these classes holds them
+    # no attribute of these classes holds them; host is what a shipper adds (host.name)
+    for obj in ("error", "rule", "process", "host"):
         if isinstance(ev.get(obj), dict):
             out[obj] = ev[obj]
     return out
@@ -227,14 +237,14 @@ def _unmapped(ev: Event, st: dict[str, Any]) -> dict[str, Any]:
 
 def to_ocsf(ev: Event) -> Event:
     """`ev` (a Stockade event) as an OCSF 1.5.0 event; `ev` is not changed."""
-    st = ev.get("stockade") if isinstance(ev.get("stockade"), dict) else {}
-    action = str(_get(ev, "event", "action") or "")
-    summary = st.get("summary") if action == "event_summary" else None  # type: ignore[union-attr]
+    st: dict[str, Any] = ev["stockade"] if isinstance(ev.get("stockade"), dict) else {}
+    action = _action(ev)
+    summary = st.get("summary") if action == "event_summary" else None
     # a summary stands for events of its action: it takes that action's class
     as_action = summary.get("action") if isinstance(summary, dict) else None
     mapped = as_action if isinstance(as_action, str) else action
     cls = _CLASS_OF.get(mapped, 1008)
-    act = _activity(mapped, ev, st) if cls != 1008 else 99  # type: ignore[arg-type]
+    act = _activity(mapped, ev, st) if cls != 1008 else 99
     name, cat, cat_name = _CLASSES[cls]
     act_name = _ACTIVITY_NAMES[cls].get(act, "Other")
     out: Event = {
@@ -247,15 +257,16 @@ def to_ocsf(ev: Event) -> Event:
     outcome = _get(ev, "event", "outcome")
     if outcome in ("success", "failure"):
         out["status_id"] = 1 if outcome == "success" else 2
-    if (disp := _DISPOSITION.get(st.get("decision"))) is not None:  # type: ignore[arg-type]
+    if (disp := _DISPOSITION.get(_text(st.get("decision")))) is not None:
         out["action_id"], out["disposition_id"] = disp
-    if (d := _get(ev, "event", "duration")) is not None:
-        out["duration"] = round(d / 1e6)  # ECS nanoseconds, OCSF milliseconds
+    d = _get(ev, "event", "duration")
+    if isinstance(d, int) and not isinstance(d, bool):  # ECS ns -> OCSF ms, cut like VRL's
+        out["duration"] = d // 1_000_000
     if isinstance(summary, dict):
         out.update(count=summary.get("count"), start_time=_time_ms(summary.get("first")),
                    end_time=_time_ms(summary.get("last")))
-    out.update(_per_class(cls, ev, st, str(_get(ev, "event", "id") or action)))  # type: ignore[arg-type]
-    if unmapped := _unmapped(ev, st):  # type: ignore[arg-type]
+    out.update(_per_class(cls, ev, st, _text(_get(ev, "event", "id")) or action))
+    if unmapped := _unmapped(ev, st):
         out["unmapped"] = unmapped
     return out
 

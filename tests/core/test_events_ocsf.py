@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -165,3 +166,42 @@ def test_an_ocsf_writer_writes_chained_ocsf_lines_that_verify(tmp_path: Path, ca
     (tmp_path / "events.jsonl").write_bytes(raw)
     assert main(argv) == 1
     capsys.readouterr()
+
+
+VECTOR_OCSF = Path(__file__).resolve().parents[2] / "deploy" / "logging" / "vector-ocsf.toml"
+
+
+@pytest.fixture(scope="module")
+def vrl_ocsf():
+    """Runs deploy/logging/vector-ocsf.toml's remap on one event."""
+    vrl = pytest.importorskip("vrl_python", reason="VRL bindings (pip: vrl-python) not installed")
+    runtime = vrl.VRLRuntime()
+    program = tomllib.loads(VECTOR_OCSF.read_text())["transforms"]["stockade_ocsf"]["source"]
+    return lambda ev: runtime.execute(program, json.loads(json.dumps(ev))).processed_event
+
+
+def _stamped() -> list[dict]:
+    """The samples as written by a chain (id, sequence, link) and as shipped (host.name)."""
+    out = []
+    for i, ev in enumerate(_samples()):
+        ev = json.loads(json.dumps(ev))
+        ev["event"] |= {"id": f"s-{i + 1}", "sequence": i + 1}
+        ev["stockade"]["chain"] = {"stream": "s", "prev": "0" * 64}
+        ev["host"] = {"name": "gw1"}
+        out.append(ev)
+    return out
+
+
+@pytest.mark.parametrize("ev", _samples() + _stamped(),
+                         ids=lambda e: f"{e['event']['action']}-{e['stockade'].get('decision')}")
+def test_the_vector_remap_gives_what_to_ocsf_gives(vrl_ocsf, ev):
+    assert vrl_ocsf(ev) == to_ocsf(ev)
+
+
+def test_the_vector_remap_on_odd_fields(vrl_ocsf):
+    ev = make_event(component="gateway", action="request_decision", http_method="propfind",
+                    extra={"duration_s": 1.9999})
+    ev["@timestamp"] = "not a time"
+    out = vrl_ocsf(ev)
+    assert out == to_ocsf(ev)
+    assert (out["activity_id"], out["time"], out["duration"]) == (99, 0, 1999)
