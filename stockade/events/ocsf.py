@@ -8,6 +8,7 @@ the chain link as `unmapped.chain`, the labels as `unmapped.labels`, so nothing 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -175,36 +176,60 @@ def _action(ev: Event) -> str:
     return _text(_get(ev, "event", "action"))
 
 
-def _per_class(cls: int, ev: Event, st: dict[str, Any], uid: str) -> dict[str, Any]:
-    """The class's own attributes (and those it requires)."""
-    if cls in (4001, 4002, 4003):
-        extra = _network(ev)
-        return {**extra, **(_http(ev) if cls == 4002 else _dns(ev) if cls == 4003 else {})}
-    if cls == 6003:
-        api = {"operation": _method(ev) or "call"}
-        if isinstance(st.get("api"), str):
-            api["service"] = {"name": st["api"]}  # type: ignore[assignment]
-        net = _network(ev)
-        return {"actor": _actor(st), "api": api, **_http(ev),
-                "src_endpoint": net.get("src_endpoint", {}),
-                **({"dst_endpoint": net["dst_endpoint"]} if "dst_endpoint" in net else {})}
-    if cls == 2004:
-        out: dict[str, Any] = {"finding_info": {"uid": uid, "title": _action(ev)}}
-        if (net := _network(ev)).keys() - {"connection_info"}:
-            out["evidences"] = [{k: v for k, v in net.items() if k != "traffic"}]
-        return out
-    if cls == 1007:
-        proc = {"name": _text(_get(ev, "labels", "task_id")) or "sandbox"}
-        return {**_actor_device(ev, st), "process": proc}
-    if cls == 1001:
-        f = {"type_id": 1, "name": _text(_get(ev, "file", "name"))}
-        if (size := _get(ev, "file", "size")) is not None:
-            f["size"] = size
-        return {**_actor_device(ev, st), "file": f}
-    if cls == 6002:
-        return {"app": {"name": "Stockade", "vendor_name": "Stockade",
-                        "version": _text(_get(ev, "observer", "version"))}}
-    return {}
+def _network_class(ev: Event, st: dict[str, Any], uid: str) -> dict[str, Any]:
+    return _network(ev)
+
+
+def _http_class(ev: Event, st: dict[str, Any], uid: str) -> dict[str, Any]:
+    return {**_network(ev), **_http(ev)}
+
+
+def _dns_class(ev: Event, st: dict[str, Any], uid: str) -> dict[str, Any]:
+    return {**_network(ev), **_dns(ev)}
+
+
+def _api_class(ev: Event, st: dict[str, Any], uid: str) -> dict[str, Any]:
+    api: dict[str, Any] = {"operation": _method(ev) or "call"}
+    if isinstance(st.get("api"), str):
+        api["service"] = {"name": st["api"]}
+    net = _network(ev)
+    out = {"actor": _actor(st), "api": api, **_http(ev),
+           "src_endpoint": net.get("src_endpoint", {})}  # required by the class
+    if "dst_endpoint" in net:
+        out["dst_endpoint"] = net["dst_endpoint"]
+    return out
+
+
+def _finding_class(ev: Event, st: dict[str, Any], uid: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"finding_info": {"uid": uid, "title": _action(ev)}}
+    if (net := _network(ev)).keys() - {"connection_info"}:  # what was tried, and where
+        out["evidences"] = [{k: v for k, v in net.items() if k != "traffic"}]
+    return out
+
+
+def _process_class(ev: Event, st: dict[str, Any], uid: str) -> dict[str, Any]:
+    # the sandbox is named by its task: the launcher runs one per task
+    proc = {"name": _text(_get(ev, "labels", "task_id")) or "sandbox"}
+    return {**_actor_device(ev, st), "process": proc}
+
+
+def _file_class(ev: Event, st: dict[str, Any], uid: str) -> dict[str, Any]:
+    f = {"type_id": 1, "name": _text(_get(ev, "file", "name"))}  # 1: Regular File
+    if (size := _get(ev, "file", "size")) is not None:
+        f["size"] = size
+    return {**_actor_device(ev, st), "file": f}
+
+
+def _app_class(ev: Event, st: dict[str, Any], uid: str) -> dict[str, Any]:
+    return {"app": {"name": "Stockade", "vendor_name": "Stockade",
+                    "version": _text(_get(ev, "observer", "version"))}}
+
+
+# class_uid -> the class's own attributes (and those it requires); 1008 has none
+_PER_CLASS: dict[int, Callable[[Event, dict[str, Any], str], dict[str, Any]]] = {
+    4001: _network_class, 4002: _http_class, 4003: _dns_class, 6003: _api_class,
+    2004: _finding_class, 1007: _process_class, 1001: _file_class, 6002: _app_class,
+}
 
 
 def _metadata(ev: Event, action: str) -> dict[str, Any]:
@@ -235,6 +260,25 @@ def _unmapped(ev: Event, st: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _result(ev: Event, st: dict[str, Any], summary: Any) -> dict[str, Any]:
+    """Message, status, disposition, duration and a summary's count and time range."""
+    out: dict[str, Any] = {}
+    if (msg := ev.get("message")) is not None:
+        out["message"] = msg
+    outcome = _get(ev, "event", "outcome")
+    if outcome in ("success", "failure"):
+        out["status_id"] = 1 if outcome == "success" else 2
+    if (disp := _DISPOSITION.get(_text(st.get("decision")))) is not None:
+        out["action_id"], out["disposition_id"] = disp
+    d = _get(ev, "event", "duration")
+    if isinstance(d, int) and not isinstance(d, bool):  # ECS ns -> OCSF ms, cut like VRL's
+        out["duration"] = d // 1_000_000
+    if isinstance(summary, dict):
+        out.update(count=summary.get("count"), start_time=_time_ms(summary.get("first")),
+                   end_time=_time_ms(summary.get("last")))
+    return out
+
+
 def to_ocsf(ev: Event) -> Event:
     """`ev` (a Stockade event) as an OCSF 1.5.0 event; `ev` is not changed."""
     st: dict[str, Any] = ev["stockade"] if isinstance(ev.get("stockade"), dict) else {}
@@ -252,20 +296,9 @@ def to_ocsf(ev: Event) -> Event:
         "activity_id": act, "activity_name": act_name, "type_uid": cls * 100 + act,
         "type_name": f"{name}: {act_name}", "time": _time_ms(ev.get("@timestamp")),
         "severity_id": _SEVERITY.get(mapped, 1), "metadata": _metadata(ev, action)}
-    if (msg := ev.get("message")) is not None:
-        out["message"] = msg
-    outcome = _get(ev, "event", "outcome")
-    if outcome in ("success", "failure"):
-        out["status_id"] = 1 if outcome == "success" else 2
-    if (disp := _DISPOSITION.get(_text(st.get("decision")))) is not None:
-        out["action_id"], out["disposition_id"] = disp
-    d = _get(ev, "event", "duration")
-    if isinstance(d, int) and not isinstance(d, bool):  # ECS ns -> OCSF ms, cut like VRL's
-        out["duration"] = d // 1_000_000
-    if isinstance(summary, dict):
-        out.update(count=summary.get("count"), start_time=_time_ms(summary.get("first")),
-                   end_time=_time_ms(summary.get("last")))
-    out.update(_per_class(cls, ev, st, _text(_get(ev, "event", "id")) or action))
+    out.update(_result(ev, st, summary))
+    if (per_class := _PER_CLASS.get(cls)) is not None:
+        out.update(per_class(ev, st, _text(_get(ev, "event", "id")) or action))
     if unmapped := _unmapped(ev, st):
         out["unmapped"] = unmapped
     return out
