@@ -6,8 +6,9 @@ composes it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -63,6 +64,10 @@ class EventSettings(BaseModel):
         return ChainSigner(key, self.chain_dir if key is not None else None, link=self.chain,
                            every=self.checkpoint_every, interval_s=self.checkpoint_s)
 
+    def encoder(self) -> Callable[[dict[str, Any]], bytes] | None:
+        """The writer's line encoder for `format`; None: the writer's own (ECS)."""
+        return encode_ocsf if self.format == "ocsf" else None
+
     def writer(self, path: str | Path | None, task_dir: str | Path | None,
                stdout: bool) -> EventWriter:
         """An event writer with these settings: throttle, per-task store and chain included
@@ -70,4 +75,4 @@ class EventSettings(BaseModel):
         return EventWriter(
             path, max_bytes=self.max_bytes, backups=self.backups, stdout=stdout,
             throttle=self.throttle(), task_dir=task_dir, task_store_bytes=self.task_store_bytes,
-            chain=self.chain_signer(), encode=encode_ocsf if self.format == "ocsf" else None)
+            chain=self.chain_signer(), encode=self.encoder())

@@ -205,3 +205,11 @@ def test_the_vector_remap_on_odd_fields(vrl_ocsf):
     out = vrl_ocsf(ev)
     assert out == to_ocsf(ev)
     assert (out["activity_id"], out["time"], out["duration"]) == (99, 0, 1999)
+
+
+def test_the_format_setting_picks_the_encoder_and_refuses_others():
+    assert EventSettings().encoder() is None  # ECS: the writer's own encoder
+    line = EventSettings(format="ocsf").encoder()(sample_events.denial())
+    check_ocsf(json.loads(line))
+    with pytest.raises(ValidationError, match="'ecs' or 'ocsf'"):
+        EventSettings(format="xml")
