@@ -6,12 +6,15 @@ composes it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .chain import ChainSigner
 from .chainkey import load_or_create_key
+from .ocsf import encode_ocsf
 from .summary import ThrottleSettings
 from .writer import EventWriter
 
@@ -19,6 +22,8 @@ from .writer import EventWriter
 class EventSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    # line format: ECS (schema.json) or OCSF 1.5.0 (ocsf.py; docs/events.md "OCSF")
+    format: Literal["ecs", "ocsf"] = "ecs"
     file: str | None = None  # JSON-lines events file; default: <log_dir>/events.jsonl
     stdout: bool = False  # also write every event to standard output
     max_bytes: int = Field(50 * 2**20, gt=0)  # rotate the events file at this size
@@ -59,6 +64,10 @@ class EventSettings(BaseModel):
         return ChainSigner(key, self.chain_dir if key is not None else None, link=self.chain,
                            every=self.checkpoint_every, interval_s=self.checkpoint_s)
 
+    def encoder(self) -> Callable[[dict[str, Any]], bytes] | None:
+        """The writer's line encoder for `format`; None: the writer's own (ECS)."""
+        return encode_ocsf if self.format == "ocsf" else None
+
     def writer(self, path: str | Path | None, task_dir: str | Path | None,
                stdout: bool) -> EventWriter:
         """An event writer with these settings: throttle, per-task store and chain included
@@ -66,4 +75,4 @@ class EventSettings(BaseModel):
         return EventWriter(
             path, max_bytes=self.max_bytes, backups=self.backups, stdout=stdout,
             throttle=self.throttle(), task_dir=task_dir, task_store_bytes=self.task_store_bytes,
-            chain=self.chain_signer())
+            chain=self.chain_signer(), encode=self.encoder())

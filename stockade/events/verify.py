@@ -55,13 +55,27 @@ class _Stream:
     late_start: Finding | None = None  # begins past seq 1 after the oldest file: see finish
 
 
+def _parts(ev: Any) -> tuple[Any, Any, Any, Any]:
+    """(chain, sequence, checkpoint, action) of a line in either shape it is written in:
+    ECS (stockade.chain, event.sequence) or OCSF (unmapped.chain, metadata.sequence; ocsf.py)."""
+    if not isinstance(ev, dict):
+        return None, None, None, None
+    if "class_uid" in ev:
+        st, e = ev.get("unmapped"), ev.get("metadata")
+        st = st if isinstance(st, dict) else {}
+        inner = st.get("stockade")
+        cp = inner.get("checkpoint") if isinstance(inner, dict) else None
+        e = e if isinstance(e, dict) else {}
+        return st.get("chain"), e.get("sequence"), cp, e.get("event_code")
+    st, e = ev.get("stockade"), ev.get("event")
+    st = st if isinstance(st, dict) else {}
+    e = e if isinstance(e, dict) else {}
+    return st.get("chain"), e.get("sequence"), st.get("checkpoint"), e.get("action")
+
+
 def _chain_fields(ev: Any) -> tuple[str, int, str | None] | None:
     """(stream, sequence, prev) of a chained event, None when they are missing or malformed."""
-    if not isinstance(ev, dict):
-        return None
-    st, e = ev.get("stockade"), ev.get("event")
-    ch = st.get("chain") if isinstance(st, dict) else None
-    seq = e.get("sequence") if isinstance(e, dict) else None
+    ch, seq, _, _ = _parts(ev)
     if not isinstance(ch, dict) or not isinstance(ch.get("stream"), str) or \
             not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
         return None
@@ -150,9 +164,9 @@ class Verifier:
 
     def _checkpoint(self, st: _Stream, where: str, s: str, ev: dict[str, Any]) -> None:
         """A checkpoint line must verify and cover the line before it in its stream."""
-        cp = ev["stockade"].get("checkpoint")
+        _, _, cp, action = _parts(ev)
         if not isinstance(cp, dict):
-            if _action(ev) == CHECKPOINT_ACTION:
+            if action == CHECKPOINT_ACTION:
                 self._fail(st, Finding(where, s, "checkpoint", "a checkpoint without its fields"))
             return
         bad = self._bad_checkpoint(cp)
@@ -234,16 +248,14 @@ class Verifier:
 
 
 def _epoch(ev: Any) -> float | None:
+    if isinstance(ev, dict) and "class_uid" in ev:  # OCSF: epoch milliseconds
+        t = ev.get("time")
+        return t / 1000 if isinstance(t, int) and not isinstance(t, bool) else None
     ts = ev.get("@timestamp") if isinstance(ev, dict) else None
     try:
         return datetime.fromisoformat(ts).timestamp() if isinstance(ts, str) else None
     except ValueError:
         return None
-
-
-def _action(ev: dict[str, Any]) -> Any:
-    e = ev.get("event")
-    return e.get("action") if isinstance(e, dict) else None
 
 
 def order_files(paths: list[Path]) -> list[tuple[Path, bool]]:

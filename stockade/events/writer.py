@@ -83,6 +83,7 @@ class EventWriter:
         task_dir: str | os.PathLike[str] | None = None,
         task_store_bytes: int = TASK_STORE_BYTES,
         chain: ChainSigner | None = None,
+        encode: Callable[[Event], bytes] | None = None,
     ) -> None:
         self.path = Path(path) if path is not None else None
         self.max_bytes = max_bytes
@@ -95,6 +96,8 @@ class EventWriter:
         self.task_dir = Path(task_dir) if task_dir is not None else None
         self.task_store_bytes = task_store_bytes
         self.chain = chain
+        if encode is not None:  # another line format (events.format: ocsf); chained the same
+            self.encode = encode
         # task id -> [bytes stored, events not stored]; bounded like the throttle's tasks
         self._stored: dict[str, list[int]] = {}
         self._lost = 0  # events lost since the last `events_lost` event

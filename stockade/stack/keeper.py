@@ -90,7 +90,8 @@ def main(argv: list[str]) -> int:
             request_file=str(request), dev_vault=stack.dev_vault is not None))
         log.info("embedded stack ready (pid %d)", os.getpid())
         events = EventWriter(cfg.events_file, max_bytes=cfg.events.max_bytes,
-                             backups=cfg.events.backups, chain=cfg.events.chain_signer())
+                             backups=cfg.events.backups, chain=cfg.events.chain_signer(),
+                             encode=cfg.events.encoder())
         try:
             sup = Supervisor(stack, events.write, lambda text: log.warning("%s", text),
                              time.monotonic())

@@ -131,7 +131,8 @@ def run_up(cfg: Config, secrets: Sequence[SecretValue] = ()) -> int:
         _say(str(e))
         return 1
     events = EventWriter(cfg.events_file, max_bytes=cfg.events.max_bytes,
-                         backups=cfg.events.backups, chain=chain)
+                         backups=cfg.events.backups, chain=chain,
+                         encode=cfg.events.encoder())
     try:
         _print_ready(stack)
         sup = Supervisor(stack, events.write, _say, time.monotonic())
