@@ -70,11 +70,13 @@ def main() -> None:
     ap.add_argument("--tiers", help="e.g. container,gvisor,microvm: the tiers side by side")
     ap.add_argument("--idle", type=int, default=10, help="concurrent idle sandboxes per tier")
     ap.add_argument("--vm-runs", type=int, default=5, help="runs of the microvm tier (TCG)")
+    ap.add_argument("--cpus", type=float, default=0.5,
+                    help="the tier profiles' CPU limit (gVisor's start is CPU-bound)")
     args = ap.parse_args()
     if args.tiers:
         from tier_bench import run_tiers
 
-        run_tiers(args.tiers.split(","), args.runs, args.vm_runs, args.idle)
+        run_tiers(args.tiers.split(","), args.runs, args.vm_runs, args.idle, args.cpus)
         return
 
     rs = types.SimpleNamespace(profiles={"bench": Profile("bench", "bench", limits=Limits(

@@ -7,11 +7,19 @@ one profile per tier with the same limits, measured in the same run on the same 
   cgroups (gVisor: Sentry, gofer, stubs; microVM: QEMU; container: init + command) and the
   memory cgroups' charge, each divided by N. gVisor's `runsc run` parent is outside the
   sandbox's cgroups: it is listed apart.
+- `runsc bare` (with gvisor): the baseline for the gVisor row, `runsc run` of the same
+  command with the launcher's runsc flags in a netns of the bench's, on the host's root
+  read-only with one /proc mount and no cgroups (so no CPU quota): runsc's own start here.
+  The gVisor row minus this is what the launcher's bundle, cgroups and steps add.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
+import tempfile
 import threading
 import time
 import types
@@ -42,8 +50,8 @@ def _pss(pid: int) -> int:
     return 0
 
 
-def _profiles() -> types.SimpleNamespace:
-    lim = Limits(memory=128 * MIB, disk=16 * MIB, pids=64, ttl=120, cpus=0.5)
+def _profiles(cpus: float) -> types.SimpleNamespace:
+    lim = Limits(memory=128 * MIB, disk=16 * MIB, pids=64, ttl=120, cpus=cpus)
     return types.SimpleNamespace(version="bench", profiles={
         t: Profile(t, f"bench {t}", isolation=t, limits=lim)
         for t in ("container", "gvisor", "microvm")})
@@ -57,6 +65,34 @@ def _start(launcher: Launcher, rs: Any, tier: str, n: int) -> list[float]:
         t0 = time.time()
         r = launcher.run(SandboxSpec(tier, CMD), rs)
         out.append(float(r.stdout) - t0)
+    return out
+
+
+def _bare_runsc(launcher: Launcher, n: int) -> list[float]:
+    from stockade.launcher import gvisor
+    from stockade.launcher.backends.gvisor import BACKEND
+
+    rt = BACKEND.runtime(launcher.s)
+    ns = f"{launcher.s.name_prefix}-bare"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    out = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="stockade-bench-runsc-") as d:
+            config = gvisor.probe_config()
+            config["process"]["args"] = CMD
+            Path(d, "config.json").write_text(json.dumps(config))
+            runsc, *flags = gvisor.global_flags(shutil.which(launcher.s.gvisor.runsc) or "runsc",
+                                                f"{d}/state", rt["platform"], rt["network"])
+            for i in range(n + 2):  # the first two warm caches, like _start's
+                t0 = time.time()
+                p = subprocess.run(["nsenter", f"--net=/run/netns/{ns}", "--", runsc,
+                                    "--ignore-cgroups", *flags, "run", "--bundle", d, f"bare{i}"],
+                                   stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                   check=True)
+                if i >= 2:
+                    out.append(float(p.stdout) - t0)
+    finally:
+        subprocess.run(["ip", "netns", "delete", ns], check=False)
     return out
 
 
@@ -111,8 +147,9 @@ def _idle_memory(launcher: Launcher, rs: Any, tier: str, n: int,
     return pss / n / MIB, charge / n / MIB, outside / n / MIB
 
 
-def run_tiers(tiers: list[str], runs: int, vm_runs: int, idle: int) -> None:
-    rs = _profiles()
+def run_tiers(tiers: list[str], runs: int, vm_runs: int, idle: int,
+              cpus: float = 0.5) -> None:
+    rs = _profiles(cpus)
     rows: dict[str, dict[str, Any]] = {}
     load_before = os.getloadavg()
     # KVM guests hang on these hosts: the microVM tier runs under TCG
@@ -126,24 +163,31 @@ def run_tiers(tiers: list[str], runs: int, vm_runs: int, idle: int) -> None:
                           "kill": _kill(launcher, rs, tier, n, settle),
                           "mem": _idle_memory(launcher, rs, tier, min(idle, 3) if vm else idle,
                                               settle * 2)}
+            if tier == "gvisor":
+                rows["runsc bare"] = {"start": _bare_runsc(launcher, n)}
         leftover = sum(len(v) for v in launcher.reconcile().values())
-    _report(rows, launcher, load_before, leftover)
+    _report(rows, launcher, load_before, leftover, cpus)
 
 
 def _report(rows: dict[str, dict[str, Any]], launcher: Launcher,
-            load_before: tuple[float, ...], leftover: int) -> None:
+            load_before: tuple[float, ...], leftover: int, cpus: float) -> None:
     from stockade.launcher.backends.gvisor import BACKEND
 
-    print(f"\nisolation tiers side by side (milliseconds, MiB); load average before "
+    print(f"\nisolation tiers side by side (milliseconds, MiB; {cpus} CPU per sandbox); "
+          f"load average before "
           f"{'/'.join(f'{x:.1f}' for x in load_before)}, after "
           f"{'/'.join(f'{x:.1f}' for x in os.getloadavg())}\n")
     print(f"{'tier':<11}{'runs':>5}{'start p50':>11}{'p95':>8}{'kill p50':>10}{'p95':>8}"
           f"{'idle PSS':>10}{'cgroup':>8}{'outside':>9}")
     base = rows.get("container", {}).get("start")
     for tier, r in rows.items():
+        start = f"{tier:<11}{len(r['start']):>5}{_pct(r['start'], 50) * 1e3:>11.1f}" \
+                f"{_pct(r['start'], 95) * 1e3:>8.1f}"
+        if "mem" not in r:  # a baseline: start only
+            print(start)
+            continue
         pss, charge, outside = r["mem"]
-        print(f"{tier:<11}{len(r['start']):>5}{_pct(r['start'], 50) * 1e3:>11.1f}"
-              f"{_pct(r['start'], 95) * 1e3:>8.1f}{_pct(r['kill'], 50) * 1e3:>10.1f}"
+        print(f"{start}{_pct(r['kill'], 50) * 1e3:>10.1f}"
               f"{_pct(r['kill'], 95) * 1e3:>8.1f}{pss:>10.1f}{charge:>8.1f}{outside:>9.1f}")
     if base and "gvisor" in rows:
         ratio = _pct(rows["gvisor"]["start"], 50) / _pct(base, 50)
