@@ -253,6 +253,10 @@ def _unmapped(ev: Event, st: dict[str, Any]) -> dict[str, Any]:
         out["chain"] = st["chain"]
     if isinstance(ev.get("labels"), dict):
         out["labels"] = ev["labels"]
+    # no OCSF attribute says why or whether it is an alert: the viewer filters on both
+    ecs_event = {k: v for k in ("reason", "kind") if (v := _get(ev, "event", k)) is not None}
+    if ecs_event:
+        out["event"] = ecs_event
     # no attribute of these classes holds them; host is what a shipper adds (host.name)
     for obj in ("error", "rule", "process", "host"):
         if isinstance(ev.get(obj), dict):

@@ -1,5 +1,6 @@
 """Pure helpers for `stockade events`: parse --since/--until, filter events, format one
-line, count events for --summary. No I/O: the CLI shell reads the file and prints."""
+line, count events for --summary. No I/O: the CLI shell reads the file and prints. ECS
+and OCSF lines alike: each helper reads an event through ecsview.ecs_view."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from datetime import time as dtime
 from typing import Any
+
+from .ecsview import ecs_view
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)?\s*$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
@@ -105,6 +108,7 @@ class EventFilter:
     labels: tuple[tuple[str, str], ...] = ()  # every labels.k == v
 
     def __call__(self, ev: dict[str, Any]) -> bool:
+        ev = ecs_view(ev)
         labels = _obj(ev, "labels")
         sk = _obj(ev, "stockade")
         e = _obj(ev, "event")
@@ -174,6 +178,7 @@ def _decision_word(ev: dict[str, Any], colour: bool) -> str:
 
 def format_line(ev: dict[str, Any], colour: bool = False, utc: bool = False) -> str:
     """One readable line per event, for a person at a terminal."""
+    ev = ecs_view(ev)
     sk = _obj(ev, "stockade")
     e = _obj(ev, "event")
     labels = _obj(ev, "labels")
@@ -212,7 +217,7 @@ def count_events(events: Iterable[dict[str, Any]]) -> list[CountRow]:
     its stockade.summary.count to the row of the action it summarised (it stands for that
     many events not written one by one), so the counts are what the components decided."""
     counts: Counter[tuple[str, str, str]] = Counter()
-    for ev in events:
+    for ev in map(ecs_view, events):
         e = _obj(ev, "event")
         sk = _obj(ev, "stockade")
         action, n = str(e.get("action") or "?"), 1
