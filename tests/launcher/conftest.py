@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import secrets
 import socket
 import struct
@@ -165,6 +166,26 @@ def command_running(task_id: str, comm: str) -> bool:
             except OSError:
                 continue
     return False
+
+
+def runsc(lab: Lab, *args: str) -> str:
+    """A runsc subcommand with the launcher's global flags (its state root): its stdout."""
+    from stockade.launcher.backends.gvisor import BACKEND
+
+    return subprocess.run([*BACKEND._flags(lab.launcher.s), *args], capture_output=True,
+                          text=True, timeout=30, check=False).stdout
+
+
+def runsc_ids(lab: Lab) -> list[str]:
+    """The containers runsc knows under the launcher's state root (a task id each)."""
+    return [c["id"] for c in json.loads(runsc(lab, "list", "-format=json") or "null") or []]
+
+
+def gvisor_command_running(lab: Lab, task_id: str, comm: str) -> bool:
+    """`command_running` for the gVisor tier: its processes live in gVisor's kernel, so ask
+    `runsc ps` (whose JSON form has only pids: the table's last column is the command)."""
+    rows = runsc(lab, "ps", task_id).splitlines()[1:]
+    return any(row.split()[-1] == comm for row in rows if row.split())
 
 
 @contextlib.contextmanager

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from stockade.launcher import RunResult
 
 from stockade.events import validate
 
-from .conftest import Lab, command_running
+from .conftest import Lab, command_running, gvisor_command_running
 
 pytestmark = pytest.mark.netns
 
@@ -160,13 +159,10 @@ def test_host_service_ports(lab: Lab, tier: str) -> None:
 def _background(lab: Lab, argv: list[str],
                 tier: str) -> tuple[threading.Thread, dict[str, Any]]:
     t, box = lab.background(argv, profile=tier)
-    if tier == "gv":
-        # the command runs inside gVisor's kernel: no host process to look for
-        time.sleep(0.3)
-    else:
-        # "running" is the record: wait for its init to reach the command
-        wait_until(lambda: command_running(box["task_id"], argv[0]),
-                   what=f"{argv[0]} in the sandbox")
+    # "running" is the record: wait for its init to reach the command
+    tid, comm = box["task_id"], argv[0]
+    wait_until(lambda: gvisor_command_running(lab, tid, comm) if tier == "gv"
+               else command_running(tid, comm), what=f"{comm} in the sandbox")
     return t, box
 
 

@@ -19,7 +19,7 @@ from polling import eventually, wait_until
 from stockade.launcher import SandboxSpec, netns, nft
 from stockade.launcher.cgroups import CgroupSet, Limits, leftover_names
 
-from .conftest import Lab
+from .conftest import Lab, runsc_ids
 
 pytestmark = pytest.mark.netns
 
@@ -88,14 +88,6 @@ Launcher(cfg, nflog=False).run(SandboxSpec(name, ["sleep", "60"]), rs)
 """
 
 
-def _runsc_containers(lab: Lab) -> list[str]:
-    from stockade.launcher.backends.gvisor import BACKEND
-
-    p = subprocess.run([*BACKEND._flags(lab.launcher.s), "list", "-format=json"],
-                       capture_output=True, text=True, timeout=30, check=False)
-    return [c["id"] for c in json.loads(p.stdout or "null") or []]
-
-
 def test_reconcile_after_launcher_crash(lab: Lab, tier: str) -> None:
     """A launcher SIGKILLed while its sandbox runs (in the gVisor tier too: `runsc run`
     and its sandbox outlive it); reconcile removes everything, runsc's container too."""
@@ -111,7 +103,7 @@ def test_reconcile_after_launcher_crash(lab: Lab, tier: str) -> None:
         wait_until(CgroupSet(s.cgroup_root, s.cgroup_parent, rows[0]["task_id"]).pids,
                    what="the crasher's sandbox's processes")
         if tier == "gv":  # runsc writes its state once started
-            wait_until(lambda: lab.launcher.list()[0]["task_id"] in _runsc_containers(lab),
+            wait_until(lambda: lab.launcher.list()[0]["task_id"] in runsc_ids(lab),
                        what="runsc's container state")
     finally:
         proc.send_signal(signal.SIGKILL)
@@ -123,11 +115,11 @@ def test_reconcile_after_launcher_crash(lab: Lab, tier: str) -> None:
     assert CgroupSet(s.cgroup_root, s.cgroup_parent, left["cgroups"][0]).pids()
     tid = left["state"][0]["task_id"]
     if tier == "gv":
-        assert tid in _runsc_containers(lab)
+        assert tid in runsc_ids(lab)
     removed = lab.launcher.reconcile()
     assert removed["sandboxes"] == [tid]
     if tier == "gv":
-        assert _runsc_containers(lab) == []
+        assert runsc_ids(lab) == []
     after = leftovers(lab)
     # the crashed launcher registered its task with gateway and broker; reconcile deregisters
     assert after == EMPTY
