@@ -30,6 +30,9 @@ class SandboxSpec:
     ttl: int | None = None  # seconds; capped by the profile's limits.ttl
     env: dict[str, str] = field(default_factory=dict)
     stdin: bytes | None = None
+    # a session: the sandbox starts with no command (its init holds it until killed) and
+    # commands arrive through Backend.exec; argv may then be empty
+    session: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ from ..supervise import Capture, feed_stdin, kill_proc, started
 if TYPE_CHECKING:  # annotations only
     from .. import cgroups
     from ..addresses import SlotAddresses
+    from ..execspec import ExecProc, ExecSpec
     from ..rootfs import Etc
     from ..settings import LauncherSettings
     from ..spec import SandboxSpec
@@ -88,6 +89,10 @@ class Backend(Protocol):
 
     def teardown(self, live: Live) -> None:
         """Reap the process and close the backend's handles (idempotent)."""
+
+    def exec(self, live: Live, req: ExecSpec, ctx: StartContext) -> ExecProc:
+        """One more command in a session sandbox (`SandboxSpec.session`), run exactly as
+        its first command would be (uid, namespaces, cgroup, seccomp, environment)."""
 
     def configure(self, s: LauncherSettings) -> None:
         """Remember the settings its kill/suspend/resume need (they get only the cgroups)."""
