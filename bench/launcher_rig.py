@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,8 +38,9 @@ def bench_config(tmp: Path, name: str, pool: str, nflog_group: int, **launcher: 
 
 
 @contextlib.contextmanager
-def started_launcher(name: str, pool: str, nflog_group: int,
+def started_launcher(name: str, pool: str, nflog_group: int, keep_pools: bool = False,
                      **launcher: Any) -> Iterator[Launcher]:
+    """`keep_pools`: the launcher keeps `launcher.pools` (as the launcher service does)."""
     tmp = Path(tempfile.mkdtemp(prefix=f"stockade-{name}-"))
     cfg = bench_config(tmp, name, pool, nflog_group, **launcher)
     loop = asyncio.new_event_loop()
@@ -46,7 +48,7 @@ def started_launcher(name: str, pool: str, nflog_group: int,
     runners = [asyncio.run_coroutine_threadsafe(start_control_server(
         make_control_app(TaskRegistry()), p), loop).result(10)
         for p in (cfg.gateway.control_socket, cfg.broker.control_socket)]
-    launcher = Launcher(cfg)
+    launcher = Launcher(cfg, pools=keep_pools)
     try:
         launcher.start()
         yield launcher
@@ -59,3 +61,21 @@ def started_launcher(name: str, pool: str, nflog_group: int,
         for r in runners:
             asyncio.run_coroutine_threadsafe(r.cleanup(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
+
+
+def sleeping_sandbox(launcher: Launcher, ruleset: Any,
+                     profile: str = "bench") -> tuple[threading.Thread, dict[str, Any], str]:
+    """A `sleep 60` sandbox run in a thread: the thread, its result box (`r` once it
+    ended) and its task id once it is running."""
+    from stockade.launcher import SandboxSpec
+
+    box: dict[str, Any] = {}
+    th = threading.Thread(target=lambda: box.setdefault(
+        "r", launcher.run(SandboxSpec(profile, ["sleep", "60"]), ruleset)))
+    th.start()
+    while True:
+        running = [x for x in launcher.list() if x["state"] == "running"]
+        if running:
+            return th, box, running[0]["task_id"]
+        time.sleep(0.001)
+

@@ -9,10 +9,12 @@ and a normal end share it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,8 +23,17 @@ from stockade.events.taskstore import sweep
 from stockade.tasks import StateWriteError, Task
 
 from . import exports, mounts, netns, nft, rootfs, scrub
-from .addresses import slot_addresses
-from .backends import Backend, Live, StartContext, backend_for, backend_of, seccomp_program
+from .addresses import SlotAddresses, slot_addresses
+from .backends import (
+    NAMES,
+    Backend,
+    Live,
+    StartContext,
+    backend_for,
+    backend_of,
+    pooled,
+    seccomp_program,
+)
 from .backends.microvm import scrub_vm_error
 from .claim import Claims
 from .cleanup import Cleaner, wiring
@@ -30,9 +41,11 @@ from .denials import BypassCollector
 from .deregistration import deregister, retry_pending
 from .ending import end_due, end_event
 from .environment import permitted_congestion_control, port, sandbox_env
-from .isolation import choose_backend, preflight, profile_of
+from .isolation import PROVIDED_ISOLATION, choose_backend, preflight, profile_of
 from .lifecycle import operator_event, start_event
 from .nflog import LogRecord
+from .poolplan import Shape, shape_of
+from .pools import PoolManager
 from .registration import register as register_task
 from .spec import (
     ExportedFile,
@@ -54,7 +67,8 @@ __all__ = ["ExportedFile", "Launcher", "LauncherError", "RunResult", "SandboxSpe
 
 class Launcher:
     def __init__(self, config: Config, *, events: EventWriter | None = None,
-                 register: bool = True, nflog: bool = True) -> None:
+                 register: bool = True, nflog: bool = True, pools: bool = False) -> None:
+        """`pools`: keep `launcher.pools` (the launcher service does; a one-shot run not)."""
         self.config = config
         self.s = s = config.launcher
         self.events = events or config.event_writer(stdout=False)
@@ -79,6 +93,8 @@ class Launcher:
                              self._retry_deregistrations)
         self.deregister_failures = 0  # failed deregistrations (each logged), retries too
         self._congestion_control = permitted_congestion_control(s.congestion_control)
+        self.pools = (PoolManager(s.pools, self._warm, self._teardown)
+                      if pools and s.pools.targets else None)
 
     # the NFLOG reader's state as before the split (the service's status reads the first)
     @property
@@ -100,9 +116,13 @@ class Launcher:
             sweep(self.config.task_events_dir, self.config.events.task_retention_s)
             if self.use_nflog:
                 self.bypass.start()
+            if self.pools is not None:
+                self.pools.start([n for n in NAMES if pooled(backend_for(n))])
             self._started = True
 
     def close(self) -> None:
+        if self.pools is not None:
+            self.pools.close()
         self.bypass.stop()
         for tid in list(self._live):
             self.kill(tid)
@@ -123,7 +143,9 @@ class Launcher:
         self.start()
         policy_version = getattr(ruleset, "version", None)
         t0 = time.monotonic()
-        live = self._create(spec, profile, policy_version, isolation, backend_for(name))
+        live = self._claim_warm(name, spec, profile, policy_version, isolation)
+        if live is None:  # no pool of its shape, or it was empty
+            live = self._create(spec, profile, policy_version, isolation, backend_for(name))
         rec = live.record
         t_setup = time.monotonic()
         ttl = rec.expires_at - time.time() if rec.expires_at else float(self.s.default_ttl_s)
@@ -248,33 +270,103 @@ class Launcher:
         ttl = min(spec.ttl, limits.ttl) if spec.ttl else limits.ttl
         live = self.claims.claim(profile.name, ttl, isolation["isolation"], backend)
         rec, task_id = live.record, live.record.task_id
-        a = slot_addresses(self.s.address_pool, rec.slot)
-        try:
-            backend.create(live, limits, self.s)
-            etc = rootfs.prepare(Path(rec.scratch), limits.disk, a.host_ip, self.s, self.config)
-            rec.ifindex = netns.create(rec.netns, rec.ifname, a, tap=backend.tap)
-            self.bypass.ifindex[rec.ifindex] = (task_id, profile.name)
-            nft.run(nft.element_commands(self.s.nft_table, "add",
-                                         [wiring(rec, proxy=proxy_env)]))
+        with self._undone_on_error(task_id):
+            a, etc = self._wire(live, limits, profile.name, proxy_env)
             if self.register_tasks:
                 register_task(Task(task_id, a.guest_ip, profile.name,
                               expires_at=rec.started_at + ttl + 5),
                               self._control_sockets(), live.registered)
-            python = self._init_python()
-            backend.start(live, spec, StartContext(
-                settings=self.s, addresses=a, inputs=inputs, etc=etc, limits=limits,
-                env=self._env(spec, a.host_ip, proxy=proxy_env, trust=etc.trust_vars),
-                init_python=python, congestion_control=self._congestion_control,
-                seccomp=lambda: seccomp_program(python, profile),
-                state_dir=Path(self.config.state_dir) / "launcher"))
+            backend.start(live, spec, self._context(a, etc, inputs, limits, profile,
+                                                    self._env(spec, a.host_ip, proxy=proxy_env,
+                                                              trust=etc.trust_vars)))
             self.claims.running(live)
+        self._emit(start_event(rec, policy_version, ttl, isolation))
+        return live
+
+    def _warm(self, shape: Shape) -> Live:
+        """One warm-pool sandbox of `shape`: every piece made, registered as pooled (all
+        its traffic denied as `unclaimed`), its backend's setup done, no task."""
+        backend = backend_for(shape.backend)
+        assert pooled(backend)
+        isolation = PROVIDED_ISOLATION if shape.backend == "netns" else shape.backend
+        live = self.claims.claim("", None, isolation, backend, pool=shape.label())
+        task_id = live.record.task_id
+        with self._undone_on_error(task_id):
+            a, etc = self._wire(live, shape, "", proxy=False)
+            if self.register_tasks:
+                register_task(Task(task_id, a.guest_ip, "", pooled=True),
+                              self._control_sockets(), live.registered)
+            live.warm_etc = etc
+            backend.start_pooled(live, self._context(a, etc, [], shape, None, {}))
+            self.claims.running(live, "pooled")
+        return live
+
+    def _claim_warm(self, backend_name: str, spec: SandboxSpec, profile: Any,
+                    policy_version: str | None, isolation: dict[str, Any]) -> Live | None:
+        """A warm-pool sandbox of the profile's tier and shape bound to this task (its
+        registration, then its command); None when there is none."""
+        if self.pools is None:
+            return None
+        # checked first: a refused task must not use up a warm sandbox
+        proxy_env = check_spec(spec, profile, self.config.gateway.proxy_listen)
+        inputs = check_inputs(spec.inputs, self.s.ro_binds)
+        live = self.pools.take(shape_of(backend_name, profile.limits))
+        if live is None:
+            return None
+        rec, task_id, backend = live.record, live.record.task_id, live.backend
+        assert pooled(backend)
+        with self._undone_on_error(task_id):
+            ttl = min(spec.ttl, profile.limits.ttl) if spec.ttl else profile.limits.ttl
+            self.claims.bind(live, profile.name, ttl)
+            a, etc = slot_addresses(self.s.address_pool, rec.slot), live.warm_etc
+            self.bypass.ifindex[rec.ifindex] = (task_id, profile.name)
+            if proxy_env:
+                nft.run(nft.element_commands(self.s.nft_table, "add",
+                                             [wiring(rec, proxy=True)]))
+            if self.register_tasks:  # the pooled registration becomes the task's
+                register_task(Task(task_id, a.guest_ip, profile.name,
+                              expires_at=rec.started_at + ttl + 5),
+                              self._control_sockets(), [])
+            backend.claim_pooled(live, spec, self._context(
+                a, etc, inputs, profile.limits, profile,
+                self._env(spec, a.host_ip, proxy=proxy_env, trust=etc.trust_vars)))
+            self.claims.running(live)
+        self._emit(start_event(rec, policy_version, ttl, {**isolation, "pool": rec.pool}))
+        return live
+
+    def _wire(self, live: Live, limits: Any, profile: str,
+              proxy: bool) -> tuple[SlotAddresses, rootfs.Etc]:
+        """Cgroups, scratch and /etc, netns and veth (or tap), nft elements."""
+        rec = live.record
+        a = slot_addresses(self.s.address_pool, rec.slot)
+        live.backend.create(live, limits, self.s)
+        etc = rootfs.prepare(Path(rec.scratch), limits.disk, a.host_ip, self.s, self.config)
+        rec.ifindex = netns.create(rec.netns, rec.ifname, a, tap=live.backend.tap)
+        self.bypass.ifindex[rec.ifindex] = (rec.task_id, profile)
+        nft.run(nft.element_commands(self.s.nft_table, "add", [wiring(rec, proxy=proxy)]))
+        return a, etc
+
+    def _context(self, a: SlotAddresses, etc: rootfs.Etc, inputs: list[Any], limits: Any,
+                 profile: Any, env: dict[str, str]) -> StartContext:
+        """The backend's start context; `profile` None: a warm-pool sandbox, no filter."""
+        python = self._init_python()
+        return StartContext(
+            settings=self.s, addresses=a, inputs=inputs, etc=etc, limits=limits, env=env,
+            init_python=python, congestion_control=self._congestion_control,
+            seccomp=(lambda: seccomp_program(python, profile)) if profile is not None
+            else _no_task_filter,
+            state_dir=Path(self.config.state_dir) / "launcher")
+
+    @contextlib.contextmanager
+    def _undone_on_error(self, task_id: str) -> Iterator[None]:
+        """A sandbox that fails on its way up is torn down whole, whatever failed."""
+        try:
+            yield
         except BaseException as e:
             self._teardown(task_id)
             if isinstance(e, StateWriteError):
                 raise LauncherError(f"cannot write the launcher state {e.path}: {e}") from None
             raise
-        self._emit(start_event(rec, policy_version, ttl, isolation))
-        return live
 
     def _init_python(self) -> str:
         # the sandbox can read its pid 1's argv: prefer the system interpreter's plain path
@@ -297,3 +389,7 @@ class Launcher:
 
     def _emit(self, event: dict[str, Any]) -> None:
         self.events.write(event)
+
+
+def _no_task_filter() -> bytes:
+    raise LauncherError("a warm-pool sandbox has no task, so no profile's seccomp filter")

@@ -9,6 +9,13 @@ no_new_privs and the seccomp filter of the plan (BPF compiled by libseccomp on t
 `seccomp_bpf.py`; loaded last, so the init's own mounts are done by then), waits for it
 and exits with its status (128+N when a signal ended it).
 Nothing from the plan reaches argv, so /proc/1/cmdline shows no host paths.
+
+A warm-pool sandbox's plan names two more descriptors: `ready_fd`, where the init writes
+one byte once the operations no task decides are done (then closes it), and `claim_fd`,
+from which it then reads its claim (until EOF, marshal: the task's own operations,
+environment, seccomp filter and argv). The launcher holds the other ends; both are closed
+before anything of the task runs, so the command inherits neither. EOF without a claim
+(the pool was drained, or its launcher died) ends the init.
 """
 
 import ctypes
@@ -160,19 +167,40 @@ def execvp(argv, env):
     raise err
 
 
-def main():
-    with os.fdopen(int(sys.argv[1]), "rb") as fh:
-        plan = marshal.loads(fh.read())  # noqa: S302 - written by the launcher; builtin, fast
-    # the new root's directories (/etc and its parents among them) get their modes whatever
-    # the launcher's umask; the command gets the launcher's umask back
-    umask = os.umask(0o022)
+def read_marshal(fd):
+    with os.fdopen(fd, "rb") as fh:
+        return marshal.loads(fh.read())  # noqa: S302 - written by the launcher; builtin, fast
+
+
+def perform(ops):
     try:
-        for op in plan["ops"]:
+        for op in ops:
             do(op)
     except OSError as e:
         os.write(2, f"stockade-init: {e.strerror or e}\n".encode())
         os._exit(125)
-    argv = sys.argv[2:]
+
+
+def await_claim(plan):
+    """A warm-pool sandbox: report the setup done, then wait for the task's part."""
+    os.write(plan["ready_fd"], b"R")
+    os.close(plan["ready_fd"])
+    try:
+        claim = read_marshal(plan["claim_fd"])
+    except (EOFError, ValueError):  # closed without a claim: nothing ever ran here
+        os._exit(0)
+    plan.update(claim)
+    perform(claim["ops"])
+    return claim["argv"]
+
+
+def main():
+    plan = read_marshal(int(sys.argv[1]))
+    # the new root's directories (/etc and its parents among them) get their modes whatever
+    # the launcher's umask; the command gets the launcher's umask back
+    umask = os.umask(0o022)
+    perform(plan["ops"])
+    argv = await_claim(plan) if "claim_fd" in plan else sys.argv[2:]
     pid = os.fork()
     if pid == 0:
         try:

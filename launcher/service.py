@@ -80,7 +80,8 @@ class LauncherService:
 
         self.config = config
         self.events = config.event_writer(stdout=False)
-        self.launcher = launcher or Launcher(config, events=self.events)
+        # the service keeps `launcher.pools` (a one-shot `stockade run` does not)
+        self.launcher = launcher or Launcher(config, events=self.events, pools=True)
         # the gateway's holder: an invalid reload keeps the rules in force (fail closed)
         self.rules = RulesHolder(config.rules_dir, self.events.write, component="launcher")
         self.socket_path = config.launcher.control_socket
@@ -197,6 +198,7 @@ class LauncherService:
         return web.json_response({
             "ok": not self._closing, "sandboxes": running,
             "rules": self.rules.current.version, "nflog_bound": self.launcher.nflog_bound,
+            "pools": self.launcher.pools.rows() if self.launcher.pools is not None else [],
         })
 
     async def _list(self, request: web.Request) -> web.Response:

@@ -44,6 +44,10 @@ class Task:
     profile: str
     expires_at: float | None = None  # unix time; None = until deregistered
     registered_at: float = 0.0
+    # a warm-pool sandbox no task has claimed: known (its traffic is logged as `unclaimed`)
+    # and denied everything; it is registered with an empty profile, so a service that
+    # ignored this flag would still find no profile and deny (fail closed)
+    pooled: bool = False
 
     def expired(self, now: float) -> bool:
         return self.expires_at is not None and now >= self.expires_at
@@ -63,7 +67,13 @@ class Task:
             raise RegistryError("expires_at must be a number (unix time)")
         reg = d.get("registered_at") or time.time()
         assert isinstance(reg, int | float)
-        return Task(task_id, address, profile, float(exp) if exp is not None else None, float(reg))
+        pooled = d.get("pooled", False)
+        if not isinstance(pooled, bool):
+            raise RegistryError("pooled must be true or false")
+        if pooled and profile:
+            raise RegistryError("a pooled task has no profile until it is claimed")
+        return Task(task_id, address, profile, float(exp) if exp is not None else None,
+                    float(reg), pooled)
 
 
 Listener = Callable[[Task], None]
