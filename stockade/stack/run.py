@@ -81,16 +81,46 @@ def _run(args: argparse.Namespace) -> int:
         # a running stack (`stockade up`) is used as it is; otherwise gateway, broker and
         # (without vault.address) a dev OpenBao run for this command only
         with ensure_stack(config, secrets) as effective:
-            launcher = Launcher(effective)
-            try:
-                result = launcher.run(spec, ruleset)
-            finally:
-                launcher.close()
+            # the running stack's launcher service claims from its warm pools; it decides
+            # with its own rules, so only when this run reads the same rules directory
+            service = _pooled_service(effective) if not args.rules or (
+                os.path.realpath(args.rules) == os.path.realpath(config.rules_dir)) else None
+            if service is not None:
+                result = _run_in_service(service, spec)
+            else:
+                launcher = Launcher(effective)
+                try:
+                    result = launcher.run(spec, ruleset)
+                finally:
+                    launcher.close()
     except (LauncherError, StackError, OSError) as e:  # OSError: a full or read-only disk
         print(f"stockade run: {e}", file=sys.stderr)
         return 2
     _print_result(result, args.json)
     return result.exit_code
+
+
+def _pooled_service(effective: Any) -> Any | None:
+    """The running stack's launcher service when it keeps warm pools (`stockade up` with
+    `launcher.pools`), else None: this command then runs its own launcher."""
+    from stockade.launcher.service import LauncherClient
+
+    client = LauncherClient(effective.launcher.control_socket, timeout=2.0)
+    try:
+        health = client.health()
+    except (OSError, ValueError, RuntimeError):  # no service, or one that does not answer
+        return None
+    return client if health.get("ok") and health.get("pools") else None
+
+
+def _run_in_service(client: Any, spec: Any) -> Any:
+    from stockade.launcher.core import LauncherError
+    from stockade.tasks import ControlError
+
+    try:
+        return client.run(spec)
+    except ControlError as e:  # the service's refusal, in its own words
+        raise LauncherError(f"the launcher service refused: {e.describe()}") from None
 
 
 def _print_result(result: Any, as_json: bool) -> None:

@@ -33,6 +33,7 @@ from stockade.launcher.service import (
     parse_run_request,
     run_request,
 )
+from stockade.launcher.settings import PoolSettings
 
 from stockade.config import Config
 from stockade.events import validate
@@ -79,9 +80,10 @@ class Served:
             return self.proc.wait()
 
 
-def _serve(lab: Lab, tmp: Path) -> Iterator[Served]:
+def _serve(lab: Lab, tmp: Path, pools: dict[str, Any] | None = None) -> Iterator[Served]:
     """`stockade launcher serve` on a config of its own that shares the lab's gateway and
-    broker; torn down (and checked for leftovers by the tests) at the end."""
+    broker; torn down (and checked for leftovers by the tests) at the end. `pools`: its
+    `launcher.pools`."""
     rules = tmp / "rules"
     (rules / "profiles").mkdir(parents=True)
     (rules / "profiles" / "svc.yaml").write_text(PROFILE.format(name="svc"))
@@ -96,6 +98,7 @@ def _serve(lab: Lab, tmp: Path) -> Iterator[Served]:
         "reconcile_interval_s": 1.0,  # orphans of a killed `stockade run` go within 1 s
         # the gv profile stands for a tier this service cannot give
         "gvisor": lab.config.launcher.gvisor.model_copy(update={"enabled": False}),
+        **({"pools": PoolSettings.model_validate(pools)} if pools else {}),
     })
     config = lab.config.model_copy(update={"launcher": launcher, "rules_dir": str(rules)})
     cfg_path = tmp / "stockade.yaml"
