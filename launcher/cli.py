@@ -51,7 +51,12 @@ def _launcher(args: argparse.Namespace, command: str) -> Any:
 
 
 def _list(args: argparse.Namespace) -> int:
-    rows = _launcher(args, "sandbox list").list()
+    # the state file is the whole answer: no launcher (event writer, backends) is needed
+    from .state import StateFile, state_path
+
+    cfg = args.config_loader(args.config, "sandbox list")
+    records = StateFile(state_path(cfg.state_dir, cfg.launcher.nft_table)).read()
+    rows = [r.summary() for r in records.values()]
     if args.json:
         print(json.dumps(rows))
         return 0

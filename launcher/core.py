@@ -34,7 +34,6 @@ from .backends import (
     pooled,
     seccomp_program,
 )
-from .backends.microvm import scrub_vm_error
 from .claim import Claims
 from .cleanup import Cleaner, wiring
 from .denials import BypassCollector
@@ -45,7 +44,6 @@ from .isolation import PROVIDED_ISOLATION, choose_backend, preflight, profile_of
 from .lifecycle import operator_event, start_event
 from .nflog import LogRecord
 from .poolplan import Shape, shape_of
-from .pools import PoolManager
 from .registration import register as register_task
 from .spec import (
     ExportedFile,
@@ -55,11 +53,12 @@ from .spec import (
     check_inputs,
     check_spec,
 )
-from .state import SandboxRecord, StateFile
+from .state import SandboxRecord, StateFile, state_path
 from .supervise import capture_fields, classify_end, kill_marker
 
 if TYPE_CHECKING:  # annotations only
     from .configview import LauncherConfig as Config
+    from .pools import PoolManager
 
 # stockade/stack/run.py imports these from here
 __all__ = ["ExportedFile", "Launcher", "LauncherError", "RunResult", "SandboxSpec", "preflight"]
@@ -74,7 +73,7 @@ class Launcher:
         self.events = events or config.event_writer(stdout=False)
         self.register_tasks = register
         self.use_nflog = nflog
-        self.state = StateFile(Path(config.state_dir) / "launcher" / f"{s.nft_table}.json")
+        self.state = StateFile(state_path(config.state_dir, s.nft_table))
         self.scratch_base = Path(s.scratch_dir)
         gw = config.gateway
         self.params = nft.TableParams(
@@ -93,8 +92,11 @@ class Launcher:
                              self._retry_deregistrations)
         self.deregister_failures = 0  # failed deregistrations (each logged), retries too
         self._congestion_control = permitted_congestion_control(s.congestion_control)
-        self.pools = (PoolManager(s.pools, self._warm, self._teardown)
-                      if pools and s.pools.targets else None)
+        self.pools: PoolManager | None = None
+        if pools and s.pools.targets:
+            from .pools import PoolManager  # here: its metrics' library is not small
+
+            self.pools = PoolManager(s.pools, self._warm, self._teardown)
 
     # the NFLOG reader's state as before the split (the service's status reads the first)
     @property
@@ -176,6 +178,7 @@ class Launcher:
         scrubber = scrub.for_sandbox(self.config, str(self.scratch_base), rec.host_ip,
                                      spec.inputs, spec.env)
         if ended.failed is not None:  # torn down above, like any sandbox that fails to start
+            from .backends.microvm import scrub_vm_error
             # QEMU's and the console's words go to the orchestrator without host paths (the
             # raw line is in the launcher's log, see backends/microvm.py:vm_outcome)
             raise LauncherError(scrub_vm_error(ended.failed, scrubber, self.s.microvm.image_dir))

@@ -65,6 +65,11 @@ class SandboxRecord:
         return same_process(self.owner_pid, self.owner_start)
 
 
+def state_path(state_dir: str, nft_table: str) -> Path:
+    """The state file of the launchers of one nft table."""
+    return Path(state_dir) / "launcher" / f"{nft_table}.json"
+
+
 class StateFile:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
