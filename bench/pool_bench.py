@@ -25,6 +25,7 @@ from launcher_bench import CMD, ms, pct
 from launcher_rig import sleeping_sandbox, started_launcher
 from stockade.launcher import Launcher, SandboxSpec
 from stockade.policy.model import Limits, Profile
+from tier_bench import MIB, sandbox_memory
 
 SHAPE = {"cpus": 0.5, "memory_mib": 128, "disk_mib": 16, "pids": 64}
 ISOLATION = {"container": "container", "gvisor": "gvisor", "microvm": "microvm"}
@@ -108,6 +109,12 @@ def run_pools(tiers: list[str], runs: int, concurrent: int) -> None:
             fill = time.monotonic() - t0
             notes.append(f"{tier}: refill rate {concurrent / fill:.1f} sandboxes/s "
                          f"({concurrent} from empty in {fill:.1f} s, 2 at a time)")
+            mem = [sandbox_memory(launcher.s, r["task_id"]) for r in launcher.list()
+                   if r["state"] == "pooled"]
+            notes.append(f"{tier}: memory per pooled sandbox: PSS "
+                         f"{sum(m[0] for m in mem) / len(mem) / MIB:.1f} MiB, cgroup charge "
+                         f"{sum(m[1] for m in mem) / len(mem) / MIB:.1f} MiB "
+                         f"(mean of {len(mem)})")
             c = _concurrent(launcher, rs, concurrent)
             notes.append(f"{tier}: {c['n']} concurrent claims from a pool of {c['n']}: "
                          f"{c['ok']} ok, {c['distinct']} distinct sandboxes, {c['from_pool']} "

@@ -310,14 +310,16 @@ class Launcher:
         registration, then its command); None when there is none."""
         if self.pools is None:
             return None
+        backend = backend_for(backend_name)
+        if not pooled(backend) or (spec.inputs and not backend.claims_inputs):
+            return None  # this tier's pooled sandboxes cannot take the task: a cold start
         # checked first: a refused task must not use up a warm sandbox
         proxy_env = check_spec(spec, profile, self.config.gateway.proxy_listen)
         inputs = check_inputs(spec.inputs, self.s.ro_binds)
         live = self.pools.take(shape_of(backend_name, profile.limits))
         if live is None:
             return None
-        rec, task_id, backend = live.record, live.record.task_id, live.backend
-        assert pooled(backend)
+        rec, task_id = live.record, live.record.task_id
         with self._undone_on_error(task_id):
             ttl = min(spec.ttl, profile.limits.ttl) if spec.ttl else profile.limits.ttl
             self.claims.bind(live, profile.name, ttl)

@@ -110,6 +110,9 @@ class PooledBackend(Backend, Protocol):
     """A tier that keeps warm pools (launcher/pools.py); pools of a tier without these
     two are refused when the pool manager starts (`pooled`)."""
 
+    # False: a task with inputs never takes a pooled sandbox of this tier (it starts cold)
+    claims_inputs: bool
+
     def start_pooled(self, live: Live, ctx: StartContext) -> None:
         """Start a sandbox that belongs to no task yet. Its cgroups (the pool's resource
         shape), netns, nft elements and scratch exist, and its address is registered as
@@ -202,6 +205,15 @@ def init_plan(live: Live, ctx: StartContext) -> initscript.InitPlan:
                  ("MEMLOCK", s.rlimit_memlock)),
         congestion_control=ctx.congestion_control,
     )
+
+
+def not_ready(proc: subprocess.Popen[bytes] | None, timeout_s: float) -> str:
+    """Why a warm-pool sandbox's process never reported ready: its stderr, or that it
+    still hangs after `timeout_s`."""
+    if proc is None or proc.poll() is None:
+        return f"no answer within {timeout_s:.0f} s"
+    err = proc.stderr.read().decode("utf-8", "replace").strip() if proc.stderr else ""
+    return err[-500:] or f"exit status {proc.returncode}"
 
 
 def pooled(backend: Backend) -> TypeGuard[PooledBackend]:

@@ -9,7 +9,9 @@ import contextlib
 import dataclasses
 import functools
 import json
+import marshal
 import os
+import select
 import shutil
 import subprocess
 import tempfile
@@ -20,9 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 from .. import cgroups, gvisor, initscript, mounts, netns, nssysctl
 from ..environment import SANDBOX_PATH
+from ..gvisor_waiter import READY
 from ..spec import TASK_ID_RE, LauncherError
 from ..supervise import Ended, exit_status, watch
-from . import CgroupControl, Live, StartContext, captures, init_plan
+from . import CgroupControl, Live, StartContext, captures, init_plan, not_ready
 
 if TYPE_CHECKING:  # annotations only
     from ..settings import LauncherSettings
@@ -32,7 +35,10 @@ if TYPE_CHECKING:  # annotations only
 STAGED = "inputs-ro"  # <base>/inputs-ro/<n>: the inputs' read-only host binds
 RUNSC_HIERARCHIES = ("blkio", "cpuacct", "cpuset", "devices", "systemd")
 CALL_TIMEOUT_S = 15.0
-STATS_EVERY_S = 1.0  # `runsc events --stats` costs ~150 ms under load: at most this often
+STATS_EVERY_S = 1.0
+# a warm-pool sandbox's runsc start (no command yet) takes a few hundred ms, seconds under
+# load: past this it is taken for broken and the refill tears it down
+POOLED_READY_TIMEOUT_S = 60.0  # `runsc events --stats` costs ~150 ms under load: at most this often
 
 
 def state_root(s: LauncherSettings) -> str:
@@ -140,8 +146,51 @@ class GvisorBackend(CgroupControl):
         live.cg.create(gvisor.host_limits(limits, s.gvisor))
 
     def start(self, live: Live, spec: SandboxSpec, ctx: StartContext) -> None:
+        self._bundle(live, ctx, list(spec.argv), ctx.env)
+        self._run(live, ctx, stdin=spec.stdin is not None)
+
+    # a pooled sandbox's mounts are fixed when runsc starts it: a task with inputs starts
+    # cold (launcher/core.py asks before it takes a pooled sandbox)
+    claims_inputs = False
+
+    def start_pooled(self, live: Live, ctx: StartContext) -> None:
+        """runsc runs the bundle with `gvisor_waiter.py` as its process, which reports
+        ready once the Sentry, the gofer and the root are up, then waits for its task."""
+        self._bundle(live, ctx, [ctx.init_python, "-I", "-S", "-c", _waiter_source()],
+                     {"PATH": SANDBOX_PATH})
+        self._run(live, ctx, stdin=True)
+        proc = live.proc
+        assert proc is not None and proc.stdout is not None
+        got = b""
+        end = time.monotonic() + POOLED_READY_TIMEOUT_S
+        while len(got) < len(READY) and time.monotonic() < end:
+            if not select.select([proc.stdout], [], [], max(0.0, end - time.monotonic()))[0]:
+                break
+            chunk = os.read(proc.stdout.fileno(), len(READY) - len(got))
+            if not chunk:
+                break
+            got += chunk
+        if got != READY:
+            raise LauncherError("a warm-pool gVisor sandbox did not get ready: "
+                                + not_ready(proc, POOLED_READY_TIMEOUT_S))
+
+    def claim_pooled(self, live: Live, spec: SandboxSpec, ctx: StartContext) -> None:
+        """The waiter gets the task's command and environment and execs it."""
+        if ctx.inputs:
+            raise LauncherError("a pooled gVisor sandbox cannot take inputs")
+        proc = live.proc
+        assert proc is not None and proc.stdin is not None
+        claim = marshal.dumps({"argv": list(spec.argv), "env": ctx.env}, 4)
+        try:
+            proc.stdin.write(len(claim).to_bytes(8, "big") + claim)
+            proc.stdin.flush()
+        except OSError as e:  # runsc or the waiter died while it waited
+            raise LauncherError(f"the warm-pool sandbox is gone: {e.strerror or e}") from None
+
+    def _bundle(self, live: Live, ctx: StartContext, argv: list[str],
+                env: dict[str, str]) -> None:
+        """The OCI bundle of the container tier's plan (`ctx.inputs` staged read-only)."""
         s, rec = ctx.settings, live.record
-        flags = self._flags(s)
         _netns_sysctls(rec.netns, ctx.congestion_control)
         base = Path(rec.scratch)
         plan = dataclasses.replace(init_plan(live, ctx), inputs=_stage_inputs(base, ctx.inputs))
@@ -150,19 +199,23 @@ class GvisorBackend(CgroupControl):
             _materialize(base / "root", layout)
         except ValueError as e:
             raise LauncherError(f"cannot build the gVisor bundle: {e}") from None
-        config = gvisor.oci_config(layout, str(base / "root"), list(spec.argv), ctx.env, plan,
+        config = gvisor.oci_config(layout, str(base / "root"), argv, env, plan,
                                    ctx.limits.pids, f"/{s.cgroup_parent}/{rec.task_id}")
         fd = os.open(base / "config.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(config, f)
+
+    def _run(self, live: Live, ctx: StartContext, *, stdin: bool) -> None:
+        s, rec = ctx.settings, live.record
+        flags = self._flags(s)
         os.makedirs(state_root(s), mode=0o700, exist_ok=True)
         # `run`, not create + start: its exit status is the command's, its stdio the
         # command's pipes, and a killed `run` takes the sandbox with it
         live.proc = subprocess.Popen(
             ["nsenter", f"--net={netns.NETNS_DIR}/{rec.netns}", "--", *flags, "run",
-             "--bundle", str(base), rec.task_id],
+             "--bundle", rec.scratch, rec.task_id],
             env={"PATH": SANDBOX_PATH},
-            stdin=subprocess.PIPE if spec.stdin is not None else subprocess.DEVNULL,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True,
             start_new_session=True, cwd="/")
         live.pipes = ctx.limits.pids  # the guest's NPROC: what wait's ceiling watches
@@ -245,6 +298,11 @@ class GvisorBackend(CgroupControl):
             self.discard(tid, s)
         _sweep_host(s, keep)
         return gone
+
+
+@functools.cache
+def _waiter_source() -> str:
+    return (Path(__file__).parent.parent / "gvisor_waiter.py").read_text()
 
 
 class _Ceiling:

@@ -16,7 +16,7 @@ from .. import cgroups, initscript, netns
 from ..environment import SANDBOX_PATH
 from ..spec import LauncherError
 from ..supervise import Ended, exit_status, watch
-from . import CgroupControl, Live, StartContext, captures, init_plan
+from . import CgroupControl, Live, StartContext, captures, init_plan, not_ready
 
 if TYPE_CHECKING:  # annotations only
     from ..settings import LauncherSettings
@@ -30,6 +30,7 @@ POOLED_READY_TIMEOUT_S = 30.0
 class NetnsBackend(CgroupControl):
     name = "netns"
     tap = None
+    claims_inputs = True  # bound at the claim, before the init's pivot
 
     def create(self, live: Live, limits: Any, s: LauncherSettings) -> None:
         live.cg.create(cgroups.Limits(memory=limits.memory, pids=limits.pids,
@@ -63,7 +64,7 @@ class NetnsBackend(CgroupControl):
             os.close(ready_r)
         if not ok:
             raise LauncherError("a warm-pool sandbox's init did not finish its setup: "
-                                + _init_error(live.proc))
+                                + not_ready(live.proc, POOLED_READY_TIMEOUT_S))
 
     def claim_pooled(self, live: Live, spec: SandboxSpec, ctx: StartContext) -> None:
         """Hand the waiting init its task: inputs, pivot, environment, filter, command."""
@@ -118,14 +119,6 @@ def _spawn_init(live: Live, ctx: StartContext, plan: dict[str, Any], argv: list[
         )
     finally:
         os.close(plan_fd)
-
-
-def _init_error(proc: subprocess.Popen[bytes] | None) -> str:
-    """What a warm-pool init that never got ready said (its stderr), or that it hangs."""
-    if proc is None or proc.poll() is None:
-        return f"no answer within {POOLED_READY_TIMEOUT_S:.0f} s"
-    err = proc.stderr.read().decode("utf-8", "replace").strip() if proc.stderr else ""
-    return err[-500:] or f"exit status {proc.returncode}"
 
 
 @functools.cache

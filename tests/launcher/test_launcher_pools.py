@@ -206,3 +206,43 @@ def test_refill_after_a_launcher_crash_reconciles_leftovers(stack: Stack) -> Non
         assert len([r for r in records.values() if r.state == "pooled"]) >= 2
     finally:
         launcher.close()
+
+
+def test_gvisor_pool_claim_and_unclaimed(stack: Stack) -> None:  # noqa: F811
+    from stockade.launcher.backends.gvisor import BACKEND
+
+    why = BACKEND.problem(stack.launcher.s)
+    if why is not None:
+        pytest.skip(f"gVisor unavailable: {why}")
+    data = stack.config.model_dump()
+    data["launcher"]["pools"] = {"targets": [{**AGENT_SHAPE, "isolation": "gvisor",
+                                              "size": 2}]}
+    launcher = Launcher(Config.model_validate(data), nflog=False, pools=True)
+    launcher.start()
+    try:
+        assert launcher.pools is not None and launcher.pools.wait_full(180)
+        pooled_ids = {r["task_id"] for r in _pooled_records(launcher)}
+        assert {r["isolation"] for r in _pooled_records(launcher)} == {"gvisor"}
+        # unclaimed: the broker refuses the pooled address (DNS and TCP as in the
+        # container tier's test: the address, not the tier, is what is denied)
+        rec = launcher.state.read()[sorted(pooled_ids)[0]]
+        broker = f"http://{rec.host_ip}:{stack.config.broker.listen.rsplit(':', 1)[1]}"
+        p = subprocess.run(["nsenter", f"--net={NETNS_DIR}/{rec.netns}", "--",
+                            sys.executable, "-I", "-c", PROBE, rec.host_ip, broker],
+                           capture_output=True, text=True, timeout=60)
+        assert json.loads(p.stdout)["broker"] == [403, "unclaimed"], p.stdout + p.stderr
+        res = launcher.run(SandboxSpec("agent-gv", [
+            "sh", "-c", "curl -sS -k --max-time 10 https://allowed.test/ >/dev/null && "
+            "echo allowed; curl -sS -k --max-time 5 https://denied.test/ >/dev/null || "
+            "echo denied; id -u; echo $STOCKADE_BROKER | cut -c1-7"]), stack.ruleset)
+        assert res.task_id in pooled_ids, "the task ran in a pooled gVisor sandbox"
+        assert res.stdout.split() == ["allowed", "denied", "65534", "http://"], (
+            res.stdout, res.stderr)
+        assert res.task_id not in launcher.state.read()
+        # a task with inputs cannot use a pooled gVisor sandbox: a cold start, not a miss
+        cold = launcher.run(SandboxSpec("agent-gv", ["cat", "/inputs/ca.pem"],
+                                        inputs=[(stack.ca, "/inputs/ca.pem")]), stack.ruleset)
+        assert cold.exit_code == 0 and cold.task_id not in pooled_ids, cold.stderr
+        assert launcher.pools.rows()[0]["claims"] == 1
+    finally:
+        launcher.close()
