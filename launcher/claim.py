@@ -72,18 +72,20 @@ class Claims:
                 records[rec.task_id].ifindex = rec.ifindex
                 records[rec.task_id].state = state
 
-    def bind(self, live: Live, profile: str, ttl: float) -> None:
+    def bind(self, live: Live, profile: str, ttl: float) -> bool:
         """A warm-pool sandbox becomes one task's (state `starting` until its command
-        runs): its profile, and its TTL counted from now."""
+        runs): its profile, and its TTL counted from now. False: its record is gone or
+        no longer pooled (killed while it waited), nothing changed."""
         rec = live.record
         now = time.time()
         with self.state.locked() as records:
             stored = records.get(rec.task_id)
-            if stored is None or stored.state != "pooled":  # killed while it waited
-                raise LauncherError(f"pooled sandbox {rec.task_id} is gone")
+            if stored is None or stored.state != "pooled":
+                return False
             for r in (stored, rec):
                 r.profile, r.started_at, r.expires_at = profile, now, now + ttl
                 r.state = "starting"
+        return True
 
 
 def new_record(records: dict[str, SandboxRecord], s: LauncherSettings, scratch_base: Path,

@@ -113,7 +113,10 @@ class Launcher:
             if self._started:
                 return
             mounts.private_dir(self.scratch_base)
-            nft.apply_table(self.params)
+            # under the state lock, as a claim's re-install: launchers starting at once
+            # (concurrent `stockade run`s) must not interleave their table transactions
+            with self.state.locked():
+                nft.apply_table(self.params)
             self.reconcile()
             sweep(self.config.task_events_dir, self.config.events.task_retention_s)
             if self.use_nflog:
@@ -203,6 +206,9 @@ class Launcher:
         if rec is None and live is None:
             return False
         self._emit(operator_event(rec or (live.record if live else None), task_id, "kill"))
+        if self.pools is not None and self.pools.forget(task_id):
+            self._teardown(task_id)  # a waiting pooled sandbox: no task, no end event
+            return True
         if live is not None:
             live.killed.set()
             live.backend.kill(live.cg, live.proc)
@@ -320,9 +326,13 @@ class Launcher:
         if live is None:
             return None
         rec, task_id = live.record, live.record.task_id
+        ttl = min(spec.ttl, profile.limits.ttl) if spec.ttl else profile.limits.ttl
         with self._undone_on_error(task_id):
-            ttl = min(spec.ttl, profile.limits.ttl) if spec.ttl else profile.limits.ttl
-            self.claims.bind(live, profile.name, ttl)
+            bound = self.claims.bind(live, profile.name, ttl)
+        if not bound:  # killed while it waited (`sandbox kill`): this task starts cold
+            self._teardown(task_id)
+            return None
+        with self._undone_on_error(task_id):
             a, etc = slot_addresses(self.s.address_pool, rec.slot), live.warm_etc
             self.bypass.ifindex[rec.ifindex] = (task_id, profile.name)
             if proxy_env:

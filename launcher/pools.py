@@ -95,7 +95,8 @@ class PoolManager:
             q = self._ready[shape]
             while q and live is None:
                 cand = q.popleft()
-                alive = cand.proc is not None and cand.proc.poll() is None
+                alive = (cand.proc is not None and cand.proc.poll() is None
+                         and not cand.killed.is_set())
                 live = cand if alive else None
                 if not alive:
                     dead.append(cand)
@@ -107,6 +108,20 @@ class PoolManager:
             self._discard(d.record.task_id)
         self._schedule()
         return live
+
+    def forget(self, task_id: str) -> bool:
+        """Take one waiting sandbox out of its pool (an operator's kill); True if it was
+        there. The caller destroys it; the pool refills."""
+        with self._lock:
+            hit = next(((s, live) for s, q in self._ready.items() for live in q
+                        if live.record.task_id == task_id), None)
+            if hit is not None:
+                self._ready[hit[0]].remove(hit[1])
+                self.metrics.ready.labels(hit[0].label()).set(len(self._ready[hit[0]]))
+        if hit is None:
+            return False
+        self._schedule()
+        return True
 
     def ready(self) -> dict[Shape, int]:
         with self._lock:

@@ -246,3 +246,17 @@ def test_gvisor_pool_claim_and_unclaimed(stack: Stack) -> None:  # noqa: F811
         assert launcher.pools.rows()[0]["claims"] == 1
     finally:
         launcher.close()
+
+
+def test_killing_a_pooled_sandbox_removes_it_and_the_pool_refills(
+        stack: Stack, pooled: Launcher) -> None:  # noqa: F811
+    victim = _pooled_records(pooled)[0]["task_id"]
+    assert pooled.kill(victim)
+    assert victim not in pooled.state.read()
+    assert not Path(NETNS_DIR, f"{pooled.s.name_prefix}-{victim}").exists()
+    assert victim not in {t.task_id for t in ControlClient(
+        stack.config.gateway.control_socket).list()}
+    assert pooled.pools is not None and pooled.pools.wait_full(120)
+    assert victim not in {r["task_id"] for r in _pooled_records(pooled)}
+    res = pooled.run(SandboxSpec("agent", ["true"]), stack.ruleset)
+    assert res.exit_code == 0 and res.task_id != victim
