@@ -4,9 +4,10 @@ Per tier: claim-to-first-instruction (from `Launcher.run` being called to the co
 first output timestamp, `echo $EPOCHREALTIME`) from a full pool and from a cold start;
 the refill rate (pooled sandboxes made per second, from empty to the target with
 `refill_concurrency` 2); `concurrent` claims at once from a pool of that size (all must
-be ready and no two may share a sandbox); and the wall time of the short-lived CLI
-commands `stockade sandbox kill ID` and `stockade sandbox list` (Python start-up
-included) against the benchmark's launcher.
+be ready and no two may share a sandbox); the wall time of the short-lived CLI commands
+`stockade sandbox kill ID` and `stockade sandbox list` (Python start-up included) against
+the benchmark's launcher; and of `stockade run -- true` on embedded defaults with no stack
+running (it starts and stops gateway, broker and the dev OpenBao itself).
 """
 
 from __future__ import annotations
@@ -95,6 +96,46 @@ def _cli(launcher: Launcher, runs: int) -> dict[str, list[float]]:
     return {"kill": kills, "list": lists}
 
 
+BOX = """\
+profile: box
+description: the embedded stack's wall time (container tier, nothing allowed)
+isolation: container
+limits: {cpus: 1, memory: 256MiB, disk: 64MiB, pids: 128, ttl: 60s}
+egress:
+  mode: enforce
+exports: {max_file: 1MiB, max_total: 2MiB, types: [text]}
+"""
+
+
+def embedded_run(runs: int) -> list[float]:
+    """`stockade run --profile box -- true` on embedded defaults with no stack running
+    (its own run_dir, base_port and launcher names): the whole command's wall time."""
+    from stockade.instance import PORT_SPAN
+    from stockade.ports import free_port_block
+
+    out = []
+    with tempfile.TemporaryDirectory(prefix="stockade-embedded-") as d:
+        tmp = Path(d)
+        for sub in ("profiles", "apis", "presets", "tests"):
+            (tmp / "rules" / sub).mkdir(parents=True)
+        (tmp / "rules" / "profiles" / "box.yaml").write_text(BOX)
+        for i in range(runs):
+            cfg = tmp / "stockade.yaml"
+            cfg.write_text(yaml.safe_dump({
+                "rules_dir": str(tmp / "rules"), "run_dir": str(tmp / "run"),
+                "state_dir": str(tmp / "state"), "log_dir": str(tmp / "log"),
+                "base_port": free_port_block(PORT_SPAN),
+                "launcher": {"nft_table": f"stockade_emb{i}", "name_prefix": "bem",
+                             "cgroup_parent": "stockade_emb", "scratch_dir": str(tmp / "sbx"),
+                             "address_pool": "10.213.220.0/24", "nflog_group": 7389}}))
+            t0 = time.monotonic()
+            subprocess.run([sys.executable, "-m", "stockade", "run", "--profile", "box",
+                            "--config", str(cfg), "--", "true"], check=True,
+                           capture_output=True, timeout=300)
+            out.append(time.monotonic() - t0)
+    return out
+
+
 def run_pools(tiers: list[str], runs: int, concurrent: int) -> None:
     rows: list[tuple[str, list[float], str]] = []
     notes: list[str] = []
@@ -128,6 +169,7 @@ def run_pools(tiers: list[str], runs: int, concurrent: int) -> None:
                 cli = _cli(cold, max(5, runs // 3))
                 rows.append(("stockade sandbox kill ID (wall)", cli["kill"], "<= 250"))
                 rows.append(("stockade sandbox list (wall)", cli["list"], ""))
+    rows.append(("stockade run embedded -- true (wall)", embedded_run(3), "<= 2500"))
     print(f"\nwarm pools vs cold starts ({runs} runs each; milliseconds)\n")
     print(f"{'metric':<36}{'p50':>9}{'p95':>9}{'p99':>9}   target")
     for name, xs, target in rows:
