@@ -191,7 +191,16 @@ class LauncherService:
         app.router.add_post("/v1/sandboxes/{task_id}/suspend", self._suspend)
         app.router.add_post("/v1/sandboxes/{task_id}/resume", self._resume)
         app.router.add_post("/v1/reload", self._reload)
+        app.router.add_get("/v1/metrics", self._metrics)
         return app
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text: the warm pools' counters (empty without pools)."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        pools = self.launcher.pools
+        body = generate_latest(pools.metrics.registry) if pools is not None else b""
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _health(self, request: web.Request) -> web.Response:
         running = sum(1 for r in self._runs.values() if not r.finished.done())

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from polling import eventually
 
+from stockade.tasks.client import _UnixHTTPConnection
+
 from .conftest import Lab
 from .test_launcher_service import Served, _serve
 
@@ -57,6 +59,13 @@ def test_run_claims_from_the_services_pool(pooled_service: Served) -> None:
     assert res["stdout"].split() == ["hello", "65534"], res
     assert res["task_id"] in pooled, "the run claimed a sandbox of the service's pool"
     assert served.client.health()["pools"][0]["claims"] == 1
+    conn = _UnixHTTPConnection(served.config.launcher.control_socket, 10)
+    conn.request("GET", "/v1/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    label = 'pool="netns/cpus=1,mem=128Mi,disk=16Mi,pids=64"'
+    assert f"stockade_launcher_pool_claims_total{{{label}}} 1.0" in text, text
+    assert f"stockade_launcher_pool_target{{{label}}} {float(SIZE)}" in text, text
     assert eventually(lambda: _ready(served) == SIZE, 120)
     assert res["task_id"] not in {r["task_id"] for r in served.client.list()}
 
