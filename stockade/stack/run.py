@@ -75,16 +75,23 @@ def _run(args: argparse.Namespace) -> int:
     spec = SandboxSpec(profile=args.profile, argv=cmd,
                        inputs=[_parse_input(i) for i in args.input],
                        export_dir=args.export, ttl=args.ttl)
-    from .services import StackError, ensure_stack
+    from .services import StackError, ensure_stack, stack_running
 
+    same_rules = not args.rules or (
+        os.path.realpath(args.rules) == os.path.realpath(config.rules_dir))
+    if same_rules and not stack_running(config):
+        # a stack this run starts (or shares with runs like it) leaves out what the rules
+        # never use; a running one (`stockade up`) is used as it is
+        from .lean import without_unneeded_inspector
+
+        config = without_unneeded_inspector(config, ruleset)
     try:
         # a running stack (`stockade up`) is used as it is; otherwise gateway, broker and
         # (without vault.address) a dev OpenBao run for this command only
         with ensure_stack(config, secrets) as effective:
             # the running stack's launcher service claims from its warm pools; it decides
             # with its own rules, so only when this run reads the same rules directory
-            service = _pooled_service(effective) if not args.rules or (
-                os.path.realpath(args.rules) == os.path.realpath(config.rules_dir)) else None
+            service = _pooled_service(effective) if same_rules else None
             if service is not None:
                 result = _run_in_service(service, spec)
             else:
