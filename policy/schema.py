@@ -317,6 +317,29 @@ class CatalogueModel(Strict):
     frontends: Annotated[list[FrontendGroupModel], Field(min_length=1)]
 
 
+UPLOAD_KINDS = ("object-store", "gist", "paste", "file-transfer", "webhook", "raw-content",
+                "code-host", "package-registry")
+
+
+class UploadServiceModel(Strict):
+    """One provider's names that accept uploads from anyone, from one source."""
+
+    provider: Annotated[StrictStr, Field(pattern=NAME_PATTERN)]
+    kind: Literal[UPLOAD_KINDS]  # type: ignore[valid-type]
+    source: SourceUrl
+    checked: Annotated[date, Field(strict=False)]  # when the group was compiled / compared
+    note: StrictStr = ""
+    hosts: Annotated[list[HostPattern], Field(min_length=1)]
+
+
+class UploadCatalogueModel(Strict):
+    """policy/upload_services.yaml: the catalogue lint's upload warnings read."""
+
+    catalogue: Name
+    description: StrictStr = ""
+    services: Annotated[list[UploadServiceModel], Field(min_length=1)]
+
+
 class TestCaseModel(Strict):
     profile: Name
     target: Annotated[StrictStr, Field(min_length=1)]

@@ -72,13 +72,13 @@ def read_sources(root: Path, problems: list[Problem]) -> dict[str, list[Source]]
             continue
         files = sorted(p for p in folder.iterdir() if p.suffix in (".yaml", ".yml"))
         for path in files:
-            src = _read_one(path, problems)
+            src = read_one(path, problems)
             if src is not None:
                 out[kind].append(src)
     return out
 
 
-def _read_one(path: Path, problems: list[Problem]) -> Source | None:
+def read_one(path: Path, problems: list[Problem]) -> Source | None:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
