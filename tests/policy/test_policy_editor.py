@@ -241,3 +241,9 @@ def test_diff_exit_code(capsys, tmp_path):
     assert rc == 0, err  # without --exit-code a change is no failure
     rc, out, _ = run(capsys, "diff", "--exit-code", "--json", str(SHIPPED), str(wider))
     assert rc == 1 and json.loads(out)["profiles"][0]["profile"] == "no-network"
+
+
+def test_the_shipped_schema_file_is_current():
+    # editors point at rules/schema.json (docs/rules.md); regenerate it with
+    # `stockade rules schema -o rules/schema.json` after a change of policy/schema.py
+    assert json.loads((SHIPPED / "schema.json").read_text()) == rule_file_schema()
