@@ -104,3 +104,31 @@ def test_usage_and_replay_after_an_enforced_run(run_config, fake_internet, tmp_p
     assert data["newly_allowed"] == []
     denied = {(c["kind"], c["target"]) for c in data["newly_denied"]}
     assert ("connection", "allowed.test:443") in denied, (task, data)
+
+
+@pytest.mark.timeout(600)
+def test_learn_runs_the_task_itself(run_config, fake_internet, tmp_path):
+    """`rules learn --profile rec --runs 2 -- CMD`: two runs in report mode, then the
+    proposal from their events (what both needed)."""
+    script = ("curl -s --max-time 10 --cacert /input/ca.pem https://allowed.test/ ; "
+              "curl -s --max-time 10 --cacert /input/ca.pem https://echo.test/echo")  # fmt: skip
+    proc = _rules("learn", "--config", str(run_config), "--profile", "rec", "--runs", "2",
+                  "--name", "ran", "--input", f"{fake_internet.ca_pem}:/input/ca.pem",
+                  "--", "sh", "-c", script)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("ended by exit, exit 0") == 2, proc.stderr
+    rules = write_profiles(tmp_path / "ran", {"ran": proc.stdout})
+    entries = load_rules(rules).profiles["ran"].allow
+    assert sorted((e.host, sorted(e.ports)) for e in entries) == [
+        ("allowed.test", [443]), ("echo.test", [443])]
+
+
+def test_learn_refuses_to_run_in_an_enforcing_profile(run_config):
+    proc = _rules("learn", "--config", str(run_config), "--profile", "e2e", "--", "true")
+    assert proc.returncode == 2
+    assert "profile 'e2e' enforces its rules" in proc.stderr and proc.stdout == ""
+    proc = _rules("learn", "--config", str(run_config), "--profile", "rek", "--", "true")
+    assert proc.returncode == 2 and "unknown profile 'rek'" in proc.stderr
+    assert "did you mean 'rec'?" in proc.stderr
+    proc = _rules("learn", "--config", str(run_config), "--task", "t1", "--", "true")
+    assert proc.returncode == 2 and "-- CMD needs --profile" in proc.stderr
