@@ -76,34 +76,73 @@ def _rules(*argv: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
 
 
+@pytest.fixture
+def rotating_config(tmp_path: Path, fake_internet) -> Path:
+    """The instance with an events file that rotates after a few lines, kept whole."""
+    data = instance_config(tmp_path, fake_internet, events={"max_bytes": 4096, "backups": 200})
+    return write_config(tmp_path, data)
+
+
+def _without(rules: Path, root: Path, cut: str, until: str) -> Path:
+    """A copy of `rules` whose e2e profile lacks the lines from `cut` up to `until`."""
+    shutil.copytree(rules, root)
+    profile = root / "profiles" / "e2e.yaml"
+    text = profile.read_text()
+    profile.write_text(text[:text.index(cut)] + text[text.index(until):])
+    return root
+
+
+def _widened(rules: Path, root: Path) -> Path:
+    """A copy of `rules` whose e2e profile also allows denied.test."""
+    shutil.copytree(rules, root)
+    profile = root / "profiles" / "e2e.yaml"
+    text = profile.read_text()
+    profile.write_text(text.replace("    - host: echo.test", "    - host: denied.test\n"
+                                    "      ports: [443]\n      reason: widened\n"
+                                    "    - host: echo.test"))  # fmt: skip
+    return root
+
+
 @pytest.mark.timeout(600)
-def test_usage_and_replay_after_an_enforced_run(run_config, fake_internet, tmp_path):
+def test_usage_and_replay_after_an_enforced_run(rotating_config, fake_internet, tmp_path):
+    """The events of a real run (rotated by the stack's own writers): usage per entry, and
+    replays against a tightened and a widened copy of the rules."""
     ca = str(fake_internet.ca_pem)
-    task = _run(run_config, ca, "curl -s --max-time 10 --cacert /input/ca.pem "
-                "https://allowed.test/ ; curl -s --max-time 10 --cacert /input/ca.pem "
-                "https://echo.test/echo", profile="e2e")  # fmt: skip
+    curl = "curl -s --max-time 10 --cacert /input/ca.pem"
+    task = _run(rotating_config, ca, f"{curl} https://allowed.test/ ; {curl} "
+                f"https://echo.test/echo ; {curl} https://denied.test/", profile="e2e")  # fmt: skip
+    assert (tmp_path / "log" / "events.jsonl.1").exists(), "the events file rotated"
     rules = tmp_path / "rules"
-    proc = _rules("usage", "--config", str(run_config), "--rules", str(rules), "--json")
+    proc = _rules("usage", "--config", str(rotating_config), "--rules", str(rules), "--json")
     assert proc.returncode == 0, proc.stderr
-    rows = {(u["profile"], u["entry"]): u for u in json.loads(proc.stdout)["entries"]}
+    report = json.loads(proc.stdout)
+    assert len(report["files"]) > 1, report["files"]
+    rows = {(u["profile"], u["entry"]): u for u in report["entries"]}
     site = rows[("e2e", "e2e:allow:allowed.test")]
     assert site["hits"] >= 1 and site["tasks"] == 1 and site["bytes_down"] > 0
     assert rows[("e2e", "e2e:allow:echo.test")]["hits"] >= 1  # handed to the inspector
     assert rows[("e2e", "broker:demo-api")]["status"] == ["unused"]
-    # a candidate without allowed.test: that flow (and its name) would now be denied
-    candidate = tmp_path / "candidate"
-    shutil.copytree(rules, candidate)
-    profile = candidate / "profiles" / "e2e.yaml"
-    text = profile.read_text()
-    cut = text.index("    - host: allowed.test")
-    profile.write_text(text[:cut] + text[text.index("    - host: echo.test"):])
-    proc = _rules("replay", str(candidate), "--config", str(run_config), "--json",
+    # tightened: without allowed.test, that flow (and its name) would now be denied
+    tight = _without(rules, tmp_path / "tight", "    - host: allowed.test", "    - host: echo.test")
+    proc = _rules("replay", str(tight), "--config", str(rotating_config), "--json",
                   "--fail-on-new-allow")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["newly_allowed"] == []
     denied = {(c["kind"], c["target"]) for c in data["newly_denied"]}
     assert ("connection", "allowed.test:443") in denied, (task, data)
+    # widened: denied.test allowed, so the recorded denial (its DNS lookup: curl got no
+    # address, so never connected) would now pass: CI fails
+    wide = _widened(rules, tmp_path / "wide")
+    proc = _rules("replay", str(wide), "--config", str(rotating_config), "--json",
+                  "--fail-on-new-allow")  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["newly_denied"] == []
+    allowed = {(c["kind"], c["target"]) for c in data["newly_allowed"]}
+    assert allowed == {("dns", "denied.test")}, (task, data)
+    proc = _rules("replay", str(wide), "--config", str(rotating_config), "--markdown")
+    assert proc.returncode == 0 and "denied.test" in proc.stdout, proc.stderr
 
 
 @pytest.mark.timeout(600)
