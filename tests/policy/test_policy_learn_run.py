@@ -103,6 +103,17 @@ def _widened(rules: Path, root: Path) -> Path:
     return root
 
 
+def _replay(candidate: Path, config: Path, rc: int) -> tuple[set, set]:
+    """(newly allowed, newly denied) flows of `rules replay --fail-on-new-allow`, which
+    must exit `rc`; each flow as (kind, target)."""
+    proc = _rules("replay", str(candidate), "--config", str(config), "--json",
+                  "--fail-on-new-allow")  # fmt: skip
+    assert proc.returncode == rc, proc.stderr
+    data = json.loads(proc.stdout)
+    return tuple({(c["kind"], c["target"]) for c in data[k]}  # type: ignore[return-value]
+                 for k in ("newly_allowed", "newly_denied"))  # fmt: skip
+
+
 @pytest.mark.timeout(600)
 def test_usage_and_replay_after_an_enforced_run(rotating_config, fake_internet, tmp_path):
     """The events of a real run (rotated by the stack's own writers): usage per entry, and
@@ -124,23 +135,13 @@ def test_usage_and_replay_after_an_enforced_run(rotating_config, fake_internet, 
     assert rows[("e2e", "broker:demo-api")]["status"] == ["unused"]
     # tightened: without allowed.test, that flow (and its name) would now be denied
     tight = _without(rules, tmp_path / "tight", "    - host: allowed.test", "    - host: echo.test")
-    proc = _rules("replay", str(tight), "--config", str(rotating_config), "--json",
-                  "--fail-on-new-allow")  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    data = json.loads(proc.stdout)
-    assert data["newly_allowed"] == []
-    denied = {(c["kind"], c["target"]) for c in data["newly_denied"]}
-    assert ("connection", "allowed.test:443") in denied, (task, data)
+    allowed, denied = _replay(tight, rotating_config, 0)
+    assert not allowed and ("connection", "allowed.test:443") in denied, (task, denied)
     # widened: denied.test allowed, so the recorded denial (its DNS lookup: curl got no
     # address, so never connected) would now pass: CI fails
     wide = _widened(rules, tmp_path / "wide")
-    proc = _rules("replay", str(wide), "--config", str(rotating_config), "--json",
-                  "--fail-on-new-allow")  # fmt: skip
-    assert proc.returncode == 1, proc.stderr
-    data = json.loads(proc.stdout)
-    assert data["newly_denied"] == []
-    allowed = {(c["kind"], c["target"]) for c in data["newly_allowed"]}
-    assert allowed == {("dns", "denied.test")}, (task, data)
+    allowed, denied = _replay(wide, rotating_config, 1)
+    assert (allowed, denied) == ({("dns", "denied.test")}, set()), task
     proc = _rules("replay", str(wide), "--config", str(rotating_config), "--markdown")
     assert proc.returncode == 0 and "denied.test" in proc.stdout, proc.stderr
 
