@@ -20,19 +20,30 @@ PREFIX = "stockade rules learn"
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--runs", type=int, default=1, metavar="N",
+    p.add_argument("--runs", type=int, metavar="N",
                    help="with -- CMD: run the task N times (default 1); --min-share "
                    "applies across the runs")  # fmt: skip
-    p.add_argument("--input", action="append", default=[], metavar="HOST_PATH[:GUEST_PATH]",
+    p.add_argument("--input", action="append", metavar="HOST_PATH[:GUEST_PATH]",
                    help="with -- CMD: as stockade run --input (repeatable)")  # fmt: skip
     p.add_argument("cmd", nargs=argparse.REMAINDER,
                    help="-- CMD [ARGS...]: run this task in --profile (report mode) and "
                    "learn from its events")  # fmt: skip
 
 
-def command(args: argparse.Namespace) -> list[str]:
+def command(args: argparse.Namespace) -> list[str] | None:
+    """The command to run ([] when there is none), or None once a misuse is said on
+    stderr: `--` with nothing after it, or the run options without a command."""
     cmd = list(args.cmd)
-    return cmd[1:] if cmd and cmd[0] == "--" else cmd
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+        if not cmd:
+            print(f"{PREFIX}: missing command after --", file=sys.stderr)
+            return None
+    if not cmd and (args.runs is not None or args.input):
+        print(f"{PREFIX}: --runs and --input are for a task learn runs (-- CMD)",
+              file=sys.stderr)  # fmt: skip
+        return None
+    return cmd
 
 
 def run_tasks(args: argparse.Namespace, cmd: list[str]) -> list[str] | None:
@@ -42,19 +53,20 @@ def run_tasks(args: argparse.Namespace, cmd: list[str]) -> list[str] | None:
         print(f"{PREFIX}: -- CMD needs --profile (a report-mode profile to run it in) and "
               "no --task", file=sys.stderr)  # fmt: skip
         return None
-    if args.runs < 1:
+    runs = 1 if args.runs is None else args.runs
+    if runs < 1:
         print(f"{PREFIX}: --runs must be at least 1", file=sys.stderr)
         return None
     if not _report_mode(args):
         return None
     tasks = []
-    for i in range(args.runs):
+    for i in range(runs):
         result = _run_once(args, cmd)
         if result is None:
             return None
         tasks.append(result["task_id"])
         ended = f"ended by {result.get('ended_by')}, exit {result.get('exit_code')}"
-        print(f"{PREFIX}: run {i + 1} of {args.runs}: task {tasks[-1]} {ended}",
+        print(f"{PREFIX}: run {i + 1} of {runs}: task {tasks[-1]} {ended}",
               file=sys.stderr)  # fmt: skip
     return tasks
 
@@ -85,7 +97,7 @@ def _run_once(args: argparse.Namespace, cmd: list[str]) -> dict[str, Any] | None
     argv = [sys.executable, "-m", "stockade", "run", "--profile", args.profile, "--json"]
     if args.config:
         argv += ["--config", args.config]
-    for spec in args.input:
+    for spec in args.input or ():
         argv += ["--input", spec]
     proc = subprocess.run([*argv, "--", *cmd], capture_output=True, text=True, check=False)
     try:

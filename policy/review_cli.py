@@ -134,6 +134,8 @@ def cmd_learn(args: argparse.Namespace) -> int:
     from .learn_run import command, run_tasks
 
     cmd = command(args)
+    if cmd is None:
+        return 2
     if cmd:
         ran = run_tasks(args, cmd)
         if ran is None:
