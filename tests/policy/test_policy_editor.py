@@ -247,3 +247,20 @@ def test_the_shipped_schema_file_is_current():
     # editors point at rules/schema.json (docs/rules.md); regenerate it with
     # `stockade rules schema -o rules/schema.json` after a change of policy/schema.py
     assert json.loads((SHIPPED / "schema.json").read_text()) == rule_file_schema()
+
+
+def test_fmt_never_writes_a_change_of_meaning():
+    from stockade.policy.fmt import FmtError, _same_meaning
+
+    _same_meaning("a: [1, 2]  # c\n", "a:\n  - 1\n  - 2\n")  # same data, other layout
+    with pytest.raises(FmtError, match="would change what the file means"):
+        _same_meaning("a: yes\n", "a: 'yes'\n")  # YAML 1.1 reads the first as true
+
+
+def test_fmt_on_a_kind_folder_and_a_yml_file(capsys, tmp_path):
+    presets = tmp_path / "rules" / "presets"
+    presets.mkdir(parents=True)
+    (presets / "p.yml").write_text("allow: []\npreset: p\n")
+    rc, out, _ = run(capsys, "fmt", str(presets))
+    assert (rc, out) == (0, f"{presets / 'p.yml'}: reformatted\n")
+    assert (presets / "p.yml").read_text() == "preset: p\nallow: []\n"
