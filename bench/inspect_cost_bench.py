@@ -101,16 +101,20 @@ def start_rig(  # type: ignore[no-untyped-def]
     exempt_ports: tuple[int, ...] = (),
     code: Path | None = None,
     fi=None,
+    rules: str = RULES,
+    proxy_port: int | None = None,
 ):
     """The fake internet (`fi`, or a new one), a sandbox namespace redirected to a gateway
     (this tree's, or the build in `code`: gateway_bench's --baseline) with its inspector
     (ready), the task registered; all torn down by `stack`. `exempt_ports`: host ports
-    the namespace may reach directly (other proxies in a side-by-side run). Returns
+    the namespace may reach directly (other proxies in a side-by-side run); `rules`: the
+    task's profile (it must keep RULES' entries); `proxy_port`: the gateway's explicit
+    proxy port on the namespace's host address (default: a free one). Returns
     (fake internet, namespace, gateway process, the inspector CA's path)."""
     from stockade.tasks import ControlClient, Task
     from stockade.testing.testnet import ClientNamespace, FakeInternet, host
 
-    tport, pport = free_port(), free_port()
+    tport, pport = free_port(), proxy_port or free_port()
     if fi is None:
         host.register_cleanup(stack, stack.close)
         stack.callback(host.unregister_cleanup, stack)
@@ -126,7 +130,7 @@ def start_rig(  # type: ignore[no-untyped-def]
     ns.start()
     d = tmp / "gw"
     (d / "rules" / "profiles").mkdir(parents=True)
-    (d / "rules" / "profiles" / "bench.yaml").write_text(RULES)
+    (d / "rules" / "profiles" / "bench.yaml").write_text(rules)
     gw = spawn_gateway(
         d, f"{ns.host_ip}:{tport}", f"{ns.host_ip}:{pport}", 0,
         resolvers=[fi.dns_server], allow_addresses=[fi.subnet],
@@ -192,10 +196,12 @@ def print_table(
         spread = f"{min(values):.0f}-{max(values):.0f}"
         per_gib = cpu[key] / (nbytes * len(values) / 2**30)
         print(f"{labels[key]:<38}{med:>8.0f}{spread:>14}{med / base:>11.0%} {per_gib:>13.2f}")
-    print(textwrap.dedent(f"""
-        ratio inspected / spliced: {statistics.median(rates['inspected']) / base:.2f}
-        load average before: {' '.join(f'{x:.2f}' for x in load_before)}, after: \
-{' '.join(f'{x:.2f}' for x in os.getloadavg())}; {host_cost()}""").rstrip())
+    print(
+        textwrap.dedent(f"""
+        ratio inspected / spliced: {statistics.median(rates["inspected"]) / base:.2f}
+        load average before: {" ".join(f"{x:.2f}" for x in load_before)}, after: \
+{" ".join(f"{x:.2f}" for x in os.getloadavg())}; {host_cost()}""").rstrip()
+    )
 
 
 if __name__ == "__main__":
