@@ -327,6 +327,11 @@ class _Pump:
             pool.put(self.pipe)
             self.pipe = None
             self.relay._account(self.chunk, self.up)
+            if self.chunk < pool.size:
+                # a short read drained the socket: another splice would only hear
+                # EAGAIN (a syscall per readiness); the level-triggered reader calls
+                # again if more came meanwhile
+                return "read"
 
     def _move_copy(self) -> str:
         assert self.buf is not None
@@ -351,9 +356,14 @@ class _Pump:
                     relay.up_left -= n  # type: ignore[operator]
                 self.pending = memoryview(self.buf)[:n]
                 self.chunk = n
+                drained = n < want  # as in _move_splice: no recv just to hear EAGAIN
+            else:
+                drained = False
             state = self._send_pending()
             if state is not None:
                 return state
+            if drained:
+                return "read"
 
 
 def splice_works() -> bool:
