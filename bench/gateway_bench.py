@@ -5,12 +5,15 @@ tinyproxy (allowlisting CONNECT proxies). Everything runs on 127.0.0.1.
 
     .venv/bin/python bench/gateway_bench.py [--bytes 512MiB] [--latency-runs 300]
                                             [--idle 10000] [--only gateway,direct,...]
+                                            [--rate 3] [--hog]
 
 Each proxy gets a CONNECT to `localhost:<upstream port>` followed by a real TLS
 ClientHello (SNI `localhost`, so the gateway's sniffer and policy run), then a one-byte
 command to the upstream: `D` + 8-byte length (download that many bytes, sent with
 sendfile), `P` (answer one byte, then stay idle). The upstream and each proxy are
-separate processes; the client is this process.
+separate processes; the client is this process (the `--rate` table's clients are
+processes of their own: bench/connrate.py). `--hog`: everything with a CPU hog on the
+other core (bench/cpuhog.py).
 """
 
 from __future__ import annotations

@@ -83,6 +83,17 @@ def wait_inspector(ns, fi, ca: Path, timeout: float = 90) -> None:  # type: igno
         time.sleep(0.5)
 
 
+def host_unavailable() -> bool:
+    """True, with the reason on stderr, where this host cannot run the rig (it needs
+    root and network namespaces)."""
+    from stockade.testing.testnet import host
+
+    reason = host.available()
+    if reason:
+        print(f"cannot run: {reason}", file=sys.stderr)
+    return bool(reason)
+
+
 def register(ctl, task, timeout: float = 30) -> None:  # type: ignore[no-untyped-def]
     """Register `task` once the gateway's control socket answers."""
     end = time.monotonic() + timeout
@@ -151,11 +162,7 @@ def main() -> int:
     ap.add_argument("--http2", action="store_true", help="curl --http2 (default --http1.1)")
     args = ap.parse_args()
 
-    from stockade.testing.testnet import host
-
-    reason = host.available()
-    if reason:
-        print(f"cannot run: {reason}", file=sys.stderr)
+    if host_unavailable():
         return 2
     nbytes = parse_size(args.bytes)
     load_before = os.getloadavg()

@@ -54,7 +54,7 @@ import squid_bump
 from gateway_bench import VENV_BIN, _descendants, baseline_tree, cpu_seconds, parse_size
 from gateway_transparent_bench import code_revision, stop_proc, wait_listen
 from hostcost import describe as host_cost
-from inspect_cost_bench import INSPECTED, SPLICED, start_rig
+from inspect_cost_bench import INSPECTED, SPLICED, host_unavailable, start_rig
 
 from stockade.ports import free_port
 
@@ -214,11 +214,7 @@ def main() -> int:
     )
     args = ap.parse_args()
 
-    from stockade.testing.testnet import host
-
-    reason = host.available()
-    if reason:
-        print(f"cannot run: {reason}", file=sys.stderr)
+    if host_unavailable():
         return 2
     if args.requests < 2 or args.runs < 1:
         print("--requests must be >= 2 and --runs >= 1", file=sys.stderr)

@@ -39,7 +39,7 @@ import cpuhog
 from gateway_bench import cpu_seconds
 from gateway_transparent_bench import code_revision
 from hostcost import describe as host_cost
-from inspect_cost_bench import RULES, start_rig
+from inspect_cost_bench import RULES, host_unavailable, start_rig
 
 from stockade.ports import free_port
 
@@ -125,17 +125,13 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5, help="interleaved rounds (median shown)")
     ap.add_argument("--hog", action="store_true", help="with a CPU hog on the other core")
     args = ap.parse_args()
+    if args.packages < 1 or args.runs < 1:
+        ap.error("--packages and --runs must be >= 1")  # exits 2 with the usage
+    if host_unavailable():
+        return 2
 
-    from stockade.testing.testnet import host
     from stockade.testing.testnet.wheel import demo_wheels
 
-    reason = host.available()
-    if reason:
-        print(f"cannot run: {reason}", file=sys.stderr)
-        return 2
-    if args.packages < 1 or args.runs < 1:
-        print("--packages and --runs must be >= 1", file=sys.stderr)
-        return 2
     projects = [w.project for w in demo_wheels(args.packages)]
     load_before = os.getloadavg()
     started = time.monotonic()

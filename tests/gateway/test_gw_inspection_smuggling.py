@@ -126,28 +126,42 @@ def sgw(
     upstream: RecordingUpstream,
 ) -> Iterator[GatewayHarness]:
     tmp = tmp_path_factory.mktemp("smuggle")
-    bundle = tmp / "bundle.pem"
-    bundle.write_bytes(Path(fake_internet.ca_pem).read_bytes() + upstream_ca.cert_pem.bytes())
-    cfg = l7_config(tmp, fake_internet, upstream_ca_file=str(bundle), upstream_first=False)
+    cfg = trusting_config(tmp, fake_internet, upstream_ca, upstream_first=False)
     (tmp / "rules" / "profiles" / "mo.yaml").write_text(METHODS_ONLY)
     with running_gateway(cfg, inspector=True) as h:
         yield h
 
 
-def _tunnel(gw: GatewayHarness, alpn: str, profile: str = "l7") -> tuple[ssl.SSLSocket, int]:
-    """A hand-off (as the gateway makes it) to the recording upstream, then TLS."""
+def trusting_config(tmp: Path, fi: FakeInternet, issuer: trustme.CA, **inspection: Any) -> Path:
+    """l7_config whose inspector trusts `issuer` (a recording upstream's CA) as well."""
+    bundle = tmp / "bundle.pem"
+    bundle.write_bytes(Path(fi.ca_pem).read_bytes() + issuer.cert_pem.bytes())
+    return l7_config(tmp, fi, upstream_ca_file=str(bundle), **inspection)
+
+
+def handed_off(
+    gw: GatewayHarness, profile: str = "l7", ip: str = UPSTREAM_IP, task: str = "t-smuggle"
+) -> tuple[socket.socket, int]:
+    """A hand-off (as the gateway makes it) of echo.test at `ip`:443, before any TLS;
+    returns the socket and the connection id."""
     conn = 800_000 + secrets.randbelow(99_999)
     m = FlowMeta(
         connection_id=conn,
-        task_id="t-smuggle",
+        task_id=task,
         profile=profile,
         host="echo.test",
-        ip=UPSTREAM_IP,
+        ip=ip,
         port=443,
         policy_version=gw.svc.rules.current.version,  # type: ignore[union-attr]
     )
     sock, head = _handoff(gw, connect_request(m, gw.svc.inspector.key))  # type: ignore[union-attr]
     assert head.startswith(b"HTTP/1.1 200"), head
+    return sock, conn
+
+
+def _tunnel(gw: GatewayHarness, alpn: str, profile: str = "l7") -> tuple[ssl.SSLSocket, int]:
+    """A hand-off to the recording upstream, then TLS."""
+    sock, conn = handed_off(gw, profile)
     ctx = ssl.create_default_context(cafile=ca(gw))
     ctx.set_alpn_protocols([alpn])
     t = ctx.wrap_socket(sock, server_hostname="echo.test")

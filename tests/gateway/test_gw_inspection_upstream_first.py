@@ -10,19 +10,23 @@ before anything is dialled."""
 
 from __future__ import annotations
 
-import secrets
 import socket
 import ssl
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import trustme
 from gw_harness import GatewayHarness, running_gateway
 from gw_harness import newest_event as find_event
-from stockade.gateway.inspector.handoff import FlowMeta, connect_request
-from test_gw_inspection import _handoff, ca, l7_config
-from test_gw_inspection_smuggling import H2_HEADS, RecordingUpstream, _h1_answer, _h2
+from test_gw_inspection import ca
+from test_gw_inspection_smuggling import (
+    H2_HEADS,
+    RecordingUpstream,
+    _h1_answer,
+    _h2,
+    handed_off,
+    trusting_config,
+)
 
 from stockade.testing.testnet import FakeInternet
 
@@ -33,47 +37,34 @@ UPSTREAM_IP = "127.79.0.2"
 
 
 @pytest.fixture(scope="module")
-def upstream_ca() -> trustme.CA:
-    return trustme.CA()
+def counted() -> Iterator[tuple[trustme.CA, RecordingUpstream]]:
+    """The counting upstream and the CA that issued its certificate."""
+    issuer = trustme.CA()
+    u = RecordingUpstream(issuer, UPSTREAM_IP)
+    yield issuer, u
+    u.close()
 
 
 @pytest.fixture(scope="module")
-def upstream(upstream_ca: trustme.CA) -> Iterator[RecordingUpstream]:
-    u = RecordingUpstream(upstream_ca, UPSTREAM_IP)
-    yield u
-    u.close()
+def upstream(counted: tuple[trustme.CA, RecordingUpstream]) -> RecordingUpstream:
+    return counted[1]
 
 
 @pytest.fixture(scope="module")
 def ufgw(
     fake_internet: FakeInternet,
     tmp_path_factory: pytest.TempPathFactory,
-    upstream_ca: trustme.CA,
+    counted: tuple[trustme.CA, RecordingUpstream],
 ) -> Iterator[GatewayHarness]:
-    tmp = tmp_path_factory.mktemp("upfirst")
-    bundle = tmp / "bundle.pem"
-    bundle.write_bytes(Path(fake_internet.ca_pem).read_bytes() + upstream_ca.cert_pem.bytes())
     # the setting is left at its default
-    with running_gateway(l7_config(tmp, fake_internet, upstream_ca_file=str(bundle)),
-                         inspector=True) as h:
+    cfg = trusting_config(tmp_path_factory.mktemp("upfirst"), fake_internet, counted[0])
+    with running_gateway(cfg, inspector=True) as h:
         yield h
 
 
 def _handed_off(gw: GatewayHarness) -> tuple[socket.socket, int]:
     """A hand-off (as the gateway makes it) to the counting upstream, before any TLS."""
-    conn = 700_000 + secrets.randbelow(99_999)
-    m = FlowMeta(
-        connection_id=conn,
-        task_id="t-upfirst",
-        profile="l7",
-        host="echo.test",
-        ip=UPSTREAM_IP,
-        port=443,
-        policy_version=gw.svc.rules.current.version,  # type: ignore[union-attr]
-    )
-    sock, head = _handoff(gw, connect_request(m, gw.svc.inspector.key))  # type: ignore[union-attr]
-    assert head.startswith(b"HTTP/1.1 200"), head
-    return sock, conn
+    return handed_off(gw, ip=UPSTREAM_IP, task="t-upfirst")
 
 
 def _tls(gw: GatewayHarness, sock: socket.socket, alpn: list[str], sni: str) -> ssl.SSLSocket:
