@@ -294,13 +294,15 @@ class Launcher:
                               labels=dict(spec.labels)),
                               self._control_sockets(), live.registered)
             python = self._init_python()
-            live.ctx = StartContext(
+            ctx = StartContext(
                 settings=self.s, addresses=a, inputs=inputs, etc=etc, limits=limits,
                 env=self._env(spec, a.host_ip, proxy=proxy_env, trust=etc.trust_vars),
                 init_python=python, congestion_control=self._congestion_control,
                 seccomp=lambda: seccomp_program(python, profile),
                 state_dir=Path(self.config.state_dir) / "launcher")
-            backend.start(live, spec, live.ctx)
+            # only a session takes more commands: its execs need what its start got
+            live.ctx = ctx if spec.session else None
+            backend.start(live, spec, ctx)
             self.claims.running(live)
         except BaseException as e:
             self._teardown(task_id)

@@ -24,7 +24,9 @@ import ctypes
 import marshal
 import os
 import resource
+import selectors
 import signal
+import socket
 import sys
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
@@ -228,12 +230,13 @@ def start_command(plan, argv, umask, cwd=None):
 
 def fork_tied():
     """fork(); the child dies with its parent (SIGKILL). A pipe, not getppid(), tells
-    whether the parent died before the prctl: across a pid namespace getppid() is 0."""
+    whether the parent died before the prctl: across a pid namespace getppid() is 0.
+    The parent gets (pid, the pipe's write end: held while the child may start)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid:
-        os.close(r)  # w stays open as long as this process lives
-        return pid
+        os.close(r)
+        return pid, w
     os.close(w)
     check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
     os.set_blocking(r, False)
@@ -243,7 +246,7 @@ def fork_tied():
     except BlockingIOError:
         pass
     os.close(r)
-    return 0
+    return 0, None
 
 
 def join(target, cgroup_procs):
@@ -258,14 +261,74 @@ def join(target, cgroup_procs):
 
 def exec_in_session(plan, argv, umask):
     join(plan["join"]["pid"], plan["join"]["cgroup_procs"])
-    outer = fork_tied()  # the first child is in the sandbox's pid namespace
-    if outer == 0:
-        check(libc.unshare(CLONE_NEWPID), "unshare")
-        inner = fork_tied()  # pid 1 of the exec's own namespace: its end kills the rest
-        if inner == 0:
-            start_command(plan, argv, umask, plan["join"]["cwd"])
-        os._exit(reap_until(inner))
+    outer, _tie = start_exec(plan, argv, umask, plan["join"]["cwd"])
     os._exit(reap_until(outer))
+
+
+def start_exec(plan, argv, umask, cwd, before=None):
+    """The exec's first child, in the sandbox's pid namespace (`before` runs in it
+    first): it makes the exec's own pid namespace, whose pid 1 starts the command; the
+    end of that pid 1 kills every process of the exec and nothing else."""
+    outer, tie = fork_tied()
+    if outer == 0:
+        if before is not None:
+            before()
+        check(libc.unshare(CLONE_NEWPID), "unshare")
+        inner, _ = fork_tied()
+        if inner == 0:
+            start_command(plan, argv, umask, cwd)
+        os._exit(reap_until(inner))
+    return outer, tie
+
+
+def exec_server(plan, umask):
+    """A session's exec server: the cgroups and namespaces joined once, then one exec
+    per request on the launcher's socket (argv, environment, cwd, and the exec's stdin,
+    stdout and stderr as fds); it answers each exec's pid and, later, its status."""
+    join(plan["join"]["pid"], plan["join"]["cgroup_procs"])
+    sock = socket.socket(fileno=plan["serve"])
+    sel = selectors.DefaultSelector()
+    sel.register(sock, selectors.EVENT_READ)
+    running = {}  # pidfd -> (request id, pid, the tie's write end)
+    while True:
+        for key, _ in sel.select():
+            if key.fileobj is not sock:
+                rid, pid, tie = running.pop(key.fd)
+                sel.unregister(key.fd)
+                os.close(key.fd)
+                os.close(tie)
+                sock.send(marshal.dumps(("exit", rid, status_of(os.waitpid(pid, 0)[1]))))
+            elif not serve_request(sock, sel, running, plan, umask):
+                os._exit(0)  # the launcher closed its end: the session is over
+
+
+def serve_request(sock, sel, running, plan, umask):
+    msg, fds, _flags, _addr = socket.recv_fds(sock, 1 << 20, 3)
+    if not msg:
+        return False
+    req = marshal.loads(msg)  # noqa: S302 - the launcher's
+    if "kill" in req:
+        for pid in [p for rid, p, _ in running.values() if rid == req["kill"]]:
+            os.kill(pid, signal.SIGKILL)  # not reaped yet: the pid is still this child's
+        return True
+
+    def stdio():  # in the child: the exec's pipes become 0, 1, 2
+        sock.close()
+        sel.close()
+        for i, fd in enumerate(fds):
+            os.dup2(fd, i)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+
+    pid, tie = start_exec({**plan, "env": req["env"]}, req["argv"], umask, req["cwd"], stdio)
+    for fd in fds:
+        os.close(fd)
+    pidfd = os.pidfd_open(pid)
+    running[pidfd] = (req["id"], pid, tie)
+    sel.register(pidfd, selectors.EVENT_READ)
+    sock.send(marshal.dumps(("started", req["id"], pid)))
+    return True
 
 
 def main():
@@ -278,6 +341,8 @@ def main():
     umask = os.umask(0o022)
     argv = sys.argv[2:]
     try:
+        if "serve" in plan:
+            exec_server(plan, umask)
         if "join" in plan:
             exec_in_session(plan, argv, umask)
         for op in plan["ops"]:

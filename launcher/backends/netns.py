@@ -8,12 +8,14 @@ import functools
 import marshal
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import cgroups, initscript, netns
 from ..environment import SANDBOX_PATH
+from ..execserver import ExecServer
 from ..spec import LauncherError
 from ..supervise import Ended, exit_status, watch
 from . import CgroupControl, Live, StartContext, captures, init_plan
@@ -37,6 +39,9 @@ class NetnsBackend(CgroupControl):
     name = "netns"
     tap = None
 
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # one exec server per session, started once
+
     def create(self, live: Live, limits: Any, s: LauncherSettings) -> None:
         live.cg.create(cgroups.Limits(memory=limits.memory, pids=limits.pids,
                                       cpus=limits.cpus))
@@ -52,11 +57,24 @@ class NetnsBackend(CgroupControl):
             _await_held(live)
 
     def exec(self, live: Live, req: ExecSpec, ctx: StartContext) -> ExecProc:
-        """`sandbox_init.py` again, with a plan that joins the running init's cgroups and
-        namespaces (no nsenter: the cgroups are host paths, joined before the mounts)."""
-        plan = {**initscript.exec_plan(init_plan(live, ctx), _init_pid(live), req.cwd),
-                "env": req.env, "seccomp": ctx.seccomp()}
-        return _spawn_init([], ctx.init_python, plan, list(req.argv), req.stdin is not None)
+        """Through the session's exec server (`execserver.py`): `sandbox_init.py` again,
+        with a plan that joins the running init's cgroups and namespaces once (no
+        nsenter: the cgroups are host paths, joined before the mounts) and then starts
+        each exec as the first command started (`start_command`)."""
+        with self._lock:
+            server = live.pipes
+            if not isinstance(server, ExecServer) or not server.alive():
+                plan = {**initscript.exec_plan(init_plan(live, ctx), _init_pid(live), "/"),
+                        "seccomp": ctx.seccomp()}
+                server = live.pipes = ExecServer.spawn(lambda fd: _spawn_init(
+                    [], ctx.init_python, {**plan, "serve": fd}, [], False, fd))
+        _init_pid(live)  # refused once the session's init is gone
+        return server.start(list(req.argv), req.env, req.cwd, req.stdin is not None)
+
+    def teardown(self, live: Live) -> None:
+        super().teardown(live)
+        if isinstance(live.pipes, ExecServer):
+            live.pipes.close()  # its process went with the sandbox's cgroups
 
     def wait(self, live: Live, spec: SandboxSpec, deadline: float,
              s: LauncherSettings) -> Ended:
@@ -75,7 +93,7 @@ class NetnsBackend(CgroupControl):
 
 
 def _spawn_init(prefix: list[str], python: str, plan: dict[str, Any], argv: list[str],
-                stdin: bool) -> subprocess.Popen[bytes]:
+                stdin: bool, *keep: int) -> subprocess.Popen[bytes]:
     # the plan travels in a memfd, not argv: /proc/1/cmdline shows no host paths; with
     # it the init's code, compiled once by that interpreter (compiling the source costs
     # each start and exec 5-25 ms)
@@ -90,7 +108,7 @@ def _spawn_init(prefix: list[str], python: str, plan: dict[str, Any], argv: list
             env={"PATH": SANDBOX_PATH},
             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            close_fds=True, pass_fds=(plan_fd,), start_new_session=True, cwd="/")
+            close_fds=True, pass_fds=(plan_fd, *keep), start_new_session=True, cwd="/")
     finally:
         os.close(plan_fd)
 

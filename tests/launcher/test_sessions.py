@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
+from stockade.launcher.execspec import ExecSpec
+from stockade.launcher.spec import LauncherError
 
 from . import sessions_rig
 from .conftest import Lab
@@ -191,3 +193,16 @@ def test_server_sent_events(rig: Rig, session: str) -> None:
     assert {d["type"]: d.get("data") for d in datas[:-1]} == {"stdout": "one\n",
                                                                "stderr": "two\n"}
     assert datas[-1]["exit_code"] == 0
+
+
+def test_one_shot_sandboxes_take_no_exec(rig: Rig) -> None:
+    a = rig.api.call("POST", "/v1/sandboxes", {"profile": "svc", "argv": ["sleep", "30"],
+                                               "wait": False})
+    tid = a.json()["task_id"]
+    try:
+        with pytest.raises(LauncherError):
+            rig.svc.launcher.exec(tid, ExecSpec(("true",)))
+        assert rig.api.call("POST", f"/v1/sessions/{tid}/exec",
+                            {"argv": ["true"]}).status == 404
+    finally:
+        rig.api.call("DELETE", f"/v1/sandboxes/{tid}")
