@@ -249,9 +249,9 @@ def build(plan: InitPlan) -> dict[str, Any]:
     return {"ops": ops, "uid": plan.uid, "gid": plan.gid, "rlimits": dict(plan.rlimits)}
 
 
-def exec_plan(plan: InitPlan, init_pid: int, cwd: str) -> dict[str, Any]:
-    """The plan of one more command in a session (`sandbox_init.py` with `join`): the
-    sandbox's cgroups and its init's namespaces to join, then the same uid, gid and
-    rlimits as the first command (`build`); `cwd` is absolute inside the sandbox."""
-    return {"join": {"pid": init_pid, "cgroup_procs": list(plan.cgroup_procs), "cwd": cwd},
+def exec_plan(plan: InitPlan, init_pid: int) -> dict[str, Any]:
+    """The plan of a session's exec server (`sandbox_init.py` with `join`): the sandbox's
+    cgroups and its init's namespaces to join, then for every exec the same uid, gid and
+    rlimits as the first command (`build`)."""
+    return {"join": {"pid": init_pid, "cgroup_procs": list(plan.cgroup_procs)},
             "uid": plan.uid, "gid": plan.gid, "rlimits": dict(plan.rlimits)}

@@ -13,11 +13,12 @@ passes this file's code compiled inside the plan (a small bootstrap runs it with
 as PLAN), or where that cannot be had, this source itself.
 
 A session's init gets no command: it holds the sandbox (reaping orphans) until it is
-killed. Each later command of the session runs this same file with a plan that carries
-`join` (the init's pid, the sandbox's cgroups): it joins the cgroups and the init's
-namespaces, makes a pid namespace of its own below the sandbox's (a kill of the exec ends
-exactly its processes), and starts the command through the same `start_command` as the
-first command (uid, capabilities, no_new_privs, rlimits, seccomp, environment).
+killed. The session's exec server is this same file with a plan that carries `join` (the
+init's pid, the sandbox's cgroups) and `serve` (its socket): it joins the cgroups and the
+init's namespaces once, and for each exec makes a pid namespace of its own below the
+sandbox's (a kill of the exec ends exactly its processes) and starts the command through
+the same `start_command` as the first command (uid, capabilities, no_new_privs, rlimits,
+seccomp, environment).
 """
 
 import ctypes
@@ -259,12 +260,6 @@ def join(target, cgroup_procs):
         os.close(fd)
 
 
-def exec_in_session(plan, argv, umask):
-    join(plan["join"]["pid"], plan["join"]["cgroup_procs"])
-    outer, _tie = start_exec(plan, argv, umask, plan["join"]["cwd"])
-    os._exit(reap_until(outer))
-
-
 def start_exec(plan, argv, umask, cwd, before=None):
     """The exec's first child, in the sandbox's pid namespace (`before` runs in it
     first): it makes the exec's own pid namespace, whose pid 1 starts the command; the
@@ -343,8 +338,6 @@ def main():
     try:
         if "serve" in plan:
             exec_server(plan, umask)
-        if "join" in plan:
-            exec_in_session(plan, argv, umask)
         for op in plan["ops"]:
             do(op)
     except OSError as e:

@@ -64,7 +64,7 @@ class NetnsBackend(CgroupControl):
         with self._lock:
             server = live.pipes
             if not isinstance(server, ExecServer) or not server.alive():
-                plan = {**initscript.exec_plan(init_plan(live, ctx), _init_pid(live), "/"),
+                plan = {**initscript.exec_plan(init_plan(live, ctx), _init_pid(live)),
                         "seccomp": ctx.seccomp()}
                 server = live.pipes = ExecServer.spawn(lambda fd: _spawn_init(
                     [], ctx.init_python, {**plan, "serve": fd}, [], False, fd))

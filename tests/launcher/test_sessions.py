@@ -206,3 +206,20 @@ def test_one_shot_sandboxes_take_no_exec(rig: Rig) -> None:
                             {"argv": ["true"]}).status == 404
     finally:
         rig.api.call("DELETE", f"/v1/sandboxes/{tid}")
+
+
+def test_exec_server_restarts(rig: Rig) -> None:
+    """The container tier's exec server killed (an OOM kill would do it): its running
+    exec ends, the next exec starts a new server."""
+    sid = rig.api.create("svc")["session_id"]
+    try:
+        assert rig.api.exec(sid, ["true"])["exit_code"] == 0
+        server = rig.svc.launcher._live[sid].pipes
+        it = rig.api.stream(f"/v1/sessions/{sid}/exec", {"argv": ["sh", "-c", "echo up; sleep 60"]})
+        assert next(it)["data"] == "up\n"
+        server.proc.kill()
+        assert list(it)[-1]["exit_code"] == 137
+        assert rig.api.exec(sid, ["echo", "again"])["stdout"] == "again\n"
+        assert rig.svc.launcher._live[sid].pipes is not server
+    finally:
+        rig.api.kill(sid)
