@@ -39,6 +39,7 @@ from .run_request import (  # re-exported: the service's public request format
     result_from_json,
     run_request,
 )
+from .session_routes import SessionRoutes
 from .spec import TASK_ID_RE, LauncherError, RunResult, SandboxSpec
 
 if TYPE_CHECKING:  # annotations only
@@ -95,6 +96,11 @@ class LauncherService:
         self._starting: dict[int, _Run] = {}  # thread ident -> its run, until it has an id
         # the start event is written from the run's own thread: the thread says which run
         self.launcher.events.subscribe(self._on_event)
+        self.sessions = SessionRoutes(self)
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -109,11 +115,13 @@ class LauncherService:
             self.config.launcher.reconcile_interval_s,
             lambda: asyncio.to_thread(self.launcher.reconcile),
             "launcher: orphan reconcile", log))
+        self.sessions.start()
 
     async def stop(self) -> None:
         """Refuse new runs, kill this service's sandboxes, wait for their teardown, close
         the socket, then `Launcher.close()` (the last launcher out removes the nft table)."""
         self._closing = True
+        await self.sessions.stop()
         if self._reconciler is not None:
             self._reconciler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -179,6 +187,18 @@ class LauncherService:
             self._starting.pop(threading.get_ident(), None)
         run.report(run.finished, outcome)
 
+    def launch(self, spec: SandboxSpec, ruleset: Any) -> _Run:
+        """`Launcher.run(spec)` in a thread of its own; the run reports through its
+        futures (`started` once the sandbox exists). Call only on the loop's thread."""
+        loop = asyncio.get_running_loop()
+        run = _Run(loop, loop.create_future(), loop.create_future())
+        t = threading.Thread(target=self._worker, args=(run, spec, ruleset), daemon=True,
+                             name="stockade-sandbox")
+        self._threads = {x for x in self._threads if x.is_alive()}
+        self._threads.add(t)
+        t.start()
+        return run
+
     # -- the HTTP app ------------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY)
@@ -190,6 +210,7 @@ class LauncherService:
         app.router.add_post("/v1/sandboxes/{task_id}/suspend", self._suspend)
         app.router.add_post("/v1/sandboxes/{task_id}/resume", self._resume)
         app.router.add_post("/v1/reload", self._reload)
+        self.sessions.add_to(app)
         return app
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -223,13 +244,7 @@ class LauncherService:
         # checked after the last await: stop() sets it on this thread before it waits
         if self._closing:
             return _error(503, "shutting_down", "the launcher service is stopping")
-        loop = asyncio.get_running_loop()
-        run = _Run(loop, loop.create_future(), loop.create_future())
-        t = threading.Thread(target=self._worker, args=(run, spec, ruleset), daemon=True,
-                             name="stockade-sandbox")
-        self._threads = {x for x in self._threads if x.is_alive()}
-        self._threads.add(t)
-        t.start()
+        run = self.launch(spec, ruleset)
         if not wait:
             # answered once the sandbox exists (or failed): the id can be killed at once
             await asyncio.wait({run.started, run.finished},
