@@ -100,34 +100,23 @@ class AsyncClient:
         return wire.entries(*await self.send(wire.list_files(session_id, path)))
 
 
-class AsyncExecStream:
+class AsyncExecStream(wire.ExecState):
     """`async for chunk in stream`, then `.result` (see `ExecStream`)."""
 
     def __init__(self, client: AsyncClient, call: wire.Call, *, keep: bool) -> None:
+        super().__init__(call, keep=keep)
         self._client = client
-        self._call = call
-        self._decoder = wire.ExecDecoder(keep=keep)
-        self._result: ExecResult | None = None
-        self._started = False
 
     async def __aiter__(self) -> AsyncIterator[Output]:
-        if self._started:
-            raise RuntimeError("an exec stream can be read once")
-        self._started = True
+        self.begin()
         with mapped_errors(self._client.endpoint):
-            async with self._client.open_stream(self._call) as resp:
+            async with self._client.open_stream(self.call) as resp:
                 if resp.status_code >= 300:
                     wire.check(resp.status_code, await resp.aread())
                 async for data in resp.aiter_bytes():
-                    for chunk in self._decoder.feed(data):
+                    for chunk in self.decoder.feed(data):
                         yield chunk
-        self._result = self._decoder.close()
-
-    @property
-    def result(self) -> ExecResult:
-        if self._result is None:
-            raise RuntimeError("the exec stream has not been read to its end")
-        return self._result
+        self.finish()
 
 
 class AsyncFiles:
@@ -167,21 +156,19 @@ class _Opening:
             await self._sb.aclose()
 
 
-class AsyncSandbox:
+class AsyncSandbox(wire.Handle[AsyncClient]):
     """One session, awaited (see `Sandbox`)."""
 
-    def __init__(self, client: AsyncClient, info: SessionInfo, *,
-                 owns_client: bool = False) -> None:
-        self.client = client
-        self.info = info
-        self.files = AsyncFiles(self)
-        self._owns_client = owns_client
+    files_class = AsyncFiles
+    files: AsyncFiles
 
     @classmethod
-    def create(cls, profile: str, *, labels: dict[str, str] | None = None,
+    def create(cls, profile: str, *, client: AsyncClient | None = None,
+               launcher: str | None = None, labels: dict[str, str] | None = None,
                ttl_s: int | None = None, env: dict[str, str] | None = None,
-               inputs: list[tuple[str, str]] | None = None, client: AsyncClient | None = None,
-               launcher: str | None = None, **endpoint: Any) -> _Opening:
+               inputs: list[tuple[str, str]] | None = None, **endpoint: Any) -> _Opening:
+        """`Sandbox.create`'s arguments; await the answer, or use it in `async with`."""
+
         async def make() -> AsyncSandbox:
             return await cls._open(client, launcher, endpoint, lambda c: c.create(
                 profile, labels=labels, ttl_s=ttl_s, env=env, inputs=inputs))
@@ -206,10 +193,6 @@ class AsyncSandbox:
             if own:
                 await c.aclose()
             raise
-
-    @property
-    def id(self) -> str:
-        return self.info.session_id
 
     async def refresh(self) -> SessionInfo:
         self.info = await self.client.get(self.id)

@@ -16,6 +16,11 @@ class StockadeError(Exception):
 
     code = "error"
 
+    def __init_subclass__(cls, code: str | None = None, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if code is not None:
+            cls.code = code
+
     def __init__(self, detail: str, *, code: str | None = None, status: int | None = None,
                  field: str | None = None, body: dict[str, Any] | None = None) -> None:
         super().__init__(detail)
@@ -31,47 +36,21 @@ class StockadeError(Exception):
         return f"{self.code}: {self.detail}{where}"
 
 
-class BadRequest(StockadeError):
-    code = "bad_request"
+# one class per stable code, so `except NotFound:` reads as what it handles
+class BadRequest(StockadeError, code="bad_request"): ...
+class Unauthorized(StockadeError, code="unauthorized"): ...
+class NotFound(StockadeError, code="not_found"): ...
+class SessionEnded(StockadeError, code="session_ended"): ...
+class TooLarge(StockadeError, code="too_large"): ...
+class PathRefused(StockadeError, code="path_refused"): ...
+class ProfileUnknown(StockadeError, code="profile_unknown"): ...
+class LauncherFailure(StockadeError, code="launcher_error"): ...
+class Busy(StockadeError, code="busy"): ...
 
 
-class Unauthorized(StockadeError):
-    code = "unauthorized"
-
-
-class NotFound(StockadeError):
-    code = "not_found"
-
-
-class SessionEnded(StockadeError):
-    code = "session_ended"
-
-
-class TooLarge(StockadeError):
-    code = "too_large"
-
-
-class PathRefused(StockadeError):
-    code = "path_refused"
-
-
-class ProfileUnknown(StockadeError):
-    code = "profile_unknown"
-
-
-class LauncherFailure(StockadeError):
-    code = "launcher_error"
-
-
-class Busy(StockadeError):
-    code = "busy"
-
-
-class TransportError(StockadeError):
+class TransportError(StockadeError, code="transport"):
     """The launcher could not be reached, or its answer was not the API's (a broken
     stream, a body that is not JSON)."""
-
-    code = "transport"
 
 
 CODES: dict[str, type[StockadeError]] = {

@@ -9,7 +9,7 @@ object: a context manager that kills the sandbox on exit).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any, Literal, overload
 
@@ -105,33 +105,22 @@ class Client:
         return wire.entries(*self.send(wire.list_files(session_id, path)))
 
 
-class ExecStream:
+class ExecStream(wire.ExecState):
     """An exec's output as it comes (`for chunk in stream`), then `.result`. Leaving the
-    loop early closes the answer; the exec goes on in the sandbox until it ends."""
+    loop early closes the answer, and the launcher then kills the exec."""
 
     def __init__(self, client: Client, call: wire.Call, *, keep: bool) -> None:
+        super().__init__(call, keep=keep)
         self._client = client
-        self._call = call
-        self._decoder = wire.ExecDecoder(keep=keep)
-        self._result: ExecResult | None = None
-        self._started = False
 
     def __iter__(self) -> Iterator[Output]:
-        if self._started:
-            raise RuntimeError("an exec stream can be read once")
-        self._started = True
-        with mapped_errors(self._client.endpoint), self._client.open_stream(self._call) as resp:
+        self.begin()
+        with mapped_errors(self._client.endpoint), self._client.open_stream(self.call) as resp:
             if resp.status_code >= 300:
                 wire.check(resp.status_code, resp.read())
             for data in resp.iter_bytes():
-                yield from self._decoder.feed(data)
-        self._result = self._decoder.close()
-
-    @property
-    def result(self) -> ExecResult:
-        if self._result is None:
-            raise RuntimeError("the exec stream has not been read to its end")
-        return self._result
+                yield from self.decoder.feed(data)
+        self.finish()
 
 
 class Files:
@@ -153,46 +142,39 @@ class Files:
         return self._sb.client.list_files(self._sb.id, path)
 
 
-class Sandbox:
+class Sandbox(wire.Handle[Client]):
     """One session. `Sandbox.create(...)` starts one; `Sandbox.connect(id)` attaches to a
     running one. As a context manager it kills the sandbox on exit, error or not."""
 
-    def __init__(self, client: Client, info: SessionInfo, *, owns_client: bool = False) -> None:
-        self.client = client
-        self.info = info
-        self.files = Files(self)
-        self._owns_client = owns_client
+    files_class = Files
+    files: Files
 
     @classmethod
     def create(cls, profile: str, *, labels: dict[str, str] | None = None,
                ttl_s: int | None = None, env: dict[str, str] | None = None,
                inputs: list[tuple[str, str]] | None = None, client: Client | None = None,
                launcher: str | None = None, **endpoint: Any) -> Sandbox:
-        own = client is None
-        c = client or Client(launcher, **endpoint)
-        try:
-            info = c.create(profile, labels=labels, ttl_s=ttl_s, env=env, inputs=inputs)
-        except BaseException:
-            if own:
-                c.close()
-            raise
-        return cls(c, info, owns_client=own)
+        """A new session, once its sandbox is ready; `launcher` and `endpoint` (token,
+        token_file, ca, cert, key, timeout) say where, unless `client` is given."""
+        return cls._open(client, launcher, endpoint, lambda c: c.create(
+            profile, labels=labels, ttl_s=ttl_s, env=env, inputs=inputs))
 
     @classmethod
     def connect(cls, session_id: str, *, client: Client | None = None,
                 launcher: str | None = None, **endpoint: Any) -> Sandbox:
+        return cls._open(client, launcher, endpoint, lambda c: c.get(session_id))
+
+    @classmethod
+    def _open(cls, client: Client | None, launcher: str | None, endpoint: dict[str, Any],
+              first: Callable[[Client], SessionInfo]) -> Sandbox:
         own = client is None
         c = client or Client(launcher, **endpoint)
         try:
-            return cls(c, c.get(session_id), owns_client=own)
+            return cls(c, first(c), owns_client=own)
         except BaseException:
             if own:
                 c.close()
             raise
-
-    @property
-    def id(self) -> str:
-        return self.info.session_id
 
     def refresh(self) -> SessionInfo:
         self.info = self.client.get(self.id)

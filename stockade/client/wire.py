@@ -14,12 +14,13 @@ from __future__ import annotations
 import base64
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
 from .errors import StockadeError, TransportError, error_from_body
 from .models import ExecResult, FileEntry, Output, SessionInfo, Written
 
+C = TypeVar("C")
 MAX_LINE = 8 * 2**20  # one NDJSON line; the server's output cap is far below
 
 
@@ -147,11 +148,15 @@ def session(status: int, body: bytes) -> SessionInfo:
     return _model(SessionInfo, as_json(status, body), "session")  # type: ignore[no-any-return]
 
 
-def sessions(status: int, body: bytes) -> list[SessionInfo]:
-    items = as_json(status, body).get("sessions")
+def _items(status: int, body: bytes, key: str, cls: Any, what: str) -> list[Any]:
+    items = as_json(status, body).get(key)
     if not isinstance(items, list):
-        raise TransportError("session list has no 'sessions' array")
-    return [_model(SessionInfo, d, "session") for d in items]
+        raise TransportError(f"{what} list has no {key!r} array")
+    return [_model(cls, d, what) for d in items]
+
+
+def sessions(status: int, body: bytes) -> list[SessionInfo]:
+    return _items(status, body, "sessions", SessionInfo, "session")
 
 
 def written(status: int, body: bytes) -> Written:
@@ -159,10 +164,7 @@ def written(status: int, body: bytes) -> Written:
 
 
 def entries(status: int, body: bytes) -> list[FileEntry]:
-    items = as_json(status, body).get("entries")
-    if not isinstance(items, list):
-        raise TransportError("file list has no 'entries' array")
-    return [_model(FileEntry, d, "file entry") for d in items]
+    return _items(status, body, "entries", FileEntry, "file entry")
 
 
 # -- the exec stream ------------------------------------------------------------------------
@@ -222,6 +224,48 @@ class ExecDecoder:
         raise TransportError(f"exec stream line of unknown type: {line[:200]!r}")
 
 
+class Handle(Generic[C]):
+    """What a sync or an asyncio sandbox object holds: its client, the session as last
+    seen, its `files` (of the class `files_class`), and whether it opened that client
+    (and so closes it)."""
+
+    files_class: Any
+
+    def __init__(self, client: C, info: SessionInfo, *, owns_client: bool = False) -> None:
+        self.client = client
+        self.info = info
+        self.files = self.files_class(self)
+        self._owns_client = owns_client
+
+    @property
+    def id(self) -> str:
+        return self.info.session_id
+
+
+class ExecState:
+    """What a sync or an asyncio exec stream keeps: the call, its decoder, its result."""
+
+    def __init__(self, call: Call, *, keep: bool) -> None:
+        self.call = call
+        self.decoder = ExecDecoder(keep=keep)
+        self._result: ExecResult | None = None
+        self._started = False
+
+    def begin(self) -> None:
+        if self._started:
+            raise RuntimeError("an exec stream can be read once")
+        self._started = True
+
+    def finish(self) -> None:
+        self._result = self.decoder.close()
+
+    @property
+    def result(self) -> ExecResult:
+        if self._result is None:
+            raise RuntimeError("the exec stream has not been read to its end")
+        return self._result
+
+
 def exec_result(status: int, body: bytes) -> ExecResult:
     """A whole exec answer read at once (the NDJSON stream, not split)."""
     check(status, body)
@@ -230,4 +274,4 @@ def exec_result(status: int, body: bytes) -> ExecResult:
     return dec.close()
 
 
-__all__ = ["Call", "ExecDecoder", "StockadeError"]
+__all__ = ["Call", "ExecDecoder", "ExecState", "Handle", "StockadeError"]
