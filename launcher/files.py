@@ -163,6 +163,7 @@ def write(root: str, path: str, chunks: Iterator[bytes], limit: int, owner: Owne
     if parts[-1].startswith(TMP_PREFIX):
         raise FileError("path_refused", 400, f"names starting {TMP_PREFIX} are reserved")
     with _fd(_root(root)) as rootfd, _fd(_parent(rootfd, parts[:-1], owner)) as pfd:
+        _refuse_symlink(pfd, parts[-1], path)
         tmp = TMP_PREFIX + secrets.token_hex(8)
         size = 0
         try:
@@ -183,6 +184,17 @@ def write(root: str, path: str, chunks: Iterator[bytes], limit: int, owner: Owne
             _unlink(pfd, tmp)
             raise
     return size
+
+
+def _refuse_symlink(dirfd: int, name: str, path: str) -> None:
+    """A symlink at the target is refused like one on the way. (One swapped in after
+    this check is only replaced by the rename: a rename never follows it.)"""
+    try:
+        st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise FileError("path_refused", 400, f"path is a symlink: {path}")
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 from stockade.launcher.cgroups import remove_parent
 from stockade.launcher.service import LauncherService
 
@@ -140,3 +141,32 @@ def serving(lab: Lab, tmp: Path, config: Config | None = None) -> Iterator[Rig]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         remove_parent(config.launcher.cgroup_root, config.launcher.cgroup_parent)
+
+
+@pytest.fixture(scope="module")
+def rig(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    with serving(lab, tmp_path_factory.mktemp("sessions")) as r:
+        yield r
+
+
+@pytest.fixture(params=["svc", "gv"])
+def stier(request: pytest.FixtureRequest, rig: Rig) -> str:
+    """The profile of a session test on the container tier (`svc`) and gVisor (`gv`)."""
+    if request.param == "gv":
+        from stockade.launcher.backends.gvisor import BACKEND
+
+        why = BACKEND.problem(rig.svc.launcher.s)
+        if why is not None:
+            pytest.skip(f"gVisor unavailable: {why}")
+    return str(request.param)
+
+
+@pytest.fixture
+def session(rig: Rig, stier: str) -> Iterator[str]:
+    s = rig.api.create(stier, labels={"agent": "tester"})
+    try:
+        yield s["session_id"]
+    finally:
+        rig.api.kill(s["session_id"])
+
+

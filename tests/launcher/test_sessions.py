@@ -5,42 +5,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from .conftest import Lab
-from .sessions_rig import Rig, serving
+from . import sessions_rig
+from .sessions_rig import Rig
+
+# the rig's fixtures, shared with the other session test modules
+rig, stier, session = sessions_rig.rig, sessions_rig.stier, sessions_rig.session
 
 pytestmark = pytest.mark.netns
-
-
-@pytest.fixture(scope="module")
-def rig(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    with serving(lab, tmp_path_factory.mktemp("sessions")) as r:
-        yield r
-
-
-@pytest.fixture(params=["svc", "gv"])
-def stier(request: pytest.FixtureRequest, rig: Rig) -> str:
-    """The profile of a session test on the container tier (`svc`) and gVisor (`gv`)."""
-    if request.param == "gv":
-        from stockade.launcher.backends.gvisor import BACKEND
-
-        why = BACKEND.problem(rig.svc.launcher.s)
-        if why is not None:
-            pytest.skip(f"gVisor unavailable: {why}")
-    return str(request.param)
-
-
-@pytest.fixture
-def session(rig: Rig, stier: str) -> Iterator[str]:
-    s = rig.api.create(stier, labels={"agent": "tester"})
-    try:
-        yield s["session_id"]
-    finally:
-        rig.api.kill(s["session_id"])
 
 
 def test_create_shape(rig: Rig, stier: str) -> None:

@@ -4,6 +4,7 @@ path and label checks, the request models and the committed OpenAPI document."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,32 @@ def test_openapi_is_valid_and_committed() -> None:
     committed = (ROOT / "docs" / "openapi.json").read_text()
     assert json.loads(committed) == doc, (
         "docs/openapi.json is stale: python -m stockade.launcher.openapi > docs/openapi.json")
+
+
+@pytest.mark.parametrize("walk", [False, True])
+def test_confinement_on_a_real_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                    walk: bool) -> None:
+    """Both resolvers (openat2, and the O_NOFOLLOW walk of kernels without it) refuse
+    every symlink on the way and at the target."""
+    if walk:
+        monkeypatch.setattr(files, "_openat2_works", False)
+    root, outside = tmp_path / "scratch", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "f").write_text("host")
+    (root / "dirlink").symlink_to(outside)
+    (root / "filelink").symlink_to(outside / "f")
+    me = files.Owner(os.getuid(), os.getgid())
+    assert files.write(str(root), "a/b/c.txt", iter([b"x", b"yz"]), 10, me) == 3
+    assert files.read(str(root), "a/b/c.txt", 10) == b"xyz"
+    for path in ("dirlink/f", "filelink", "dirlink/new"):
+        with pytest.raises(files.FileError) as e:
+            files.write(str(root), path, iter([b"evil"]), 10, me)
+        assert e.value.code == "path_refused", path
+        if path != "dirlink/new":
+            with pytest.raises(files.FileError):
+                files.read(str(root), path, 10)
+    with pytest.raises(files.FileError) as e:
+        files.write(str(root), "a/b/c.txt", iter([b"0123456789", b"!"]), 10, me)
+    assert e.value.code == "too_large" and files.read(str(root), "a/b/c.txt", 10) == b"xyz"
+    assert (outside / "f").read_text() == "host" and [p.name for p in outside.iterdir()] == ["f"]
