@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import ssl
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,11 @@ def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
                         "(default: launcher.control_socket)")
     p.add_argument("--launcher-token-file", metavar="FILE",
                    help="bearer token for a launcher URL (default: $STOCKADE_TOKEN_FILE)")
+    p.add_argument("--launcher-ca", metavar="FILE",
+                   help="CA bundle of an https:// launcher URL (default: the system's)")
+    p.add_argument("--launcher-cert", metavar="FILE",
+                   help="client certificate (PEM) for a launcher that asks for mTLS")
+    p.add_argument("--launcher-key", metavar="FILE", help="its key (default: in the cert)")
     p.add_argument("--profile", help="profile of sessions whose tool call names none")
     p.add_argument("--ttl", type=int, metavar="SECONDS",
                    help="TTL of the sessions it creates (capped by the profile's limits.ttl)")
@@ -72,9 +78,10 @@ def _mcp(args: argparse.Namespace) -> int:
         return _fail(f"--host {args.host} is not loopback: --token-file is required")
     target = args.launcher or args.config_loader(args.config, "mcp").launcher.control_socket
     try:
-        client = AsyncClient(target, token_file=args.launcher_token_file)
-    except StockadeError as e:
-        return _fail(str(e))
+        client = AsyncClient(target, token_file=args.launcher_token_file, ca=args.launcher_ca,
+                             cert=args.launcher_cert, key=args.launcher_key)
+    except (StockadeError, OSError, ssl.SSLError) as e:  # a token, CA or cert unusable
+        return _fail(f"launcher {target}: {e}")
     asyncio.run(serve(client, transport=args.transport, profile=args.profile, ttl_s=args.ttl,
                       host=args.host, port=args.port, token=token))
     return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -31,9 +32,17 @@ class Stack:
         return self.config.launcher.control_socket
 
 
+def free_port() -> int:
+    """A loopback TCP port free now (a listener of a test's own: MCP, the launcher's TCP)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 @contextlib.contextmanager
-def stack_up(root: Path, inet: Any) -> Iterator[Stack]:
-    cfg_path = write_config(root, instance_config(root, inet))
+def stack_up(root: Path, inet: Any, **extra: Any) -> Iterator[Stack]:
+    """`extra`: stockade.yaml sections merged into the instance's (e.g. launcher: {...})."""
+    cfg_path = write_config(root, instance_config(root, inet, **extra))
     err = root / "up.err"
     with open(err, "wb") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "stockade", "up", "--config",

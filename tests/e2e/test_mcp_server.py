@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -21,7 +20,7 @@ from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamablehttp_client
 from polling import eventually
-from sessions_stack import Stack
+from sessions_stack import Stack, free_port
 
 from stockade.client import Client
 
@@ -98,17 +97,12 @@ async def test_stdio(stack: Stack):
     assert eventually(lambda: _ended(stack, sid), 60)  # the server's sessions went with it
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 @asynccontextmanager
 async def _http_server(stack: Stack, tmp: Path) -> AsyncIterator[tuple[str, str]]:
     token = secrets.token_urlsafe(24)
     (tmp / "mcp.token").write_text(token + "\n")
-    port = _free_port()
+    port = free_port()
     err = tmp / "mcp.err"
     with open(err, "wb") as fh:
         proc = subprocess.Popen([sys.executable, *_argv(
