@@ -79,10 +79,10 @@ def extend(session_id: str, ttl_s: int) -> Call:
 def exec_call(session_id: str, argv: list[str], *, env: dict[str, str] | None = None,
               cwd: str | None = None, stdin: str | bytes | None = None,
               timeout_s: float | None = None) -> Call:
-    if isinstance(argv, str | bytes) or not argv:
-        # a lone string would be split into characters by the server's list check
+    # a lone string is refused, not split: "ls -l" is one program name, never a shell line
+    if isinstance(argv, str | bytes) or not argv or not all(isinstance(a, str) for a in argv):
         raise ValueError("argv must be a non-empty list of strings")
-    body: dict[str, Any] = {"argv": [str(a) for a in argv]}
+    body: dict[str, Any] = {"argv": list(argv)}
     if env:
         body["env"] = dict(env)
     if cwd is not None:
@@ -98,7 +98,12 @@ def exec_call(session_id: str, argv: list[str], *, env: dict[str, str] | None = 
 
 
 def write_file(session_id: str, path: str, data: bytes | str) -> Call:
-    content = data.encode() if isinstance(data, str) else bytes(data)
+    if isinstance(data, str):
+        content = data.encode()
+    elif isinstance(data, bytes | bytearray | memoryview):
+        content = bytes(data)
+    else:  # bytes(5) would be five zero bytes, not an error
+        raise TypeError(f"file data must be bytes or str, not {type(data).__name__}")
     return Call("PUT", f"/v1/sessions/{_sid(session_id)}/files", params={"path": path},
                 content=content, long=True)
 

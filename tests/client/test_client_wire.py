@@ -40,7 +40,7 @@ def test_exec_call_body():
     assert wire.exec_call("abc", ["cat"], stdin="hi").json == {"argv": ["cat"], "stdin": "hi"}
 
 
-@pytest.mark.parametrize("argv", ["ls -l", [], b"ls"])
+@pytest.mark.parametrize("argv", ["ls -l", [], b"ls", ["ls", None], ["ls", 1]])
 def test_exec_call_refuses_a_string_or_nothing(argv):
     with pytest.raises(ValueError, match="argv"):
         wire.exec_call("abc", argv)
@@ -51,6 +51,9 @@ def test_session_ids_stay_in_one_path_segment():
     assert wire.write_file("s1", "a/b.txt", "x").params == {"path": "a/b.txt"}
     assert wire.write_file("s1", "a", "é").content == "é".encode()
     assert wire.list_files("s1").params == {"list": "."}
+    assert wire.write_file("s1", "a", bytearray(b"\x00")).content == b"\x00"
+    with pytest.raises(TypeError, match="bytes or str"):
+        wire.write_file("s1", "a", 5)  # type: ignore[arg-type]
 
 
 @given(st.lists(st.integers(min_value=1, max_value=len(STREAM) - 1), max_size=8))
