@@ -81,6 +81,10 @@ class Launcher:
                              self._retry_deregistrations)
         self.deregister_failures = 0  # failed deregistrations (each logged), retries too
         self._congestion_control = permitted_congestion_control(s.congestion_control)
+        # task id -> the labels its spec asked for: in its registration and, through the
+        # writer, in every event the launcher writes of it
+        self._labels: dict[str, dict[str, str]] = {}
+        self.events.label_with(self._labels.get)
 
     # the NFLOG reader's state as before the split (the service's status reads the first)
     @property
@@ -153,6 +157,7 @@ class Launcher:
                                  accounting=self.bypass.end_accounting(ours)))
         else:
             self.bypass.forget(rec.task_id)
+        self._labels.pop(rec.task_id, None)
         scrubber = scrub.for_sandbox(self.config, str(self.scratch_base), rec.host_ip,
                                      spec.inputs, spec.env)
         if ended.failed is not None:  # torn down above, like any sandbox that fails to start
@@ -273,6 +278,8 @@ class Launcher:
         ttl = min(spec.ttl, limits.ttl) if spec.ttl else limits.ttl
         live = self.claims.claim(profile.name, ttl, isolation["isolation"], backend)
         rec, task_id = live.record, live.record.task_id
+        if spec.labels:
+            self._labels[task_id] = dict(spec.labels)
         a = slot_addresses(self.s.address_pool, rec.slot)
         try:
             backend.create(live, limits, self.s)
@@ -283,7 +290,8 @@ class Launcher:
                                          [wiring(rec, proxy=proxy_env)]))
             if self.register_tasks:
                 register_task(Task(task_id, a.guest_ip, profile.name,
-                              expires_at=rec.started_at + ttl + 5),
+                              expires_at=rec.started_at + ttl + 5,
+                              labels=dict(spec.labels)),
                               self._control_sockets(), live.registered)
             python = self._init_python()
             live.ctx = StartContext(

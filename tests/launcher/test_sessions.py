@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from . import sessions_rig
+from .conftest import Lab
 from .sessions_rig import Rig
 
 # the rig's fixtures, shared with the other session test modules
@@ -165,3 +166,13 @@ def test_exec_refusals(rig: Rig, session: str) -> None:
 def test_one_shot_runs_unchanged(rig: Rig, tmp_path: Path) -> None:
     a = rig.api.call("POST", "/v1/sandboxes", {"profile": "svc", "argv": ["echo", "hi"]})
     assert a.status == 200 and a.json()["stdout"] == "hi\n" and a.json()["exit_code"] == 0
+
+
+def test_labels_in_the_registration(rig: Rig, lab: Lab) -> None:
+    s = rig.api.create("svc", labels={"user": "alice", "agent": "a-1"})
+    try:
+        for reg in (lab.gateway_registry, lab.broker_registry):
+            task = reg.get(s["session_id"])
+            assert task is not None and task.labels == {"user": "alice", "agent": "a-1"}
+    finally:
+        rig.api.kill(s["session_id"])

@@ -148,3 +148,14 @@ def test_confinement_on_a_real_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         files.write(str(root), "a/b/c.txt", iter([b"0123456789", b"!"]), 10, me)
     assert e.value.code == "too_large" and files.read(str(root), "a/b/c.txt", 10) == b"xyz"
     assert (outside / "f").read_text() == "host" and [p.name for p in outside.iterdir()] == ["f"]
+
+
+def test_run_requests_take_labels() -> None:
+    from stockade.launcher.run_request import RequestError, parse_run_request, run_request
+    from stockade.launcher.spec import SandboxSpec
+
+    spec = SandboxSpec("p", ["true"], labels={"user": "bob"})
+    assert parse_run_request(run_request(spec))[0] == spec
+    with pytest.raises(RequestError) as e:
+        parse_run_request({"profile": "p", "argv": ["true"], "labels": {"task_id": "x"}})
+    assert e.value.field == "labels"
