@@ -116,7 +116,9 @@ def test_denials_in_the_result(stack: Stack):
         assert res.stdout == "refused\n"
         reasons = {(d["event"]["action"], d["event"]["reason"]) for d in res.denials}
         assert ("dns_decision", "no_matching_rule") in reasons, res.denials
-        assert all(d["labels"]["task_id"] == sb.id for d in res.denials)
+        # the session's labels ride in every event of its task (the SOC's link to the run)
+        assert all(d["labels"]["task_id"] == sb.id and d["labels"]["run"] == "sdk-denial"
+                   for d in res.denials), res.denials
         assert sb.exec(["true"]).denials == []  # the next exec has its own
 
 
