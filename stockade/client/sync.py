@@ -65,7 +65,8 @@ class Client:
         return wire.sessions(*self.send(wire.list_sessions()))
 
     def kill(self, session_id: str) -> bool:
-        """True when this call ended it; False when it had already ended."""
+        """True once the session has ended (killing an ended one is no error); False
+        when the launcher does not know it."""
         try:
             wire.as_json(*self.send(wire.kill(session_id)))
         except (NotFound, SessionEnded):

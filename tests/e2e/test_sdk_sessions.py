@@ -64,7 +64,8 @@ def test_sync_session_lifecycle(stack: Stack):
         assert c.get(sid).state == "ended"  # the with block killed it
         with pytest.raises(SessionEnded):
             c.exec(sid, ["true"])
-        assert c.kill(sid) is True or c.get(sid).state == "ended"
+        assert c.kill(sid) is True  # idempotent
+        assert c.kill("0123456789") is False  # unknown
 
 
 @pytest.mark.timeout(300)
@@ -90,6 +91,20 @@ def test_stream_arrives_while_the_command_runs(stack: Stack):
             assert "".join(c.data for c in rest if c.type == kind) == "".join(
                 f"{word} {i}\n" for i in range(3))
         assert stream.result.exit_code == 0 and stream.result.stdout == ""
+
+
+@pytest.mark.timeout(300)
+def test_kill_during_a_streamed_exec(stack: Stack):
+    """The stream ends with the exec's end (`killed`), not with a transport error."""
+    with Sandbox.create(profile="e2e", launcher=stack.socket) as sb:
+        stream = sb.exec(["sh", "-c", "echo started; exec sleep 120"], stream=True)
+        it = iter(stream)
+        assert next(it).data == "started\n"
+        with Client(stack.socket) as other:  # another orchestrator process, say
+            assert other.kill(sb.id) is True
+        assert list(it) == []
+        assert stream.result.ended_by == "killed" and stream.result.exit_code != 0
+        assert sb.kill() is True  # killing an ended session is no error (the block's exit)
 
 
 @pytest.mark.timeout(300)
