@@ -64,18 +64,20 @@ def _loopback(host: str) -> bool:
 
 
 def _mcp(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from stockade.client import AsyncClient, StockadeError
-
-    from .server import serve
-
+    # the arguments are checked before the heavy imports (mcp, starlette, uvicorn, httpx):
+    # a refusal comes at once
     try:
         token = _token(args.token_file) if args.transport == "http" else None
     except (OSError, ValueError) as e:
         return _fail(f"--token-file: {e}")
     if args.transport == "http" and token is None and not _loopback(args.host):
         return _fail(f"--host {args.host} is not loopback: --token-file is required")
+    import asyncio
+
+    from stockade.client import AsyncClient, StockadeError
+
+    from .server import serve
+
     target = args.launcher or args.config_loader(args.config, "mcp").launcher.control_socket
     try:
         client = AsyncClient(target, token_file=args.launcher_token_file, ca=args.launcher_ca,

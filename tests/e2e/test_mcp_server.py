@@ -141,5 +141,5 @@ async def test_streamable_http_with_token(stack: Stack, tmp_path: Path):
 def test_http_off_loopback_needs_a_token(stack: Stack):
     proc = subprocess.run([sys.executable, *_argv(stack, "--transport", "http", "--host",
                                                   "0.0.0.0")],
-                          capture_output=True, text=True, timeout=60, check=False)
+                          capture_output=True, text=True, timeout=180, check=False)
     assert proc.returncode == 2 and "--token-file is required" in proc.stderr
