@@ -39,6 +39,21 @@ ROUTES: list[Route] = [
      {200: m.FileWritten, 413: m.ErrorBody, **ERRORS}),
     ("get", SID + "/files", "Read a file (?path=REL: raw bytes) or list a directory "
      "(?list=REL: FileList)", None, {200: "file_or_list", 413: m.ErrorBody, **ERRORS}),
+    # the one-shot routes (request format: launcher/run_request.py, docs/launcher.md)
+    ("post", "/v1/sandboxes", "Run one command in a fresh sandbox (RunResult; \"wait\": "
+     "false answers 202 once it exists)", "object", {200: "object", 202: "object",
+                                                    400: m.ErrorBody, 503: m.ErrorBody}),
+    ("get", "/v1/sandboxes", "The live sandboxes", None, {200: "object"}),
+    ("get", "/v1/sandboxes/{task_id}/result", "A run's result", None,
+     {200: "object", 202: "object", 404: m.ErrorBody}),
+    ("delete", "/v1/sandboxes/{task_id}", "Kill a sandbox", None,
+     {200: "object", 404: m.ErrorBody}),
+    ("post", "/v1/sandboxes/{task_id}/suspend", "Freeze a sandbox", None,
+     {200: "object", 404: m.ErrorBody}),
+    ("post", "/v1/sandboxes/{task_id}/resume", "Thaw a sandbox", None,
+     {200: "object", 404: m.ErrorBody}),
+    ("get", "/v1/health", "Readiness", None, {200: "object"}),
+    ("post", "/v1/reload", "Reload the rules", None, {200: "object", 422: "object"}),
 ]
 MODELS: list[type[BaseModel]] = [
     m.SessionCreate, m.Session, m.SessionList, m.TtlRequest, m.Killed, m.ExecRequest,
@@ -61,6 +76,8 @@ def _content(kind: Any) -> dict[str, Any]:
         return {"application/octet-stream": {"schema": {"type": "string",
                                                         "format": "binary"}},
                 "application/json": {"schema": _ref(m.FileList)}}
+    if kind == "object":
+        return {"application/json": {"schema": {"type": "object"}}}
     if kind == "bytes":
         return {"application/octet-stream": {"schema": {"type": "string",
                                                         "format": "binary"}}}
@@ -69,9 +86,10 @@ def _content(kind: Any) -> dict[str, Any]:
 
 def _parameters(path: str) -> list[dict[str, Any]]:
     params: list[dict[str, Any]] = []
-    if "{session_id}" in path:
-        params.append({"name": "session_id", "in": "path", "required": True,
-                       "schema": {"type": "string", "pattern": "^[0-9a-f]{10}$"}})
+    for name in ("session_id", "task_id"):
+        if "{" + name + "}" in path:
+            params.append({"name": name, "in": "path", "required": True,
+                           "schema": {"type": "string", "pattern": "^[0-9a-f]{10}$"}})
     if path.endswith("/files"):
         params += [{"name": n, "in": "query", "required": False, "schema": {"type": "string"},
                     "description": "path relative to the session's scratch"}

@@ -8,7 +8,9 @@ then starts the command as an unprivileged user with an empty capability boundin
 no_new_privs and the seccomp filter of the plan (BPF compiled by libseccomp on the host,
 `seccomp_bpf.py`; loaded last, so the init's own mounts are done by then), waits for it
 and exits with its status (128+N when a signal ended it).
-Nothing from the plan reaches argv, so /proc/1/cmdline shows no host paths.
+Nothing from the plan reaches argv, so /proc/1/cmdline shows no host paths. The launcher
+passes this file's code compiled inside the plan (a small bootstrap runs it with the plan
+as PLAN), or where that cannot be had, this source itself.
 
 A session's init gets no command: it holds the sandbox (reaping orphans) until it is
 killed. Each later command of the session runs this same file with a plan that carries
@@ -267,8 +269,10 @@ def exec_in_session(plan, argv, umask):
 
 
 def main():
-    with os.fdopen(int(sys.argv[1]), "rb") as fh:
-        plan = marshal.loads(fh.read())  # noqa: S302 - written by the launcher; builtin, fast
+    plan = globals().get("PLAN")  # read by the bootstrap that ran this file's code
+    if plan is None:
+        with os.fdopen(int(sys.argv[1]), "rb") as fh:
+            plan = marshal.loads(fh.read())  # noqa: S302 - the launcher's; builtin, fast
     # the new root's directories (/etc and its parents among them) get their modes whatever
     # the launcher's umask; the command gets the launcher's umask back
     umask = os.umask(0o022)

@@ -270,8 +270,9 @@ class SessionRoutes:
 
     def _start_exec(self, row: SessionRow, spec: ExecSpec) -> tuple[Any, Any, int]:
         before = len(self.launcher.denials(row.session_id))
-        scrubber = self.launcher.scrubber(row.session_id, row.spec)
-        return self.launcher.exec(row.session_id, spec), scrubber, before
+        if row.scrubber is None:
+            row.scrubber = self.launcher.scrubber(row.session_id, row.spec)
+        return self.launcher.exec(row.session_id, spec), row.scrubber, before
 
     # -- files -------------------------------------------------------------------------------
     def _file_target(self, request: web.Request) -> tuple[str, int]:

@@ -27,6 +27,7 @@ class SessionRow:
     state: str = "ready"  # ready | frozen | ended
     capped: bool = False
     file_limit: int = 0  # bytes one file read or write may move
+    scrubber: Any = None  # its output scrubber, built at the first exec (it looks up names)
     execs: set[Any] = field(default_factory=set)  # the ExecControl of each running exec
 
     def view(self) -> dict[str, Any]:

@@ -103,26 +103,33 @@ class Rig:
     loop: asyncio.AbstractEventLoop
 
 
-def _config(lab: Lab, tmp: Path) -> Config:
+def own_config(lab: Lab, tmp: Path, tag: str, net: int, nflog: int,
+               profiles: dict[str, str], **launcher: Any) -> Config:
+    """The lab's config with a launcher of its own (nft table, names, cgroup parent,
+    address pool 10.<net>.x.0/24, NFLOG group nflog+, control socket) and `profiles`
+    (name: YAML) as its rules; `launcher`: more settings."""
     rules = tmp / "rules"
     (rules / "profiles").mkdir(parents=True)
-    (rules / "profiles" / "svc.yaml").write_text(PROFILE.format(name="svc", ttl=60))
-    (rules / "profiles" / "svc-short.yaml").write_text(PROFILE.format(name="svc-short",
-                                                                      ttl=3))
-    (rules / "profiles" / "gv.yaml").write_text(PROFILE.format(name="gv", ttl=60)
-                                                + "isolation: gvisor\n")
-    (rules / "profiles" / "vm.yaml").write_text(PROFILE.format(name="vm", ttl=60)
-                                                + "isolation: microvm\n")
+    for name, text in profiles.items():
+        (rules / "profiles" / f"{name}.yaml").write_text(text)
     sfx = secrets.token_hex(3)
-    launcher = lab.config.launcher.model_copy(update={
-        "nft_table": f"stockade_ss{sfx}", "name_prefix": f"s{sfx[:3]}",
-        "cgroup_parent": f"stockade_ss{sfx}", "scratch_dir": str(tmp / "sbx"),
-        "address_pool": f"10.217.{100 + secrets.randbelow(100)}.0/24",
-        "nflog_group": 7600 + secrets.randbelow(99),
-        "control_socket": str(tmp / "run" / "launcher.sock"),
-        "max_output_bytes": 64 * 1024,
+    settings = lab.config.launcher.model_copy(update={
+        "nft_table": f"stockade_{tag}{sfx}", "name_prefix": f"{tag[0]}{sfx[:3]}",
+        "cgroup_parent": f"stockade_{tag}{sfx}", "scratch_dir": str(tmp / "sbx"),
+        "address_pool": f"10.{net}.{100 + secrets.randbelow(100)}.0/24",
+        "nflog_group": nflog + secrets.randbelow(99),
+        "control_socket": str(tmp / "run" / "launcher.sock"), **launcher,
     })
-    return lab.config.model_copy(update={"launcher": launcher, "rules_dir": str(rules)})
+    return lab.config.model_copy(update={"launcher": settings, "rules_dir": str(rules)})
+
+
+def _config(lab: Lab, tmp: Path, **launcher: Any) -> Config:
+    return own_config(lab, tmp, "ss", 217, 7600, {
+        "svc": PROFILE.format(name="svc", ttl=60),
+        "svc-short": PROFILE.format(name="svc-short", ttl=3),
+        "gv": PROFILE.format(name="gv", ttl=60) + "isolation: gvisor\n",
+        "vm": PROFILE.format(name="vm", ttl=60) + "isolation: microvm\n",
+    }, max_output_bytes=64 * 1024, **launcher)
 
 
 @contextlib.contextmanager

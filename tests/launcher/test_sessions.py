@@ -3,6 +3,7 @@ on the container and the gVisor tier (`tier`), against the real launcher."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -176,3 +177,17 @@ def test_labels_in_the_registration(rig: Rig, lab: Lab) -> None:
             assert task is not None and task.labels == {"user": "alice", "agent": "a-1"}
     finally:
         rig.api.kill(s["session_id"])
+
+
+def test_server_sent_events(rig: Rig, session: str) -> None:
+    a = rig.api.call("POST", f"/v1/sessions/{session}/exec",
+                     {"argv": ["sh", "-c", "echo one; echo two >&2"]},
+                     headers={"Accept": "text/event-stream"})
+    assert a.status == 200 and a.headers["Content-Type"].startswith("text/event-stream")
+    events = [blk.split("\n") for blk in a.body.decode().strip().split("\n\n")]
+    kinds = [e[0].removeprefix("event: ") for e in events]
+    assert kinds[-1] == "exit" and set(kinds[:-1]) == {"stdout", "stderr"}
+    datas = [json.loads(e[1].removeprefix("data: ")) for e in events]
+    assert {d["type"]: d.get("data") for d in datas[:-1]} == {"stdout": "one\n",
+                                                               "stderr": "two\n"}
+    assert datas[-1]["exit_code"] == 0

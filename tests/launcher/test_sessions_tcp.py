@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import trustme
 
+from stockade.config import Config
+
 from .conftest import Lab
 from .sessions_rig import Rig, _config, serving
 
@@ -26,17 +28,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _tcp_config(lab: Lab, tmp: Path, host: str, token_text: str, mode: int = 0o600,
+                **tls: str) -> tuple[Config, int, Path]:
+    token = tmp / "token"
+    token.write_text(token_text)
+    token.chmod(mode)
+    port = _free_port()
+    return _config(lab, tmp, control_listen=f"{host}:{port}", control_token_file=str(token),
+                   **tls), port, token
+
+
 @pytest.fixture(scope="module")
 def tcp(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Rig, int, Path]]:
     tmp = tmp_path_factory.mktemp("sessions-tcp")
-    token = tmp / "token"
-    token.write_text("first-token\n")
-    token.chmod(0o600)
-    port = _free_port()
-    config = _config(lab, tmp)
     # every address of the host: the sandbox's host-side veth address among them
-    config = config.model_copy(update={"launcher": config.launcher.model_copy(update={
-        "control_listen": f"0.0.0.0:{port}", "control_token_file": str(token)})})
+    config, port, token = _tcp_config(lab, tmp, "0.0.0.0", "first-token\n")
     with serving(lab, tmp, config) as r:
         yield r, port, token
 
@@ -130,15 +136,10 @@ def test_mtls(lab: Lab, tmp_path: Path) -> None:
     server.private_key_pem.write_to_path(str(paths["key"]))
     ca.cert_pem.write_to_path(str(paths["ca"]))
     client.private_key_and_cert_chain_pem.write_to_path(str(paths["client"]))
-    token = tmp_path / "token"
-    token.write_text("t0k\n")
-    token.chmod(0o600)
-    port = _free_port()
-    config = _config(lab, tmp_path)
-    config = config.model_copy(update={"launcher": config.launcher.model_copy(update={
-        "control_listen": f"127.0.0.1:{port}", "control_token_file": str(token),
-        "control_tls_cert": str(paths["cert"]), "control_tls_key": str(paths["key"]),
-        "control_tls_client_ca": str(paths["ca"])})})
+    config, port, _ = _tcp_config(lab, tmp_path, "127.0.0.1", "t0k\n",
+                                  control_tls_cert=str(paths["cert"]),
+                                  control_tls_key=str(paths["key"]),
+                                  control_tls_client_ca=str(paths["ca"]))
     with serving(lab, tmp_path, config):
         ctx = ssl.create_default_context(cafile=str(paths["ca"]))
         ctx.load_cert_chain(str(paths["client"]))
@@ -152,11 +153,6 @@ def test_mtls(lab: Lab, tmp_path: Path) -> None:
 
 
 def test_unusable_token_file_refuses_to_start(lab: Lab, tmp_path: Path) -> None:
-    token = tmp_path / "token"
-    token.write_text("t\n")
-    token.chmod(0o644)
-    config = _config(lab, tmp_path)
-    config = config.model_copy(update={"launcher": config.launcher.model_copy(update={
-        "control_listen": f"127.0.0.1:{_free_port()}", "control_token_file": str(token)})})
+    config, _, _ = _tcp_config(lab, tmp_path, "127.0.0.1", "t\n", mode=0o644)
     with pytest.raises(RuntimeError, match="readable by others"), serving(lab, tmp_path, config):
         pass
