@@ -6,6 +6,7 @@ stockade/launcher/cli.py."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -37,6 +38,8 @@ def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
     run.add_argument("--ttl", type=int, metavar="SECONDS",
                      help="wall-clock limit (capped by the profile's limits.ttl)")
     run.add_argument("--json", action="store_true", help="print one JSON result object")
+    run.add_argument("--quiet", "-q", action="store_true",
+                     help="no progress lines and no denial summary on stderr (--json: never)")
     run.add_argument("--secret", action="append", default=[], metavar="PATH:FIELD=@FILE",
                      help=SECRET_HELP)
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
@@ -75,13 +78,20 @@ def _run(args: argparse.Namespace) -> int:
     spec = SandboxSpec(profile=args.profile, argv=cmd,
                        inputs=[_parse_input(i) for i in args.input],
                        export_dir=args.export, ttl=args.ttl)
+    from .progress import Progress
     from .services import StackError, ensure_stack
 
+    progress = Progress(None if args.json or args.quiet else sys.stderr)
     try:
         # a running stack (`stockade up`) is used as it is; otherwise gateway, broker and
         # (without vault.address) a dev OpenBao run for this command only
-        with ensure_stack(config, secrets) as effective:
+        with contextlib.ExitStack() as stack:
+            with progress.phase("joining or starting the stack (gateway, broker, OpenBao)",
+                                "stack ready"):
+                effective = stack.enter_context(ensure_stack(config, secrets))
             launcher = Launcher(effective)
+            launcher.events.subscribe(progress.on_event)
+            progress.begin_sandbox()
             try:
                 result = launcher.run(spec, ruleset)
             finally:
@@ -90,6 +100,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"stockade run: {e}", file=sys.stderr)
         return 2
     _print_result(result, args.json)
+    progress.summary(result.denials)
     return result.exit_code
 
 
