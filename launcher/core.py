@@ -30,6 +30,7 @@ from .denials import BypassCollector
 from .deregistration import deregister, retry_pending
 from .ending import end_due, end_event
 from .environment import permitted_congestion_control, port, sandbox_env
+from .fence import Fence
 from .isolation import choose_backend, preflight, profile_of
 from .lifecycle import operator_event, start_event
 from .nflog import LogRecord
@@ -44,6 +45,7 @@ from .spec import (
 )
 from .state import SandboxRecord, StateFile
 from .supervise import capture_fields, classify_end, kill_marker
+from .taskrecord import Recorder, backend_details, limits_of
 
 if TYPE_CHECKING:  # annotations only
     from .configview import LauncherConfig as Config
@@ -79,6 +81,8 @@ class Launcher:
                              self._retry_deregistrations)
         self.deregister_failures = 0  # failed deregistrations (each logged), retries too
         self._congestion_control = permitted_congestion_control(s.congestion_control)
+        self.fence = Fence(config, self.params.broker_port, self._emit)
+        self.recorder = Recorder(config, self._emit)
 
     # the NFLOG reader's state as before the split (the service's status reads the first)
     @property
@@ -149,6 +153,7 @@ class Launcher:
             self._emit(end_event(ours, ended_by, exit_code=exit_code, duration_s=duration,
                                  policy_version=policy_version,
                                  accounting=self.bypass.end_accounting(ours)))
+            self._record(ours, spec, profile, isolation, policy_version, ended_by, exit_code)
         else:
             self.bypass.forget(rec.task_id)
         scrubber = scrub.for_sandbox(self.config, str(self.scratch_base), rec.host_ip,
@@ -167,6 +172,16 @@ class Launcher:
                      "teardown_s": t_end - t_run},
             **capture_fields(ended.out, ended.err),
         )
+
+    def _record(self, rec: SandboxRecord, spec: SandboxSpec, profile: Any,
+                isolation: dict[str, Any], policy_version: str | None, ended_by: str,
+                exit_code: int | None) -> None:
+        """The signed task record of a run that ended its sandbox (taskrecord.py)."""
+        ttl = rec.expires_at - rec.started_at if rec.expires_at else self.s.default_ttl_s
+        self.recorder.write(
+            rec, export_dir=spec.export_dir, policy_version=policy_version,
+            isolation=backend_details(isolation, self.s), selftest=self.fence.pop(rec.task_id),
+            limits=limits_of(profile.limits, ttl), ended_by=ended_by, exit_code=exit_code)
 
     def list(self) -> list[dict[str, Any]]:
         return [r.summary() for r in self.state.read().values()]
@@ -260,6 +275,8 @@ class Launcher:
                 register_task(Task(task_id, a.guest_ip, profile.name,
                               expires_at=rec.started_at + ttl + 5),
                               self._control_sockets(), live.registered)
+            fence = self.fence.check(rec, profile, a, tap=bool(backend.tap),
+                                     policy_version=policy_version)
             python = self._init_python()
             backend.start(live, spec, StartContext(
                 settings=self.s, addresses=a, inputs=inputs, etc=etc, limits=limits,
@@ -273,7 +290,7 @@ class Launcher:
             if isinstance(e, StateWriteError):
                 raise LauncherError(f"cannot write the launcher state {e.path}: {e}") from None
             raise
-        self._emit(start_event(rec, policy_version, ttl, isolation))
+        self._emit(start_event(rec, policy_version, ttl, isolation, fence.as_dict()))
         return live
 
     def _init_python(self) -> str:

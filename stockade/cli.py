@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "stockade.launcher.cli",  # sandbox list|kill|suspend|resume, launcher serve
     "stockade.stack",  # up, demo
     "stockade.events.cli",  # events
+    "stockade.stack.taskcli",  # task verify
 )
 
 
