@@ -5,9 +5,9 @@ gets a `sandbox_lifecycle` event of its own (`stockade.lifecycle = selftest`, re
 `fence_unverified`, naming the probes) and `FenceUnverified`: `Launcher._create` tears
 the sandbox down and the task fails.
 
-Either event lists the probes' source ports and is written after every probe's event, so
-`selftest.without_probe_events` tells the probes' events in the task's store from the
-command's (the run's denials and the task record leave them out).
+Either event says when the last probe's event was in (`until`): the sandbox runs no
+process before then, so `selftest.without_probe_events` tells the probes' events in the
+task's store from the command's (the run's denials and the task record leave them out).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from stockade.events import make_event
+from stockade.events import make_event, timestamp
 from stockade.events.taskstore import read_task_events
 
 from .addresses import SlotAddresses
@@ -124,8 +124,7 @@ class Fence:
             if not pending_evidence(probes, seen, events) or time.monotonic() >= deadline:
                 break
             time.sleep(0.002)
-        ports = [o.source_port for o in seen.values() if o.source_port is not None]
-        return Report(judge(probes, seen, events), source_ports=ports)
+        return Report(judge(probes, seen, events), until=timestamp())
 
     def pop(self, task_id: str) -> Report | None:
         return self.reports.pop(task_id, None)

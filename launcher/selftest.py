@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Kind = Literal["dns", "tls", "http", "udp", "tcp6"]
@@ -45,14 +45,18 @@ class Evidence:
 
 @dataclass(frozen=True, slots=True)
 class Probe:
+    """One probe to `host`:`port`. `ok`: the outcomes that count as the fence holding;
+    `qname`: the DNS question or the TLS SNI; `evidence`: the event it must cause (None:
+    nothing leaves the namespace to be logged); `why`: what it checks, for the event."""
+
     name: str
     kind: Kind
     host: str
     port: int
-    ok: frozenset[str]  # the outcomes that count as the fence holding
-    qname: str | None = None  # the DNS question, TLS SNI or HTTP Host
-    evidence: Evidence | None = None  # None: nothing leaves the namespace to be logged
-    why: str = ""  # for the event: what the probe checks
+    ok: frozenset[str]
+    qname: str | None = None
+    evidence: Evidence | None = None
+    why: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,14 +73,25 @@ class Observation:
 
 @dataclass(frozen=True, slots=True)
 class ProbeResult:
-    probe: str
+    """The verdict on one probe: what it saw, whether that and its event (`evidence`:
+    found, not found, or None when the probe needs none) show the fence holding."""
+
+    seen: Observation
     passed: bool
-    outcome: str
-    evidence: bool | None  # None: the probe needs none
     why: str
+    evidence: bool | None = None
+
+    @property
+    def probe(self) -> str:
+        return self.seen.probe
+
+    @property
+    def outcome(self) -> str:
+        return self.seen.outcome
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {"probe": self.probe, "passed": self.passed, "outcome": self.outcome,
+                "evidence": self.evidence, "why": self.why}
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +111,9 @@ class Report:
     results: list[ProbeResult] = field(default_factory=list)
     duration_s: float = 0.0
     skipped: str | None = None  # why it did not run (sampled out, the tier cannot)
-    source_ports: list[int] = field(default_factory=list)  # the probes' (their events')
+    # the time (events' @timestamp format) once every probe's event was in: the task has
+    # no process before then, so each of its events up to it is a probe's
+    until: str = ""
 
     @property
     def passed(self) -> bool:
@@ -109,8 +126,7 @@ class Report:
         if self.skipped is not None:
             return {"skipped": self.skipped}
         return {"passed": self.passed, "duration_s": round(self.duration_s, 6),
-                "probes": [r.as_dict() for r in self.results],
-                "source_ports": sorted(self.source_ports)}
+                "until": self.until, "probes": [r.as_dict() for r in self.results]}
 
 
 def marker(role: str, task_id: str) -> str:
@@ -186,8 +202,25 @@ def _field(ev: Event, *path: str) -> Any:
     return cur
 
 
+def _names_probe(ev: Event, probe: Probe, obs: Observation) -> bool:
+    """The event is about this probe's flow: its marker name, its destination (the
+    gateway reports the address it was asked for, as domain or IP), or its source port
+    (which NAT may have changed: a slot's earlier sandbox left conntrack entries)."""
+    if probe.qname is not None and (
+            str(_field(ev, "dns", "question", "name") or "").rstrip(".") == probe.qname or
+            _field(ev, "destination", "domain") == probe.qname):
+        return True
+    if probe.kind == "dns":
+        return False  # the DNS firewall's events name the question, checked above
+    dst = (_field(ev, "destination", "domain"), _field(ev, "destination", "ip"))
+    if _field(ev, "destination", "port") == probe.port and probe.qname is None and (
+            probe.host in dst or dst == (None, None)):
+        return True
+    return obs.source_port is not None and _field(ev, "source", "port") == obs.source_port
+
+
 def evidence_of(probe: Probe, obs: Observation, events: Iterable[Event]) -> bool:
-    """An event of the task's store shows the probe's denial (by source port or name)."""
+    """An event of the task's store shows the probe's denial."""
     want = probe.evidence
     if want is None:
         return True
@@ -198,10 +231,7 @@ def evidence_of(probe: Probe, obs: Observation, events: Iterable[Event]) -> bool
             continue
         if want.reasons and _field(ev, "event", "reason") not in want.reasons:
             continue
-        port_hit = obs.source_port is not None and _field(ev, "source", "port") == obs.source_port
-        name_hit = probe.qname is not None and probe.kind == "dns" and \
-            str(_field(ev, "dns", "question", "name") or "").rstrip(".") == probe.qname
-        if port_hit or name_hit:
+        if _names_probe(ev, probe, obs):
             return True
     return False
 
@@ -222,17 +252,17 @@ def judge(probes: list[Probe], seen: Mapping[str, Observation],
             why = f"{p.why}: expected {' or '.join(sorted(p.ok))}, saw {obs.outcome}"
             if obs.detail:
                 why += f" ({obs.detail})"
-            out.append(ProbeResult(p.name, False, obs.outcome, None, why))
+            out.append(ProbeResult(obs, False, why))
             continue
         if p.evidence is None:
-            out.append(ProbeResult(p.name, True, obs.outcome, None, p.why))
+            out.append(ProbeResult(obs, True, p.why))
             continue
         logged = evidence_of(p, obs, events)
         codes = "/".join(sorted(p.evidence.reasons)) or "any reason"
         why = p.why if logged else (
             f"{p.why}: no {p.evidence.component} {p.evidence.action} event "
             f"({p.evidence.decision}, {codes}) for the probe")
-        out.append(ProbeResult(p.name, logged, obs.outcome, logged, why))
+        out.append(ProbeResult(obs, logged, why, logged))
     return out
 
 
@@ -243,26 +273,22 @@ def pending_evidence(probes: list[Probe], seen: Mapping[str, Observation],
                and not evidence_of(p, seen[p.name], events) for p in probes)
 
 
-def is_probe_event(ev: Event, ports: frozenset[int]) -> bool:
-    """An event the self-test caused: a probe's source port or a marker name."""
-    if _field(ev, "source", "port") in ports:
-        return True
+def is_probe_event(ev: Event, until: str) -> bool:
+    """An event the self-test caused: any but a lifecycle event up to `until`, and any
+    that names a marker."""
     for name in (_field(ev, "destination", "domain"), _field(ev, "dns", "question", "name")):
         if isinstance(name, str) and name.rstrip(".").endswith("." + MARKER_ZONE):
             return True
-    return False
+    return _field(ev, "event", "action") != "sandbox_lifecycle" and \
+        str(ev.get("@timestamp", "")) <= until
 
 
 def without_probe_events(events: list[Event]) -> list[Event]:
-    """The task's events without those its self-test caused: events up to the one that
-    reports the self-test (the start event, or the failure's own) whose source port is a
-    probe's or whose name is a marker."""
+    """The task's events without those its self-test caused (`is_probe_event`; `until`
+    is in the event that reports the self-test: the start event, or the failure's own)."""
     mark = next((ev for ev in events
                  if isinstance((ev.get("stockade") or {}).get(SELFTEST), dict)), None)
     if mark is None:
         return events
-    st = mark["stockade"][SELFTEST]
-    ports = frozenset(p for p in st.get("source_ports", []) if isinstance(p, int))
-    until = str(mark.get("@timestamp", ""))
-    return [ev for ev in events if ev is mark or not (
-        str(ev.get("@timestamp", "")) <= until and is_probe_event(ev, ports))]
+    until = str(mark["stockade"][SELFTEST].get("until", ""))
+    return [ev for ev in events if not is_probe_event(ev, until)]

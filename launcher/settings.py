@@ -80,10 +80,10 @@ class SelftestSettings(BaseModel):
     outside_resolver: str = "192.0.2.53"  # a resolver other than the DNS firewall
     ipv6_address: str = "2001:db8::1"  # an IPv6 destination
     # each probe's own deadline (seconds): a probe that hangs fails
-    probe_timeout_s: float = Field(1.0, gt=0, le=30)
+    probe_timeout_s: float = Field(2.0, gt=0, le=30)
     # how long the events of the probes (gateway, DNS firewall, NFLOG reader) may take to
     # reach the task's event store
-    evidence_timeout_s: float = Field(2.0, gt=0, le=30)
+    evidence_timeout_s: float = Field(3.0, gt=0, le=30)
 
     @field_validator("raw_ip", "outside_resolver")
     @classmethod

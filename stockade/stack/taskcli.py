@@ -15,18 +15,20 @@ from stockade.events.chainkey import PUB_FILE, ChainError, load_public_key
 from stockade.events.recordcheck import as_json, check_record
 from stockade.events.verify import rotations
 
+VERIFY_HELP = "check a task record's signature, rule-set hash and event chains"
+VERIFY_DESCRIPTION = (
+    "Check a signed task record (stockade-record.json, or a record event line): the "
+    "Ed25519 signature of its DSSE envelope, with --rules the rule-set version against that "
+    "rules directory, with --events the digests of the task's last events against those "
+    "event files (and their hash chains). Exit 0 when every check holds, 1 when one fails, "
+    "2 on a usage or read error.")
+
 
 def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("task", help="task records: verify a signed stockade-record.json")
-    p.set_defaults(group_parser=p)
-    cmds = p.add_subparsers(dest="task_command", metavar="COMMAND")
-    v = cmds.add_parser(
-        "verify", help="check a task record's signature, rule-set hash and event chains",
-        description="Check a signed task record (stockade-record.json, or a record event "
-        "line): the Ed25519 signature of its DSSE envelope, with --rules the rule-set "
-        "version against that rules directory, with --events the digests of the task's "
-        "last events against those event files (and their hash chains). Exit 0 when every "
-        "check holds, 1 when one fails, 2 on a usage or read error.")
+    group = sub.add_parser("task", help="task records: verify a signed stockade-record.json")
+    v = group.add_subparsers(dest="task_command", metavar="COMMAND").add_parser(
+        "verify", help=VERIFY_HELP, description=VERIFY_DESCRIPTION)
+    group.set_defaults(group_parser=group)
     v.add_argument("record", metavar="RECORD", help="the record file")
     v.add_argument("--rules", metavar="DIR", help="rules directory the record's version must be")
     v.add_argument("--events", nargs="+", metavar="FILE",

@@ -99,14 +99,36 @@ def test_the_probes_events_are_left_out_of_the_task_s_own() -> None:
                     now=100.0)
     marker = _denied("dns", "dns_decision", "no_matching_rule", now=100.1,
                      dns_question={"name": f"dns.t.{MARKER_ZONE}", "type": "A"})
+    until = probe["@timestamp"].replace("00.000000", "00.500000")
     start = make_event(component="launcher", action="sandbox_lifecycle", task_id="t", now=101.0,
-                       extra={"lifecycle": "start", "selftest": {"source_ports": [40001]}})
+                       extra={"lifecycle": "start", "selftest": {"until": until}})
     # the command's, later, from a port a probe had used
     later = _denied("gateway", "connection_decision", "no_matching_rule", source_port=40001,
                     now=102.0)
-    assert is_probe_event(probe, frozenset({40001})) and is_probe_event(marker, frozenset())
+    assert is_probe_event(probe, until) and is_probe_event(marker, "")
+    assert not is_probe_event(later, until) and not is_probe_event(start, until)
     assert without_probe_events([probe, marker, start, later]) == [start, later]
     assert without_probe_events([later]) == [later]  # no self-test: nothing is the probes'
+
+
+def test_a_probe_s_event_is_found_by_destination_when_nat_moved_its_port() -> None:
+    probes = [p for p in plan(_profile(), "t", "10.0.0.1", PORTS, SETTINGS)
+              if p.name in ("raw_ip", "tls_denied_name", "control_tcp_9464")]
+    seen = {"raw_ip": Observation("raw_ip", "closed", 40001),
+            "tls_denied_name": Observation("tls_denied_name", "closed", 40002),
+            "control_tcp_9464": Observation("control_tcp_9464", "denied:no_matching_rule",
+                                            40003)}
+    events = [  # the ports the gateway saw are not the ones the probes bound
+        _denied("gateway", "connection_decision", "no_matching_rule", source_port=50002,
+                destination_domain=f"tls.t.{MARKER_ZONE}", destination_port=443),
+        _denied("gateway", "connection_decision", "no_matching_rule", source_port=50003,
+                destination_domain="10.0.0.1", destination_port=9464)]
+    res = {r.probe: r.passed for r in judge(probes, seen, events)}
+    # the SNI probe's event is not taken for the nameless one's
+    assert res == {"raw_ip": False, "tls_denied_name": True, "control_tcp_9464": True}
+    events.append(_denied("gateway", "connection_decision", "sni_missing", source_port=50001,
+                          destination_port=443))
+    assert all(r.passed for r in judge(probes, seen, events))
 
 
 def test_a_profile_without_the_setting_is_required() -> None:
