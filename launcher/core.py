@@ -81,7 +81,8 @@ class Launcher:
                              self._retry_deregistrations)
         self.deregister_failures = 0  # failed deregistrations (each logged), retries too
         self._congestion_control = permitted_congestion_control(s.congestion_control)
-        self.fence = Fence(config, self.params.broker_port, self._emit)
+        self.fence = Fence(config, self.params.broker_port, self._emit, self.claims.wired,
+                           lambda: self.use_nflog and self.bypass.bound)
         self.recorder = Recorder(config, self._emit)
 
     # the NFLOG reader's state as before the split (the service's status reads the first)

@@ -20,6 +20,7 @@ from typing import Any
 from stockade.events import make_event, timestamp
 from stockade.events.taskstore import read_task_events
 
+from . import nft
 from .addresses import SlotAddresses
 from .probes import ProbeSetupError, run_probes
 from .selftest import (
@@ -79,11 +80,16 @@ def failure_event(rec: SandboxRecord, report: Report, policy_version: str | None
 class Fence:
     """The self-test of every start of one launcher; `emit` writes its events."""
 
-    def __init__(self, config: Any, broker_port: int, emit: Callable[[Event], None]) -> None:
+    def __init__(self, config: Any, broker_port: int, emit: Callable[[Event], None],
+                 publish: Callable[[SandboxRecord], None], reading: Callable[[], bool]) -> None:
+        """`publish`: puts a sandbox's ifindex in the shared state before its probes;
+        `reading`: this process's NFLOG reader holds the group (else another one may, or
+        none: then the fence's nft counter is the UDP probe's evidence)."""
         self.s = config.launcher.selftest
+        self.table = config.launcher.nft_table
         self.task_events_dir = Path(config.task_events_dir)
         self.ports = service_ports(config, broker_port)
-        self.emit = emit
+        self.emit, self.publish, self.reading = emit, publish, reading
         self.reports: dict[str, Report] = {}  # task id -> its report, until the record
 
     def check(self, rec: SandboxRecord, profile: Any, a: SlotAddresses, tap: bool,
@@ -114,17 +120,23 @@ class Fence:
 
     def _probe(self, rec: SandboxRecord, profile: Any, a: SlotAddresses) -> Report:
         probes = plan(profile, rec.task_id, a.host_ip, self.ports, self.s)
+        self.publish(rec)  # another launcher's NFLOG reader reports the UDP probe
+        counter = None if self.reading() else nft.bypass_count(self.table, rec.ifname)
         try:
             seen = run_probes(rec.netns, probes, self.s.probe_timeout_s)
         except ProbeSetupError as e:
             raise FenceUnverified(f"{FENCE_UNVERIFIED}: {e}") from None
         deadline = time.monotonic() + self.s.evidence_timeout_s
+        counted = False
         while True:
             events = read_task_events(self.task_events_dir, rec.task_id)
-            if not pending_evidence(probes, seen, events) or time.monotonic() >= deadline:
+            if counter is not None and not counted:
+                counted = nft.bypass_count(self.table, rec.ifname) > counter
+            if not pending_evidence(probes, seen, events, counted) or \
+                    time.monotonic() >= deadline:
                 break
             time.sleep(0.002)
-        return Report(judge(probes, seen, events), until=timestamp())
+        return Report(judge(probes, seen, events, counted), until=timestamp())
 
     def pop(self, task_id: str) -> Report | None:
         return self.reports.pop(task_id, None)

@@ -219,10 +219,15 @@ def _names_probe(ev: Event, probe: Probe, obs: Observation) -> bool:
     return obs.source_port is not None and _field(ev, "source", "port") == obs.source_port
 
 
-def evidence_of(probe: Probe, obs: Observation, events: Iterable[Event]) -> bool:
-    """An event of the task's store shows the probe's denial."""
+def evidence_of(probe: Probe, obs: Observation, events: Iterable[Event],
+                counted: bool = False) -> bool:
+    """An event of the task's store shows the probe's denial. `counted`: the fence's log
+    rule counted the sandbox's packets (nft's counter), which stands for the NFLOG
+    reader's event when no reader holds the group (the end event's summary reports them)."""
     want = probe.evidence
     if want is None:
+        return True
+    if counted and want.component == "launcher" and want.action == "bypass_attempt":
         return True
     for ev in events:
         if _field(ev, "stockade", "component") != want.component or \
@@ -242,8 +247,8 @@ def outcome_ok(probe: Probe, outcome: str) -> bool:
     return outcome.startswith("denied:") and "denied:*" in probe.ok
 
 
-def judge(probes: list[Probe], seen: Mapping[str, Observation],
-          events: list[Event]) -> list[ProbeResult]:
+def judge(probes: list[Probe], seen: Mapping[str, Observation], events: list[Event],
+          counted: bool = False) -> list[ProbeResult]:
     """One result per probe, in plan order."""
     out = []
     for p in probes:
@@ -257,7 +262,7 @@ def judge(probes: list[Probe], seen: Mapping[str, Observation],
         if p.evidence is None:
             out.append(ProbeResult(obs, True, p.why))
             continue
-        logged = evidence_of(p, obs, events)
+        logged = evidence_of(p, obs, events, counted)
         codes = "/".join(sorted(p.evidence.reasons)) or "any reason"
         why = p.why if logged else (
             f"{p.why}: no {p.evidence.component} {p.evidence.action} event "
@@ -267,10 +272,10 @@ def judge(probes: list[Probe], seen: Mapping[str, Observation],
 
 
 def pending_evidence(probes: list[Probe], seen: Mapping[str, Observation],
-                     events: list[Event]) -> bool:
+                     events: list[Event], counted: bool = False) -> bool:
     """Some probe whose outcome is right still waits for its event."""
     return any(p.evidence is not None and p.name in seen and outcome_ok(p, seen[p.name].outcome)
-               and not evidence_of(p, seen[p.name], events) for p in probes)
+               and not evidence_of(p, seen[p.name], events, counted) for p in probes)
 
 
 def is_probe_event(ev: Event, until: str) -> bool:

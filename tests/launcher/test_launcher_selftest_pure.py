@@ -133,3 +133,13 @@ def test_a_probe_s_event_is_found_by_destination_when_nat_moved_its_port() -> No
 
 def test_a_profile_without_the_setting_is_required() -> None:
     assert _profile().selftest == "required"
+
+
+def test_the_nft_counter_stands_for_the_bypass_event_only() -> None:
+    probes = [p for p in plan(_profile(), "t", "10.0.0.1", PORTS, SETTINGS)
+              if p.name in ("udp", "raw_ip")]
+    seen = {"udp": Observation("udp", "timeout", 40001),
+            "raw_ip": Observation("raw_ip", "closed", 40002)}
+    assert {r.probe: r.passed for r in judge(probes, seen, [], counted=True)} == {
+        "udp": True, "raw_ip": False}
+    assert pending_evidence(probes, seen, [], counted=True)
