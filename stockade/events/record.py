@@ -87,7 +87,8 @@ def open_envelope(envelope: Any, pub: Ed25519PublicKey) -> Record:
                       f"{', '.join(k for k, _ in sigs) or 'nobody'})")
 
 
-def _component(ev: Any) -> str | None:
+def component_of(ev: Any) -> str | None:
+    """`stockade.component` of an event line in either format (ECS, OCSF)."""
     if not isinstance(ev, dict):
         return None
     st = ev.get("stockade") if "class_uid" not in ev else \
@@ -96,7 +97,8 @@ def _component(ev: Any) -> str | None:
     return comp if isinstance(comp, str) else None
 
 
-def _chain_of(ev: dict[str, Any]) -> tuple[Any, Any]:
+def chain_of(ev: dict[str, Any]) -> tuple[Any, Any]:
+    """(chain object, sequence number) of an event line in either format."""
     if "class_uid" in ev:  # OCSF lines (ocsf.py)
         return (ev.get("unmapped") or {}).get("chain"), (ev.get("metadata") or {}).get("sequence")
     return (ev.get("stockade") or {}).get("chain"), (ev.get("event") or {}).get("sequence")
@@ -118,8 +120,8 @@ def last_lines(task_dir: str | Path, task_id: str) -> dict[str, dict[str, Any]]:
             ev = json.loads(line)
         except ValueError:
             continue  # a line still being written
-        comp = _component(ev)
-        chain, seq = _chain_of(ev) if isinstance(ev, dict) else (None, None)
+        comp = component_of(ev)
+        chain, seq = chain_of(ev) if isinstance(ev, dict) else (None, None)
         if comp is None or not isinstance(chain, dict) or not isinstance(seq, int):
             continue
         out[comp] = {"stream": chain.get("stream"), "seq": seq, "digest": digest(line)}

@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from .chain import digest
 from .chainkey import key_id
-from .record import Record, RecordError, _chain_of, _component, open_envelope
+from .record import Record, RecordError, chain_of, component_of, open_envelope
 from .verify import verify_files
 
 
@@ -66,9 +66,9 @@ def check_chains(record: Record, files: list[Path]) -> list[Check]:
             out.append(Check(name, False, f"no line with digest {want.get('digest')} in the "
                              "event files (removed or edited)"))
             continue
-        chain, seq = _chain_of(ev)
+        chain, seq = chain_of(ev)
         stream = chain.get("stream") if isinstance(chain, dict) else None
-        if _task_of(ev) != record.get("task_id") or _component(ev) != comp or \
+        if _task_of(ev) != record.get("task_id") or component_of(ev) != comp or \
                 stream != want.get("stream") or seq != want.get("seq"):
             out.append(Check(name, False, "the line with that digest is not the task's "
                              f"{comp} line at stream {want.get('stream')} seq {want.get('seq')}"))

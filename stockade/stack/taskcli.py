@@ -36,7 +36,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     v.add_argument("--key", metavar="PUB", help="the host's public key, PEM "
                    "(default: <events.chain_dir>/signing.pub)")
     v.add_argument("--heads", metavar="DIR",
-                   help="signed stream heads for truncation (default: <events.chain_dir>/heads)")
+                   help="signed stream heads for truncation (default without --key: "
+                   "<events.chain_dir>/heads)")
     v.add_argument("--config", help="stockade.yaml (for the key and heads location)")
     v.add_argument("--json", action="store_true", help="print the result as one JSON object")
     v.set_defaults(func=_verify)
@@ -64,8 +65,10 @@ def _rules_version(rules: str) -> str:
 
 
 def _key_and_heads(args: argparse.Namespace) -> tuple[str, Path | None]:
+    """--key and --heads; without --key both come from this host's stockade.yaml (a key
+    given by hand is another host's, whose heads are not here)."""
     key, heads = args.key, Path(args.heads) if args.heads else None
-    if key is None or heads is None:
+    if key is None:
         cfg = args.config_loader(args.config, "task verify")
         chain_dir = cfg.events.chain_dir
         if chain_dir:

@@ -139,3 +139,28 @@ def test_a_digest_of_another_task_s_line_fails(stream: tuple[Path, Path, Path]) 
     _, checks = check_record(sign(rec, key), key.public_key(), event_files=[events])
     bad = [c for c in checks if not c.ok]
     assert [c.name for c in bad] == ["chain:gateway"] and "not the task's" in bad[0].text
+
+
+def test_the_cli_verifies_and_refuses_clearly(stream: tuple[Path, Path, Path], tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from stockade.cli import main
+
+    events, tasks, chain = stream
+    env = sign(_record(tasks), load_or_create_key(chain))
+    path = tmp_path / "stockade-record.json"
+    path.write_text(json.dumps(env))
+    pub = str(chain / "signing.pub")
+    assert main(["task", "verify", str(path), "--key", pub, "--events", str(events)]) == 0
+    assert "task t1: verified" in capsys.readouterr().out
+    # the record as its event carries it (stockade.record) verifies the same
+    (tmp_path / "event.json").write_text(json.dumps({"stockade": {"record": env}}))
+    assert main(["task", "verify", str(tmp_path / "event.json"), "--key", pub]) == 0
+    capsys.readouterr()
+    assert main(["task", "verify", str(path), "--key", str(tmp_path / "nope.pub")]) == 2
+    assert "cannot read the public key" in capsys.readouterr().err
+    (tmp_path / "junk.json").write_text("{not json")
+    assert main(["task", "verify", str(tmp_path / "junk.json"), "--key", pub]) == 2
+    assert "stockade task verify:" in capsys.readouterr().err
+    assert main(["task", "verify", str(path), "--key", pub, "--rules",
+                 str(tmp_path / "no-rules")]) == 2
+    assert "--rules" in capsys.readouterr().err
