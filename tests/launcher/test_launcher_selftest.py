@@ -238,6 +238,28 @@ def test_a_widened_set_element_is_detected(stack: Stack,
 
 
 @pytest.fixture(autouse=True)
-def _no_leftovers(stack: Stack) -> Iterator[None]:
+def _no_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
-    assert stack.launcher.list() == []
+    if "stack" in request.fixturenames:
+        assert request.getfixturevalue("stack").launcher.list() == []
+
+
+def test_a_namespace_the_probes_cannot_enter_fails_closed(tmp_path: Path) -> None:
+    import types
+
+    from stockade.launcher.addresses import slot_addresses
+    from stockade.launcher.settings import LauncherSettings
+    from stockade.launcher.state import SandboxRecord
+
+    events: list[dict[str, Any]] = []
+    config = types.SimpleNamespace(launcher=LauncherSettings(), task_events_dir=tmp_path,
+                                   gateway=None, broker=None)
+    f = fence.Fence(config, 8090, events.append, lambda rec: None, lambda: True)
+    a = slot_addresses("10.213.0.0/16", 1)
+    rec = SandboxRecord("t0", "p", 1, "nope0", "stockade-no-such-netns", a.host_ip,
+                        a.guest_ip, a.guest_mac)
+    with pytest.raises(LauncherError, match=r"fence_unverified.*setup"):
+        f.check(rec, types.SimpleNamespace(allow=()), a, tap=False, policy_version=None)
+    assert [e["event"]["reason"] for e in events] == [FENCE_UNVERIFIED]
+    assert "cannot make probe sockets in netns stockade-no-such-netns" in events[0]["message"]
+    assert f.pop("t0") is None
