@@ -31,6 +31,7 @@ from .denials import BypassCollector
 from .deregistration import deregister, retry_pending
 from .ending import end_due, end_event
 from .environment import exec_env, permitted_congestion_control, port, sandbox_env
+from .fence import Fence
 from .isolation import choose_backend, preflight, profile_of
 from .lifecycle import operator_event, start_event
 from .nflog import LogRecord
@@ -45,6 +46,7 @@ from .spec import (
 )
 from .state import SandboxRecord, StateFile
 from .supervise import capture_fields, classify_end, kill_marker
+from .taskrecord import Recorder, backend_details, limits_of
 
 if TYPE_CHECKING:  # annotations only
     from .configview import LauncherConfig as Config
@@ -85,6 +87,9 @@ class Launcher:
         # writer, in every event the launcher writes of it
         self._labels: dict[str, dict[str, str]] = {}
         self.events.label_with(self._labels.get)
+        self.fence = Fence(config, self.params.broker_port, self._emit, self.claims.wired,
+                           lambda: self.use_nflog and self.bypass.bound)
+        self.recorder = Recorder(config, self._emit)
 
     # the NFLOG reader's state as before the split (the service's status reads the first)
     @property
@@ -155,6 +160,7 @@ class Launcher:
             self._emit(end_event(ours, ended_by, exit_code=exit_code, duration_s=duration,
                                  policy_version=policy_version,
                                  accounting=self.bypass.end_accounting(ours)))
+            self._record(ours, spec, profile, isolation, policy_version, ended_by, exit_code)
         else:
             self.bypass.forget(rec.task_id)
         self._labels.pop(rec.task_id, None)
@@ -197,6 +203,15 @@ class Launcher:
         """The host path of a running sandbox's /scratch (None: not one of ours)."""
         live = self._live.get(task_id)
         return None if live is None else str(Path(live.record.scratch) / "scratch")
+    def _record(self, rec: SandboxRecord, spec: SandboxSpec, profile: Any,
+                isolation: dict[str, Any], policy_version: str | None, ended_by: str,
+                exit_code: int | None) -> None:
+        """The signed task record of a run that ended its sandbox (taskrecord.py)."""
+        ttl = rec.expires_at - rec.started_at if rec.expires_at else self.s.default_ttl_s
+        self.recorder.write(
+            rec, export_dir=spec.export_dir, policy_version=policy_version,
+            isolation=backend_details(isolation, self.s), selftest=self.fence.pop(rec.task_id),
+            limits=limits_of(profile.limits, ttl), ended_by=ended_by, exit_code=exit_code)
 
     def list(self) -> list[dict[str, Any]]:
         return [r.summary() for r in self.state.read().values()]
@@ -293,6 +308,8 @@ class Launcher:
                               expires_at=rec.started_at + ttl + 5,
                               labels=dict(spec.labels)),
                               self._control_sockets(), live.registered)
+            fence = self.fence.check(rec, profile, a, tap=bool(backend.tap),
+                                     policy_version=policy_version)
             python = self._init_python()
             ctx = StartContext(
                 settings=self.s, addresses=a, inputs=inputs, etc=etc, limits=limits,
@@ -309,7 +326,7 @@ class Launcher:
             if isinstance(e, StateWriteError):
                 raise LauncherError(f"cannot write the launcher state {e.path}: {e}") from None
             raise
-        self._emit(start_event(rec, policy_version, ttl, isolation))
+        self._emit(start_event(rec, policy_version, ttl, isolation, fence.as_dict()))
         return live
 
     def _init_python(self) -> str:

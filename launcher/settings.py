@@ -1,5 +1,6 @@
 """The `launcher:` section of stockade.yaml."""
 
+import ipaddress
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -63,6 +64,38 @@ class GvisorSettings(BaseModel):
     debug_log_dir: str | None = None  # runsc --debug logs here (slower starts)
 
 
+class SelftestSettings(BaseModel):
+    """`launcher.selftest`: the probes each sandbox's fence must fail before its command
+    starts (launcher/selftest.py). The target addresses are never dialled past the fence:
+    a fence that holds redirects or rejects them on this host. The defaults are RFC 5737 /
+    RFC 3849 documentation addresses, which no network routes; tests and the demo point
+    them at addresses of the fake internet's namespace."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # share of the starts of `selftest: sampled` profiles that run it (0.0 to 1.0);
+    # `selftest: required` profiles (the default) run it on every start
+    sample_rate: float = Field(1.0, ge=0.0, le=1.0)
+    raw_ip: str = "192.0.2.1"  # a raw IPv4 destination (TLS without a name, UDP, ports)
+    outside_resolver: str = "192.0.2.53"  # a resolver other than the DNS firewall
+    ipv6_address: str = "2001:db8::1"  # an IPv6 destination
+    # each probe's own deadline (seconds): a probe that hangs fails
+    probe_timeout_s: float = Field(2.0, gt=0, le=30)
+    # how long the events of the probes (gateway, DNS firewall, NFLOG reader) may take to
+    # reach the task's event store
+    evidence_timeout_s: float = Field(3.0, gt=0, le=30)
+
+    @field_validator("raw_ip", "outside_resolver")
+    @classmethod
+    def _ipv4(cls, v: str) -> str:
+        return str(ipaddress.IPv4Address(v))
+
+    @field_validator("ipv6_address")
+    @classmethod
+    def _ipv6(cls, v: str) -> str:
+        return str(ipaddress.IPv6Address(v))
+
+
 class LauncherSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -72,6 +105,7 @@ class LauncherSettings(BaseModel):
     backend: Literal["netns"] = "netns"
     microvm: MicrovmSettings = MicrovmSettings()
     gvisor: GvisorSettings = GvisorSettings()
+    selftest: SelftestSettings = SelftestSettings()
     # A profile whose `isolation` asks for a tier this host cannot give (gvisor:
     # launcher.gvisor disabled or runsc missing; microvm: launcher.microvm disabled, QEMU or
     # the image missing) is refused, unless its

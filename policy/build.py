@@ -164,6 +164,7 @@ def profile(
                             ttl=lim.ttl, egress_bytes=lim.egress_bytes),
         mode=prm.egress.mode,
         proxy_env=prm.egress.proxy_env,
+        selftest=prm.selftest,
         allow=tuple(allow),
         deny=tuple(deny),
         presets=tuple(prm.egress.presets),

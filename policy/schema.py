@@ -225,6 +225,8 @@ class ProfileModel(Strict):
     broker: BrokerModel = BrokerModel()
     exports: ExportsModel = ExportsModel()
     sandbox: SandboxModel = SandboxModel()
+    # required: every start proves the fence first; sampled: launcher.selftest.sample_rate
+    selftest: Literal["required", "sampled"] = "required"
 
 
 class PresetModel(Strict):

@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "stockade.stack",  # up, demo
     "stockade.events.cli",  # events
     "stockade.mcp.cli",  # mcp (the session API for MCP clients)
+    "stockade.stack.taskcli",  # task verify
 )
 
 

@@ -50,6 +50,7 @@ limits: {{cpus: 1, memory: 128MiB, disk: 16MiB, pids: 64, ttl: 60s}}
 egress:
   mode: enforce
 exports: {{max_file: 1KiB, max_total: 4KiB, types: [text]}}
+selftest: sampled
 """
 
 WHOAMI = ("import os, urllib.request\n"
