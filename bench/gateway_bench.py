@@ -5,12 +5,15 @@ tinyproxy (allowlisting CONNECT proxies). Everything runs on 127.0.0.1.
 
     .venv/bin/python bench/gateway_bench.py [--bytes 512MiB] [--latency-runs 300]
                                             [--idle 10000] [--only gateway,direct,...]
+                                            [--rate 3] [--hog]
 
 Each proxy gets a CONNECT to `localhost:<upstream port>` followed by a real TLS
 ClientHello (SNI `localhost`, so the gateway's sniffer and policy run), then a one-byte
 command to the upstream: `D` + 8-byte length (download that many bytes, sent with
 sendfile), `P` (answer one byte, then stay idle). The upstream and each proxy are
-separate processes; the client is this process.
+separate processes; the client is this process (the `--rate` table's clients are
+processes of their own: bench/connrate.py). `--hog`: everything with a CPU hog on the
+other core (bench/cpuhog.py).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import connrate
+import cpuhog
 from hostcost import describe as host_cost
 
 from stockade.ports import free_port
@@ -577,6 +582,19 @@ def main() -> int:
         "default: the system's",
     )
     ap.add_argument(
+        "--rate",
+        type=float,
+        default=3.0,
+        metavar="SECONDS",
+        help="new connections/s with keep-alive off (bench/connrate.py): window length, "
+        "--runs windows per path, interleaved; 0: skip",
+    )
+    ap.add_argument(
+        "--hog",
+        action="store_true",
+        help="run everything with a CPU hog spinning on the other core (bench/cpuhog.py)",
+    )
+    ap.add_argument(
         "--only",
         help="comma-separated subset: "
         "direct,gateway,gateway-copy,floor,mitmproxy,squid,tinyproxy "
@@ -593,6 +611,7 @@ def main() -> int:
 
     hello = client_hello("localhost")
     rows: list[dict[str, object]] = []
+    rates: list[tuple[str, str, list[connrate.Rate]]] = []
     load_before = 0.0
     with tempfile.TemporaryDirectory(prefix="stockade-bench-") as tmpdir:
         tmp = Path(tmpdir)
@@ -641,11 +660,16 @@ def main() -> int:
                     proxies.append((key, proxy))  # before the warm-up: stopped if it fails
                     bench.latency(proxy, 20)  # warm-up: caches, first-use allocations
                 load_before = os.getloadavg()[0]
-                rows = measure(bench, proxies, nbytes, args, idle_n)
+                with cpuhog.running(cpuhog.other_core() if args.hog else None):
+                    rows = measure(bench, proxies, nbytes, args, idle_n)
+                    rates = measure_rates(bench, proxies, args)
             finally:
                 for _, proxy in proxies:
                     proxy.stop()
     print_table(rows, nbytes, args)
+    if rates:
+        connrate.print_rates(rates, args.rate)
+    print(cpuhog.describe(cpuhog.other_core() if args.hog else None))
     # context for reading the wall-clock columns (the bench itself raises it by ~1)
     load = os.getloadavg()[0]
     print(f"load average (1 min): {load_before:.2f} before, {load:.2f} after")
@@ -696,6 +720,22 @@ def measure(
         rows.append(row)
         print(f"# {proxy.name}: done", file=sys.stderr)
     return rows
+
+
+def measure_rates(
+    bench: Bench, proxies: list[tuple[str, Proxy]], args: argparse.Namespace
+) -> list[tuple[str, str, list[connrate.Rate]]]:
+    """--runs windows of --rate seconds per path, every path once per round."""
+    if args.rate <= 0:
+        return []
+    windows: dict[str, list[connrate.Rate]] = {k: [] for k, _ in proxies}
+    for _ in range(max(args.runs, 1)):
+        for key, proxy in proxies:
+            cpu = proxy.cpu if proxy.proc is not None else None
+            windows[key].append(
+                connrate.measure(proxy.port, bench.upstream_port, bench.hello, args.rate, cpu)
+            )
+    return [(key, proxy.name, windows[key]) for key, proxy in proxies]
 
 
 def system_cc() -> str:

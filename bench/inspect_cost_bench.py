@@ -83,6 +83,17 @@ def wait_inspector(ns, fi, ca: Path, timeout: float = 90) -> None:  # type: igno
         time.sleep(0.5)
 
 
+def host_unavailable() -> bool:
+    """True, with the reason on stderr, where this host cannot run the rig (it needs
+    root and network namespaces)."""
+    from stockade.testing.testnet import host
+
+    reason = host.available()
+    if reason:
+        print(f"cannot run: {reason}", file=sys.stderr)
+    return bool(reason)
+
+
 def register(ctl, task, timeout: float = 30) -> None:  # type: ignore[no-untyped-def]
     """Register `task` once the gateway's control socket answers."""
     end = time.monotonic() + timeout
@@ -101,16 +112,20 @@ def start_rig(  # type: ignore[no-untyped-def]
     exempt_ports: tuple[int, ...] = (),
     code: Path | None = None,
     fi=None,
+    rules: str = RULES,
+    proxy_port: int | None = None,
 ):
     """The fake internet (`fi`, or a new one), a sandbox namespace redirected to a gateway
     (this tree's, or the build in `code`: gateway_bench's --baseline) with its inspector
     (ready), the task registered; all torn down by `stack`. `exempt_ports`: host ports
-    the namespace may reach directly (other proxies in a side-by-side run). Returns
+    the namespace may reach directly (other proxies in a side-by-side run); `rules`: the
+    task's profile (it must keep RULES' entries); `proxy_port`: the gateway's explicit
+    proxy port on the namespace's host address (default: a free one). Returns
     (fake internet, namespace, gateway process, the inspector CA's path)."""
     from stockade.tasks import ControlClient, Task
     from stockade.testing.testnet import ClientNamespace, FakeInternet, host
 
-    tport, pport = free_port(), free_port()
+    tport, pport = free_port(), proxy_port or free_port()
     if fi is None:
         host.register_cleanup(stack, stack.close)
         stack.callback(host.unregister_cleanup, stack)
@@ -126,7 +141,7 @@ def start_rig(  # type: ignore[no-untyped-def]
     ns.start()
     d = tmp / "gw"
     (d / "rules" / "profiles").mkdir(parents=True)
-    (d / "rules" / "profiles" / "bench.yaml").write_text(RULES)
+    (d / "rules" / "profiles" / "bench.yaml").write_text(rules)
     gw = spawn_gateway(
         d, f"{ns.host_ip}:{tport}", f"{ns.host_ip}:{pport}", 0,
         resolvers=[fi.dns_server], allow_addresses=[fi.subnet],
@@ -147,11 +162,7 @@ def main() -> int:
     ap.add_argument("--http2", action="store_true", help="curl --http2 (default --http1.1)")
     args = ap.parse_args()
 
-    from stockade.testing.testnet import host
-
-    reason = host.available()
-    if reason:
-        print(f"cannot run: {reason}", file=sys.stderr)
+    if host_unavailable():
         return 2
     nbytes = parse_size(args.bytes)
     load_before = os.getloadavg()
@@ -192,10 +203,12 @@ def print_table(
         spread = f"{min(values):.0f}-{max(values):.0f}"
         per_gib = cpu[key] / (nbytes * len(values) / 2**30)
         print(f"{labels[key]:<38}{med:>8.0f}{spread:>14}{med / base:>11.0%} {per_gib:>13.2f}")
-    print(textwrap.dedent(f"""
-        ratio inspected / spliced: {statistics.median(rates['inspected']) / base:.2f}
-        load average before: {' '.join(f'{x:.2f}' for x in load_before)}, after: \
-{' '.join(f'{x:.2f}' for x in os.getloadavg())}; {host_cost()}""").rstrip())
+    print(
+        textwrap.dedent(f"""
+        ratio inspected / spliced: {statistics.median(rates["inspected"]) / base:.2f}
+        load average before: {" ".join(f"{x:.2f}" for x in load_before)}, after: \
+{" ".join(f"{x:.2f}" for x in os.getloadavg())}; {host_cost()}""").rstrip()
+    )
 
 
 if __name__ == "__main__":

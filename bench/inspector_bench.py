@@ -5,7 +5,7 @@ and HTTP/2 through the gateway's L7 inspector, next to standalone mitmproxy in r
 plus bulk download throughput of each; one run, interleaved rounds.
 
     .venv/bin/python bench/inspector_bench.py [--requests 300] [--runs 3] [--bytes 128MiB]
-        [--baseline REV] [--pyspy PREFIX]
+        [--baseline REV] [--pyspy PREFIX] [--hog]
 
 Wiring (needs root; `inspect_cost_bench.start_rig`): the fake internet's HTTPS sites
 (aiohttp, HTTP/1.1 only, certificates from its own CA) are the one upstream of every
@@ -28,7 +28,9 @@ and its excess over direct, the protocol curl negotiated with the proxy, and the
 proxy's CPU per request (gateway + inspector child, or mitmdump; scheduler run time).
 Bulk: one `--bytes` download per path per round (HTTP/1.1), MiB/s (median) and its
 ratio to the spliced path (direct runs from the host's namespace, another route).
-Squid with ssl-bump is not here: see bench/README.md "Inspected path".
+- squid (ssl-bump): Debian's squid-openssl unpacked beside the installed Squid
+  (bench/squid_bump.py), CONNECT other.test, bumped, upstream verified against the fake
+  internet's CA; Squid speaks HTTP/1.1 to its clients.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -46,10 +49,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import cpuhog
+import squid_bump
 from gateway_bench import VENV_BIN, _descendants, baseline_tree, cpu_seconds, parse_size
 from gateway_transparent_bench import code_revision, stop_proc, wait_listen
 from hostcost import describe as host_cost
-from inspect_cost_bench import INSPECTED, SPLICED, start_rig
+from inspect_cost_bench import INSPECTED, SPLICED, host_unavailable, start_rig
 
 from stockade.ports import free_port
 
@@ -147,9 +152,30 @@ def inspector_pid(gateway_pid: int) -> int:
     raise RuntimeError("no inspector child found")
 
 
+def squid_route(stack: contextlib.ExitStack, fi, ns, port: int) -> list[Route]:  # type: ignore[no-untyped-def]
+    """Squid with ssl-bump (bench/squid_bump.py) on the namespace's host address, or no
+    row (with the reason on stderr) where squid-openssl cannot be had."""
+    try:
+        proc, d = squid_bump.start(
+            f"{ns.host_ip}:{port}", fi.ca_pem, INSPECTED, fi.addresses[INSPECTED]
+        )
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        print(f"# squid (ssl-bump): no row: {e}", file=sys.stderr)
+        return []
+    stack.callback(shutil.rmtree, d, True)
+    stack.callback(stop_proc, proc)
+    wait_listen(ns.host_ip, port, proc, timeout=60)
+    time.sleep(1.0)  # it listens before its helpers start: a broken set-up exits by now
+    if proc.poll() is not None:
+        print(f"# squid (ssl-bump): exited: {squid_bump.log_tail(d)}", file=sys.stderr)
+        return []
+    args = ["--cacert", str(d / "ca.pem"), "-x", f"http://{ns.host_ip}:{port}"]
+    return [Route("squid (ssl-bump)", ns.run, INSPECTED, args, proc.pid)]
+
+
 def build_paths(stack: contextlib.ExitStack, baseline: str | None) -> list[Route]:
-    mport = free_port()
-    fi, ns, gw, insp_ca = start_rig(stack, exempt_ports=(mport,))
+    mport, sport = free_port(), free_port()
+    fi, ns, gw, insp_ca = start_rig(stack, exempt_ports=(mport, sport))
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="stockade-bench-")))
     before: list[Route] = []
     if baseline:  # the same wiring again (its own namespace) for another commit's gateway
@@ -161,11 +187,12 @@ def build_paths(stack: contextlib.ExitStack, baseline: str | None) -> list[Route
     ip = fi.addresses[INSPECTED]
     pin, pin_spliced = fi.resolve_args(INSPECTED), fi.resolve_args(SPLICED)
     proxy = ["-x", f"http://{ns.host_ip}:{mport}", "--connect-to", f"{INSPECTED}:443:{ip}:443"]
+    peers = [*before, *squid_route(stack, fi, ns, sport)]
     return [
         Route("direct", subprocess.run, INSPECTED, ["--cacert", fi.ca_pem, *pin], None),
         Route("gateway, spliced", ns.run, SPLICED, ["--cacert", fi.ca_pem, *pin_spliced], gw.pid),
         Route("gateway, inspected", ns.run, INSPECTED, ["--cacert", str(insp_ca), *pin], gw.pid),
-        *before,
+        *peers,
         Route(
             "mitmproxy (regular)", ns.run, INSPECTED, ["--cacert", str(mitm_ca), *proxy], mitm.pid
         ),
@@ -182,13 +209,12 @@ def main() -> int:
         "--pyspy", metavar="PREFIX",
         help="py-spy the inspector child and mitmdump: PREFIX-inspector.txt, PREFIX-mitm.txt",
     )  # fmt: skip
+    ap.add_argument(
+        "--hog", action="store_true", help="with a CPU hog on the other core (bench/cpuhog.py)"
+    )
     args = ap.parse_args()
 
-    from stockade.testing.testnet import host
-
-    reason = host.available()
-    if reason:
-        print(f"cannot run: {reason}", file=sys.stderr)
+    if host_unavailable():
         return 2
     if args.requests < 2 or args.runs < 1:
         print("--requests must be >= 2 and --runs >= 1", file=sys.stderr)
@@ -208,6 +234,7 @@ def main() -> int:
         if args.pyspy:
             sample(stack, inspector_pid(paths[2].pid or 0), f"{args.pyspy}-inspector.txt")
             sample(stack, paths[-1].pid or 0, f"{args.pyspy}-mitm.txt")
+        stack.enter_context(cpuhog.running(cpuhog.other_core() if args.hog else None))
         for _ in range(args.runs):  # interleaved: drift on a shared host hits all alike
             for proto in ("http1.1", "http2"):
                 for path in paths:
@@ -257,6 +284,7 @@ def print_table(
         f"\nload average before: {' '.join(f'{x:.2f}' for x in load_before)}, after: "
         f"{load_after}; {elapsed:.0f} s; {host_cost()}"
     )
+    print(cpuhog.describe(cpuhog.other_core() if args.hog else None))
 
 
 if __name__ == "__main__":

@@ -38,29 +38,40 @@ def bench_config(tmp: Path, name: str, pool: str, nflog_group: int, **launcher: 
 
 
 @contextlib.contextmanager
-def started_launcher(name: str, pool: str, nflog_group: int, keep_pools: bool = False,
-                     **launcher: Any) -> Iterator[Launcher]:
-    """`keep_pools`: the launcher keeps `launcher.pools` (as the launcher service does)."""
-    tmp = Path(tempfile.mkdtemp(prefix=f"stockade-{name}-"))
-    cfg = bench_config(tmp, name, pool, nflog_group, **launcher)
+def stand_ins(cfg: Config) -> Iterator[asyncio.AbstractEventLoop]:
+    """The stand-in gateway and broker registries on an event loop of their own (the
+    loop, for the caller's own coroutines); at the end the launcher's table and cgroup
+    parent are removed too, if its owner left them."""
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     runners = [asyncio.run_coroutine_threadsafe(start_control_server(
         make_control_app(TaskRegistry()), p), loop).result(10)
         for p in (cfg.gateway.control_socket, cfg.broker.control_socket)]
-    launcher = Launcher(cfg, pools=keep_pools)
     try:
-        launcher.start()
-        yield launcher
+        yield loop
     finally:
-        launcher.close()
         subprocess.run(["nft", "delete", "table", "inet", cfg.launcher.nft_table], check=False,
                        capture_output=True)
         remove_parent(cfg.launcher.cgroup_root, cfg.launcher.cgroup_parent)
-        shutil.rmtree(tmp, ignore_errors=True)
         for r in runners:
             asyncio.run_coroutine_threadsafe(r.cleanup(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
+
+
+@contextlib.contextmanager
+def started_launcher(name: str, pool: str, nflog_group: int, keep_pools: bool = False,
+                     **launcher: Any) -> Iterator[Launcher]:
+    """`keep_pools`: the launcher keeps `launcher.pools` (as the launcher service does)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"stockade-{name}-"))
+    cfg = bench_config(tmp, name, pool, nflog_group, **launcher)
+    with stand_ins(cfg):
+        launcher = Launcher(cfg, pools=keep_pools)
+        try:
+            launcher.start()
+            yield launcher
+        finally:
+            launcher.close()
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def sleeping_sandbox(launcher: Launcher, ruleset: Any,
@@ -78,4 +89,3 @@ def sleeping_sandbox(launcher: Launcher, ruleset: Any,
         if running:
             return th, box, running[0]["task_id"]
         time.sleep(0.001)
-

@@ -61,6 +61,14 @@ class Claims:
             raise
         return live
 
+    def wired(self, rec: SandboxRecord) -> None:
+        """The host-side ifindex in the record before the sandbox sends anything (the fence
+        self-test): the NFLOG reader of whichever launcher holds the group can then tell
+        whose packets it logs."""
+        with self.state.locked() as records:
+            if rec.task_id in records:
+                records[rec.task_id].ifindex = rec.ifindex
+
     def running(self, live: Live, state: str = "running") -> None:
         """The sandbox's process started: its record says so (and where it is); `pooled`:
         a warm-pool sandbox waiting for its task."""

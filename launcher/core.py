@@ -10,6 +10,7 @@ and a normal end share it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import threading
@@ -39,7 +40,8 @@ from .cleanup import Cleaner, wiring
 from .denials import BypassCollector
 from .deregistration import deregister, retry_pending
 from .ending import end_due, end_event
-from .environment import permitted_congestion_control, port, sandbox_env
+from .environment import exec_env, permitted_congestion_control, port, sandbox_env
+from .fence import Fence
 from .isolation import PROVIDED_ISOLATION, choose_backend, preflight, profile_of
 from .lifecycle import operator_event, start_event
 from .nflog import LogRecord
@@ -55,9 +57,11 @@ from .spec import (
 )
 from .state import SandboxRecord, StateFile, state_path
 from .supervise import capture_fields, classify_end, kill_marker
+from .taskrecord import Recorder, backend_details, limits_of
 
 if TYPE_CHECKING:  # annotations only
     from .configview import LauncherConfig as Config
+    from .execspec import ExecProc, ExecSpec
     from .pools import PoolManager
 
 # stockade/stack/run.py imports these from here
@@ -92,6 +96,13 @@ class Launcher:
                              self._retry_deregistrations)
         self.deregister_failures = 0  # failed deregistrations (each logged), retries too
         self._congestion_control = permitted_congestion_control(s.congestion_control)
+        # task id -> the labels its spec asked for: in its registration and, through the
+        # writer, in every event the launcher writes of it
+        self._labels: dict[str, dict[str, str]] = {}
+        self.events.label_with(self._labels.get)
+        self.fence = Fence(config, self.params.broker_port, self._emit, self.claims.wired,
+                           lambda: self.use_nflog and self.bypass.bound)
+        self.recorder = Recorder(config, self._emit)
         self.pools: PoolManager | None = None
         if pools and s.pools.targets:
             from .pools import PoolManager  # here: its metrics' library is not small
@@ -176,8 +187,10 @@ class Launcher:
             self._emit(end_event(ours, ended_by, exit_code=exit_code, duration_s=duration,
                                  policy_version=policy_version,
                                  accounting=self.bypass.end_accounting(ours)))
+            self._record(ours, spec, profile, isolation, policy_version, ended_by, exit_code)
         else:
             self.bypass.forget(rec.task_id)
+        self._labels.pop(rec.task_id, None)
         scrubber = scrub.for_sandbox(self.config, str(self.scratch_base), rec.host_ip,
                                      spec.inputs, spec.env)
         if ended.failed is not None:  # torn down above, like any sandbox that fails to start
@@ -195,6 +208,38 @@ class Launcher:
                      "teardown_s": t_end - t_run},
             **capture_fields(ended.out, ended.err),
         )
+
+    def exec(self, task_id: str, req: ExecSpec) -> ExecProc:
+        """One more command in the running session sandbox `task_id` (`SandboxSpec.session`,
+        run by this launcher); `req.env` holds only the caller's additions, merged under
+        the sandbox's own rules. LauncherError when there is no such sandbox."""
+        live = self._live.get(task_id)
+        if live is None or live.ctx is None or live.killed.is_set():
+            raise LauncherError(f"no running session sandbox {task_id} in this launcher")
+        full = dataclasses.replace(req, env=exec_env(live.ctx.env, req.env))
+        return live.backend.exec(live, full, live.ctx)
+
+    def scrubber(self, task_id: str, spec: SandboxSpec) -> scrub.Scrubber:
+        """The output scrubber of a running sandbox (as its end result is scrubbed)."""
+        live = self._live.get(task_id)
+        if live is None:
+            raise LauncherError(f"no running sandbox {task_id} in this launcher")
+        return scrub.for_sandbox(self.config, str(self.scratch_base), live.record.host_ip,
+                                 spec.inputs, spec.env)
+
+    def scratch_root(self, task_id: str) -> str | None:
+        """The host path of a running sandbox's /scratch (None: not one of ours)."""
+        live = self._live.get(task_id)
+        return None if live is None else str(Path(live.record.scratch) / "scratch")
+    def _record(self, rec: SandboxRecord, spec: SandboxSpec, profile: Any,
+                isolation: dict[str, Any], policy_version: str | None, ended_by: str,
+                exit_code: int | None) -> None:
+        """The signed task record of a run that ended its sandbox (taskrecord.py)."""
+        ttl = rec.expires_at - rec.started_at if rec.expires_at else self.s.default_ttl_s
+        self.recorder.write(
+            rec, export_dir=spec.export_dir, policy_version=policy_version,
+            isolation=backend_details(isolation, self.s), selftest=self.fence.pop(rec.task_id),
+            limits=limits_of(profile.limits, ttl), ended_by=ended_by, exit_code=exit_code)
 
     def list(self) -> list[dict[str, Any]]:
         return [r.summary() for r in self.state.read().values()]
@@ -279,18 +324,35 @@ class Launcher:
         ttl = min(spec.ttl, limits.ttl) if spec.ttl else limits.ttl
         live = self.claims.claim(profile.name, ttl, isolation["isolation"], backend)
         rec, task_id = live.record, live.record.task_id
+        if spec.labels:
+            self._labels[task_id] = dict(spec.labels)
         with self._undone_on_error(task_id):
             a, etc = self._wire(live, limits, profile.name, proxy_env)
             if self.register_tasks:
                 register_task(Task(task_id, a.guest_ip, profile.name,
-                              expires_at=rec.started_at + ttl + 5),
+                              expires_at=rec.started_at + ttl + 5,
+                              labels=dict(spec.labels)),
                               self._control_sockets(), live.registered)
-            backend.start(live, spec, self._context(a, etc, inputs, limits, profile,
-                                                    self._env(spec, a.host_ip, proxy=proxy_env,
-                                                              trust=etc.trust_vars)))
+            fence, ctx = self._begin(live, spec, profile, policy_version, a, etc, inputs,
+                                     proxy_env)
+            backend.start(live, spec, ctx)
             self.claims.running(live)
-        self._emit(start_event(rec, policy_version, ttl, isolation))
+        self._emit(start_event(rec, policy_version, ttl, isolation, fence.as_dict()))
         return live
+
+    def _begin(self, live: Live, spec: SandboxSpec, profile: Any, policy_version: str | None,
+               a: SlotAddresses, etc: rootfs.Etc, inputs: list[Any],
+               proxy_env: bool) -> tuple[Any, StartContext]:
+        """What a cold start and a claim share between the task's registration and its
+        command: the fence self-test (FenceUnverified: the caller tears the sandbox down),
+        then the command's start context. (The self-test's report, the context.)"""
+        fence = self.fence.check(live.record, profile, a, tap=bool(live.backend.tap),
+                                 policy_version=policy_version)
+        ctx = self._context(a, etc, inputs, profile.limits, profile,
+                            self._env(spec, a.host_ip, proxy=proxy_env, trust=etc.trust_vars))
+        # only a session takes more commands: its execs need what its start got
+        live.ctx = ctx if spec.session else None
+        return fence, ctx
 
     def _warm(self, shape: Shape) -> Live:
         """One warm-pool sandbox of `shape`: every piece made, registered as pooled (all
@@ -313,7 +375,8 @@ class Launcher:
     def _claim_warm(self, backend_name: str, spec: SandboxSpec, profile: Any,
                     policy_version: str | None, isolation: dict[str, Any]) -> Live | None:
         """A warm-pool sandbox of the profile's tier and shape bound to this task (its
-        registration, then its command); None when there is none."""
+        registration with the task's profile and labels, the fence self-test, then its
+        command); None when there is none."""
         if self.pools is None:
             return None
         backend = backend_for(backend_name)
@@ -332,6 +395,8 @@ class Launcher:
         if not bound:  # killed while it waited (`sandbox kill`): this task starts cold
             self._teardown(task_id)
             return None
+        if spec.labels:
+            self._labels[task_id] = dict(spec.labels)
         with self._undone_on_error(task_id):
             a, etc = slot_addresses(self.s.address_pool, rec.slot), live.warm_etc
             self.bypass.ifindex[rec.ifindex] = (task_id, profile.name)
@@ -340,13 +405,17 @@ class Launcher:
                                              [wiring(rec, proxy=True)]))
             if self.register_tasks:  # the pooled registration becomes the task's
                 register_task(Task(task_id, a.guest_ip, profile.name,
-                              expires_at=rec.started_at + ttl + 5),
+                              expires_at=rec.started_at + ttl + 5,
+                              labels=dict(spec.labels)),
                               self._control_sockets(), [])
-            backend.claim_pooled(live, spec, self._context(
-                a, etc, inputs, profile.limits, profile,
-                self._env(spec, a.host_ip, proxy=proxy_env, trust=etc.trust_vars)))
+            # as a cold start: the fence proven (now that the gateway, the DNS firewall and
+            # the broker know the task's profile) before the init gets the command
+            fence, ctx = self._begin(live, spec, profile, policy_version, a, etc, inputs,
+                                     proxy_env)
+            backend.claim_pooled(live, spec, ctx)
             self.claims.running(live)
-        self._emit(start_event(rec, policy_version, ttl, {**isolation, "pool": rec.pool}))
+        self._emit(start_event(rec, policy_version, ttl, {**isolation, "pool": rec.pool},
+                               fence.as_dict()))
         return live
 
     def _wire(self, live: Live, limits: Any, profile: str,
@@ -379,6 +448,7 @@ class Launcher:
             yield
         except BaseException as e:
             self._teardown(task_id)
+            self._labels.pop(task_id, None)
             if isinstance(e, StateWriteError):
                 raise LauncherError(f"cannot write the launcher state {e.path}: {e}") from None
             raise

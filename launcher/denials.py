@@ -25,6 +25,7 @@ from .accounting import (
 )
 from .deregistration import DEREGISTERING
 from .nflog import LogRecord, NflogSocket
+from .selftest import without_probe_events
 from .state import SandboxRecord, StateFile
 
 FOREIGN_CHECK_S = 0.25  # how often the reader looks for sandboxes gone elsewhere
@@ -156,7 +157,8 @@ class BypassCollector:
     def denials(self, task_id: str) -> list[dict[str, Any]]:
         """The task's denial events from every component, read from its per-task store
         (stockade/events/taskstore.py), which rotation of the shared file cannot erase."""
-        return denials_of(read_task_events(self.task_events_dir, task_id))
+        return denials_of(without_probe_events(read_task_events(self.task_events_dir,
+                                                                task_id)))
 
     def end_accounting(self, rec: SandboxRecord) -> dict[str, Any]:
         """Bypass counts and every component's event totals for the end event (`rec`: the

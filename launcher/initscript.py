@@ -277,3 +277,11 @@ def claim_ops(plan: InitPlan) -> list[list[Any]]:
     while the host's tree is still reachable, then the pivot into the new root."""
     r = plan.root.rstrip("/")
     return _inputs(plan, r) + _pivot(r)
+
+
+def exec_plan(plan: InitPlan, init_pid: int) -> dict[str, Any]:
+    """The plan of a session's exec server (`sandbox_init.py` with `join`): the sandbox's
+    cgroups and its init's namespaces to join, then for every exec the same uid, gid and
+    rlimits as the first command (`build`)."""
+    return {"join": {"pid": init_pid, "cgroup_procs": list(plan.cgroup_procs)},
+            "uid": plan.uid, "gid": plan.gid, "rlimits": dict(plan.rlimits)}

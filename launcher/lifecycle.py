@@ -11,15 +11,17 @@ from .state import SandboxRecord
 
 
 def start_event(rec: SandboxRecord, policy_version: str | None, ttl: float,
-                isolation: dict[str, Any]) -> dict[str, Any]:
-    """`isolation`: the fields of isolation.decide_backend (a downgrade names both tiers)."""
+                isolation: dict[str, Any],
+                selftest: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`isolation`: the fields of isolation.decide_backend (a downgrade names both tiers);
+    `selftest`: the fence self-test's report (fence.py)."""
     return make_event(
         component="launcher", action="sandbox_lifecycle", task_id=rec.task_id,
         profile=rec.profile, policy_version=policy_version, source_ip=rec.guest_ip,
         message="sandbox started" if "isolation_requested" not in isolation else (
             f"sandbox started at {PROVIDED_ISOLATION} grade "
             f"(the profile asks for {isolation['isolation_requested']})"),
-        extra={"lifecycle": "start", "ttl_s": ttl, **isolation},
+        extra={"lifecycle": "start", "ttl_s": ttl, **isolation, "selftest": selftest},
     )
 
 

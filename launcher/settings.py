@@ -1,8 +1,9 @@
 """The `launcher:` section of stockade.yaml."""
 
+import ipaddress
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stockade.tcp import CONGESTION_CONTROL_NAME
 
@@ -103,6 +104,38 @@ class PoolSettings(BaseModel):
         return v
 
 
+class SelftestSettings(BaseModel):
+    """`launcher.selftest`: the probes each sandbox's fence must fail before its command
+    starts (launcher/selftest.py). The target addresses are never dialled past the fence:
+    a fence that holds redirects or rejects them on this host. The defaults are RFC 5737 /
+    RFC 3849 documentation addresses, which no network routes; tests and the demo point
+    them at addresses of the fake internet's namespace."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # share of the starts of `selftest: sampled` profiles that run it (0.0 to 1.0);
+    # `selftest: required` profiles (the default) run it on every start
+    sample_rate: float = Field(1.0, ge=0.0, le=1.0)
+    raw_ip: str = "192.0.2.1"  # a raw IPv4 destination (TLS without a name, UDP, ports)
+    outside_resolver: str = "192.0.2.53"  # a resolver other than the DNS firewall
+    ipv6_address: str = "2001:db8::1"  # an IPv6 destination
+    # each probe's own deadline (seconds): a probe that hangs fails
+    probe_timeout_s: float = Field(2.0, gt=0, le=30)
+    # how long the events of the probes (gateway, DNS firewall, NFLOG reader) may take to
+    # reach the task's event store
+    evidence_timeout_s: float = Field(3.0, gt=0, le=30)
+
+    @field_validator("raw_ip", "outside_resolver")
+    @classmethod
+    def _ipv4(cls, v: str) -> str:
+        return str(ipaddress.IPv4Address(v))
+
+    @field_validator("ipv6_address")
+    @classmethod
+    def _ipv6(cls, v: str) -> str:
+        return str(ipaddress.IPv6Address(v))
+
+
 class LauncherSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -113,6 +146,7 @@ class LauncherSettings(BaseModel):
     microvm: MicrovmSettings = MicrovmSettings()
     gvisor: GvisorSettings = GvisorSettings()
     pools: PoolSettings = PoolSettings()
+    selftest: SelftestSettings = SelftestSettings()
     # A profile whose `isolation` asks for a tier this host cannot give (gvisor:
     # launcher.gvisor disabled or runsc missing; microvm: launcher.microvm disabled, QEMU or
     # the image missing) is refused, unless its
@@ -123,6 +157,18 @@ class LauncherSettings(BaseModel):
     # Unix socket (0600) of `stockade launcher serve` (started by `stockade up`); default
     # <run_dir>/launcher.sock
     control_socket: str = "/run/stockade/launcher.sock"
+    # TCP listener ("host:port") of the same API for remote orchestrators; None: the Unix
+    # socket only. Every TCP request carries `Authorization: Bearer <token>` (the token
+    # in control_token_file); no sandbox can reach it (nft redirects all its TCP)
+    control_listen: str | None = Field(None, pattern=r"^[^\s]+:[0-9]{1,5}$")
+    # the bearer token of control_listen (one line; mode 0600 or stricter; re-read when
+    # it changes, so a rotation needs no restart)
+    control_token_file: str | None = None
+    # TLS on control_listen: certificate chain and key (PEM); with control_tls_client_ca
+    # a client certificate signed by that CA is required too (mTLS)
+    control_tls_cert: str | None = None
+    control_tls_key: str | None = None
+    control_tls_client_ca: str | None = None
     # per-sandbox root, scratch tmpfs and /etc files live below this
     scratch_dir: str = "/var/lib/stockade/sandboxes"
     nft_table: str = "stockade"  # the one nftables table (family inet) the launcher owns
@@ -176,6 +222,16 @@ class LauncherSettings(BaseModel):
     # (python3-seccomp), compiles its seccomp filter; falls back to the launcher's own interpreter
     init_python: str = "/usr/bin/python3"
     shm_size: int = Field(16 * 2**20, ge=4096)  # /dev/shm tmpfs (charged to the memory cgroup)
+
+    @model_validator(mode="after")
+    def _control_tcp(self) -> "LauncherSettings":
+        if self.control_listen and not self.control_token_file:
+            raise ValueError("launcher.control_listen needs launcher.control_token_file")
+        if bool(self.control_tls_cert) != bool(self.control_tls_key):
+            raise ValueError("launcher.control_tls_cert and control_tls_key go together")
+        if self.control_tls_client_ca and not self.control_tls_cert:
+            raise ValueError("launcher.control_tls_client_ca needs control_tls_cert")
+        return self
 
     @field_validator("etc_allowlist")
     @classmethod

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from . import model
 from .schema import ApiModel, CatalogueModel, DenyEntryModel, EntryModel, ProfileModel
 from .sources import Source
+from .suggest import did_you_mean
 from .yamlsrc import Path_
 
 
@@ -116,7 +117,8 @@ def add_presets(
         preset = presets.get(pname)
         if preset is None:
             known = ", ".join(sorted(presets)) or "none"
-            src.error(("egress", "presets", i), f"unknown preset {pname!r} (known: {known})")
+            src.error(("egress", "presets", i),
+                      f"unknown preset {pname!r}{did_you_mean(pname, presets)} (known: {known})")
             continue
         allow.extend(preset.allow)
         deny.extend(preset.deny)
@@ -130,7 +132,8 @@ def grants(
     for api, g in prm.broker.apis.items():
         if api not in apis:
             known = ", ".join(sorted(apis)) or "none"
-            src.error(("broker", "apis", api), f"unknown API {api!r} (known: {known})")
+            src.error(("broker", "apis", api),
+                      f"unknown API {api!r}{did_you_mean(api, apis)} (known: {known})")
             continue
         out[api] = model.BrokerGrant(
             api=api,
@@ -161,6 +164,7 @@ def profile(
                             ttl=lim.ttl, egress_bytes=lim.egress_bytes),
         mode=prm.egress.mode,
         proxy_env=prm.egress.proxy_env,
+        selftest=prm.selftest,
         allow=tuple(allow),
         deny=tuple(deny),
         presets=tuple(prm.egress.presets),

@@ -47,6 +47,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     _add_usage(rsub, parents)
     _add_learn(rsub, parents)
     _add_replay(rsub, parents)
+    _add_editor(rsub)
 
 
 def _subcommand(
@@ -101,7 +102,7 @@ def _add_explain(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  
         "Decide one request the way the gateway would and show the verdict, rule "
         "id, reason code and the entry's reason. A URL target implies method GET and its "
         "path; a host:port target is a plain connection (no method/path) unless --method is "
-        "given. Exit 0 when allowed, 1 when denied.",
+        "given. Exit 0 when allowed, 1 when denied, 2 for an unknown profile or target.",
     )  # fmt: skip
     explain.add_argument("target", metavar="TARGET", help="URL or host:port")
     explain.add_argument("--profile", "-p", required=True, help="profile name")
@@ -131,10 +132,13 @@ def _add_diff(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  # t
         "what a rule change opens and closes, per profile",
         "Compare two rules directories: per profile, what NEW allows that OLD "
         "did not, what it no longer allows, deny entries added/removed and changed settings "
-        "(mode, isolation, limits, broker grants). Exit 0 (also when there are changes).",
+        "(mode, isolation, limits, broker grants). Exit 0 (also when there are changes); "
+        "with --exit-code 1 when any profile changed; 2 when a directory is invalid.",
     )  # fmt: skip
     diff.add_argument("old", metavar="OLD_DIR")
     diff.add_argument("new", metavar="NEW_DIR")
+    diff.add_argument("--exit-code", action="store_true",
+                      help="exit 1 when the rule sets differ in effect (as git diff --exit-code)")
 
 
 def _add_usage(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  # type: ignore[type-arg]
@@ -159,6 +163,16 @@ def _add_replay(rsub: argparse._SubParsersAction, parents: _Parents) -> None:  #
 
     r.add_replay_options(_subcommand(rsub, parents, "replay", r.cmd_replay, r.REPLAY_SUMMARY,
                                      r.REPLAY_DESCRIPTION))  # fmt: skip
+
+
+def _add_editor(rsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`rules schema` and `rules fmt`: the editor's and the pipeline's (editor_cli.py)."""
+    from . import editor_cli as ed
+
+    ed.add_schema_options(_subcommand(rsub, [], "schema", ed.cmd_schema,
+                                      ed.SCHEMA_SUMMARY, ed.SCHEMA_DESCRIPTION))  # fmt: skip
+    ed.add_fmt_options(_subcommand(rsub, [], "fmt", ed.cmd_fmt, ed.FMT_SUMMARY,
+                                   ed.FMT_DESCRIPTION))  # fmt: skip
 
 
 def _resolve(path: Path) -> tuple[Path, Path | None]:
@@ -236,10 +250,16 @@ def _entry_by_id(profile: Any, rule_id: str | None) -> Any:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
+    from .suggest import did_you_mean
     from .targets import TargetError, parse_target
 
     rs = _load_or_report(args.rules)
     if rs is None:
+        return 2
+    if args.profile not in rs.profiles:
+        # a usage error, not a deny: exit 1 would read as "the rules refuse this"
+        print(f"explain: unknown profile {args.profile!r}"
+              f"{did_you_mean(args.profile, rs.profiles)}", file=sys.stderr)  # fmt: skip
         return 2
     try:
         facts = parse_target(args.target, args.method)
@@ -391,10 +411,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if old is None or new is None:
         return 2
     diffs = diff_rulesets(old, new, args.today)
+    changed = 1 if args.exit_code and diffs else 0
     if args.json:
         print(json.dumps({"old_version": old.version, "new_version": new.version,
                           "profiles": [d.as_json() for d in diffs]}, indent=2))  # fmt: skip
-        return 0
+        return changed
     print(f"rules {old.version} -> {new.version}")
     if not diffs:
         print("no effective change in any profile")
@@ -411,4 +432,4 @@ def cmd_diff(args: argparse.Namespace) -> int:
                 print(f"  {title}:")
                 for item in items:
                     print(f"    {sign} {item}")
-    return 0
+    return changed

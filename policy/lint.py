@@ -1,7 +1,8 @@
 """Warnings about rule sets that load fine but are probably not what the author meant.
 
 Warnings never refuse a rule set: expired entries, allow entries a deny fully shadows,
-allow entries without an `http` block on hosts known to accept uploads, unused presets,
+allow entries that can write to a service of the upload catalogue (upload_services.yaml:
+a wildcard over one unless inspected read-only, an exact name with every method), unused presets,
 uninspected entries on a shared front-end of the catalogue (`rules/catalogues/`; an
 error with `strict`), system calls a profile takes out of the sandbox's seccomp filter
 (with its reason). Notes only inform: an entry's explicit `accept_fronting`.
@@ -17,31 +18,10 @@ from .decide import in_force, utc_today
 from .model import EgressEntry, Profile, SharedFrontend
 from .problems import Problem
 from .ruleset import RuleSet
+from .uploads import upload_services
 
-# Hosts that accept uploads/pushes/publishes. An allow entry reaching one of them without
-# an `http` block (methods/paths) lets a task push data out through it.
-UPLOAD_HOSTS = (
-    "upload.pypi.org",
-    "test.pypi.org",
-    "registry.npmjs.org",
-    "registry.yarnpkg.com",
-    "github.com",
-    "api.github.com",
-    "uploads.github.com",
-    "gist.github.com",
-    "gitlab.com",
-    "bitbucket.org",
-    "crates.io",
-    "rubygems.org",
-    "hub.docker.com",
-    "registry-1.docker.io",
-    "ghcr.io",
-    "quay.io",
-    "pastebin.com",
-    "transfer.sh",
-    "s3.amazonaws.com",
-    "storage.googleapis.com",
-)
+# read-only methods: an entry inspected with only these cannot write to an upload service
+READ_ONLY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 def pattern_covers(outer: str, inner: str) -> bool:
@@ -227,10 +207,28 @@ def _allow_problems(p: Profile, e: EgressEntry, today: date) -> Iterable[Problem
         yield _warn(e, f"entry {e.id!r} is shadowed by deny {d.id!r} in profile "
                        f"{p.name!r}; it never allows anything there")  # fmt: skip
         return
-    if _any_method(e) and e.host is not None:
-        for u in UPLOAD_HOSTS:
-            if pattern_covers(e.host, u) and not _denied(p, u, today):
-                yield _warn(e, f"entry {e.id!r} reaches {u}, which accepts uploads, "
+    yield from _upload_problems(p, e, today)
+
+
+def _upload_problems(p: Profile, e: EgressEntry, today: date) -> Iterable[Problem]:
+    """An entry that can write to a service of the upload catalogue (upload_services.yaml):
+    a wildcard over one, unless inspected with read-only methods; an exact name of one
+    with every method. One warning per entry."""
+    if e.host is None:
+        return
+    services = [u for u in upload_services() if not _denied(p, u.host, today)]
+    if e.host.startswith("*.") and not _read_only(e):
+        for u in services:
+            if pattern_covers(e.host, u.host) or pattern_covers(u.host, e.host):
+                yield _warn(e, f"entry {e.id!r} is a wildcard over {u}, which accepts "
+                               "uploads from anyone: every name under it is a place to "
+                               "write data to; allow the exact names needed, or inspect "
+                               "it read-only (http: {methods: [GET, HEAD]})")  # fmt: skip
+                return
+    if _any_method(e):
+        for u in services:
+            if not u.host.startswith("*.") and pattern_covers(e.host, u.host):
+                yield _warn(e, f"entry {e.id!r} reaches {u.host}, which accepts uploads, "
                                "without an 'http' block (limit methods/paths, e.g. "
                                "GET/HEAD)")  # fmt: skip
                 return
@@ -243,6 +241,11 @@ def _unused_presets(rs: RuleSet) -> Iterable[Problem]:
             loc = preset.location
             yield Problem(loc.file, loc.line, loc.column,
                           f"preset: {name!r} is not used by any profile", "warning")  # fmt: skip
+
+
+def _read_only(e: EgressEntry) -> bool:
+    """Is the entry inspected with read-only methods only?"""
+    return e.http is not None and bool(e.http.methods) and e.http.methods <= READ_ONLY_METHODS
 
 
 def _any_method(e: EgressEntry) -> bool:

@@ -21,6 +21,7 @@ from .problems import Problem, RulesError
 from .ruleset import RuleSet
 from .schema import ApiModel, PresetModel, ProfileModel, TestFileModel
 from .sources import M, Source, read_sources
+from .suggest import did_you_mean
 
 
 def _canonical(data: Any) -> Any:
@@ -126,10 +127,12 @@ def _tests(
             continue
         for i, t in enumerate(tm.tests):
             if t.profile not in profiles:
-                src.error(("tests", i, "profile"), f"unknown profile {t.profile!r}")
+                src.error(("tests", i, "profile"),
+                          f"unknown profile {t.profile!r}{did_you_mean(t.profile, profiles)}")
                 continue
             if t.rule is not None and t.rule not in ids:
-                src.error(("tests", i, "rule"), f"unknown rule id {t.rule!r}")
+                src.error(("tests", i, "rule"),
+                          f"unknown rule id {t.rule!r}{did_you_mean(t.rule, ids)}")
                 continue
             tests.append(
                 PolicyTestCase(

@@ -16,6 +16,7 @@ from .reasons import Reason
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 Isolation = Literal["container", "gvisor", "microvm"]
 Mode = Literal["enforce", "report"]
+Selftest = Literal["required", "sampled"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +133,9 @@ class Profile:
     proxy_env: bool = False
     # sandbox.syscalls: relaxations of the seccomp filter; None = the full default filter
     syscalls: SyscallRelaxation | None = None
+    # the launcher's fence self-test: on every start (required), or on the share of starts
+    # launcher.selftest.sample_rate gives (sampled)
+    selftest: Selftest = "required"
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,3 +66,5 @@ class Reason(StrEnum):
     EXPORT_REFUSED = "export_refused"
     TTL_EXPIRED = "ttl_expired"
     RESOURCE_LIMIT = "resource_limit"
+    # the fence self-test before a sandbox's command: a probe was not refused and logged
+    FENCE_UNVERIFIED = "fence_unverified"

@@ -42,7 +42,9 @@ def add_usage_options(p: argparse.ArgumentParser) -> None:
 LEARN_SUMMARY = "propose the smallest profile that allows what recorded tasks did"
 LEARN_DESCRIPTION = (
     "Read recorded events (the events file and its rotations) of the tasks named by "
-    "--task (or every task of --profile) and print a profile that would have allowed what "
+    "--task (or every task of --profile; or of the tasks it runs itself: --profile P "
+    "[--runs N] -- CMD runs CMD with stockade run in P, which must be in report mode) "
+    "and print a profile that would have allowed what "
     "they did: exact names and ports, methods and path globs of inspected requests, broker "
     "operations, each with 'reason: TODO' and its evidence. Across several tasks only what "
     "at least --min-share of them needed is kept. Record the tasks in report mode (egress: "
@@ -121,12 +123,24 @@ def add_learn_options(p: argparse.ArgumentParser) -> None:
                    help="keep what at least this share of the tasks needed (default 1: all)")
     p.add_argument("--name", metavar="NAME",
                    help="the proposed profile's name (default: --profile, else 'learned')")
+    from .learn_run import add_run_options
+
+    add_run_options(p)
 
 
 def cmd_learn(args: argparse.Namespace) -> int:
     from .learn import observe, propose
     from .learn_out import proposal_json, proposal_yaml
+    from .learn_run import command, run_tasks
 
+    cmd = command(args)
+    if cmd is None:
+        return 2
+    if cmd:
+        ran = run_tasks(args, cmd)
+        if ran is None:
+            return 2
+        args.task = ran
     if not args.task and not args.profile:
         print("stockade rules learn: name the tasks (--task ID) or a --profile", file=sys.stderr)
         return 2

@@ -84,9 +84,11 @@ def _syscall(v: str) -> str:
     return v
 
 
-Size = Annotated[int, BeforeValidator(parse_size)]
-Duration = Annotated[int, BeforeValidator(parse_duration)]
-Rate = Annotated[float, BeforeValidator(parse_rate)]
+# sizes and durations: text with a unit ("512MiB", "10m") or a bare number; rates: text
+# ("5/s"). The JSON Schema (`stockade rules schema`) describes what is written, not the value
+Size = Annotated[int, BeforeValidator(parse_size, json_schema_input_type=int | str)]
+Duration = Annotated[int, BeforeValidator(parse_duration, json_schema_input_type=int | str)]
+Rate = Annotated[float, BeforeValidator(parse_rate, json_schema_input_type=str)]
 Name = Annotated[StrictStr, Field(pattern=NAME_PATTERN)]
 Port = Annotated[StrictInt, Field(ge=1, le=65535)]
 Glob = Annotated[StrictStr, AfterValidator(_glob)]
@@ -107,8 +109,9 @@ class EntryModel(Strict):
     host: HostPattern | None = None
     cidr: Cidr | None = None
     ports: Annotated[list[Port], Field(min_length=1)] | None = None
-    reason: ReasonText
+    # the fields' order is `stockade rules fmt`'s canonical order of an entry's keys
     id: Annotated[StrictStr, Field(pattern=ID_PATTERN)] | None = None
+    reason: ReasonText
     expires: Annotated[date, Field(strict=False)] | None = None
     # the periodic review: when the entry is next looked at, and who answers for it
     # (`stockade rules usage` prints both; lint warns once review_by has passed)
@@ -222,6 +225,8 @@ class ProfileModel(Strict):
     broker: BrokerModel = BrokerModel()
     exports: ExportsModel = ExportsModel()
     sandbox: SandboxModel = SandboxModel()
+    # required: every start proves the fence first; sampled: launcher.selftest.sample_rate
+    selftest: Literal["required", "sampled"] = "required"
 
 
 class PresetModel(Strict):
@@ -312,6 +317,29 @@ class CatalogueModel(Strict):
     catalogue: Name
     description: StrictStr = ""
     frontends: Annotated[list[FrontendGroupModel], Field(min_length=1)]
+
+
+UPLOAD_KINDS = ("object-store", "gist", "paste", "file-transfer", "webhook", "raw-content",
+                "code-host", "package-registry")
+
+
+class UploadServiceModel(Strict):
+    """One provider's names that accept uploads from anyone, from one source."""
+
+    provider: Annotated[StrictStr, Field(pattern=NAME_PATTERN)]
+    kind: Literal[UPLOAD_KINDS]  # type: ignore[valid-type]
+    source: SourceUrl
+    checked: Annotated[date, Field(strict=False)]  # when the group was compiled / compared
+    note: StrictStr = ""
+    hosts: Annotated[list[HostPattern], Field(min_length=1)]
+
+
+class UploadCatalogueModel(Strict):
+    """policy/upload_services.yaml: the catalogue lint's upload warnings read."""
+
+    catalogue: Name
+    description: StrictStr = ""
+    services: Annotated[list[UploadServiceModel], Field(min_length=1)]
 
 
 class TestCaseModel(Strict):

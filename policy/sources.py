@@ -13,6 +13,8 @@ from pydantic import BaseModel, ValidationError
 
 from .model import SourceLocation
 from .problems import Problem
+from .schemawalk import keys_at
+from .suggest import did_you_mean
 from .yamlsrc import Document, Path_, YamlProblem, dotted, read_yaml
 
 KINDS = ("apis", "presets", "profiles", "tests", "catalogues")
@@ -45,14 +47,16 @@ class Source:
         except ValidationError as e:
             for err in e.errors():
                 path = tuple(p for p in err["loc"] if isinstance(p, int) or "[" not in p)
-                self.error(path, _message(err), at_key=err["type"] == "extra_forbidden")
+                self.error(path, _message(err, model, path),
+                           at_key=err["type"] == "extra_forbidden")  # fmt: skip
             return None
 
 
-def _message(err: Any) -> str:
+def _message(err: Any, model: type[BaseModel], path: Path_) -> str:
     kind = err["type"]
     if kind == "extra_forbidden":
-        return "unknown key"
+        key = str(path[-1]) if path else ""
+        return "unknown key" + did_you_mean(key, keys_at(model, path[:-1]))
     if kind == "missing":
         return "required key is missing"
     msg = str(err["msg"])
@@ -68,13 +72,13 @@ def read_sources(root: Path, problems: list[Problem]) -> dict[str, list[Source]]
             continue
         files = sorted(p for p in folder.iterdir() if p.suffix in (".yaml", ".yml"))
         for path in files:
-            src = _read_one(path, problems)
+            src = read_one(path, problems)
             if src is not None:
                 out[kind].append(src)
     return out
 
 
-def _read_one(path: Path, problems: list[Problem]) -> Source | None:
+def read_one(path: Path, problems: list[Problem]) -> Source | None:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:

@@ -25,6 +25,8 @@ COMMAND_MODULES = (
     "stockade.launcher.cli",  # sandbox list|kill|suspend|resume, launcher serve
     "stockade.stack",  # up, demo
     "stockade.events.cli",  # events
+    "stockade.mcp.cli",  # mcp (the session API for MCP clients)
+    "stockade.stack.taskcli",  # task verify
 )
 
 

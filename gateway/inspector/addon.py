@@ -2,9 +2,10 @@
 
 Safety properties, each enforced here and not only by mitmproxy's defaults (the options
 that go with them are in `child.py`):
-- nothing is dialled before the client's first request, and the only thing ever dialled
-  is the checked address the signed hand-off names (`server_connect` refuses anything
-  else); no name is resolved (the address is a literal).
+- nothing is dialled before the client's ClientHello names the flow's host (with
+  `inspection.upstream_first` off: before the client's first request), and the only
+  thing ever dialled is the checked address the signed hand-off names (`server_connect`
+  refuses anything else); no name is resolved (the address is a literal).
 - the client's SNI must name the flow's host; the upstream gets that SNI and its
   certificate is verified against it (system CAs + `upstream_ca_file`).
 - inside the tunnel only HTTP/1.x and HTTP/2 are served: a non-TLS first flight, non-HTTP
@@ -89,8 +90,11 @@ def _load_rules(rules_dir: str) -> RuleSet:
 class StockadeAddon:
     """Decides every request of every handed-over flow; see the module docstring."""
 
-    def __init__(self, key: bytes, rules: RulesByVersion, emit: Emit) -> None:
+    def __init__(
+        self, key: bytes, rules: RulesByVersion, emit: Emit, upstream_first: bool = True
+    ) -> None:
         self.key = key
+        self.upstream_first = upstream_first
         self.rules = rules
         self.emit = emit
         self.flows: dict[str, FlowMeta] = {}  # mitmproxy client connection id -> hand-off
@@ -147,6 +151,15 @@ class StockadeAddon:
         if not ok:
             self._flow_event(meta, Reason.PROTOCOL_UNRECOGNISED, detail)
             nextlayer.layer = refuse_layer(ctx)
+
+    def tls_clienthello(self, data: Any) -> None:
+        """Upstream first (see InspectionSettings.upstream_first), only for a ClientHello
+        whose SNI names the flow's host: any other is refused in tls_start_client before
+        anything is dialled, so its refusal and event come first, as with the lazy order."""
+        meta = self.flows.get(data.context.client.id)
+        sni = data.client_hello.sni
+        if self.upstream_first and meta is not None and sni and _norm(sni) == meta.host:
+            data.establish_server_tls_first = True
 
     def tls_start_client(self, data: Any) -> None:
         """After TlsConfig built the client side: the SNI must name the flow's host."""

@@ -14,7 +14,9 @@ need method/path or `host_must_match_sni` ever come here (see `handoff.py`).
 
 The options below keep mitmproxy in regular (explicit-proxy) mode on loopback only,
 with `connection_strategy=lazy` and `upstream_cert=false` (nothing is dialled before the
-client's first request) and without its DNS addons (no name is ever resolved).
+client's ClientHello names the flow's host; the addon's `tls_clienthello` then dials the
+checked address first, unless `inspection.upstream_first` is off) and without its DNS
+addons (no name is ever resolved).
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ async def run_inspector(spec: dict[str, Any], stdin_fd: int | None = None) -> No
     patches.install()
     opts = options.Options()
     master = Master(opts)
-    addon = StockadeAddon(key, rules, writer.write)
+    addon = StockadeAddon(key, rules, writer.write, bool(spec.get("upstream_first", True)))
     patches.STATE.addon = addon
     master.addons.add(
         core.Core(),

@@ -122,6 +122,7 @@ class InspectorSupervisor:
             "listen": s.listen,
             "upstream_ca_file": s.upstream_ca_file,
             "system_ca_dir": s.system_ca_dir,
+            "upstream_first": s.upstream_first,
             "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()),
         }
 

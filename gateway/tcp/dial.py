@@ -220,8 +220,12 @@ def send_some(sock: socket.socket, data: bytes) -> int:
 
 
 def stream_socket(ip: str) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setblocking(False)
+    # non-blocking from socket(2) itself: no ioctl per dial (Python sees the flag and
+    # keeps the socket's timeout at 0, as setblocking(False) would)
+    kind = socket.SOCK_STREAM | getattr(socket, "SOCK_NONBLOCK", 0)
+    sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, kind)
+    if sock.gettimeout() != 0.0:  # no SOCK_NONBLOCK on this platform
+        sock.setblocking(False)
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock

@@ -50,6 +50,7 @@ class Live:
     registered: list[str] = field(default_factory=list)
     # a warm-pool sandbox's /etc (rootfs.Etc), made before any task: its claim's context
     warm_etc: Any = None
+    ctx: StartContext | None = None  # what its start got: a session's execs need it again
 
 
 @dataclass(frozen=True)

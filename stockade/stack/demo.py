@@ -204,6 +204,10 @@ def demo_config(root: Path, inet: Any) -> Config:
                     "name_prefix": "skd",
                     "cgroup_parent": "stockade_demo",
                     "control_socket": str(run / "launcher.sock"),
+                    # the fence self-test's raw destinations: the fake internet's, so a
+                    # fence that does not hold reaches nothing outside the demo
+                    "selftest": cfg.launcher.selftest.model_copy(update={
+                        "raw_ip": inet.udp_echo[0], "outside_resolver": inet.dns_server}),
                 }
             ),
         }

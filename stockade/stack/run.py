@@ -6,6 +6,7 @@ stockade/launcher/cli.py."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -37,6 +38,8 @@ def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
     run.add_argument("--ttl", type=int, metavar="SECONDS",
                      help="wall-clock limit (capped by the profile's limits.ttl)")
     run.add_argument("--json", action="store_true", help="print one JSON result object")
+    run.add_argument("--quiet", "-q", action="store_true",
+                     help="no progress lines and no denial summary on stderr (--json: never)")
     run.add_argument("--secret", action="append", default=[], metavar="PATH:FIELD=@FILE",
                      help=SECRET_HELP)
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
@@ -44,7 +47,7 @@ def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from stockade.launcher.core import Launcher, LauncherError, SandboxSpec, preflight
+    from stockade.launcher.core import LauncherError, SandboxSpec, preflight
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
@@ -75,6 +78,7 @@ def _run(args: argparse.Namespace) -> int:
     spec = SandboxSpec(profile=args.profile, argv=cmd,
                        inputs=[_parse_input(i) for i in args.input],
                        export_dir=args.export, ttl=args.ttl)
+    from .progress import Progress
     from .services import StackError, ensure_stack, stack_running
 
     same_rules = not args.rules or (
@@ -85,26 +89,40 @@ def _run(args: argparse.Namespace) -> int:
         from .lean import without_unneeded_inspector
 
         config = without_unneeded_inspector(config, ruleset)
+    progress = Progress(None if args.json or args.quiet else sys.stderr)
     try:
         # a running stack (`stockade up`) is used as it is; otherwise gateway, broker and
         # (without vault.address) a dev OpenBao run for this command only
-        with ensure_stack(config, secrets) as effective:
-            # the running stack's launcher service claims from its warm pools; it decides
-            # with its own rules, so only when this run reads the same rules directory
-            service = _pooled_service(effective) if same_rules else None
-            if service is not None:
-                result = _run_in_service(service, spec)
-            else:
-                launcher = Launcher(effective)
-                try:
-                    result = launcher.run(spec, ruleset)
-                finally:
-                    launcher.close()
+        with contextlib.ExitStack() as stack:
+            with progress.phase("joining or starting the stack (gateway, broker, OpenBao)",
+                                "stack ready"):
+                effective = stack.enter_context(ensure_stack(config, secrets))
+            progress.begin_sandbox()
+            result = _run_sandbox(effective, spec, ruleset, progress, same_rules)
     except (LauncherError, StackError, OSError) as e:  # OSError: a full or read-only disk
         print(f"stockade run: {e}", file=sys.stderr)
         return 2
     _print_result(result, args.json)
+    progress.summary(result.denials)
     return result.exit_code
+
+
+def _run_sandbox(effective: Any, spec: Any, ruleset: Any, progress: Any,
+                 same_rules: bool) -> Any:
+    """The run's sandbox: claimed through the running stack's launcher service when it
+    keeps warm pools (it decides with its own rules, so only when this run reads the same
+    rules directory), else from a launcher of this run's own."""
+    from stockade.launcher.core import Launcher
+
+    service = _pooled_service(effective) if same_rules else None
+    if service is not None:
+        return _run_in_service(service, spec)
+    launcher = Launcher(effective)
+    launcher.events.subscribe(progress.on_event)
+    try:
+        return launcher.run(spec, ruleset)
+    finally:
+        launcher.close()
 
 
 def _pooled_service(effective: Any) -> Any | None:

@@ -93,7 +93,14 @@ def fgw(
         {"front": FRONT},
         sniff_timeout_s=3.0,
         dns={"ttl_min_s": 0},
-        inspection={"upstream_ca_file": fake_internet.ca_pem, "restart_delay_s": 1.0},
+        # upstream_first off: the fake internet speaks HTTP/1.1 only, and the h2 cases
+        # need an HTTP/2 client connection to the inspector (which that setting would
+        # turn into HTTP/1.1)
+        inspection={
+            "upstream_ca_file": fake_internet.ca_pem,
+            "restart_delay_s": 1.0,
+            "upstream_first": False,
+        },
     )
     with running_gateway(cfg, inspector=True) as h:
         yield h

@@ -3,7 +3,12 @@
 An HTTP/1.1-only upstream that records every byte it receives stands behind the
 inspector, so each test can say what the upstream never saw. mitmproxy (with h2 4.1.0)
 accepts CR/LF/NUL inside HTTP/2 header values and :method/:path and would write them
-verbatim to such an upstream; the inspector refuses those heads before deciding."""
+verbatim to such an upstream; the inspector refuses those heads before deciding.
+
+The gateway here runs with `inspection.upstream_first: false`: with it on (the default)
+an HTTP/2 client of an HTTP/1.1-only upstream is offered HTTP/1.1 only, and no HTTP/2
+head is ever rewritten for such an upstream (test_gw_inspection_upstream_first.py). With
+it off that rewrite happens, and these tests guard it."""
 
 from __future__ import annotations
 
@@ -46,18 +51,19 @@ egress:
 
 
 class RecordingUpstream:
-    """HTTP/1.1 over TLS on UPSTREAM_IP:443 for echo.test: answers every request head
-    with 200 "ok" and keeps every byte it received."""
+    """HTTP/1.1 over TLS on `ip`:443 for echo.test: answers every request head with 200
+    "ok" and keeps every byte it received (and counts the connections it accepted)."""
 
-    def __init__(self, issuer: trustme.CA) -> None:
+    def __init__(self, issuer: trustme.CA, ip: str = UPSTREAM_IP) -> None:
         self.ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         issuer.issue_cert("echo.test").configure_cert(self.ctx)
         self.ctx.set_alpn_protocols(["http/1.1"])
         self.received = bytearray()
+        self.accepted = 0
         self.lock = threading.Lock()
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((UPSTREAM_IP, 443))
+        self.sock.bind((ip, 443))
         self.sock.listen(50)
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -67,6 +73,8 @@ class RecordingUpstream:
                 c, _ = self.sock.accept()
             except OSError:
                 return
+            with self.lock:
+                self.accepted += 1
             threading.Thread(target=self._serve, args=(c,), daemon=True).start()
 
     def _serve(self, c: socket.socket) -> None:
@@ -118,28 +126,42 @@ def sgw(
     upstream: RecordingUpstream,
 ) -> Iterator[GatewayHarness]:
     tmp = tmp_path_factory.mktemp("smuggle")
-    bundle = tmp / "bundle.pem"
-    bundle.write_bytes(Path(fake_internet.ca_pem).read_bytes() + upstream_ca.cert_pem.bytes())
-    cfg = l7_config(tmp, fake_internet, upstream_ca_file=str(bundle))
+    cfg = trusting_config(tmp, fake_internet, upstream_ca, upstream_first=False)
     (tmp / "rules" / "profiles" / "mo.yaml").write_text(METHODS_ONLY)
     with running_gateway(cfg, inspector=True) as h:
         yield h
 
 
-def _tunnel(gw: GatewayHarness, alpn: str, profile: str = "l7") -> tuple[ssl.SSLSocket, int]:
-    """A hand-off (as the gateway makes it) to the recording upstream, then TLS."""
+def trusting_config(tmp: Path, fi: FakeInternet, issuer: trustme.CA, **inspection: Any) -> Path:
+    """l7_config whose inspector trusts `issuer` (a recording upstream's CA) as well."""
+    bundle = tmp / "bundle.pem"
+    bundle.write_bytes(Path(fi.ca_pem).read_bytes() + issuer.cert_pem.bytes())
+    return l7_config(tmp, fi, upstream_ca_file=str(bundle), **inspection)
+
+
+def handed_off(
+    gw: GatewayHarness, profile: str = "l7", ip: str = UPSTREAM_IP, task: str = "t-smuggle"
+) -> tuple[socket.socket, int]:
+    """A hand-off (as the gateway makes it) of echo.test at `ip`:443, before any TLS;
+    returns the socket and the connection id."""
     conn = 800_000 + secrets.randbelow(99_999)
     m = FlowMeta(
         connection_id=conn,
-        task_id="t-smuggle",
+        task_id=task,
         profile=profile,
         host="echo.test",
-        ip=UPSTREAM_IP,
+        ip=ip,
         port=443,
         policy_version=gw.svc.rules.current.version,  # type: ignore[union-attr]
     )
     sock, head = _handoff(gw, connect_request(m, gw.svc.inspector.key))  # type: ignore[union-attr]
     assert head.startswith(b"HTTP/1.1 200"), head
+    return sock, conn
+
+
+def _tunnel(gw: GatewayHarness, alpn: str, profile: str = "l7") -> tuple[ssl.SSLSocket, int]:
+    """A hand-off to the recording upstream, then TLS."""
+    sock, conn = handed_off(gw, profile)
     ctx = ssl.create_default_context(cafile=ca(gw))
     ctx.set_alpn_protocols([alpn])
     t = ctx.wrap_socket(sock, server_hostname="echo.test")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import secrets
 import socket
@@ -206,8 +207,12 @@ def control_server(registry: TaskRegistry, sock: Path) -> Iterator[None]:
 
 
 def profiles() -> dict[str, Profile]:
+    """The lab's profiles. The lab's gateway, DNS firewall and broker are observers that
+    answer everything: no fence self-test could pass against them, so every profile is
+    `selftest: sampled` and the lab samples none (launcher.selftest.sample_rate 0); the
+    self-test runs against the real stack (test_launcher_selftest.py)."""
     small = Limits(cpus=1.0, memory=64 * 2**20, disk=8 * 2**20, pids=64, ttl=30)
-    return {
+    profiles = {
         "test": Profile("test", "launcher tests", limits=small,
                         exports=ExportPolicy(max_file_bytes=4096, max_total_bytes=6000,
                                              types=("text", "json"))),
@@ -223,6 +228,7 @@ def profiles() -> dict[str, Profile]:
         "debug": Profile("debug", "ptrace for debuggers", limits=small,
                          syscalls=SyscallRelaxation(frozenset({"ptrace"}), "debugger tests")),
     }
+    return {k: dataclasses.replace(p, selftest="sampled") for k, p in profiles.items()}
 
 
 @pytest.fixture(params=["test", "gv"])
@@ -270,7 +276,8 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
                      "address_pool": f"10.213.{octet}.0/24",
                      "nflog_group": 7300 + secrets.randbelow(99),
                      # KVM guests hang on the development VMs: the tests use TCG everywhere
-                     "microvm": {"accel": "tcg"}},
+                     "microvm": {"accel": "tcg"},
+                     "selftest": {"sample_rate": 0.0}},
     })
     obs = Observed()
     greg, breg = TaskRegistry(), TaskRegistry()

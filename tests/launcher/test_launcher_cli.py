@@ -31,6 +31,7 @@ limits: {cpus: 1, memory: 128MiB, disk: 16MiB, pids: 64, ttl: 30s}
 egress:
   mode: enforce
 exports: {max_file: 1KiB, max_total: 4KiB, types: [text]}
+selftest: sampled
 """
 
 

@@ -82,8 +82,10 @@ from stockade.launcher import Launcher, SandboxSpec
 from stockade.policy.model import Limits, Profile
 cfg = Config.model_validate(json.loads(sys.argv[1]))
 name, isolation = sys.argv[2], sys.argv[3]
+# sampled, as the lab's: its observers answer no fence self-test (and it samples none)
 rs = types.SimpleNamespace(profiles={name: Profile(name, "t", isolation=isolation,
-                                                   limits=Limits(ttl=60))}, version="x")
+                                                   limits=Limits(ttl=60), selftest="sampled")},
+                           version="x")
 Launcher(cfg, nflog=False).run(SandboxSpec(name, ["sleep", "60"]), rs)
 """
 

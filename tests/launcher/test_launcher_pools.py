@@ -121,13 +121,20 @@ def test_claimed_sandbox_has_its_tasks_rules_and_is_used_once(stack: Stack,  # n
         ">/dev/null && echo allowed; curl -sS --max-time 5 --cacert /inputs/ca.pem "
         "https://denied.test/ >/dev/null || echo denied; cat /inputs/ca.pem | head -1; "
         "touch /inputs/x 2>/dev/null || echo inputs-ro"],
-        inputs=[(stack.ca, "/inputs/ca.pem")]), stack.ruleset)
+        inputs=[(stack.ca, "/inputs/ca.pem")], labels={"run.id": "pool-1"}), stack.ruleset)
     assert res.task_id in before, "the task ran in a pooled sandbox"
+    # as a cold start: the fence self-test before the command, the task's labels in its
+    # registration (the gateway's and DNS firewall's events) and in the launcher's own
+    (start,) = [e for e in _events(stack, res.task_id) if e["event"]["action"] ==
+                "sandbox_lifecycle" and e["stockade"].get("lifecycle") == "start"]
+    assert start["stockade"]["pool"] and start["labels"]["run.id"] == "pool-1", start
+    assert start["stockade"]["selftest"]["passed"] is True, start["stockade"]["selftest"]
     lines = res.stdout.splitlines()
     assert lines == ["allowed", "denied", "-----BEGIN CERTIFICATE-----", "inputs-ro"], (
         res.stdout, res.stderr)
     denied = [e for e in res.denials if e["stockade"]["component"] in ("dns", "gateway")]
     assert denied and all(e["event"]["reason"] != "unclaimed" for e in denied), denied
+    assert all(e["labels"]["run.id"] == "pool-1" for e in denied), denied
     assert res.task_id not in pooled.state.read()
     assert not Path(NETNS_DIR, f"{pooled.s.name_prefix}-{res.task_id}").exists()
     assert res.task_id not in {t.task_id for t in ControlClient(

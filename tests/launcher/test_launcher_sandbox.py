@@ -45,7 +45,9 @@ def test_runs_command_registered_with_both_services(lab: Lab) -> None:
     assert lab.broker_registry.get(res.task_id) is None
     kinds = [(e["event"]["action"], e["stockade"].get("lifecycle"))
              for e in lab.events(res.task_id)]
-    assert kinds[0] == ("sandbox_lifecycle", "start") and kinds[-1] == ("sandbox_lifecycle", "end")
+    # the task record (signed) follows the end event
+    assert kinds[0] == ("sandbox_lifecycle", "start")
+    assert kinds[-2:] == [("sandbox_lifecycle", "end"), ("sandbox_lifecycle", "record")]
     assert res.timings["setup_s"] > 0
 
 

@@ -90,9 +90,16 @@ def test_explain_host_port_and_unknown_profile(capsys):
     # the file CDN is a shared front-end, inspected for Host = SNI: a bare flow needs L7
     assert rc == 1 and doc["method"] is None and doc["needs_inspection"]
     assert doc["reason"] == "inspection_unavailable" and doc["rule_id"] == "pypi-files"
-    rc, out, _ = run(capsys, "explain", "--rules", str(SHIPPED), "-p", "ghost", "pypi.org:443")
-    assert rc == 1 and "unknown_profile" in out
-    rc, _, err = run(capsys, "explain", "--rules", str(SHIPPED), "-p", "x", "ftp://a.test/")
+    # an unknown profile is a usage error (2), not a deny (1); a close name is suggested
+    rc, out, err = run(capsys, "explain", "--rules", str(SHIPPED), "-p", "pypi-buld",
+                       "pypi.org:443")  # fmt: skip
+    assert (rc, out) == (2, "")
+    assert err == "explain: unknown profile 'pypi-buld'; did you mean 'pypi-build' or " \
+                  "'npm-build'?\n"
+    rc, _, err = run(capsys, "explain", "--rules", str(SHIPPED), "-p", "ghost", "pypi.org:443")
+    assert rc == 2 and err == "explain: unknown profile 'ghost'\n"
+    rc, _, err = run(capsys, "explain", "--rules", str(SHIPPED), "-p", "pypi-build",
+                     "ftp://a.test/")  # fmt: skip
     assert rc == 2 and "unsupported URL scheme" in err
 
 

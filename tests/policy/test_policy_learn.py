@@ -138,3 +138,13 @@ def test_learn_bad_input(capsys, recorded, tmp_path):
     assert rc == 2 and "no events file" in err
     with pytest.raises(SystemExit):
         run(capsys, "--events", str(recorded), "--task", "r1", "--min-share", "0")
+
+
+def test_learn_run_options_need_a_command(capsys, recorded):
+    for argv, message in (
+        (("--profile", "job", "--"), "missing command after --"),
+        (("--profile", "job", "--runs", "2"), "--runs and --input are for a task learn runs"),
+        (("--profile", "job", "--input", "/etc/hosts"), "--runs and --input are for a task"),
+    ):
+        rc, out, err = run(capsys, "--events", str(recorded), *argv)
+        assert (rc, out) == (2, "") and message in err, (argv, err)

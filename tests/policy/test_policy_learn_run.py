@@ -76,31 +76,99 @@ def _rules(*argv: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
 
 
+@pytest.fixture
+def rotating_config(tmp_path: Path, fake_internet) -> Path:
+    """The instance with an events file that rotates after a few lines, kept whole."""
+    data = instance_config(tmp_path, fake_internet, events={"max_bytes": 4096, "backups": 200})
+    return write_config(tmp_path, data)
+
+
+def _without(rules: Path, root: Path, cut: str, until: str) -> Path:
+    """A copy of `rules` whose e2e profile lacks the lines from `cut` up to `until`."""
+    shutil.copytree(rules, root)
+    profile = root / "profiles" / "e2e.yaml"
+    text = profile.read_text()
+    profile.write_text(text[:text.index(cut)] + text[text.index(until):])
+    return root
+
+
+def _widened(rules: Path, root: Path) -> Path:
+    """A copy of `rules` whose e2e profile also allows denied.test."""
+    shutil.copytree(rules, root)
+    profile = root / "profiles" / "e2e.yaml"
+    text = profile.read_text()
+    profile.write_text(text.replace("    - host: echo.test", "    - host: denied.test\n"
+                                    "      ports: [443]\n      reason: widened\n"
+                                    "    - host: echo.test"))  # fmt: skip
+    return root
+
+
+def _replay(candidate: Path, config: Path, rc: int) -> tuple[set, set]:
+    """(newly allowed, newly denied) flows of `rules replay --fail-on-new-allow`, which
+    must exit `rc`; each flow as (kind, target)."""
+    proc = _rules("replay", str(candidate), "--config", str(config), "--json",
+                  "--fail-on-new-allow")  # fmt: skip
+    assert proc.returncode == rc, proc.stderr
+    data = json.loads(proc.stdout)
+    return tuple({(c["kind"], c["target"]) for c in data[k]}  # type: ignore[return-value]
+                 for k in ("newly_allowed", "newly_denied"))  # fmt: skip
+
+
 @pytest.mark.timeout(600)
-def test_usage_and_replay_after_an_enforced_run(run_config, fake_internet, tmp_path):
+def test_usage_and_replay_after_an_enforced_run(rotating_config, fake_internet, tmp_path):
+    """The events of a real run (rotated by the stack's own writers): usage per entry, and
+    replays against a tightened and a widened copy of the rules."""
     ca = str(fake_internet.ca_pem)
-    task = _run(run_config, ca, "curl -s --max-time 10 --cacert /input/ca.pem "
-                "https://allowed.test/ ; curl -s --max-time 10 --cacert /input/ca.pem "
-                "https://echo.test/echo", profile="e2e")  # fmt: skip
+    curl = "curl -s --max-time 10 --cacert /input/ca.pem"
+    task = _run(rotating_config, ca, f"{curl} https://allowed.test/ ; {curl} "
+                f"https://echo.test/echo ; {curl} https://denied.test/", profile="e2e")  # fmt: skip
+    assert (tmp_path / "log" / "events.jsonl.1").exists(), "the events file rotated"
     rules = tmp_path / "rules"
-    proc = _rules("usage", "--config", str(run_config), "--rules", str(rules), "--json")
+    proc = _rules("usage", "--config", str(rotating_config), "--rules", str(rules), "--json")
     assert proc.returncode == 0, proc.stderr
-    rows = {(u["profile"], u["entry"]): u for u in json.loads(proc.stdout)["entries"]}
+    report = json.loads(proc.stdout)
+    assert len(report["files"]) > 1, report["files"]
+    rows = {(u["profile"], u["entry"]): u for u in report["entries"]}
     site = rows[("e2e", "e2e:allow:allowed.test")]
     assert site["hits"] >= 1 and site["tasks"] == 1 and site["bytes_down"] > 0
     assert rows[("e2e", "e2e:allow:echo.test")]["hits"] >= 1  # handed to the inspector
     assert rows[("e2e", "broker:demo-api")]["status"] == ["unused"]
-    # a candidate without allowed.test: that flow (and its name) would now be denied
-    candidate = tmp_path / "candidate"
-    shutil.copytree(rules, candidate)
-    profile = candidate / "profiles" / "e2e.yaml"
-    text = profile.read_text()
-    cut = text.index("    - host: allowed.test")
-    profile.write_text(text[:cut] + text[text.index("    - host: echo.test"):])
-    proc = _rules("replay", str(candidate), "--config", str(run_config), "--json",
-                  "--fail-on-new-allow")  # fmt: skip
+    # tightened: without allowed.test, that flow (and its name) would now be denied
+    tight = _without(rules, tmp_path / "tight", "    - host: allowed.test", "    - host: echo.test")
+    allowed, denied = _replay(tight, rotating_config, 0)
+    assert not allowed and ("connection", "allowed.test:443") in denied, (task, denied)
+    # widened: denied.test allowed, so the recorded denial (its DNS lookup: curl got no
+    # address, so never connected) would now pass: CI fails
+    wide = _widened(rules, tmp_path / "wide")
+    allowed, denied = _replay(wide, rotating_config, 1)
+    assert (allowed, denied) == ({("dns", "denied.test")}, set()), task
+    proc = _rules("replay", str(wide), "--config", str(rotating_config), "--markdown")
+    assert proc.returncode == 0 and "denied.test" in proc.stdout, proc.stderr
+
+
+@pytest.mark.timeout(600)
+def test_learn_runs_the_task_itself(run_config, fake_internet, tmp_path):
+    """`rules learn --profile rec --runs 2 -- CMD`: two runs in report mode, then the
+    proposal from their events (what both needed)."""
+    script = ("curl -s --max-time 10 --cacert /input/ca.pem https://allowed.test/ ; "
+              "curl -s --max-time 10 --cacert /input/ca.pem https://echo.test/echo")  # fmt: skip
+    proc = _rules("learn", "--config", str(run_config), "--profile", "rec", "--runs", "2",
+                  "--name", "ran", "--input", f"{fake_internet.ca_pem}:/input/ca.pem",
+                  "--", "sh", "-c", script)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    data = json.loads(proc.stdout)
-    assert data["newly_allowed"] == []
-    denied = {(c["kind"], c["target"]) for c in data["newly_denied"]}
-    assert ("connection", "allowed.test:443") in denied, (task, data)
+    assert proc.stderr.count("ended by exit, exit 0") == 2, proc.stderr
+    rules = write_profiles(tmp_path / "ran", {"ran": proc.stdout})
+    entries = load_rules(rules).profiles["ran"].allow
+    assert sorted((e.host, sorted(e.ports)) for e in entries) == [
+        ("allowed.test", [443]), ("echo.test", [443])]
+
+
+def test_learn_refuses_to_run_in_an_enforcing_profile(run_config):
+    proc = _rules("learn", "--config", str(run_config), "--profile", "e2e", "--", "true")
+    assert proc.returncode == 2
+    assert "profile 'e2e' enforces its rules" in proc.stderr and proc.stdout == ""
+    proc = _rules("learn", "--config", str(run_config), "--profile", "rek", "--", "true")
+    assert proc.returncode == 2 and "unknown profile 'rek'" in proc.stderr
+    assert "did you mean 'rec'?" in proc.stderr
+    proc = _rules("learn", "--config", str(run_config), "--task", "t1", "--", "true")
+    assert proc.returncode == 2 and "-- CMD needs --profile" in proc.stderr

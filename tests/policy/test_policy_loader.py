@@ -267,3 +267,18 @@ def test_proxy_env_is_a_strict_bool(write_rules, value):
 def test_proxy_env_belongs_to_egress(write_rules):
     errs = errors(write_rules, profiles={"p": PROXY_BASE + "proxy_env: true\n"})
     assert any("proxy_env: unknown key" in e for e in errs), errs
+
+
+def test_selftest_is_required_unless_a_profile_samples_it(write_rules, tmp_path):
+    plain = load_rules(write_rules(profiles={"p": PROXY_BASE}))
+    assert plain.profiles["p"].selftest == "required"
+    (tmp_path / "rules/profiles/p.yaml").write_text(PROXY_BASE + "selftest: sampled\n")
+    sampled = load_rules(plain.root)
+    assert sampled.profiles["p"].selftest == "sampled"
+    assert sampled.version != plain.version
+
+
+@pytest.mark.parametrize("value", ["off", "true", "'Required'", "null"])
+def test_selftest_takes_only_its_two_values(write_rules, value):
+    errs = errors(write_rules, profiles={"p": PROXY_BASE + f"selftest: {value}\n"})
+    assert len(errs) == 1 and ":5:11: selftest: " in errs[0], errs

@@ -11,7 +11,13 @@ import sys
 import zipfile
 from pathlib import Path
 
-from stockade.testing.testnet.wheel import build_wheel, normalize, project_page, root_index
+from stockade.testing.testnet.wheel import (
+    build_wheel,
+    demo_wheels,
+    normalize,
+    project_page,
+    root_index,
+)
 
 
 def test_wheel_is_reproducible() -> None:
@@ -69,3 +75,17 @@ def test_pep503_pages() -> None:
 def test_normalize() -> None:
     assert normalize("Stockade_Demo.Pkg") == "stockade-demo-pkg"
     assert normalize("a--b__c") == "a-b-c"
+
+
+def test_demo_wheels_are_distinct_projects_each_with_its_page() -> None:
+    wheels = demo_wheels(30)
+    assert wheels[0] == build_wheel()
+    assert len({w.project for w in wheels}) == len({w.filename for w in wheels}) == 30
+    assert wheels[1].filename == "stockade_demo_pkg2-1.0-py3-none-any.whl"
+    index = root_index(wheels)
+    for w in wheels:
+        assert f'href="/simple/{normalize(w.project)}/"' in index
+        page = project_page(w.project, wheels)
+        assert page is not None and f"#sha256={w.sha256}" in page
+        assert page.count("<a href=") == 1
+    assert demo_wheels() == [build_wheel()]

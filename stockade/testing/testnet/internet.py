@@ -67,6 +67,7 @@ class FakeInternet(StartStop):
         ready_timeout: float = READY_TIMEOUT,
         python: str | None = None,
         name_prefix: str = "skinet",
+        projects: int = 1,
     ) -> None:
         if not (name_prefix.isalnum() and name_prefix.islower() and len(name_prefix) <= 8):
             raise ValueError("name_prefix: up to 8 lower-case letters/digits")
@@ -76,6 +77,7 @@ class FakeInternet(StartStop):
         self._slow_delay = slow_delay
         self._ready_timeout = ready_timeout
         self._python = python or sys.executable
+        self._projects = projects  # pypi.test's demo projects (see wheel.demo_wheels)
         tag = secrets.token_hex(3)
         # a run can tell its own namespace from other runs' by the prefix (the demo: "skfi")
         self.namespace = f"{name_prefix}-{tag}"
@@ -232,6 +234,7 @@ class FakeInternet(StartStop):
             udp_echo=(lay.raw_echo_ip, UDP_ECHO_PORT),
             query_log=str(tmp / "dns-queries.log"),
             git_root=str(tmp / "git"),
+            projects=self._projects,
         )
 
     def _start_server(self) -> None:

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from stockade.testing.testnet.spec import ServeSpec
 from stockade.testing.testnet.web import make_app
-from stockade.testing.testnet.wheel import build_wheel
+from stockade.testing.testnet.wheel import demo_wheels
 from stockade.testing.testnet.zone import Zone
 
 _DNS_TCP_MAX = 65535
@@ -114,7 +114,7 @@ async def serve(spec: ServeSpec, ready: asyncio.Event | None = None) -> None:
 
     query_log = open(spec.query_log, "a", buffering=1) if spec.query_log else None  # noqa: SIM115
     zone = Zone(spec.zone, _log_to(query_log) if query_log else None)
-    wheels = [build_wheel()]
+    wheels = demo_wheels(spec.projects)
     runners: list[web.AppRunner] = []
     closers: list[asyncio.BaseTransport | asyncio.Server] = []
     try:

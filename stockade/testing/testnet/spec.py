@@ -35,6 +35,7 @@ class ServeSpec:
     dns_port: int = 53
     query_log: str | None = None  # path: the DNS server appends "QTYPE name" per query
     git_root: str | None = None  # path: bare repositories git.test serves
+    projects: int = 1  # demo projects pypi.test serves (benches: many small packages)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -48,6 +49,7 @@ class ServeSpec:
             "udp_echo": list(self.udp_echo),
             "query_log": self.query_log,
             "git_root": self.git_root,
+            "projects": self.projects,
             "extra": self.extra,
         }
 
@@ -63,6 +65,7 @@ class ServeSpec:
             udp_echo=(data["udp_echo"][0], int(data["udp_echo"][1])),
             query_log=data.get("query_log"),
             git_root=data.get("git_root"),
+            projects=int(data.get("projects", 1)),
             extra=dict(data.get("extra", {})),
         )
 

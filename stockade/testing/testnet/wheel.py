@@ -79,6 +79,12 @@ def build_wheel(project: str = PROJECT, version: str = VERSION, module: str = MO
     return Wheel(project, version, f"{dist}-py3-none-any.whl", buf.getvalue())
 
 
+def demo_wheels(projects: int = 1) -> list[Wheel]:
+    """The demo project, then `projects - 1` more like it (`stockade-demo-pkg2`, ...)."""
+    extra = [build_wheel(f"{PROJECT}{i}", module=f"{MODULE}{i}") for i in range(2, projects + 1)]
+    return [build_wheel(), *extra]
+
+
 def root_index(wheels: list[Wheel]) -> str:
     """`/simple/`: one anchor per project."""
     links = "\n".join(
