@@ -182,6 +182,37 @@ def oci_config(layout: RootLayout, root: str, argv: list[str], env: dict[str, st
     }
 
 
+# The sandbox's CPU limit, written by an OCI prestart hook. runsc's start is CPU-bound and
+# runs in the sandbox's cgroup, so the cgroup is made without a quota and this hook puts it
+# in force: runsc (20240729) runs prestart hooks on the host once the Sentry and the gofer
+# are up, before the root container's first process exists, and a hook that fails (or
+# outlives its timeout) fails the start (OCI runtime spec): the command never runs without
+# its limit. The value is read back, not trusted to have landed.
+CPU_HOOK_SCRIPT = ('got=; printf %s "$2" > "$1" && { read -r got || :; } < "$1" && '
+                   '[ "$got" = "$2" ] || '
+                   '{ echo "stockade: the CPU limit $2 did not land in $1" >&2; exit 1; }')
+HOOK_TIMEOUT_S = 10
+HOOK_ENV = ["PATH=/usr/bin:/bin"]
+
+
+def cpu_limit_hooks(limit_file: str, value: str, shell: str = "/bin/sh") -> dict[str, Any]:
+    """config.json's `hooks`: the prestart hook that writes `value` to `limit_file` (a
+    cgroup's cpu.cfs_quota_us or cpu.max) and fails the start unless it reads it back."""
+    return {"prestart": [{"path": shell, "args": ["sh", "-c", CPU_HOOK_SCRIPT,
+                                                  "stockade-cpu-limit", limit_file, value],
+                          "env": list(HOOK_ENV), "timeout": HOOK_TIMEOUT_S}]}
+
+
+def hook_probe_config(stamp: str, shell: str = "/bin/sh") -> dict[str, Any]:
+    """probe_config with a prestart hook that creates `stamp`: the installed runsc runs
+    prestart hooks (else the CPU limit is put in force when the cgroup is made)."""
+    config = probe_config()
+    config["hooks"] = {"prestart": [{"path": shell, "args": ["sh", "-c", ': > "$1"',
+                                                             "stockade-hook-probe", stamp],
+                                     "env": list(HOOK_ENV), "timeout": HOOK_TIMEOUT_S}]}
+    return config
+
+
 def probe_config() -> dict[str, Any]:
     """config.json of the runtime probes: /bin/true on the host's root, read-only, as
     nobody with no capabilities (the probe's only use is its exit status)."""

@@ -4,6 +4,7 @@ bundle built from the container tier's plan, runsc's list output."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -159,3 +160,41 @@ def test_confined(tmp_path: Path) -> None:
     assert gvisor.confined(str(tmp_path), "/etc/x") == str(tmp_path / "etc" / "x")
     with pytest.raises(ValueError, match="outside"):
         gvisor.confined(str(tmp_path), "/link/etc/x")
+
+
+def _run_hook(hook: dict[str, object]) -> subprocess.CompletedProcess[str]:
+    """The hook as runsc runs it: its path with its args (argv[0] first), the container's
+    state on stdin, its env only."""
+    args = list(hook["args"])  # type: ignore[call-overload]
+    return subprocess.run([str(hook["path"]), *args[1:]], input='{"id": "x"}',
+                          env=dict(e.split("=", 1) for e in hook["env"]),  # type: ignore[attr-defined]
+                          capture_output=True, text=True, timeout=10, check=False)
+
+
+def test_cpu_limit_hook_writes_and_reads_back(tmp_path: Path) -> None:
+    quota = tmp_path / "cpu.max"
+    quota.write_text("max 100000\n")
+    hooks = gvisor.cpu_limit_hooks(str(quota), "50000 100000")
+    (hook,) = hooks["prestart"]
+    assert hook["timeout"] == gvisor.HOOK_TIMEOUT_S
+    p = _run_hook(hook)
+    assert p.returncode == 0, p.stderr
+    assert quota.read_text() == "50000 100000"
+
+
+def test_cpu_limit_hook_fails_when_the_limit_does_not_land(tmp_path: Path) -> None:
+    # no such cgroup: the write fails; a file that reads back something else: the check does
+    for where, value in ((tmp_path / "gone" / "cpu.cfs_quota_us", "50000"),
+                         (Path("/dev/null"), "50000")):
+        p = _run_hook(gvisor.cpu_limit_hooks(str(where), value)["prestart"][0])
+        assert p.returncode != 0
+        assert f"the CPU limit {value} did not land in {where}" in p.stderr
+
+
+def test_hook_probe_config_creates_its_stamp(tmp_path: Path) -> None:
+    stamp = tmp_path / "ran"
+    config = gvisor.hook_probe_config(str(stamp))
+    assert {k: v for k, v in config.items() if k != "hooks"} == gvisor.probe_config()
+    assert _run_hook(config["hooks"]["prestart"][0]).returncode == 0
+    assert stamp.exists()
+
