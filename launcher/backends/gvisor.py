@@ -131,6 +131,7 @@ class GvisorBackend(CgroupControl):
             self.runtime(s)
         except LauncherError as e:
             return str(e)
+        self.cpu_at_hook(s)  # its probe here, not in the first start
         return None
 
     def runtime(self, s: LauncherSettings) -> dict[str, str]:
@@ -169,7 +170,7 @@ class GvisorBackend(CgroupControl):
         try:
             layout = gvisor.root_layout(plan, tuple(s.ro_binds))
             _materialize(base / "root", layout)
-        except ValueError as e:
+        except (ValueError, OSError) as e:
             raise LauncherError(f"cannot build the gVisor bundle: {e}") from None
         config = gvisor.oci_config(layout, str(base / "root"), list(spec.argv), ctx.env, plan,
                                    ctx.limits.pids, f"/{s.cgroup_parent}/{rec.task_id}")
@@ -345,8 +346,8 @@ def _netns_sysctls(ns: str, congestion_control: str | None) -> None:
 
 
 def _materialize(root: Path, layout: gvisor.RootLayout) -> None:
-    """The bundle's root directory: only mount points and copied symlinks, root's, 0755;
-    it is mounted read-only, so nothing here is ever written by the sandbox."""
+    """The bundle's root directory: only mount points, copied symlinks and copied /etc
+    files, root's; it is mounted read-only, so nothing here is ever written by the sandbox."""
     root.mkdir(mode=0o755, exist_ok=True)
     os.chmod(root, 0o755)  # noqa: S103 - the Sentry's gofer reads it as the sandbox user
     for guest in layout.dirs:
@@ -359,6 +360,18 @@ def _materialize(root: Path, layout: gvisor.RootLayout) -> None:
         p = gvisor.confined(str(root), guest)
         os.makedirs(os.path.dirname(p), mode=0o755, exist_ok=True)
         os.symlink(target, p)
+    for guest, source in layout.copies:
+        _copy_into(gvisor.confined(str(root), guest), source)
+
+
+def _copy_into(dest: str, source: str) -> None:
+    """A host file's bytes at `dest` with its permission bits and owner (a file the
+    sandbox user could not read through a bind stays unreadable); set-id bits dropped."""
+    os.makedirs(os.path.dirname(dest), mode=0o755, exist_ok=True)
+    st = os.stat(source)
+    shutil.copyfile(source, dest)
+    os.chown(dest, st.st_uid, st.st_gid)
+    os.chmod(dest, st.st_mode & 0o777)
 
 
 def _sweep_host(s: LauncherSettings, keep: set[str]) -> None:
