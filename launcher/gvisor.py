@@ -264,6 +264,17 @@ def stale_state_files(names: list[str], keep: set[str]) -> list[str]:
     return sorted(out)
 
 
+def state_left(names: list[str], task_id: str) -> bool:
+    """Whether runsc's state root (`names`) still holds state of `task_id` beyond its
+    `.lock`: a `runsc run` that returned removes its own, also when its sandbox was
+    killed; a run killed or crashed while starting leaves `.state` and the socket."""
+    for n in names:
+        m = _STATE_FILE.match(n)
+        if m is not None and m.group(1) == task_id and not n.endswith(".lock"):
+            return True
+    return False
+
+
 def stats_pids(stdout: str) -> int | None:
     """The Sentry's task count from `runsc events --stats` (None when it says nothing)."""
     try:

@@ -229,3 +229,12 @@ def test_copied_etc_file_keeps_mode_and_owner(tmp_path: Path) -> None:
     assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (1234, 4321, 0o640)
     assert (tmp_path / "root/etc/app/secret.conf").read_text() == "only root reads this\n"
 
+
+
+def test_state_left_needs_more_than_the_lock() -> None:
+    lock, state = "0123456789_sandbox:0123456789.lock", "0123456789_sandbox:0123456789.state"
+    other = "abcdefabcd_sandbox:abcdefabcd.state"
+    assert not gvisor.state_left([lock, other, "probe1.x"], "0123456789")
+    assert gvisor.state_left([lock, state], "0123456789")
+    assert gvisor.state_left(["runsc-0123456789.sock"], "0123456789")
+    assert not gvisor.state_left([], "0123456789")
