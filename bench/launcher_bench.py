@@ -72,11 +72,15 @@ def main() -> None:
     ap.add_argument("--vm-runs", type=int, default=5, help="runs of the microvm tier (TCG)")
     ap.add_argument("--cpus", type=float, default=0.5,
                     help="the tier profiles' CPU limit (gVisor's start is CPU-bound)")
+    ap.add_argument("--cpu-hook-ab", action="store_true",
+                    help="with gvisor: starts with the CPU quota at the prestart hook and "
+                    "at cgroup creation, interleaved")
     args = ap.parse_args()
     if args.tiers:
         from tier_bench import run_tiers
 
-        run_tiers(args.tiers.split(","), args.runs, args.vm_runs, args.idle, args.cpus)
+        run_tiers(args.tiers.split(","), args.runs, args.vm_runs, args.idle, args.cpus,
+                  args.cpu_hook_ab)
         return
 
     rs = types.SimpleNamespace(profiles={"bench": Profile("bench", "bench", limits=Limits(
