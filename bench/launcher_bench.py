@@ -74,6 +74,9 @@ def main() -> None:
                     help="the tier profiles' CPU limit (gVisor's start is CPU-bound)")
     ap.add_argument("--selftest", action="store_true",
                     help="starts with and without the fence self-test, against a real gateway")
+    ap.add_argument("--cpu-hook-ab", action="store_true",
+                    help="with gvisor: starts with the CPU quota at the prestart hook and "
+                    "at cgroup creation, interleaved")
     args = ap.parse_args()
     if args.selftest:
         from selftest_bench import run_selftest_bench
@@ -83,7 +86,8 @@ def main() -> None:
     if args.tiers:
         from tier_bench import run_tiers
 
-        run_tiers(args.tiers.split(","), args.runs, args.vm_runs, args.idle, args.cpus)
+        run_tiers(args.tiers.split(","), args.runs, args.vm_runs, args.idle, args.cpus,
+                  args.cpu_hook_ab)
         return
 
     # the stand-in registries answer no probe: the self-test is measured by --selftest

@@ -59,16 +59,18 @@ def _offered(runsc: str, timeout: float) -> frozenset[str]:
     return frozenset(gvisor.platforms(p.stdout + p.stderr))
 
 
-def _probe(runsc: str, flags: list[str], prefix: str, timeout: float) -> bool:
-    """`runsc run /bin/true` (a bundle of the host's root, read-only) in a throwaway netns
-    of the launcher's naming; True on exit 0. `run`, not `do`: `do` makes a netns of its
-    own for gVisor's netstack and so says nothing about the launcher's."""
+def _probe(runsc: str, flags: list[str], prefix: str, timeout: float,
+           config: dict[str, Any] | None = None) -> bool:
+    """`runsc run /bin/true` (a bundle of the host's root, read-only; `config` instead of
+    the plain probe's) in a throwaway netns of the launcher's naming; True on exit 0. `run`,
+    not `do`: `do` makes a netns of its own for gVisor's netstack and so says nothing about
+    the launcher's."""
     ns = f"{prefix}-gvprobe{os.getpid()}"
     if _call(["ip", "netns", "add", ns]).returncode != 0:
         return False
     try:
         with tempfile.TemporaryDirectory(prefix="stockade-runsc-probe-") as d:
-            Path(d, "config.json").write_text(json.dumps(gvisor.probe_config()))
+            Path(d, "config.json").write_text(json.dumps(config or gvisor.probe_config()))
             # --ignore-cgroups: the probe makes no cgroups to leak
             return _call(["nsenter", f"--net={netns.NETNS_DIR}/{ns}", "--", runsc,
                           f"--root={d}/state", "--ignore-cgroups", "--overlay2=none", *flags,
@@ -98,6 +100,17 @@ def _runtime(runsc: str, platform: str, network: str, prefix: str,
     return chosen, network
 
 
+@functools.cache
+def _prestart_hooks_run(runsc: str, flags: tuple[str, ...], prefix: str,
+                        timeout: float) -> bool:
+    """Whether this runsc runs OCI prestart hooks (one probe per launcher process): only
+    then is a cgroup made without its CPU quota for the hook to put in force."""
+    with tempfile.TemporaryDirectory(prefix="stockade-runsc-hook-") as d:
+        stamp = os.path.join(d, "ran")
+        ok = _probe(runsc, list(flags), prefix, timeout, gvisor.hook_probe_config(stamp))
+        return ok and os.path.exists(stamp)
+
+
 class GvisorBackend(CgroupControl):
     name = "gvisor"
     tap = None
@@ -122,6 +135,7 @@ class GvisorBackend(CgroupControl):
             self.runtime(s)
         except LauncherError as e:
             return str(e)
+        self.cpu_at_hook(s)  # its probe here, not in the first start
         return None
 
     def runtime(self, s: LauncherSettings) -> dict[str, str]:
@@ -139,9 +153,17 @@ class GvisorBackend(CgroupControl):
                                    state_root(s), rt["platform"], rt["network"],
                                    s.gvisor.debug_log_dir)
 
+    def cpu_at_hook(self, s: LauncherSettings) -> bool:
+        """True: the sandbox's CPU quota is put in force by config.json's prestart hook, so
+        runsc's own start runs unthrottled (the cgroup is made without one)."""
+        rt = self.runtime(s)
+        return _prestart_hooks_run(shutil.which(s.gvisor.runsc) or s.gvisor.runsc,
+                                   (f"--platform={rt['platform']}", f"--network={rt['network']}"),
+                                   s.name_prefix, s.gvisor.probe_timeout_s)
+
     def create(self, live: Live, limits: Any, s: LauncherSettings) -> None:
         self.configure(s)
-        live.cg.create(gvisor.host_limits(limits, s.gvisor))
+        live.cg.create(gvisor.host_limits(limits, s.gvisor), cpu_later=self.cpu_at_hook(s))
 
     def start(self, live: Live, spec: SandboxSpec, ctx: StartContext) -> None:
         s, rec = ctx.settings, live.record
@@ -152,13 +174,15 @@ class GvisorBackend(CgroupControl):
         try:
             layout = gvisor.root_layout(plan, tuple(s.ro_binds))
             _materialize(base / "root", layout)
-        except ValueError as e:
+        except (ValueError, OSError) as e:
             raise LauncherError(f"cannot build the gVisor bundle: {e}") from None
         # a session's first process only holds the container (runsc needs one); its
         # commands come through exec
         argv = list(spec.argv) if spec.argv else list(SESSION_HOLDER)
         config = gvisor.oci_config(layout, str(base / "root"), argv, ctx.env, plan,
                                    ctx.limits.pids, f"/{s.cgroup_parent}/{rec.task_id}")
+        if self.cpu_at_hook(s):
+            config["hooks"] = gvisor.cpu_limit_hooks(*live.cg.cpu_limit(ctx.limits.cpus))
         fd = os.open(base / "config.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(config, f)
@@ -274,10 +298,12 @@ class GvisorBackend(CgroupControl):
             raise LauncherError(f"runsc {what} failed: {p.stderr.strip()[-300:]}")
 
     def discard(self, task_id: str, s: LauncherSettings) -> None:
-        """`delete -force`: idempotent; removes runsc's state and its own cgroup dirs. Then
-        the staged inputs' mounts (before the scratch directory is removed)."""
-        with contextlib.suppress(LauncherError, OSError, subprocess.TimeoutExpired):
-            _call([*self._flags(s), "delete", "-force", task_id])
+        """`delete -force` where runsc left state (idempotent; removes runsc's state and its
+        own cgroup dirs), then what is left of both and the staged inputs' mounts (before
+        the scratch directory is removed)."""
+        if _state_left(s, task_id):
+            with contextlib.suppress(LauncherError, OSError, subprocess.TimeoutExpired):
+                _call([*self._flags(s), "delete", "-force", task_id])
         _remove_state_files(s, lambda names: [n for n in gvisor.stale_state_files(names, set())
                                               if task_id in n])
         _remove_runsc_cgroups(s, task_id)
@@ -404,8 +430,8 @@ def _netns_sysctls(ns: str, congestion_control: str | None) -> None:
 
 
 def _materialize(root: Path, layout: gvisor.RootLayout) -> None:
-    """The bundle's root directory: only mount points and copied symlinks, root's, 0755;
-    it is mounted read-only, so nothing here is ever written by the sandbox."""
+    """The bundle's root directory: only mount points, copied symlinks and copied /etc
+    files, root's; it is mounted read-only, so nothing here is ever written by the sandbox."""
     root.mkdir(mode=0o755, exist_ok=True)
     os.chmod(root, 0o755)  # noqa: S103 - the Sentry's gofer reads it as the sandbox user
     for guest in layout.dirs:
@@ -418,6 +444,18 @@ def _materialize(root: Path, layout: gvisor.RootLayout) -> None:
         p = gvisor.confined(str(root), guest)
         os.makedirs(os.path.dirname(p), mode=0o755, exist_ok=True)
         os.symlink(target, p)
+    for guest, source in layout.copies:
+        _copy_into(gvisor.confined(str(root), guest), source)
+
+
+def _copy_into(dest: str, source: str) -> None:
+    """A host file's bytes at `dest` with its permission bits and owner (a file the
+    sandbox user could not read through a bind stays unreadable); set-id bits dropped."""
+    os.makedirs(os.path.dirname(dest), mode=0o755, exist_ok=True)
+    st = os.stat(source)
+    shutil.copyfile(source, dest)
+    os.chown(dest, st.st_uid, st.st_gid)
+    os.chmod(dest, st.st_mode & 0o777)
 
 
 def _sweep_host(s: LauncherSettings, keep: set[str]) -> None:
@@ -438,6 +476,18 @@ def _sweep_host(s: LauncherSettings, keep: set[str]) -> None:
         for h in RUNSC_HIERARCHIES:
             with contextlib.suppress(OSError):
                 Path(s.cgroup_root, h, s.cgroup_parent).rmdir()
+
+
+def _state_left(s: LauncherSettings, task_id: str) -> bool:
+    """True unless runsc's state root shows nothing of `task_id` but its lock: most ends
+    (the command's own, or a kill) need no `delete -force`, which is one more runsc start
+    (tens of ms, over a second under load: the gVisor tier's kill-to-gone p95)."""
+    try:
+        return gvisor.state_left(os.listdir(state_root(s)), task_id)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # unreadable: let runsc decide
 
 
 def _remove_state_files(s: LauncherSettings,
