@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,14 +19,20 @@ from typing import IO, TYPE_CHECKING, Any
 from .. import cgroups, initscript, microvm, netns, rootfs, scrub, vmimage
 from ..environment import SANDBOX_PATH
 from ..spec import LauncherError
-from ..supervise import Ended, feed_stdin, kill_marker, started, watch
+from ..supervise import Ended, feed_stdin, kill_marker, kill_proc, started, watch
+from ..vmexec import AgentLink, VmExec
 from . import CgroupControl, Live, StartContext
 
 if TYPE_CHECKING:  # annotations only
+    from ..execspec import ExecSpec
     from ..settings import LauncherSettings
     from ..spec import SandboxSpec
 
 VM_CONSOLE_CAP = 64 * 1024  # the guest's console (kernel messages) kept for diagnostics
+# a session's guest boots to its agent within this (seconds under TCG on a busy host)
+AGENT_READY_TIMEOUT_S = 180.0
+# the guest-side modules a session guest's init loads from its plan
+SESSION_MODULES = ("vmchannel", "guest_agent")
 # moves this shell into each cgroup.procs file given before "--", then execs the rest
 _JOIN_CGROUPS = ('for f; do shift; [ "$f" = -- ] && break; echo 0 > "$f" || exit 125; done; '
                  'exec "$@"')
@@ -40,8 +47,11 @@ class VmPipes:
     stderr: IO[bytes]
     status: IO[bytes]
     console: IO[bytes]
+    agent: AgentLink | None = None  # a session's guest agent
 
     def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
         for f in (self.stdout, self.stderr, self.status, self.console):
             with contextlib.suppress(OSError):
                 f.close()
@@ -72,7 +82,17 @@ class MicrovmBackend(CgroupControl):
                                    bool(ctx.etc.trust_vars))
         layout, mount_table, input_table = _layout(base, ctx)
         _write_cfg(cfg, spec, ctx, mount_table, input_table)
-        _spawn(live, ctx, cfg, layout, (image, qemu, accel))
+        _spawn(live, ctx, cfg, layout, (image, qemu, accel), session=spec.session)
+        if spec.session:
+            _await_agent(live)
+
+    def exec(self, live: Live, req: ExecSpec, ctx: StartContext) -> VmExec:
+        """One exec through the session guest's agent (its plan already holds the uid,
+        rlimits, seccomp filter and cgroup every exec runs under)."""
+        vm = live.pipes
+        if not isinstance(vm, VmPipes) or vm.agent is None:
+            raise LauncherError("not a session sandbox: it runs no guest agent")
+        return vm.agent.exec(req)
 
     def wait(self, live: Live, spec: SandboxSpec, deadline: float,
              s: LauncherSettings) -> Ended:
@@ -151,7 +171,9 @@ def _write_cfg(cfg: Path, spec: SandboxSpec, ctx: StartContext, mount_table: str
         memory=limits.memory, pids=limits.pids, pids_fail_kill=s.pids_fail_kill,
         stdin=spec.stdin is not None, setpriv=setpriv,
         congestion_control=ctx.congestion_control, seccomp=ctx.seccomp(),
-        reserved=(*initscript.RESERVED, *s.ro_binds))
+        reserved=(*initscript.RESERVED, *s.ro_binds),
+        session_modules=[(m, _launcher_source(m)) for m in SESSION_MODULES]
+        if spec.session else None)
     (cfg / "plan").write_bytes(microvm.encode_plan(plan))
     (cfg / "mounts").write_text(mount_table)
     (cfg / "inputs").write_text(input_table)
@@ -161,41 +183,74 @@ def _write_cfg(cfg: Path, spec: SandboxSpec, ctx: StartContext, mount_table: str
         os.chmod(f, 0o644)
 
 
-def _spawn(live: Live, ctx: StartContext, cfg: Path, layout: microvm.Layout,
-           machine: tuple[vmimage.Image, str, microvm.Accel]) -> None:
-    """QEMU, its console and three ports on pipes the launcher reads."""
+def _vm_spec(ctx: StartContext, cfg: Path, layout: microvm.Layout,
+             machine: tuple[vmimage.Image, str, microvm.Accel], fds: list[int],
+             agent_fd: int | None) -> microvm.VmSpec:
+    """The VM of this sandbox; `fds`: where QEMU writes the console and the three ports."""
     s, vm, limits = ctx.settings, ctx.settings.microvm, ctx.limits
     image, qemu, accel = machine
+    con, *ports = (f"/proc/self/fd/{fd}" for fd in fds)
+    return microvm.VmSpec(
+        qemu=qemu, accel=accel, kernel=image.kernel, initrd=image.initrd,
+        memory_mib=microvm.guest_memory_mib(limits.memory, vm.guest_kernel_mib),
+        cpus=microvm.vcpus(limits.cpus), mac=ctx.addresses.guest_mac, cfg_dir=str(cfg),
+        layout=layout, console=con, ports=(ports[0], ports[1], ports[2]),
+        tsc_khz=vmimage.tsc_khz(), tb_size_mib=vm.tb_size_mib,
+        runas=(s.sandbox_uid, s.sandbox_gid) if vm.harden_qemu else None,
+        seccomp=vm.harden_qemu, agent_fd=agent_fd)
+
+
+def _spawn(live: Live, ctx: StartContext, cfg: Path, layout: microvm.Layout,
+           machine: tuple[vmimage.Image, str, microvm.Accel], session: bool = False) -> None:
+    """QEMU, its console and three ports on pipes the launcher reads; a session's agent
+    port on one end of a socket pair (the other is the AgentLink's)."""
     pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(4)]
+    ours, theirs = socket.socketpair() if session else (None, None)
+    passed = [w for _, w in pipes] + ([theirs.fileno()] if theirs else [])
     try:
-        spec_vm = microvm.VmSpec(
-            qemu=qemu, accel=accel, kernel=image.kernel, initrd=image.initrd,
-            memory_mib=microvm.guest_memory_mib(limits.memory, vm.guest_kernel_mib),
-            cpus=microvm.vcpus(limits.cpus), mac=ctx.addresses.guest_mac, cfg_dir=str(cfg),
-            layout=layout, console=f"/proc/self/fd/{pipes[0][1]}",
-            ports=(f"/proc/self/fd/{pipes[1][1]}", f"/proc/self/fd/{pipes[2][1]}",
-                   f"/proc/self/fd/{pipes[3][1]}"),
-            tsc_khz=vmimage.tsc_khz(), tb_size_mib=vm.tb_size_mib,
-            runas=(s.sandbox_uid, s.sandbox_gid) if vm.harden_qemu else None,
-            seccomp=vm.harden_qemu)
         try:
-            qargv = microvm.qemu_argv(spec_vm)
+            qargv = microvm.qemu_argv(_vm_spec(ctx, cfg, layout, machine, passed[:4],
+                                               passed[4] if theirs else None))
         except ValueError as e:
             raise LauncherError(f"cannot start the microVM: {e}") from None
         live.proc = subprocess.Popen(
             _argv(live, qargv), env={"PATH": SANDBOX_PATH}, stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, close_fds=True,
-            pass_fds=tuple(w for _, w in pipes), start_new_session=True, cwd="/")
+            pass_fds=tuple(passed), start_new_session=True, cwd="/")
         live.pipes = VmPipes(*(os.fdopen(r, "rb") for r, _ in
-                               [pipes[1], pipes[2], pipes[3], pipes[0]]))
+                               [pipes[1], pipes[2], pipes[3], pipes[0]]),
+                             agent=AgentLink(ours) if ours else None)
     except BaseException:
         for r, _ in pipes:
             with contextlib.suppress(OSError):
                 os.close(r)
+        if ours is not None:
+            ours.close()
         raise
-    finally:
+    finally:  # QEMU has its copies
         for _, w in pipes:
             os.close(w)
+        if theirs is not None:
+            theirs.close()
+
+
+def _await_agent(live: Live) -> None:
+    """Until the session guest's agent waits for execs; LauncherError with the guest's own
+    words when it ended first (the caller tears down)."""
+    vm, proc = live.pipes, live.proc
+    assert isinstance(vm, VmPipes) and vm.agent is not None and proc is not None
+    vm.agent.start()
+    try:
+        vm.agent.wait_ready(AGENT_READY_TIMEOUT_S,
+                            lambda: proc.poll() is None and not live.killed.is_set())
+    except LauncherError as e:
+        kill_proc(proc)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+        # the guest's init says why on its stderr port (QEMU has ended: the pipe ends)
+        said = vm.stderr.read(4096).decode("utf-8", "replace").strip().splitlines()
+        why = _ABS_PATH.sub("<host-path>", said[-1])[:300] if said else ""
+        raise LauncherError(f"{e}: {why}" if why else str(e)) from None
 
 
 def _argv(live: Live, qargv: list[str]) -> list[str]:
@@ -242,9 +297,14 @@ def _guest_setpriv(ro_binds: list[str]) -> str:
     return path
 
 
-@functools.cache
 def _guest_init_source() -> str:
-    return (Path(__file__).parent.parent / "guest_init.py").read_text()
+    return _launcher_source("guest_init")
+
+
+@functools.cache
+def _launcher_source(module: str) -> str:
+    """A guest-side module's source (they run in the guest, never imported here)."""
+    return (Path(__file__).parent.parent / f"{module}.py").read_text()
 
 
 def scrub_vm_error(text: str, scrubber: scrub.Scrubber, image_dir: str) -> str:

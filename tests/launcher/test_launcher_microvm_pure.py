@@ -109,6 +109,23 @@ def test_guest_plan_is_plain_data() -> None:
             microvm.guest_plan(**kw)  # type: ignore[arg-type]
 
 
+def test_a_session_guest_gets_its_agent_port_and_modules() -> None:
+    assert not any("agent" in a for a in microvm.qemu_argv(_spec()))  # one-shot: no agent
+    argv = microvm.qemu_argv(_spec(agent_fd=9))
+    # a connected socket (no path anyone could reach), after the three output ports
+    assert "socket,id=agent,fd=9" in argv
+    assert "virtserialport,chardev=agent,name=agent,nr=4" in argv
+    assert "virtio-serial-device,max_ports=5" in argv
+    kw = dict(argv=[], env={}, uid=1000, gid=1000, rlimits={}, guest_ip="a", host_ip="b",
+              prefixlen=30, memory=1, pids=1, pids_fail_kill=1, stdin=False,
+              setpriv="/usr/bin/setpriv")
+    plan = microvm.guest_plan(**kw, session_modules=[("vmchannel", "X = 1\n")])  # type: ignore[arg-type]
+    assert (plan["session"], plan["modules"]) == (True, [("vmchannel", "X = 1\n")])
+    assert marshal.loads(microvm.encode_plan(plan)) == plan  # noqa: S302 - our own bytes
+    with pytest.raises(ValueError, match="empty command"):  # no command, no session
+        microvm.guest_plan(**kw)  # type: ignore[arg-type]
+
+
 def test_mount_table() -> None:
     layout = microvm.Layout(
         (microvm.Share("sys0", "/usr", "/usr"),
