@@ -12,11 +12,12 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from .. import cgroups, initscript, microvm, netns, rootfs, scrub, vmimage
+from .. import cgroups, initscript, microvm, netns, rootfs, scrub, vmimage, vmsnapshot
 from ..environment import SANDBOX_PATH
 from ..spec import LauncherError
 from ..supervise import Ended, feed_stdin, kill_marker, kill_proc, started, watch
@@ -47,7 +48,8 @@ class VmPipes:
     stderr: IO[bytes]
     status: IO[bytes]
     console: IO[bytes]
-    agent: AgentLink | None = None  # a session's guest agent
+    agent: AgentLink | None = None  # the guest agent's port (served in sessions)
+    restored: bool = False  # started from a snapshot template
 
     def close(self) -> None:
         if self.agent is not None:
@@ -61,6 +63,10 @@ class MicrovmBackend(CgroupControl):
     name = "microvm"
     tap = microvm.TAP
 
+    def __init__(self) -> None:
+        # shapes started without a template: (a VmSpec of the shape, the image's stamp)
+        self.missed: dict[str, tuple[microvm.VmSpec, str]] = {}
+
     def create(self, live: Live, limits: Any, s: LauncherSettings) -> None:
         vm = s.microvm
         # the host cgroup holds QEMU; the profile's memory and pids apply in the guest
@@ -72,7 +78,7 @@ class MicrovmBackend(CgroupControl):
     def start(self, live: Live, spec: SandboxSpec, ctx: StartContext) -> None:
         """Raises LauncherError for anything that stops the VM from starting; the caller
         tears down what exists."""
-        image, qemu, accel = _machine(ctx)
+        machine = _machine(ctx)
         base = Path(live.record.scratch)
         cfg = base / "cfg"
         cfg.mkdir(mode=0o755)
@@ -81,10 +87,25 @@ class MicrovmBackend(CgroupControl):
             rootfs.stage_guest_etc(base / "etc", rootfs.etc_binds(ctx.settings.etc_allowlist),
                                    bool(ctx.etc.trust_vars))
         layout, mount_table, input_table = _layout(base, ctx)
-        _write_cfg(cfg, spec, ctx, mount_table, input_table)
-        _spawn(live, ctx, cfg, layout, (image, qemu, accel), session=spec.session)
+        # a template of this shape saved earlier: restored instead of booted (vmsnapshot.py)
+        shape = _vm_spec(ctx, cfg, layout, machine, [0, 0, 0, 0], 0)
+        key = vmsnapshot.shape_key(shape, machine[0].stamp)
+        snapshot = vmsnapshot.find_template(ctx.state_dir, key)
+        if snapshot is None:
+            self.missed[key] = (shape, machine[0].stamp)
+        _write_cfg(cfg, spec, ctx, mount_table, input_table, restored=snapshot is not None)
+        _spawn(live, ctx, cfg, layout, machine, session=spec.session, snapshot=snapshot)
         if spec.session:
             _await_agent(live)
+
+    def build_templates(self, state_dir: Path) -> list[Path]:
+        """Save the snapshot templates of the shapes that were booted cold so far (their
+        later starts restore): for pool refills and `stockade up`, off any start's path."""
+        done = []
+        for key, (shape, stamp) in list(self.missed.items()):
+            done.append(vmsnapshot.ensure_template(shape, stamp, state_dir))
+            self.missed.pop(key, None)
+        return done
 
     def exec(self, live: Live, req: ExecSpec, ctx: StartContext) -> VmExec:
         """One exec through the session guest's agent (its plan already holds the uid,
@@ -157,7 +178,7 @@ def _layout(base: Path, ctx: StartContext) -> tuple[microvm.Layout, str, str]:
 
 
 def _write_cfg(cfg: Path, spec: SandboxSpec, ctx: StartContext, mount_table: str,
-               input_table: str) -> None:
+               input_table: str, restored: bool = False) -> None:
     """The guest's configuration share: its plan, tables, stdin and init."""
     s, a, limits = ctx.settings, ctx.addresses, ctx.limits
     if spec.stdin is not None:
@@ -173,7 +194,9 @@ def _write_cfg(cfg: Path, spec: SandboxSpec, ctx: StartContext, mount_table: str
         congestion_control=ctx.congestion_control, seccomp=ctx.seccomp(),
         reserved=(*initscript.RESERVED, *s.ro_binds),
         session_modules=[(m, _launcher_source(m)) for m in SESSION_MODULES]
-        if spec.session else None)
+        if spec.session else None,
+        fresh=microvm.fresh_identity(a.guest_mac, os.urandom(64), time.time())
+        if restored else None)
     (cfg / "plan").write_bytes(microvm.encode_plan(plan))
     (cfg / "mounts").write_text(mount_table)
     (cfg / "inputs").write_text(input_table)
@@ -201,37 +224,46 @@ def _vm_spec(ctx: StartContext, cfg: Path, layout: microvm.Layout,
 
 
 def _spawn(live: Live, ctx: StartContext, cfg: Path, layout: microvm.Layout,
-           machine: tuple[vmimage.Image, str, microvm.Accel], session: bool = False) -> None:
-    """QEMU, its console and three ports on pipes the launcher reads; a session's agent
-    port on one end of a socket pair (the other is the AgentLink's)."""
+           machine: tuple[vmimage.Image, str, microvm.Accel], session: bool = False,
+           snapshot: Path | None = None) -> None:
+    """QEMU, its console and three ports on pipes the launcher reads, the agent port on one
+    end of a socket pair (the other is the AgentLink's; every shape has it, so that its
+    template does); restored from `snapshot` when given."""
     pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(4)]
-    ours, theirs = socket.socketpair() if session else (None, None)
-    passed = [w for _, w in pipes] + ([theirs.fileno()] if theirs else [])
+    ours, theirs = socket.socketpair()
+    passed = [w for _, w in pipes] + [theirs.fileno()]
+    state_fd = None
     try:
+        vspec = _vm_spec(ctx, cfg, layout, machine, passed[:4], passed[4])
+        if snapshot is not None:
+            state_fd = os.open(snapshot, os.O_RDONLY | os.O_CLOEXEC)
+            passed.append(state_fd)
+            vspec = vmsnapshot.restore_spec(vspec, state_fd)
         try:
-            qargv = microvm.qemu_argv(_vm_spec(ctx, cfg, layout, machine, passed[:4],
-                                               passed[4] if theirs else None))
+            qargv = microvm.qemu_argv(vspec)
         except ValueError as e:
             raise LauncherError(f"cannot start the microVM: {e}") from None
         live.proc = subprocess.Popen(
             _argv(live, qargv), env={"PATH": SANDBOX_PATH}, stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, close_fds=True,
             pass_fds=tuple(passed), start_new_session=True, cwd="/")
+        if snapshot is not None:
+            ours.sendall(vmsnapshot.GO)  # read once the restored guest runs
         live.pipes = VmPipes(*(os.fdopen(r, "rb") for r, _ in
                                [pipes[1], pipes[2], pipes[3], pipes[0]]),
-                             agent=AgentLink(ours) if ours else None)
+                             agent=AgentLink(ours), restored=snapshot is not None)
     except BaseException:
         for r, _ in pipes:
             with contextlib.suppress(OSError):
                 os.close(r)
-        if ours is not None:
-            ours.close()
+        ours.close()
         raise
     finally:  # QEMU has its copies
         for _, w in pipes:
             os.close(w)
-        if theirs is not None:
-            theirs.close()
+        theirs.close()
+        if state_fd is not None:
+            os.close(state_fd)
 
 
 def _await_agent(live: Live) -> None:

@@ -4,6 +4,7 @@ guest's command does. One boot checks many things: each costs seconds under TCG.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import marshal
 import threading
@@ -24,6 +25,8 @@ from .test_launcher_leak import EMPTY, leftovers
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 PATH = "/usr/local/bin:/usr/bin:/bin"
+VMS = Profile("vms", "a session microVM", isolation="microvm",
+              limits=Limits(cpus=1.0, memory=64 * 2**20, disk=8 * 2**20, pids=64, ttl=600))
 # what an exec sees of itself: the same facts test_launcher_microvm checks of a first command
 SELF = r"""
 import json, os
@@ -53,19 +56,16 @@ print(out)
 """
 
 
-@pytest.fixture(scope="module")
-def session(lab: Lab) -> Iterator[tuple[Live, dict[str, Any]]]:
-    """A session microVM (its own profile: a TTL long enough for a slow boot and the
-    module's execs), killed at the end; the box gets its RunResult."""
-    vms = Profile("vms", "a session microVM", isolation="microvm",
-                  limits=Limits(cpus=1.0, memory=64 * 2**20, disk=8 * 2**20, pids=64, ttl=600))
-    rules = types.SimpleNamespace(version="lab-1", profiles={**lab.ruleset.profiles, "vms": vms})
+@contextlib.contextmanager
+def started_session(lab: Lab, rules: Any, profile: str
+                    ) -> Iterator[tuple[Live, dict[str, Any]]]:
+    """A session sandbox of `profile`, killed at the end; the box gets its RunResult."""
     box: dict[str, Any] = {}
     known = {r["task_id"] for r in lab.launcher.list()}
 
     def go() -> None:
         try:  # a session needs no command (argv is ignored: check_spec wants one today)
-            box["result"] = lab.launcher.run(SandboxSpec("vms", ["true"], session=True), rules)
+            box["result"] = lab.launcher.run(SandboxSpec(profile, ["true"], session=True), rules)
         except BaseException as e:
             box["error"] = e
 
@@ -82,6 +82,18 @@ def session(lab: Lab) -> Iterator[tuple[Live, dict[str, Any]]]:
     finally:
         lab.launcher.kill(tid)
         t.join(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def session(lab: Lab) -> Iterator[tuple[Live, dict[str, Any]]]:
+    """A session microVM of its own profile: a TTL long enough for a slow boot and the
+    module's execs."""
+    with started_session(lab, session_rules(lab), "vms") as s:
+        yield s
+
+
+def session_rules(lab: Lab) -> Any:
+    return types.SimpleNamespace(version="lab-1", profiles={**lab.ruleset.profiles, "vms": VMS})
 
 
 def run(live: Live, argv: list[str], **kw: Any) -> tuple[int, str, str]:
