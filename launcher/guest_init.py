@@ -187,7 +187,6 @@ def child(plan, cg, fds, setpriv_fd):
     in_fd, out_fd, err_fd = fds
     try:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # Python ignores it; the command must not
         write(f"{cg}/cgroup.procs", "0", best_effort=False)
         for name, value in plan["rlimits"].items():
             resource.setrlimit(getattr(resource, "RLIMIT_" + name), (value, value))

@@ -50,6 +50,7 @@ class VmPipes:
     console: IO[bytes]
     agent: AgentLink | None = None  # the guest agent's port (served in sessions)
     restored: bool = False  # started from a snapshot template
+    session: bool = False  # its guest serves execs through the agent
 
     def close(self) -> None:
         if self.agent is not None:
@@ -111,7 +112,7 @@ class MicrovmBackend(CgroupControl):
         """One exec through the session guest's agent (its plan already holds the uid,
         rlimits, seccomp filter and cgroup every exec runs under)."""
         vm = live.pipes
-        if not isinstance(vm, VmPipes) or vm.agent is None:
+        if not isinstance(vm, VmPipes) or vm.agent is None or not vm.session:
             raise LauncherError("not a session sandbox: it runs no guest agent")
         return vm.agent.exec(req)
 
@@ -251,7 +252,8 @@ def _spawn(live: Live, ctx: StartContext, cfg: Path, layout: microvm.Layout,
             ours.sendall(vmsnapshot.GO)  # read once the restored guest runs
         live.pipes = VmPipes(*(os.fdopen(r, "rb") for r, _ in
                                [pipes[1], pipes[2], pipes[3], pipes[0]]),
-                             agent=AgentLink(ours), restored=snapshot is not None)
+                             agent=AgentLink(ours), restored=snapshot is not None,
+                             session=session)
     except BaseException:
         for r, _ in pipes:
             with contextlib.suppress(OSError):
