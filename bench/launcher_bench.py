@@ -78,6 +78,9 @@ def main() -> None:
     ap.add_argument("--pools", help="e.g. container: warm pools of these tiers vs cold starts")
     ap.add_argument("--selftest", action="store_true",
                     help="starts with and without the fence self-test, against a real gateway")
+    ap.add_argument("--cpu-hook-ab", action="store_true",
+                    help="with gvisor: starts with the CPU quota at the prestart hook and "
+                    "at cgroup creation, interleaved")
     args = ap.parse_args()
     if args.pools:
         from pool_bench import run_pools
@@ -92,7 +95,8 @@ def main() -> None:
     if args.tiers:
         from tier_bench import run_tiers
 
-        run_tiers(args.tiers.split(","), args.runs, args.vm_runs, args.idle, args.cpus)
+        run_tiers(args.tiers.split(","), args.runs, args.vm_runs, args.idle, args.cpus,
+                  args.cpu_hook_ab)
         return
 
     # the stand-in registries answer no probe: the self-test is measured by --selftest

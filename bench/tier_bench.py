@@ -7,6 +7,10 @@ one profile per tier with the same limits, measured in the same run on the same 
   cgroups (gVisor: Sentry, gofer, stubs; microVM: QEMU; container: init + command) and the
   memory cgroups' charge, each divided by N. gVisor's `runsc run` parent is outside the
   sandbox's cgroups: it is listed apart.
+- `--cpu-hook-ab` (with gvisor): gVisor starts interleaved with the CPU quota put in force
+  by config.json's prestart hook (as shipped: `gv q@hook`) and when the cgroup is
+  made (as before: `gv q@create`), and the sandbox cgroup's throttled periods and
+  time (v1 `cpu.stat`) from creation until its command runs (`runsc ps` shows it).
 - `runsc bare` (with gvisor): the baseline for the gVisor row, `runsc run` of the same
   command with the launcher's runsc flags in a netns of the bench's, on the host's root
   read-only with one /proc mount and no cgroups (so no CPU quota): runsc's own start here.
@@ -66,8 +70,8 @@ def _profiles(cpus: float) -> types.SimpleNamespace:
         for t in ("container", "gvisor", "microvm")})
 
 
-def _start(launcher: Launcher, rs: Any, tier: str, n: int) -> list[float]:
-    for _ in range(2):  # warm caches (and the gVisor runtime probe)
+def _start(launcher: Launcher, rs: Any, tier: str, n: int, warm: int = 2) -> list[float]:
+    for _ in range(warm):  # warm caches (and the gVisor runtime probe)
         launcher.run(SandboxSpec(tier, CMD), rs)
     out = []
     for _ in range(n):
@@ -105,12 +109,48 @@ def _bare_runsc(launcher: Launcher, n: int) -> list[float]:
     return out
 
 
+def _throttled(launcher: Launcher, rs: Any) -> tuple[int, float]:
+    """(throttled periods, throttled ms) of one gVisor sandbox until its command runs."""
+    from stockade.launcher.backends.gvisor import BACKEND
+
+    threads, (tid,) = _background(launcher, rs, "gvisor", 1, ["sleep", "600"])
+    flags = BACKEND._flags(launcher.s)
+    while "sleep" not in subprocess.run([*flags, "ps", tid], capture_output=True,
+                                        text=True, check=False).stdout:
+        time.sleep(0.02)
+    cg = CgroupSet(launcher.s.cgroup_root, launcher.s.cgroup_parent, tid)
+    d = cg.dirs.get("cpu") or cg.dirs["unified"]
+    stat = dict(line.split() for line in (d / "cpu.stat").read_text().splitlines())
+    launcher.kill(tid)
+    threads[0].join()
+    ms = int(stat["throttled_time"]) / 1e6 if "throttled_time" in stat else \
+        int(stat.get("throttled_usec", 0)) / 1e3
+    return int(stat["nr_throttled"]), ms
+
+
+def _cpu_hook_ab(launcher: Launcher, rs: Any, n: int) -> dict[str, dict[str, Any]]:
+    from stockade.launcher.backends import gvisor
+
+    shipped = gvisor.GvisorBackend.cpu_at_hook
+    modes = {"gv q@hook": shipped, "gv q@create": lambda self, s: False}
+    rows: dict[str, dict[str, Any]] = {m: {"start": [], "throttled": []} for m in modes}
+    try:
+        for i in range(n):
+            for m in (list(modes) if i % 2 == 0 else list(modes)[::-1]):
+                gvisor.GvisorBackend.cpu_at_hook = modes[m]  # type: ignore[method-assign]
+                rows[m]["start"] += _start(launcher, rs, "gvisor", 1, warm=0)
+                rows[m]["throttled"].append(_throttled(launcher, rs))
+    finally:
+        gvisor.GvisorBackend.cpu_at_hook = shipped  # type: ignore[method-assign]
+    return rows
+
+
 def _background(launcher: Launcher, rs: Any, tier: str, n: int,
-                ) -> tuple[list[threading.Thread], list[str]]:
-    """`n` sandboxes of `tier` running `sleep`, once each has started its command."""
+                argv: list[str] | None = None) -> tuple[list[threading.Thread], list[str]]:
+    """`n` sandboxes of `tier` running `sleep` (or `argv`), once each is running."""
     known = {r["task_id"] for r in launcher.list()}
     threads = [threading.Thread(target=launcher.run, args=(
-        SandboxSpec(tier, ["sleep", "600"]), rs), daemon=True) for _ in range(n)]
+        SandboxSpec(tier, argv or ["sleep", "600"]), rs), daemon=True) for _ in range(n)]
     for th in threads:
         th.start()
     while True:
@@ -154,7 +194,7 @@ def _idle_memory(launcher: Launcher, rs: Any, tier: str, n: int,
 
 
 def run_tiers(tiers: list[str], runs: int, vm_runs: int, idle: int,
-              cpus: float = 0.5) -> None:
+              cpus: float = 0.5, cpu_hook_ab: bool = False) -> None:
     rs = _profiles(cpus)
     rows: dict[str, dict[str, Any]] = {}
     load_before = os.getloadavg()
@@ -171,6 +211,8 @@ def run_tiers(tiers: list[str], runs: int, vm_runs: int, idle: int,
                                               settle * 2)}
             if tier == "gvisor":
                 rows["runsc bare"] = {"start": _bare_runsc(launcher, n)}
+                if cpu_hook_ab:
+                    rows.update(_cpu_hook_ab(launcher, rs, n))
         leftover = sum(len(v) for v in launcher.reconcile().values())
     _report(rows, launcher, load_before, leftover, cpus)
 
@@ -189,8 +231,10 @@ def _report(rows: dict[str, dict[str, Any]], launcher: Launcher,
     for tier, r in rows.items():
         start = f"{tier:<11}{len(r['start']):>5}{_pct(r['start'], 50) * 1e3:>11.1f}" \
                 f"{_pct(r['start'], 95) * 1e3:>8.1f}"
-        if "mem" not in r:  # a baseline: start only
-            print(start)
+        if "mem" not in r:  # a baseline: start only (and a variant's throttling)
+            thr = r.get("throttled")
+            print(start + (f"   throttled until exec: p50 {_pct([t[0] for t in thr], 50)} "
+                           f"periods, {_pct([t[1] for t in thr], 50):.1f} ms" if thr else ""))
             continue
         pss, charge, outside = r["mem"]
         print(f"{start}{_pct(r['kill'], 50) * 1e3:>10.1f}"

@@ -85,37 +85,16 @@ def _expire(fut: asyncio.Future[None]) -> None:
         fut.set_exception(TimeoutError())
 
 
-def _unpark(loop: asyncio.AbstractEventLoop, fd: int) -> None:
-    loop.remove_reader(fd)  # readable again before anyone took the reader over
-
-
-def forget_reader(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-    """Drop a parked reader (see wait_fd) before `sock` is closed: the loop must not
-    keep a registration for a descriptor number the kernel will hand out again."""
-    with contextlib.suppress(OSError, ValueError):
-        fd = sock.fileno()
-        if fd >= 0:
-            loop.remove_reader(fd)
-
-
 async def wait_fd(
     loop: asyncio.AbstractEventLoop,
     fd: int,
     write: bool,
     deadline: float | None = None,
-    *,
-    park: bool = False,
 ) -> None:
     """Wait until `fd` is readable (writable); TimeoutError at `deadline` (loop time).
 
     Not `asyncio.timeout`: that needs a current task, and the gateway's connections run
     their first step before they have one (see stockade.eager).
-
-    `park` (reading only): leave a reader behind that only removes itself, instead of
-    removing it. uvloop destroys its poll handle when an fd's last reader goes and
-    builds a new one on the next add_reader (about eight syscalls); the relay's reader
-    on the same socket, added a moment later, then takes the parked one over for the
-    price of a callback swap. Whoever closes the socket calls forget_reader first.
     """
     fut: asyncio.Future[None] = loop.create_future()
     add, remove = (
@@ -126,10 +105,7 @@ async def wait_fd(
     try:
         await fut
     finally:
-        if park and not write:
-            loop.add_reader(fd, _unpark, loop, fd)
-        else:
-            remove(fd)
+        remove(fd)
         if timer is not None:
             timer.cancel()
 

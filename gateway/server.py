@@ -39,7 +39,7 @@ from .dns.settings import DnsSettings
 from .flow import Listener
 from .metrics import GatewayMetrics
 from .name_refusals import name_budget_summaries
-from .relay import PipePool, UploadLimit, forget_reader, splice_works
+from .relay import PipePool, UploadLimit, splice_works
 from .settings import GatewaySettings
 from .tcp.conn import SHUTDOWN, Conn, ConnTable
 from .tcp.dial import Dialer
@@ -216,7 +216,6 @@ class Gateway:
             conn.close_reason = conn.close_reason or "internal_error"
         finally:
             self.table.forget(conn)
-            forget_reader(asyncio.get_running_loop(), conn.client)  # the flight's parked one
             with contextlib.suppress(OSError):
                 conn.client.close()
             if started is not None:

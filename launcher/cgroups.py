@@ -78,7 +78,17 @@ class CgroupSet:
     def procs_files(self) -> list[str]:
         return [str(d / "cgroup.procs") for d in self.dirs.values()]
 
-    def create(self, limits: Limits) -> None:
+    def cpu_limit(self, cpus: float) -> tuple[str, str]:
+        """The file and the value that put a CPU limit of `cpus` in force: for a writer that
+        is not this process (the gVisor tier's OCI prestart hook)."""
+        quota = int(cpus * CPU_PERIOD_US)
+        if self.version == 2:
+            return str(self.dirs["unified"] / "cpu.max"), f"{quota} {CPU_PERIOD_US}"
+        return str(self.dirs["cpu"] / "cpu.cfs_quota_us"), str(quota)
+
+    def create(self, limits: Limits, cpu_later: bool = False) -> None:
+        """Make the cgroup(s) with the limits in force; `cpu_later`: no CPU quota yet (the
+        caller puts `cpu_limit`'s value in force before anything of the sandbox's runs)."""
         if self.version == 2:
             parent = self.root / self.parent
             parent.mkdir(exist_ok=True)
@@ -90,7 +100,8 @@ class CgroupSet:
             with contextlib.suppress(FileNotFoundError):
                 _write(d / "memory.swap.max", "0")
             _write(d / "pids.max", str(limits.pids))
-            _write(d / "cpu.max", f"{int(limits.cpus * CPU_PERIOD_US)} {CPU_PERIOD_US}")
+            _write(d / "cpu.max", f"max {CPU_PERIOD_US}" if cpu_later
+                   else self.cpu_limit(limits.cpus)[1])
             self._weigh_parent(parent / "cpu.weight", str(self.parent_weight))
             return
         for d in self.dirs.values():
@@ -102,7 +113,7 @@ class CgroupSet:
         _write(self.dirs["pids"] / "pids.max", str(limits.pids))
         c = self.dirs["cpu"]
         _write(c / "cpu.cfs_period_us", str(CPU_PERIOD_US))
-        _write(c / "cpu.cfs_quota_us", str(int(limits.cpus * CPU_PERIOD_US)))
+        _write(c / "cpu.cfs_quota_us", "-1" if cpu_later else self.cpu_limit(limits.cpus)[1])
         if self.parent_weight is not None:
             self._weigh_parent(c.parent / "cpu.shares", str(v1_shares(self.parent_weight)))
 

@@ -25,12 +25,16 @@ import _signal as signal  # the C module: `signal` would import enum (and re) fi
 import marshal
 import os
 import resource
+import sys
+import time
 
 RUN = "/sbx/run"
 BUSYBOX = "/sbx/busybox"
 CGROOT = "/sbx/cg"
 # links vm-images/init makes to the virtio-serial ports QEMU names so
 PORTS = {"stdout": "/sbx/port-stdout", "stderr": "/sbx/port-stderr", "status": "/sbx/port-status"}
+# the agent port's number (microvm.AGENT_PORT_NR); vm-images/init links no port of that name
+AGENT_NR = "p4"
 
 
 def write(path, value, best_effort=True):
@@ -95,6 +99,22 @@ def mount_inputs(table, reserved):
                 bb("mount", "-o", "remount,bind,ro,nosuid,nodev", path)
     finally:
         bb("mount", "-o", "remount,ro", "/")
+
+
+def refresh(fresh):
+    """A guest restored from a snapshot shares its template's kernel random state, clock
+    and MAC: the plan's seed is mixed in and the kernel's generator reseeded from it
+    (RNDRESEEDCRNG) before anything else draws from it, the clock set, the MAC changed."""
+    import fcntl  # a C extension: no Python-level imports behind it
+
+    fd = os.open("/dev/urandom", os.O_WRONLY)
+    try:
+        os.write(fd, fresh["seed"])
+        fcntl.ioctl(fd, 0x5207)  # RNDRESEEDCRNG = _IO('R', 0x07)
+    finally:
+        os.close(fd)
+    time.clock_settime(time.CLOCK_REALTIME, fresh["clock"])
+    ip("link", "set", "eth0", "address", fresh["mac"])
 
 
 def network(net):
@@ -199,6 +219,8 @@ def setup(status_fd, err_fd):
     try:
         with open(f"{RUN}/plan", "rb") as fh:
             plan = marshal.load(fh)  # noqa: S302 - written by the launcher; builtin, fast
+        if plan.get("fresh"):
+            refresh(plan["fresh"])
         network(plan["net"])
         write("/proc/sys/kernel/hostname", plan["hostname"], best_effort=False)
         write("/proc/sys/net/ipv4/ping_group_range", "0 2147483647")
@@ -242,6 +264,63 @@ def reap(status_fd, pid, cg, limit):
             signal.sigtimedwait([signal.SIGCHLD], 0.05)
 
 
+def load_modules(sources):
+    """The plan's guest modules (vmchannel, guest_agent: source text from the launcher's
+    root-only config share) as importable modules; vm-images/init copies only this init."""
+    for name, source in sources:
+        mod = type(sys)(name)
+        exec(compile(source, f"{name}.py", "exec"), mod.__dict__)  # noqa: S102
+        sys.modules[name] = mod
+
+
+def agent_port():
+    """The agent's virtio-serial port (number AGENT_NR of the one virtio-serial device),
+    made root's alone before anything of the sandbox runs."""
+    names = [n for n in os.listdir("/dev") if n.startswith("vport") and n.endswith(AGENT_NR)]
+    if len(names) != 1:
+        raise OSError("no agent port in the guest")
+    path = f"/dev/{names[0]}"
+    os.chown(path, 0, 0)
+    os.chmod(path, 0o600)
+    return os.open(path, os.O_RDWR)
+
+
+def spawn(plan, cg, setpriv_fd, req):
+    """One exec of a session: the first command's start with the request's argv, env and
+    cwd, its stdio on fresh pipes, in a session of its own (a signal reaches its group)."""
+    in_r, in_w = os.pipe()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        child(dict(plan, argv=req["argv"], env=req["env"], cwd=req["cwd"]), cg,
+              (in_r, out_w, err_w), setpriv_fd)
+    for fd in (in_r, out_w, err_w):
+        os.close(fd)
+    return pid, in_w, out_r, err_r
+
+
+def session(plan, cg, setpriv_fd, status_fd, err_fd):
+    """Serve execs over the agent port until the launcher closes it."""
+    try:
+        port = agent_port()
+        load_modules(plan["modules"])
+        import ctypes  # noqa: F401 - once here, not in every exec's child (see load_filter)
+
+        import guest_agent
+        agent = guest_agent.Agent(
+            port, lambda req: spawn(plan, cg, setpriv_fd, req),
+            lambda: (counter(f"{cg}/memory.events", "oom_kill"),
+                     counter(f"{cg}/pids.events", "max")),
+            lambda: write(f"{cg}/cgroup.kill", "1"), plan["pids_fail_kill"])
+    except Exception as e:
+        os.write(err_fd, f"stockade-vm-init: {e}\n".encode())
+        end(status_fd, "125 0 0\n")
+    agent.serve()
+    end(status_fd, "0 0 0\n")
+
+
 def main():
     # SIGCHLD blocked: the wait loop sleeps in sigtimedwait until a child changes state
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
@@ -249,6 +328,9 @@ def main():
     out_fd = os.open(PORTS["stdout"], os.O_WRONLY)
     err_fd = os.open(PORTS["stderr"], os.O_WRONLY)
     plan, cg, in_fd, setpriv_fd = setup(status_fd, err_fd)
+    if plan.get("session"):
+        os.close(in_fd)
+        session(plan, cg, setpriv_fd, status_fd, err_fd)
     pid = os.fork()
     if pid == 0:
         child(plan, cg, (in_fd, out_fd, err_fd), setpriv_fd)

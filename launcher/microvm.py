@@ -26,6 +26,9 @@ Accel = Literal["kvm", "tcg"]
 CFG_TAG = "stockade-cfg"
 # vm-images/init and guest_init.py use these names: keep them in step
 PORT_NAMES = ("stdout", "stderr", "status")
+# the guest agent's port (sessions): a number the guest finds it by (guest_init.AGENT_NR),
+# after the three above
+AGENT_PORT, AGENT_PORT_NR = "agent", 4
 TAP = "tap0"
 MIB = 2**20
 # a guest path ends up in the mount table as the rest of a line: no newline, no NUL
@@ -71,6 +74,13 @@ class VmSpec:
     # /proc/self/fd/N paths (pipes the launcher reads) of the console and the three ports
     console: str
     ports: tuple[str, str, str]
+    agent_fd: int | None = None  # a connected socket: the guest agent's port
+    # snapshot starts (vmsnapshot.py): a template boot (its init stops before any share is
+    # mounted, its QMP monitor on `qmp_fd`), or a guest restored from one (`incoming_fd`:
+    # the saved state); both have the agent port
+    template: bool = False
+    qmp_fd: int | None = None
+    incoming_fd: int | None = None
     tsc_khz: int | None = None  # TCG: the host's TSC rate (the guest cannot calibrate it)
     tb_size_mib: int = 64  # TCG translation cache (QEMU's default would be 1 GiB)
     runas: tuple[int, int] | None = None  # QEMU drops to this uid:gid once set up
@@ -194,12 +204,17 @@ def guest_plan(*, argv: list[str], env: dict[str, str], uid: int, gid: int,
                hostname: str = "sandbox", cwd: str = "/scratch",
                congestion_control: str | None = None,
                reserved: Sequence[str] = RESERVED,
-               env_bin: str = "/usr/bin/env", seccomp: bytes = b"") -> dict[str, Any]:
+               env_bin: str = "/usr/bin/env", seccomp: bytes = b"",
+               session_modules: Sequence[tuple[str, str]] | None = None,
+               fresh: dict[str, Any] | None = None) -> dict[str, Any]:
     """guest_init.py's plan: plain data (dict, list, str, int, bool, bytes, None).
     `reserved`: the paths no input may be mounted at or under (the guest checks its input
     table again). `seccomp`: the container tier's BPF program (`seccomp_bpf.py`), loaded in
-    the guest right before setpriv; the guest refuses to start the command without one."""
-    if not argv:
+    the guest right before setpriv; the guest refuses to start the command without one.
+    `session_modules` ((name, source) of vmchannel and guest_agent): a session guest, whose
+    init serves execs through its agent instead of running `argv`. `fresh`: the identity
+    of a guest restored from a snapshot (`fresh_identity`), set before its network is."""
+    if not argv and session_modules is None:
         raise ValueError("empty command")
     if uid == 0 or gid == 0:
         raise ValueError("the command never runs as root")
@@ -210,7 +225,17 @@ def guest_plan(*, argv: list[str], env: dict[str, str], uid: int, gid: int,
         "congestion_control": congestion_control, "seccomp": seccomp,
         "reserved": [r.rstrip("/") for r in reserved if r.rstrip("/")],
         "net": {"ip": guest_ip, "prefixlen": prefixlen, "gateway": host_ip},
+        "session": session_modules is not None, "modules": list(session_modules or ()),
+        "fresh": fresh,
     }
+
+
+def fresh_identity(mac: str, seed: bytes, clock: float) -> dict[str, Any]:
+    """What a restored guest must not keep of its snapshot: the MAC (the device's is the
+    template's), the kernel's random state (reseeded from `seed`) and the wall clock."""
+    if len(seed) < 32:
+        raise ValueError("an entropy seed of at least 32 bytes")
+    return {"mac": mac, "seed": bytes(seed), "clock": float(clock)}
 
 
 def encode_plan(plan: dict[str, Any]) -> bytes:
@@ -232,17 +257,22 @@ def qemu_argv(v: VmSpec) -> list[str]:
         argv += ["-accel", f"tcg,tb-size={v.tb_size_mib}", "-cpu", "max"]
     argv += ["-smp", str(v.cpus), "-m", f"{v.memory_mib}M",
              "-kernel", v.kernel, "-initrd", v.initrd,
-             "-append", kernel_cmdline(v.accel, v.tsc_khz, v.extra_cmdline),
+             "-append", kernel_cmdline(v.accel, v.tsc_khz, (
+                 *v.extra_cmdline, *(["stockade.template"] if v.template else []))),
              "-chardev", f"file,id=con,path={v.console}", "-serial", "chardev:con",
              # no virtio-net header: the guest gets no offloads (GSO, checksum) to hand the
              # host's kernel; plain frames only
              "-netdev", f"tap,id=net0,ifname={TAP},script=no,downscript=no,vhost=off,"
                         "vnet_hdr=off",
              "-device", f"virtio-net-device,netdev=net0,mac={v.mac}",
-             "-device", "virtio-serial-device,max_ports=4"]
+             "-device", f"virtio-serial-device,max_ports={AGENT_PORT_NR + 1}"]
     for nr, (name, path) in enumerate(zip(PORT_NAMES, v.ports, strict=True), start=1):
         argv += ["-chardev", f"file,id={name},path={path}",
                  "-device", f"virtserialport,chardev={name},name={name},nr={nr}"]
+    if v.agent_fd is not None:
+        argv += ["-chardev", f"socket,id={AGENT_PORT},fd={v.agent_fd}",
+                 "-device", f"virtserialport,chardev={AGENT_PORT},name={AGENT_PORT},"
+                            f"nr={AGENT_PORT_NR}"]
     shares = [Share(CFG_TAG, v.cfg_dir, "/sbx/cfg"), *v.layout.shares, *v.layout.input_shares]
     for i, s in enumerate(shares):
         _no_comma(s.host)
@@ -255,6 +285,10 @@ def qemu_argv(v: VmSpec) -> list[str]:
         argv += ["-sandbox", "on,obsolete=deny,spawn=deny,resourcecontrol=deny"]
     if v.runas is not None:
         argv += ["-runas", f"{v.runas[0]}:{v.runas[1]}"]
+    if v.qmp_fd is not None:
+        argv += ["-chardev", f"socket,id=qmp,fd={v.qmp_fd}", "-mon", "chardev=qmp,mode=control"]
+    if v.incoming_fd is not None:
+        argv += ["-incoming", f"fd:{v.incoming_fd}"]
     return argv
 
 

@@ -148,12 +148,9 @@ class SessionRoutes:
                                 "profile"))
         try:
             preflight(self.launcher.s, ruleset, req.profile)
-            name, iso = choose_backend(self.launcher.s, profile)
+            _, iso = choose_backend(self.launcher.s, profile)
         except LauncherError as e:
             raise Refused(error(400, "launcher_error", str(e), "profile")) from None
-        if name == "microvm":
-            raise Refused(error(400, "launcher_error", "sessions are not available for "
-                                "microvm profiles yet (no guest agent)", "profile"))
         for i, b in enumerate(req.inputs):
             if not os.path.exists(b.host):
                 raise Refused(error(400, "bad_request", f"inputs[{i}]: host path does not "

@@ -101,8 +101,7 @@ async def read_first_flight(sock: socket.socket, deadline: float, flight: FirstF
             try:
                 chunk = sock.recv(RECV_BYTES)  # usually already there: no loop round
             except BlockingIOError:
-                # parked: the relay's reader on this socket comes next (wait_fd)
-                await wait_fd(loop, sock.fileno(), False, deadline, park=True)
+                await wait_fd(loop, sock.fileno(), False, deadline)
                 continue  # readable (or closed): the recv above reads it
         except TimeoutError:
             return flight.timeout()

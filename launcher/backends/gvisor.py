@@ -58,16 +58,18 @@ def _offered(runsc: str, timeout: float) -> frozenset[str]:
     return frozenset(gvisor.platforms(p.stdout + p.stderr))
 
 
-def _probe(runsc: str, flags: list[str], prefix: str, timeout: float) -> bool:
-    """`runsc run /bin/true` (a bundle of the host's root, read-only) in a throwaway netns
-    of the launcher's naming; True on exit 0. `run`, not `do`: `do` makes a netns of its
-    own for gVisor's netstack and so says nothing about the launcher's."""
+def _probe(runsc: str, flags: list[str], prefix: str, timeout: float,
+           config: dict[str, Any] | None = None) -> bool:
+    """`runsc run /bin/true` (a bundle of the host's root, read-only; `config` instead of
+    the plain probe's) in a throwaway netns of the launcher's naming; True on exit 0. `run`,
+    not `do`: `do` makes a netns of its own for gVisor's netstack and so says nothing about
+    the launcher's."""
     ns = f"{prefix}-gvprobe{os.getpid()}"
     if _call(["ip", "netns", "add", ns]).returncode != 0:
         return False
     try:
         with tempfile.TemporaryDirectory(prefix="stockade-runsc-probe-") as d:
-            Path(d, "config.json").write_text(json.dumps(gvisor.probe_config()))
+            Path(d, "config.json").write_text(json.dumps(config or gvisor.probe_config()))
             # --ignore-cgroups: the probe makes no cgroups to leak
             return _call(["nsenter", f"--net={netns.NETNS_DIR}/{ns}", "--", runsc,
                           f"--root={d}/state", "--ignore-cgroups", "--overlay2=none", *flags,
@@ -97,6 +99,17 @@ def _runtime(runsc: str, platform: str, network: str, prefix: str,
     return chosen, network
 
 
+@functools.cache
+def _prestart_hooks_run(runsc: str, flags: tuple[str, ...], prefix: str,
+                        timeout: float) -> bool:
+    """Whether this runsc runs OCI prestart hooks (one probe per launcher process): only
+    then is a cgroup made without its CPU quota for the hook to put in force."""
+    with tempfile.TemporaryDirectory(prefix="stockade-runsc-hook-") as d:
+        stamp = os.path.join(d, "ran")
+        ok = _probe(runsc, list(flags), prefix, timeout, gvisor.hook_probe_config(stamp))
+        return ok and os.path.exists(stamp)
+
+
 class GvisorBackend(CgroupControl):
     name = "gvisor"
     tap = None
@@ -121,6 +134,7 @@ class GvisorBackend(CgroupControl):
             self.runtime(s)
         except LauncherError as e:
             return str(e)
+        self.cpu_at_hook(s)  # its probe here, not in the first start
         return None
 
     def runtime(self, s: LauncherSettings) -> dict[str, str]:
@@ -138,9 +152,17 @@ class GvisorBackend(CgroupControl):
                                    state_root(s), rt["platform"], rt["network"],
                                    s.gvisor.debug_log_dir)
 
+    def cpu_at_hook(self, s: LauncherSettings) -> bool:
+        """True: the sandbox's CPU quota is put in force by config.json's prestart hook, so
+        runsc's own start runs unthrottled (the cgroup is made without one)."""
+        rt = self.runtime(s)
+        return _prestart_hooks_run(shutil.which(s.gvisor.runsc) or s.gvisor.runsc,
+                                   (f"--platform={rt['platform']}", f"--network={rt['network']}"),
+                                   s.name_prefix, s.gvisor.probe_timeout_s)
+
     def create(self, live: Live, limits: Any, s: LauncherSettings) -> None:
         self.configure(s)
-        live.cg.create(gvisor.host_limits(limits, s.gvisor))
+        live.cg.create(gvisor.host_limits(limits, s.gvisor), cpu_later=self.cpu_at_hook(s))
 
     def start(self, live: Live, spec: SandboxSpec, ctx: StartContext) -> None:
         self._bundle(live, ctx, _first_process(spec), ctx.env)
@@ -198,10 +220,12 @@ class GvisorBackend(CgroupControl):
         try:
             layout = gvisor.root_layout(plan, tuple(s.ro_binds))
             host.materialize(base / "root", layout)
-        except ValueError as e:
+        except (ValueError, OSError) as e:
             raise LauncherError(f"cannot build the gVisor bundle: {e}") from None
         config = gvisor.oci_config(layout, str(base / "root"), argv, env, plan,
                                    ctx.limits.pids, f"/{s.cgroup_parent}/{rec.task_id}")
+        if self.cpu_at_hook(s):
+            config["hooks"] = gvisor.cpu_limit_hooks(*live.cg.cpu_limit(ctx.limits.cpus))
         fd = os.open(base / "config.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(config, f)
@@ -319,10 +343,12 @@ class GvisorBackend(CgroupControl):
             raise LauncherError(f"runsc {what} failed: {p.stderr.strip()[-300:]}")
 
     def discard(self, task_id: str, s: LauncherSettings) -> None:
-        """`delete -force`: idempotent; removes runsc's state and its own cgroup dirs. Then
-        the staged inputs' mounts (before the scratch directory is removed)."""
-        with contextlib.suppress(LauncherError, OSError, subprocess.TimeoutExpired):
-            _call([*self._flags(s), "delete", "-force", task_id])
+        """`delete -force` where runsc left state (idempotent; removes runsc's state and its
+        own cgroup dirs), then what is left of both and the staged inputs' mounts (before
+        the scratch directory is removed)."""
+        if host.state_left(s, task_id):
+            with contextlib.suppress(LauncherError, OSError, subprocess.TimeoutExpired):
+                _call([*self._flags(s), "delete", "-force", task_id])
         host.remove_state_files(s, lambda names: [n for n in gvisor.stale_state_files(names, set())
                                               if task_id in n])
         host.remove_runsc_cgroups(s, task_id)

@@ -10,22 +10,30 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from .. import cgroups, initscript, microvm, netns, rootfs, scrub, vmimage
+from .. import cgroups, initscript, microvm, netns, rootfs, scrub, vmimage, vmsnapshot
 from ..environment import SANDBOX_PATH
 from ..spec import LauncherError
-from ..supervise import Ended, feed_stdin, kill_marker, started, watch
+from ..supervise import Ended, feed_stdin, kill_marker, kill_proc, started, watch
+from ..vmexec import AgentLink, VmExec
 from . import CgroupControl, Live, StartContext
 
 if TYPE_CHECKING:  # annotations only
+    from ..execspec import ExecSpec
     from ..settings import LauncherSettings
     from ..spec import SandboxSpec
 
 VM_CONSOLE_CAP = 64 * 1024  # the guest's console (kernel messages) kept for diagnostics
+# a session's guest boots to its agent within this (seconds under TCG on a busy host)
+AGENT_READY_TIMEOUT_S = 180.0
+# the guest-side modules a session guest's init loads from its plan
+SESSION_MODULES = ("vmchannel", "guest_agent")
 # moves this shell into each cgroup.procs file given before "--", then execs the rest
 _JOIN_CGROUPS = ('for f; do shift; [ "$f" = -- ] && break; echo 0 > "$f" || exit 125; done; '
                  'exec "$@"')
@@ -40,8 +48,13 @@ class VmPipes:
     stderr: IO[bytes]
     status: IO[bytes]
     console: IO[bytes]
+    agent: AgentLink | None = None  # the guest agent's port (served in sessions)
+    restored: bool = False  # started from a snapshot template
+    session: bool = False  # its guest serves execs through the agent
 
     def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
         for f in (self.stdout, self.stderr, self.status, self.console):
             with contextlib.suppress(OSError):
                 f.close()
@@ -50,6 +63,10 @@ class VmPipes:
 class MicrovmBackend(CgroupControl):
     name = "microvm"
     tap = microvm.TAP
+
+    def __init__(self) -> None:
+        # shapes started without a template: (a VmSpec of the shape, the image's stamp)
+        self.missed: dict[str, tuple[microvm.VmSpec, str]] = {}
 
     def create(self, live: Live, limits: Any, s: LauncherSettings) -> None:
         vm = s.microvm
@@ -62,7 +79,7 @@ class MicrovmBackend(CgroupControl):
     def start(self, live: Live, spec: SandboxSpec, ctx: StartContext) -> None:
         """Raises LauncherError for anything that stops the VM from starting; the caller
         tears down what exists."""
-        image, qemu, accel = _machine(ctx)
+        machine = _machine(ctx)
         base = Path(live.record.scratch)
         cfg = base / "cfg"
         cfg.mkdir(mode=0o755)
@@ -71,8 +88,33 @@ class MicrovmBackend(CgroupControl):
             rootfs.stage_guest_etc(base / "etc", rootfs.etc_binds(ctx.settings.etc_allowlist),
                                    bool(ctx.etc.trust_vars))
         layout, mount_table, input_table = _layout(base, ctx)
-        _write_cfg(cfg, spec, ctx, mount_table, input_table)
-        _spawn(live, ctx, cfg, layout, (image, qemu, accel))
+        # a template of this shape saved earlier: restored instead of booted (vmsnapshot.py)
+        shape = _vm_spec(ctx, cfg, layout, machine, [0, 0, 0, 0], 0)
+        key = vmsnapshot.shape_key(shape, machine[0].stamp)
+        snapshot = vmsnapshot.find_template(ctx.state_dir, key)
+        if snapshot is None:
+            self.missed[key] = (shape, machine[0].stamp)
+        _write_cfg(cfg, spec, ctx, mount_table, input_table, restored=snapshot is not None)
+        _spawn(live, ctx, cfg, layout, machine, session=spec.session, snapshot=snapshot)
+        if spec.session:
+            _await_agent(live)
+
+    def build_templates(self, state_dir: Path) -> list[Path]:
+        """Save the snapshot templates of the shapes that were booted cold so far (their
+        later starts restore): for pool refills and `stockade up`, off any start's path."""
+        done = []
+        for key, (shape, stamp) in list(self.missed.items()):
+            done.append(vmsnapshot.ensure_template(shape, stamp, state_dir))
+            self.missed.pop(key, None)
+        return done
+
+    def exec(self, live: Live, req: ExecSpec, ctx: StartContext) -> VmExec:
+        """One exec through the session guest's agent (its plan already holds the uid,
+        rlimits, seccomp filter and cgroup every exec runs under)."""
+        vm = live.pipes
+        if not isinstance(vm, VmPipes) or vm.agent is None or not vm.session:
+            raise LauncherError("not a session sandbox: it runs no guest agent")
+        return vm.agent.exec(req)
 
     def wait(self, live: Live, spec: SandboxSpec, deadline: float,
              s: LauncherSettings) -> Ended:
@@ -137,7 +179,7 @@ def _layout(base: Path, ctx: StartContext) -> tuple[microvm.Layout, str, str]:
 
 
 def _write_cfg(cfg: Path, spec: SandboxSpec, ctx: StartContext, mount_table: str,
-               input_table: str) -> None:
+               input_table: str, restored: bool = False) -> None:
     """The guest's configuration share: its plan, tables, stdin and init."""
     s, a, limits = ctx.settings, ctx.addresses, ctx.limits
     if spec.stdin is not None:
@@ -151,7 +193,11 @@ def _write_cfg(cfg: Path, spec: SandboxSpec, ctx: StartContext, mount_table: str
         memory=limits.memory, pids=limits.pids, pids_fail_kill=s.pids_fail_kill,
         stdin=spec.stdin is not None, setpriv=setpriv,
         congestion_control=ctx.congestion_control, seccomp=ctx.seccomp(),
-        reserved=(*initscript.RESERVED, *s.ro_binds))
+        reserved=(*initscript.RESERVED, *s.ro_binds),
+        session_modules=[(m, _launcher_source(m)) for m in SESSION_MODULES]
+        if spec.session else None,
+        fresh=microvm.fresh_identity(a.guest_mac, os.urandom(64), time.time())
+        if restored else None)
     (cfg / "plan").write_bytes(microvm.encode_plan(plan))
     (cfg / "mounts").write_text(mount_table)
     (cfg / "inputs").write_text(input_table)
@@ -161,41 +207,84 @@ def _write_cfg(cfg: Path, spec: SandboxSpec, ctx: StartContext, mount_table: str
         os.chmod(f, 0o644)
 
 
-def _spawn(live: Live, ctx: StartContext, cfg: Path, layout: microvm.Layout,
-           machine: tuple[vmimage.Image, str, microvm.Accel]) -> None:
-    """QEMU, its console and three ports on pipes the launcher reads."""
+def _vm_spec(ctx: StartContext, cfg: Path, layout: microvm.Layout,
+             machine: tuple[vmimage.Image, str, microvm.Accel], fds: list[int],
+             agent_fd: int | None) -> microvm.VmSpec:
+    """The VM of this sandbox; `fds`: where QEMU writes the console and the three ports."""
     s, vm, limits = ctx.settings, ctx.settings.microvm, ctx.limits
     image, qemu, accel = machine
+    con, *ports = (f"/proc/self/fd/{fd}" for fd in fds)
+    return microvm.VmSpec(
+        qemu=qemu, accel=accel, kernel=image.kernel, initrd=image.initrd,
+        memory_mib=microvm.guest_memory_mib(limits.memory, vm.guest_kernel_mib),
+        cpus=microvm.vcpus(limits.cpus), mac=ctx.addresses.guest_mac, cfg_dir=str(cfg),
+        layout=layout, console=con, ports=(ports[0], ports[1], ports[2]),
+        tsc_khz=vmimage.tsc_khz(), tb_size_mib=vm.tb_size_mib,
+        runas=(s.sandbox_uid, s.sandbox_gid) if vm.harden_qemu else None,
+        seccomp=vm.harden_qemu, agent_fd=agent_fd)
+
+
+def _spawn(live: Live, ctx: StartContext, cfg: Path, layout: microvm.Layout,
+           machine: tuple[vmimage.Image, str, microvm.Accel], session: bool = False,
+           snapshot: Path | None = None) -> None:
+    """QEMU, its console and three ports on pipes the launcher reads, the agent port on one
+    end of a socket pair (the other is the AgentLink's; every shape has it, so that its
+    template does); restored from `snapshot` when given."""
     pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(4)]
+    ours, theirs = socket.socketpair()
+    passed = [w for _, w in pipes] + [theirs.fileno()]
+    state_fd = None
     try:
-        spec_vm = microvm.VmSpec(
-            qemu=qemu, accel=accel, kernel=image.kernel, initrd=image.initrd,
-            memory_mib=microvm.guest_memory_mib(limits.memory, vm.guest_kernel_mib),
-            cpus=microvm.vcpus(limits.cpus), mac=ctx.addresses.guest_mac, cfg_dir=str(cfg),
-            layout=layout, console=f"/proc/self/fd/{pipes[0][1]}",
-            ports=(f"/proc/self/fd/{pipes[1][1]}", f"/proc/self/fd/{pipes[2][1]}",
-                   f"/proc/self/fd/{pipes[3][1]}"),
-            tsc_khz=vmimage.tsc_khz(), tb_size_mib=vm.tb_size_mib,
-            runas=(s.sandbox_uid, s.sandbox_gid) if vm.harden_qemu else None,
-            seccomp=vm.harden_qemu)
+        vspec = _vm_spec(ctx, cfg, layout, machine, passed[:4], passed[4])
+        if snapshot is not None:
+            state_fd = os.open(snapshot, os.O_RDONLY | os.O_CLOEXEC)
+            passed.append(state_fd)
+            vspec = vmsnapshot.restore_spec(vspec, state_fd)
         try:
-            qargv = microvm.qemu_argv(spec_vm)
+            qargv = microvm.qemu_argv(vspec)
         except ValueError as e:
             raise LauncherError(f"cannot start the microVM: {e}") from None
         live.proc = subprocess.Popen(
             _argv(live, qargv), env={"PATH": SANDBOX_PATH}, stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, close_fds=True,
-            pass_fds=tuple(w for _, w in pipes), start_new_session=True, cwd="/")
+            pass_fds=tuple(passed), start_new_session=True, cwd="/")
+        if snapshot is not None:
+            ours.sendall(vmsnapshot.GO)  # read once the restored guest runs
         live.pipes = VmPipes(*(os.fdopen(r, "rb") for r, _ in
-                               [pipes[1], pipes[2], pipes[3], pipes[0]]))
+                               [pipes[1], pipes[2], pipes[3], pipes[0]]),
+                             agent=AgentLink(ours), restored=snapshot is not None,
+                             session=session)
     except BaseException:
         for r, _ in pipes:
             with contextlib.suppress(OSError):
                 os.close(r)
+        ours.close()
         raise
-    finally:
+    finally:  # QEMU has its copies
         for _, w in pipes:
             os.close(w)
+        theirs.close()
+        if state_fd is not None:
+            os.close(state_fd)
+
+
+def _await_agent(live: Live) -> None:
+    """Until the session guest's agent waits for execs; LauncherError with the guest's own
+    words when it ended first (the caller tears down)."""
+    vm, proc = live.pipes, live.proc
+    assert isinstance(vm, VmPipes) and vm.agent is not None and proc is not None
+    vm.agent.start()
+    try:
+        vm.agent.wait_ready(AGENT_READY_TIMEOUT_S,
+                            lambda: proc.poll() is None and not live.killed.is_set())
+    except LauncherError as e:
+        kill_proc(proc)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+        # the guest's init says why on its stderr port (QEMU has ended: the pipe ends)
+        said = vm.stderr.read(4096).decode("utf-8", "replace").strip().splitlines()
+        why = _ABS_PATH.sub("<host-path>", said[-1])[:300] if said else ""
+        raise LauncherError(f"{e}: {why}" if why else str(e)) from None
 
 
 def _argv(live: Live, qargv: list[str]) -> list[str]:
@@ -242,9 +331,14 @@ def _guest_setpriv(ro_binds: list[str]) -> str:
     return path
 
 
-@functools.cache
 def _guest_init_source() -> str:
-    return (Path(__file__).parent.parent / "guest_init.py").read_text()
+    return _launcher_source("guest_init")
+
+
+@functools.cache
+def _launcher_source(module: str) -> str:
+    """A guest-side module's source (they run in the guest, never imported here)."""
+    return (Path(__file__).parent.parent / f"{module}.py").read_text()
 
 
 def scrub_vm_error(text: str, scrubber: scrub.Scrubber, image_dir: str) -> str:

@@ -8,14 +8,7 @@ import os
 import socket
 
 import pytest
-from stockade.gateway.relay import (
-    PipePool,
-    Relay,
-    UploadLimit,
-    forget_reader,
-    splice_works,
-    wait_fd,
-)
+from stockade.gateway.relay import PipePool, Relay, UploadLimit, splice_works
 
 
 def tcp_pair() -> tuple[socket.socket, socket.socket]:
@@ -284,55 +277,3 @@ async def test_first_bytes_larger_than_the_upstreams_buffers(mode: str) -> None:
         s.close()
     if pool:
         pool.close()
-
-
-@pytest.mark.parametrize("early_bytes", [False, True])
-async def test_a_parked_reader_is_taken_over_by_the_relay_and_loses_nothing(
-    early_bytes: bool,
-) -> None:
-    """The first flight's wait leaves its reader parked (wait_fd(park=True)); the relay's
-    reader takes it over. Bytes the client sends in between (the parked reader fires
-    and removes itself) still reach the upstream, and forget_reader leaves no
-    registration behind for the closed socket's descriptor number."""
-    loop = asyncio.get_running_loop()
-    client_app, client_gw = tcp_pair()
-    up_gw, up_srv = tcp_pair()
-    client_app.sendall(b"hello")
-    await wait_fd(loop, client_gw.fileno(), False, park=True)
-    assert client_gw.recv(64) == b"hello"
-    if early_bytes:
-        client_app.sendall(b"early")
-        for _ in range(20):  # loop rounds, no clock: the parked reader runs in one
-            await asyncio.sleep(0)
-    relay = Relay(client_gw, up_gw, count_up=lambda n: True, pool=None, on_activity=lambda: None)
-    task = asyncio.ensure_future(relay.run())
-    client_app.sendall(b"late")
-    client_app.shutdown(socket.SHUT_WR)
-    got = bytearray()
-    while chunk := await loop.sock_recv(up_srv, 64):
-        got += chunk
-    assert bytes(got) == (b"earlylate" if early_bytes else b"late")
-    up_srv.shutdown(socket.SHUT_WR)
-    await asyncio.wait_for(task, 30)
-    fd = client_gw.fileno()
-    forget_reader(loop, client_gw)
-    for s in (client_app, client_gw, up_gw, up_srv):
-        s.close()
-    assert loop.remove_reader(fd) is False  # nothing was left registered
-
-
-async def test_a_parked_reader_stays_until_forgotten() -> None:
-    loop = asyncio.get_running_loop()
-    a, b = tcp_pair()
-    c, d = tcp_pair()
-    a.sendall(b"x")
-    c.sendall(b"y")
-    await wait_fd(loop, b.fileno(), False, park=True)
-    await wait_fd(loop, d.fileno(), False)  # not parked: removed on return
-    assert loop.remove_reader(d.fileno()) is False
-    forget_reader(loop, b)
-    assert loop.remove_reader(b.fileno()) is False
-    await wait_fd(loop, b.fileno(), False, park=True)  # still readable: returns at once
-    assert loop.remove_reader(b.fileno()) is True  # the parked reader was there
-    for s in (a, b, c, d):
-        s.close()

@@ -159,15 +159,23 @@ def rig(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
         yield r
 
 
-@pytest.fixture(params=["svc", "gv"])
+@pytest.fixture(params=["svc", "gv", "vm"])
 def stier(request: pytest.FixtureRequest, rig: Rig) -> str:
-    """The profile of a session test on the container tier (`svc`) and gVisor (`gv`)."""
+    """The profile of a session test on the container tier (`svc`), gVisor (`gv`) and
+    the microVM tier (`vm`: a guest agent over virtio-serial)."""
+    s = rig.svc.launcher.s
     if request.param == "gv":
         from stockade.launcher.backends.gvisor import BACKEND
 
-        why = BACKEND.problem(rig.svc.launcher.s)
+        why = BACKEND.problem(s)
         if why is not None:
             pytest.skip(f"gVisor unavailable: {why}")
+    if request.param == "vm":
+        from stockade.launcher import vmimage
+
+        why = vmimage.host_problem(s.microvm.image_dir, s.microvm.qemu, s.init_python)
+        if why is not None:
+            pytest.skip(f"microVM unavailable: {why}")
     return str(request.param)
 
 

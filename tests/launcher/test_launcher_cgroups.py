@@ -118,3 +118,42 @@ def test_v1_parent_gets_the_sandboxes_cpu_weight() -> None:
         assert (cg.dirs["cpu"] / "cpu.cfs_quota_us").read_text().strip() == "50000"
     finally:
         _remove_v1(cg, parent)
+
+
+@pytest.mark.skipif(detect_version("/sys/fs/cgroup") != 1, reason="host is not cgroup v1")
+def test_v1_cpu_quota_later() -> None:
+    """cpu_later: the cgroup is made without a CPU quota; cpu_limit names the file and the
+    value that put it in force (the gVisor tier's prestart hook writes them)."""
+    parent = f"stockade_cgt{secrets.token_hex(3)}"
+    cg = CgroupSet("/sys/fs/cgroup", parent, "abcdef0123")
+    try:
+        cg.create(Limits(memory=48 * 2**20, pids=17, cpus=0.25), cpu_later=True)
+        quota = cg.dirs["cpu"] / "cpu.cfs_quota_us"
+        assert quota.read_text().strip() == "-1"
+        assert (cg.dirs["pids"] / "pids.max").read_text().strip() == "17"
+        path, value = cg.cpu_limit(0.25)
+        assert (path, value) == (str(quota), "25000")
+        Path(path).write_text(value)
+        assert quota.read_text().strip() == "25000"
+    finally:
+        _remove_v1(cg, parent)
+
+
+def test_v2_cpu_limit_and_cpu_later(tmp_path: Path) -> None:
+    """The v2 writes against a tree laid out as the unified hierarchy's (this host has no
+    cgroup2 hierarchy with the memory, pids and cpu controllers: they are bound to v1)."""
+    (tmp_path / "cgroup.controllers").write_text("cpu memory pids\n")
+    leaf = tmp_path / "stockade" / "abcdef0123"
+    leaf.mkdir(parents=True)
+    for f in ("memory.max", "memory.swap.max", "pids.max", "cpu.max"):
+        (leaf / f).write_text("")
+    cg = CgroupSet(str(tmp_path), "stockade", "abcdef0123")
+    assert cg.version == 2
+    assert cg.cpu_limit(0.5) == (str(leaf / "cpu.max"), "50000 100000")
+    cg.create(Limits(memory=2**26, pids=16, cpus=0.5), cpu_later=True)
+    assert (leaf / "cpu.max").read_text() == "max 100000"
+    assert (leaf / "memory.max").read_text() == str(2**26)
+    assert (leaf / "pids.max").read_text() == "16"
+    (leaf / "cpu.max").write_text("")
+    cg.create(Limits(memory=2**26, pids=16, cpus=0.5))
+    assert (leaf / "cpu.max").read_text() == "50000 100000"

@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from stockade.launcher import RunResult, SandboxSpec, netns, nft
+from polling import eventually
+from stockade.launcher import RunResult, SandboxSpec, gvisor, netns, nft
 from stockade.launcher.backends import gvisor as gvisor_backend
-from stockade.launcher.cgroups import leftover_names
+from stockade.launcher.cgroups import CgroupSet, leftover_names
 
-from .conftest import Lab
+from .conftest import Lab, gvisor_command_running
 from .test_launcher_limits import _assert_clean
 
 pytestmark = [pytest.mark.netns, pytest.mark.gvisor]
@@ -129,6 +130,37 @@ def test_trust_bundle_visible(lab: Lab) -> None:
     res = gv(lab, "import os; p = os.environ.get('SSL_CERT_FILE', "
              "'/etc/ssl/certs/ca-certificates.crt'); print(os.path.getsize(p) > 0)")
     assert (res.exit_code, res.stdout.strip()) == (0, "True"), res.stderr
+
+
+def test_cpu_limit_in_force_once_the_command_runs(lab: Lab) -> None:
+    """runsc starts unthrottled; by the command's first instruction the prestart hook has
+    put the profile's quota in force (read from the host, while the command runs)."""
+    s = lab.launcher.s
+    assert BACKEND.cpu_at_hook(s)  # runsc 20240729 runs prestart hooks
+    thread, box = lab.background(["sleep", "30"], profile="gv")
+    tid = box["task_id"]
+    try:
+        assert eventually(lambda: gvisor_command_running(lab, tid, "sleep"), timeout=20)
+        path, value = CgroupSet(s.cgroup_root, s.cgroup_parent, tid).cpu_limit(1.0)
+        assert Path(path).read_text().strip() == value  # the gv profile's 1.0 CPU
+        config = json.loads(Path(s.scratch_dir, tid, "config.json").read_text())
+        assert config["hooks"] == gvisor.cpu_limit_hooks(path, value)
+    finally:
+        lab.launcher.kill(tid)
+        thread.join(30)
+    assert_gone(lab, box["result"])
+
+
+def test_cpu_limit_that_does_not_land_fails_the_start(lab: Lab,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quota the hook cannot read back (here: written to /dev/null) fails runsc's start
+    before the command exists: nothing runs unthrottled, the error says why."""
+    monkeypatch.setattr(CgroupSet, "cpu_limit", lambda self, cpus: ("/dev/null", "100000"))
+    res = lab.run(["sh", "-c", "echo ran"], profile="gv")
+    assert "ran" not in res.stdout
+    assert res.exit_code != 0
+    assert "the CPU limit 100000 did not land in /dev/null" in res.stderr, res.stderr
+    assert_gone(lab, res)
 
 
 def test_memory_bomb(lab: Lab) -> None:

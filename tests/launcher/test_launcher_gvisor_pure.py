@@ -4,6 +4,8 @@ bundle built from the container tier's plan, runsc's list output."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -79,8 +81,10 @@ def test_root_layout_binds_only_what_the_plan_names() -> None:
     assert binds["/usr"]["source"] == "/usr" and binds["/usr"]["options"] == gvisor.RO_BIND
     assert ("/bin", "usr/bin") in layout.symlinks and "/bin" not in binds
     assert ("/etc/localtime", "/usr/share/zoneinfo/UTC") in layout.symlinks
-    # generated files from etc_dir; an allowlisted host file never shadows one
-    assert binds["/etc/hosts"]["source"] == "/b/etc/hosts"
+    # generated files from etc_dir, copied into the root; an allowlisted host file never
+    # shadows one
+    assert [c for c in layout.copies if c[0] == "/etc/hosts"] == [("/etc/hosts", "/b/etc/hosts")]
+    assert "/etc/hosts" not in binds and "/etc/hosts" not in layout.files
     assert binds["/etc/ssl/certs/ca-certificates.crt"]["source"] == "/b/etc/stockade-ca.crt"
     dests = [m["destination"] for m in layout.mounts]
     assert dests.index("/etc/ssl/certs") < dests.index("/etc/ssl/certs/ca-certificates.crt")
@@ -90,6 +94,7 @@ def test_root_layout_binds_only_what_the_plan_names() -> None:
     # no host path beyond system binds, /etc entries and etc_dir, scratch and inputs
     allowed = ("/usr", "/etc/ssl/certs", "/b/etc/", "/b/scratch", "/data/in")
     assert all(any(m["source"].startswith(a) for a in allowed) for m in binds.values())
+    assert all(any(src.startswith(a) for a in allowed) for _, src in layout.copies)
     assert {m["type"] for m in layout.mounts} == {"bind", "proc", "tmpfs"}
     writable = [m["destination"] for m in layout.mounts if "rw" in m.get("options", [])]
     assert writable == ["/scratch", "/tmp"]
@@ -101,6 +106,19 @@ def test_root_layout_without_trust_dir_skips_the_bundle_and_host_etc() -> None:
     whole = gvisor.root_layout(plan(host_etc=True, system=(Bind("/etc", "/etc"),)))
     etc = [m for m in whole.mounts if m["destination"].startswith("/etc/")]
     assert [m["source"] for m in etc] == ["/b/etc/resolv.conf", "/b/etc/hosts", "/b/etc/passwd"]
+    assert whole.copies == []  # over the host's whole /etc: binds, nothing to copy into
+
+
+def test_root_layout_copies_single_etc_files_and_binds_directories() -> None:
+    layout = gvisor.root_layout(plan(etc=(Bind("/etc/ssl/certs", "/etc/ssl/certs"),
+                                          Bind("/etc/ld.so.cache", "/etc/ld.so.cache",
+                                               is_dir=False))))
+    assert ("/etc/ld.so.cache", "/etc/ld.so.cache") in layout.copies
+    etc_binds = [m["destination"] for m in layout.mounts
+                 if m["type"] == "bind" and m["destination"].startswith("/etc")]
+    # a directory stays a bind, and so does the trust bundle inside it (a file under a
+    # bound directory cannot be copied into the root)
+    assert etc_binds == ["/etc/ssl/certs", "/etc/ssl/certs/ca-certificates.crt"]
 
 
 @pytest.mark.parametrize("target", ["/scratch/x", "/usr/lib/x", "/etc/passwd", "/proc",
@@ -159,3 +177,64 @@ def test_confined(tmp_path: Path) -> None:
     assert gvisor.confined(str(tmp_path), "/etc/x") == str(tmp_path / "etc" / "x")
     with pytest.raises(ValueError, match="outside"):
         gvisor.confined(str(tmp_path), "/link/etc/x")
+
+
+def _run_hook(hook: dict[str, object]) -> subprocess.CompletedProcess[str]:
+    """The hook as runsc runs it: its path with its args (argv[0] first), the container's
+    state on stdin, its env only."""
+    args = list(hook["args"])  # type: ignore[call-overload]
+    return subprocess.run([str(hook["path"]), *args[1:]], input='{"id": "x"}',
+                          env=dict(e.split("=", 1) for e in hook["env"]),  # type: ignore[attr-defined]
+                          capture_output=True, text=True, timeout=10, check=False)
+
+
+def test_cpu_limit_hook_writes_and_reads_back(tmp_path: Path) -> None:
+    quota = tmp_path / "cpu.max"
+    quota.write_text("max 100000\n")
+    hooks = gvisor.cpu_limit_hooks(str(quota), "50000 100000")
+    (hook,) = hooks["prestart"]
+    assert hook["timeout"] == gvisor.HOOK_TIMEOUT_S
+    p = _run_hook(hook)
+    assert p.returncode == 0, p.stderr
+    assert quota.read_text() == "50000 100000"
+
+
+def test_cpu_limit_hook_fails_when_the_limit_does_not_land(tmp_path: Path) -> None:
+    # no such cgroup: the write fails; a file that reads back something else: the check does
+    for where, value in ((tmp_path / "gone" / "cpu.cfs_quota_us", "50000"),
+                         (Path("/dev/null"), "50000")):
+        p = _run_hook(gvisor.cpu_limit_hooks(str(where), value)["prestart"][0])
+        assert p.returncode != 0
+        assert f"the CPU limit {value} did not land in {where}" in p.stderr
+
+
+def test_hook_probe_config_creates_its_stamp(tmp_path: Path) -> None:
+    stamp = tmp_path / "ran"
+    config = gvisor.hook_probe_config(str(stamp))
+    assert {k: v for k, v in config.items() if k != "hooks"} == gvisor.probe_config()
+    assert _run_hook(config["hooks"]["prestart"][0]).returncode == 0
+    assert stamp.exists()
+
+
+def test_copied_etc_file_keeps_mode_and_owner(tmp_path: Path) -> None:
+    from stockade.launcher.backends.gvisor_host import materialize
+
+    secret = tmp_path / "host-secret.conf"
+    secret.write_text("only root reads this\n")
+    os.chown(secret, 1234, 4321)
+    os.chmod(secret, 0o4640)  # a set-id bit is not carried over
+    layout = gvisor.RootLayout(dirs=["/etc"], copies=[("/etc/app/secret.conf", str(secret))])
+    materialize(tmp_path / "root", layout)
+    st = (tmp_path / "root/etc/app/secret.conf").stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (1234, 4321, 0o640)
+    assert (tmp_path / "root/etc/app/secret.conf").read_text() == "only root reads this\n"
+
+
+
+def test_state_left_needs_more_than_the_lock() -> None:
+    lock, state = "0123456789_sandbox:0123456789.lock", "0123456789_sandbox:0123456789.state"
+    other = "abcdefabcd_sandbox:abcdefabcd.state"
+    assert not gvisor.state_left([lock, other, "probe1.x"], "0123456789")
+    assert gvisor.state_left([lock, state], "0123456789")
+    assert gvisor.state_left(["runsc-0123456789.sock"], "0123456789")
+    assert not gvisor.state_left([], "0123456789")

@@ -121,7 +121,7 @@ def test_suspend_resume(lab: Lab, tier: str) -> None:
     assert lab.launcher.suspend("0000000000") is False
     ops = [e["stockade"]["lifecycle"] for e in lab.events(tid)
            if e["event"]["action"] == "sandbox_lifecycle"]
-    assert ops == ["start", "suspend", "resume", "kill", "end"]
+    assert ops == ["start", "suspend", "resume", "kill", "end", "record"]
 
 
 def test_exports_by_content(lab: Lab, tmp_path: Path) -> None:
@@ -138,7 +138,7 @@ def test_exports_by_content(lab: Lab, tmp_path: Path) -> None:
     got = {e.name: (e.size, e.type) for e in res.exports}
     assert got == {"a.txt": (6, "text"), "r.json": (13, "json"), "sub/n.txt": (7, "text")}
     assert (dest / "a.txt").read_text() == "hello\n"
-    assert sorted(os.listdir(dest)) == ["a.txt", "r.json", "sub"]
+    assert sorted(os.listdir(dest)) == ["a.txt", "r.json", "stockade-record.json", "sub"]
     refused = {e["file"]["name"]: e["stockade"]["export"]["why"]
                for e in res.denials if e["event"]["action"] == "export_decision"}
     assert refused == {"big.txt": "too_large", "fake.txt": "type_not_allowed",

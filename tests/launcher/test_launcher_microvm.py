@@ -285,7 +285,7 @@ def test_suspend_resume_spoof_and_kill(lab: Lab, fake_internet: Any) -> None:
     assert not any(e["rule"]["id"] == "launcher:blocked" for e in lab.bypass(tid))
     lifecycle = [e["stockade"]["lifecycle"] for e in lab.events(tid)
                  if e["event"]["action"] == "sandbox_lifecycle"]
-    assert lifecycle == ["start", "suspend", "resume", "kill", "end"]
+    assert lifecycle == ["start", "suspend", "resume", "kill", "end", "record"]
     assert leftovers(lab) == EMPTY
     assert _vm_proc_gone(tid)
 

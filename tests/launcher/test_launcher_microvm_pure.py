@@ -109,6 +109,23 @@ def test_guest_plan_is_plain_data() -> None:
             microvm.guest_plan(**kw)  # type: ignore[arg-type]
 
 
+def test_a_session_guest_gets_its_agent_port_and_modules() -> None:
+    assert not any("agent" in a for a in microvm.qemu_argv(_spec()))  # one-shot: no agent
+    argv = microvm.qemu_argv(_spec(agent_fd=9))
+    # a connected socket (no path anyone could reach), after the three output ports
+    assert "socket,id=agent,fd=9" in argv
+    assert "virtserialport,chardev=agent,name=agent,nr=4" in argv
+    assert "virtio-serial-device,max_ports=5" in argv
+    kw = dict(argv=[], env={}, uid=1000, gid=1000, rlimits={}, guest_ip="a", host_ip="b",
+              prefixlen=30, memory=1, pids=1, pids_fail_kill=1, stdin=False,
+              setpriv="/usr/bin/setpriv")
+    plan = microvm.guest_plan(**kw, session_modules=[("vmchannel", "X = 1\n")])  # type: ignore[arg-type]
+    assert (plan["session"], plan["modules"]) == (True, [("vmchannel", "X = 1\n")])
+    assert marshal.loads(microvm.encode_plan(plan)) == plan  # noqa: S302 - our own bytes
+    with pytest.raises(ValueError, match="empty command"):  # no command, no session
+        microvm.guest_plan(**kw)  # type: ignore[arg-type]
+
+
 def test_mount_table() -> None:
     layout = microvm.Layout(
         (microvm.Share("sys0", "/usr", "/usr"),
@@ -208,3 +225,41 @@ def test_a_failed_vms_reason_carries_no_host_path() -> None:
     assert got == ("the microVM failed: qemu-system-x86_64: -fsdev local,id=fs3,"
                    "path=<host-path> put,security_model=none: cannot open '<host-path>': "
                    "(fd <host-path>) from <infra-address>")
+
+
+def test_snapshot_shapes_templates_and_restores() -> None:
+    from stockade.launcher import vmsnapshot
+
+    v = _spec(agent_fd=9)
+    key = vmsnapshot.shape_key(v, "stamp")
+    # the shape is the machine, never a sandbox's fds, MAC, console or host paths
+    same = _spec(agent_fd=3, mac="02:00:0a:d5:00:06", console="/proc/self/fd/11",
+                 cfg_dir="/sbx/u/cfg", layout=microvm.Layout(
+                     (microvm.Share("sys0", "/usr", "/usr"),
+                      microvm.Share("scratch", "/sbx/u/scratch", "/scratch", readonly=False)),
+                     (("link", "usr/bin", "/bin"),)))
+    assert vmsnapshot.shape_key(same, "stamp") == key
+    for other in (_spec(memory_mib=256), _spec(cpus=2), _spec(layout=microvm.Layout()),
+                  _spec(runas=None)):
+        assert vmsnapshot.shape_key(other, "stamp") != key
+    assert vmsnapshot.shape_key(v, "another image") != key
+    t = vmsnapshot.template_spec(v, "/snap/empty", agent_fd=4, qmp_fd=5)
+    argv = microvm.qemu_argv(t)
+    joined = " ".join(argv)
+    # the template's devices are the shape's; no host end of the sandbox stays
+    assert "/sbx/t" not in joined and "/proc/self/fd" not in joined
+    assert joined.count("path=/snap/empty") == 3  # cfg, /usr, scratch: same tags, same order
+    assert argv[argv.index("-append") + 1].endswith(" stockade.template")
+    assert "socket,id=qmp,fd=5" in argv and "socket,id=agent,fd=4" in argv
+    assert f"mac={vmsnapshot.TEMPLATE_MAC}" in joined and "-incoming" not in argv
+    r = microvm.qemu_argv(vmsnapshot.restore_spec(v, incoming_fd=7))
+    assert r[r.index("-incoming") + 1] == "fd:7" and "qmp" not in " ".join(r)
+    # a restored guest runs its template's kernel command line: the same -append
+    assert r[r.index("-append") + 1] == argv[argv.index("-append") + 1]
+    assert "mac=02:00:0a:d5:00:02" in " ".join(r)  # its own MAC (its plan sets it too)
+    with pytest.raises(ValueError, match="agent port"):
+        vmsnapshot.restore_spec(_spec(), incoming_fd=7)
+    fresh = microvm.fresh_identity("02:00:0a:d5:00:02", b"s" * 64, 1.5)
+    assert fresh == {"mac": "02:00:0a:d5:00:02", "seed": b"s" * 64, "clock": 1.5}
+    with pytest.raises(ValueError, match="seed"):
+        microvm.fresh_identity("02:00:0a:d5:00:02", b"short", 1.5)

@@ -139,7 +139,6 @@ def test_suspend_resume(rig: Rig) -> None:
 
 @pytest.mark.parametrize(("body", "code", "field"), [
     ({"profile": "nope"}, "profile_unknown", "profile"),
-    ({"profile": "vm"}, "launcher_error", "profile"),
     ({}, "bad_request", "profile"),
     ({"profile": "svc", "ttl_s": 0}, "bad_request", "ttl_s"),
     ({"profile": "svc", "labels": {"Bad": "x"}}, "bad_request", "labels"),
