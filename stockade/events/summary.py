@@ -37,7 +37,7 @@ from typing import Any
 from stockade.net.addresses import is_ip_literal
 
 from .build import make_event, timestamp
-from .probemark import is_marker
+from .probemark import PROBES_PER_TASK, is_marker
 
 Event = dict[str, Any]
 # (component, action, decision, reason, destination)
@@ -51,7 +51,7 @@ EXEMPT_ACTIONS = frozenset(("sandbox_lifecycle", SUMMARY_ACTION, TOTALS_ACTION, 
 OVERFLOW = "*"
 OVERFLOW_KEYS = 16  # keys per task beyond keys_per_task, for (component, action, reason)
 TOTALS_ROWS = 256  # (component, decision, reason) rows per task in the totals
-PROBE_EVENTS = 32  # a task's self-test events kept off its budget (one test: about ten)
+PROBE_EVENTS = PROBES_PER_TASK  # a task's self-test events kept off its budget
 
 
 @dataclass(frozen=True, slots=True)
