@@ -192,9 +192,10 @@ def precheck(
     if task is None:
         return _deny(settings, Reason.UNKNOWN_TASK)
     version = ruleset.version if ruleset is not None else None
-    refused = _rate_refusal(settings, guards, task, version, now)
-    if refused is not None:
-        return refused
+    if not guards.probe_query(task.task_id, q.labels, now):  # probes spend no rate
+        refused = _rate_refusal(settings, guards, task, version, now)
+        if refused is not None:
+            return refused
     refused = _shape_refusal(q, settings, version)
     if refused is not None:
         return refused
