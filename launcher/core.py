@@ -48,6 +48,7 @@ from .nflog import LogRecord
 from .poolplan import Shape, shape_of
 from .registration import register as register_task
 from .spec import (
+    EndedBy,
     ExportedFile,
     LauncherError,
     RunResult,
@@ -173,6 +174,8 @@ class Launcher:
                 live.killed.is_set() or kill_marker(rec.scratch).exists(),
                 lambda: (ended.limit_hit or live.cg.oom_kills() > 0
                          or (ended.exit_code != 0 and rootfs.scratch_full(rec.scratch))))
+            if ended_by == "killed":  # a session's expiry kills it as `ttl`
+                ended_by = live.ended_as
             if spec.export_dir is not None:
                 exported = exports.export_files(
                     rec.task_id, rec.profile, profile.exports, rec.scratch, spec.export_dir,
@@ -183,11 +186,13 @@ class Launcher:
             ours = self._teardown(rec.task_id)
             t_end = time.monotonic()
         duration = t_end - t0
+        record = None
         if end_due(ours):  # else a kill or reconcile elsewhere removed it, with its event
             self._emit(end_event(ours, ended_by, exit_code=exit_code, duration_s=duration,
                                  policy_version=policy_version,
                                  accounting=self.bypass.end_accounting(ours)))
-            self._record(ours, spec, profile, isolation, policy_version, ended_by, exit_code)
+            record = self._record(ours, spec, profile, isolation, policy_version, ended_by,
+                                  exit_code)
         else:
             self.bypass.forget(rec.task_id)
         self._labels.pop(rec.task_id, None)
@@ -203,7 +208,7 @@ class Launcher:
             stdout=scrub.scrub(ended.out.text(), scrubber),
             stderr=scrub.scrub(ended.err.text(), scrubber),
             duration_s=round(duration, 6), denials=self.denials(rec.task_id),
-            exports=exported, ended_by=ended_by,
+            exports=exported, ended_by=ended_by, record=record,
             timings={"setup_s": t_setup - t0, "run_s": t_run - t_setup,
                      "teardown_s": t_end - t_run},
             **capture_fields(ended.out, ended.err),
@@ -233,10 +238,10 @@ class Launcher:
         return None if live is None else str(Path(live.record.scratch) / "scratch")
     def _record(self, rec: SandboxRecord, spec: SandboxSpec, profile: Any,
                 isolation: dict[str, Any], policy_version: str | None, ended_by: str,
-                exit_code: int | None) -> None:
+                exit_code: int | None) -> dict[str, Any]:
         """The signed task record of a run that ended its sandbox (taskrecord.py)."""
         ttl = rec.expires_at - rec.started_at if rec.expires_at else self.s.default_ttl_s
-        self.recorder.write(
+        return self.recorder.write(
             rec, export_dir=spec.export_dir, policy_version=policy_version,
             isolation=backend_details(isolation, self.s), selftest=self.fence.pop(rec.task_id),
             limits=limits_of(profile.limits, ttl), ended_by=ended_by, exit_code=exit_code)
@@ -244,8 +249,9 @@ class Launcher:
     def list(self) -> list[dict[str, Any]]:
         return [r.summary() for r in self.state.read().values()]
 
-    def kill(self, task_id: str) -> bool:
-        """Kill and remove a sandbox (from any launcher process); False when unknown."""
+    def kill(self, task_id: str, ended_by: EndedBy = "killed") -> bool:
+        """Kill and remove a sandbox (from any launcher process); False when unknown.
+        `ended_by`: what its end says (a session the service expires: `ttl`)."""
         rec = self.state.read().get(task_id)
         live = self._live.get(task_id)
         if rec is None and live is None:
@@ -255,6 +261,7 @@ class Launcher:
             self._teardown(task_id)  # a waiting pooled sandbox: no task, no end event
             return True
         if live is not None:
+            live.ended_as = ended_by
             live.killed.set()
             live.backend.kill(live.cg, live.proc)
             return True
@@ -263,7 +270,7 @@ class Launcher:
             return True
         gone = self._teardown(task_id)
         if end_due(gone):  # the owner is gone (or slow): this kill writes the end event
-            self._emit(end_event(gone, "killed", accounting=self.bypass.end_accounting(gone)))
+            self._emit(end_event(gone, ended_by, accounting=self.bypass.end_accounting(gone)))
         return True
 
     def suspend(self, task_id: str) -> bool:

@@ -27,6 +27,8 @@ ROUTES: list[Route] = [
     ("get", "/v1/sessions", "List sessions", None, {200: m.SessionList}),
     ("get", SID, "One session", None, {200: m.Session, 404: m.ErrorBody}),
     ("delete", SID, "Kill a session", None, {200: m.Killed, 404: m.ErrorBody}),
+    ("get", SID + "/record", "An ended session's signed task record (a DSSE envelope, "
+     "docs/task-record.md)", None, {200: "object", 503: m.ErrorBody, **ERRORS}),
     ("post", SID + "/suspend", "Freeze a session", None, {200: m.Session, **ERRORS}),
     ("post", SID + "/resume", "Thaw a session", None, {200: m.Session, **ERRORS}),
     ("post", SID + "/ttl", "Move a session's expiry (capped at the profile's limits.ttl)",

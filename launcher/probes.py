@@ -117,8 +117,8 @@ def _tls(p: Probe, s: socket.socket) -> tuple[str, str]:
 
 
 def _http(p: Probe, s: socket.socket) -> tuple[str, str]:
-    s.sendall(f"GET / HTTP/1.1\r\nHost: {p.host}:{p.port}\r\nConnection: close\r\n\r\n"
-              .encode())
+    host = p.qname or f"{p.host}:{p.port}"
+    s.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
     data = b""
     while len(data) < 4096:
         chunk = s.recv(4096)

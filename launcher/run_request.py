@@ -173,6 +173,6 @@ def result_from_json(d: dict[str, Any]) -> RunResult:
         task_id=d["task_id"], exit_code=d["exit_code"], stdout=d["stdout"], stderr=d["stderr"],
         duration_s=d["duration_s"], denials=d["denials"],
         exports=[ExportedFile(e["name"], e["size"], e["type"]) for e in d["exports"]],
-        ended_by=d["ended_by"], timings=d.get("timings", {}),
+        ended_by=d["ended_by"], timings=d.get("timings", {}), record=d.get("record"),
         **{k: d[k] for k in TRUNCATION_FIELDS if k in d},
     )

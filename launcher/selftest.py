@@ -18,11 +18,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+# marker names (their zone can never resolve) are shared with the event throttle
+from stockade.events.probemark import MARKER_ZONE, is_marker, marker
+
+__all__ = ["MARKER_ZONE", "marker"]  # the names' home is stockade/events/probemark.py
+
 Kind = Literal["dns", "tls", "http", "udp", "tcp6"]
 Event = dict[str, Any]
 
-# marker names live in a zone that can never resolve (RFC 6761 .invalid)
-MARKER_ZONE = "stockade-fence-probe.invalid"
 FENCE_UNVERIFIED = "fence_unverified"
 SELFTEST = "selftest"  # `stockade.lifecycle` of the self-test's event
 # what a refused flow looks like from inside the sandbox
@@ -46,8 +49,9 @@ class Evidence:
 @dataclass(frozen=True, slots=True)
 class Probe:
     """One probe to `host`:`port`. `ok`: the outcomes that count as the fence holding;
-    `qname`: the DNS question or the TLS SNI; `evidence`: the event it must cause (None:
-    nothing leaves the namespace to be logged); `why`: what it checks, for the event."""
+    `qname`: the DNS question, the TLS SNI or the HTTP Host; `evidence`: the event it
+    must cause (None: nothing leaves the namespace to be logged); `why`: what it checks,
+    for the event."""
 
     name: str
     kind: Kind
@@ -129,10 +133,6 @@ class Report:
                 "until": self.until, "probes": [r.as_dict() for r in self.results]}
 
 
-def marker(role: str, task_id: str) -> str:
-    return f"{role}.{task_id}.{MARKER_ZONE}"
-
-
 def should_run(mode: str, sample_rate: float, rng: random.Random | None = None) -> bool:
     """`selftest: required` always; `sampled` on `sample_rate` of the starts."""
     if mode == "required":
@@ -155,7 +155,15 @@ def plan(profile: Any, task_id: str, host_ip: str, ports: ServicePorts,
     raw, v6 = settings.raw_ip, settings.ipv6_address
     gw_denied = Evidence("gateway", "connection_decision")
     probes: list[Probe] = []
-    if getattr(profile, "mode", "enforce") == "enforce":
+    enforce = getattr(profile, "mode", "enforce") == "enforce"
+
+    def host(role: str) -> str | None:
+        # an HTTP probe's Host: a marker (its events then never spend the task's event
+        # budget, stockade/events/summary.py) where names are denied; a report-only
+        # profile lets names through, so there it stays the address
+        return marker(role, task_id) if enforce else None
+
+    if enforce:
         # report-only profiles let names through by design: only the network fence applies
         probes += [
             Probe("dns_denied_name", "dns", host_ip, 53, DNS_DENIED, marker("dns", task_id),
@@ -176,15 +184,16 @@ def plan(profile: Any, task_id: str, host_ip: str, ports: ServicePorts,
               Evidence("launcher", "bypass_attempt", frozenset({"bypass_attempt"})),
               "UDP (QUIC) to a raw IP"),
         Probe("host_service", "http", host_ip, ports.host_service, REFUSED | {"denied:*"},
-              None, gw_denied, "a host service port on the sandbox's gateway address"),
+              host("host"), gw_denied, "a host service port on the sandbox's gateway address"),
         Probe("exempt_port_elsewhere", "http", raw, ports.broker, REFUSED | {"denied:*"},
-              None, gw_denied, "the broker's port on another address (only the host-side "
+              host("exempt"), gw_denied, "the broker's port on another address (only the host-side "
               "address is exempt from the redirect)"),
         # the namespace has no IPv6 address or route: nothing leaves it, nothing to log
         Probe("ipv6", "tcp6", v6, 443, REFUSED, None, None, "IPv6"),
     ]
-    probes += [Probe(f"control_tcp_{p}", "http", host_ip, p, REFUSED | {"denied:*"}, None,
-                     gw_denied, "a control plane's TCP listener on the gateway address")
+    probes += [Probe(f"control_tcp_{p}", "http", host_ip, p, REFUSED | {"denied:*"},
+                     host(f"control{p}"), gw_denied,
+                     "a control plane's TCP listener on the gateway address")
                for p in ports.control]
     name = allowed_name(profile)
     if name is not None:
@@ -213,7 +222,10 @@ def _names_probe(ev: Event, probe: Probe, obs: Observation) -> bool:
     if probe.kind == "dns":
         return False  # the DNS firewall's events name the question, checked above
     dst = (_field(ev, "destination", "domain"), _field(ev, "destination", "ip"))
-    if _field(ev, "destination", "port") == probe.port and probe.qname is None and (
+    # an HTTP probe's marker is only its Host: a gateway that refuses before reading it
+    # reports the address
+    if _field(ev, "destination", "port") == probe.port and (
+            probe.qname is None or probe.kind == "http") and (
             probe.host in dst or dst == (None, None)):
         return True
     return obs.source_port is not None and _field(ev, "source", "port") == obs.source_port
@@ -282,7 +294,7 @@ def is_probe_event(ev: Event, until: str) -> bool:
     """An event the self-test caused: any but a lifecycle event up to `until`, and any
     that names a marker."""
     for name in (_field(ev, "destination", "domain"), _field(ev, "dns", "question", "name")):
-        if isinstance(name, str) and name.rstrip(".").endswith("." + MARKER_ZONE):
+        if is_marker(name):
             return True
     return _field(ev, "event", "action") != "sandbox_lifecycle" and \
         str(ev.get("@timestamp", "")) <= until

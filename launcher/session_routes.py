@@ -28,7 +28,7 @@ from .execspec import ExecSpec
 from .isolation import choose_backend, preflight
 from .session_api import ExecRequest, SessionCreate, TtlRequest, field_of
 from .sessions import SessionRow, SessionTable, extend, new_row
-from .spec import TASK_ID_RE, LauncherError, SandboxSpec
+from .spec import TASK_ID_RE, EndedBy, LauncherError, SandboxSpec
 
 if TYPE_CHECKING:  # annotations only
     from .service import LauncherService
@@ -38,6 +38,7 @@ log = logging.getLogger("stockade.launcher.sessions")
 MAX_EXECS = 64  # running execs per session
 FILE_MAX = 64 * 2**20  # one file read or written (the profile's disk caps it further)
 EXPIRY_EVERY_S = 0.5
+RECORD_WAIT_S = 60.0  # a killed session's teardown, on a loaded host
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -90,6 +91,7 @@ class SessionRoutes:
         r.add_get("/v1/sessions", _guard(self.list))
         r.add_get("/v1/sessions/{sid}", _guard(self.get))
         r.add_delete("/v1/sessions/{sid}", _guard(self.kill))
+        r.add_get("/v1/sessions/{sid}/record", _guard(self.record))
         r.add_post("/v1/sessions/{sid}/suspend", _guard(self.suspend))
         r.add_post("/v1/sessions/{sid}/resume", _guard(self.resume))
         r.add_post("/v1/sessions/{sid}/ttl", _guard(self.ttl))
@@ -117,16 +119,16 @@ class SessionRoutes:
             for sid in self.table.expired(time.time()):
                 row = self.table.get(sid)
                 if row is not None:
-                    await self._end(row, "timeout")
+                    await self._end(row, "ttl")
 
-    async def _end(self, row: SessionRow, why: str) -> None:
+    async def _end(self, row: SessionRow, ended_by: EndedBy) -> None:
         for c in list(row.execs):
             c.kill("killed")
         row.state = "ended"
         try:
-            await asyncio.to_thread(self.launcher.kill, row.session_id)
+            await asyncio.to_thread(self.launcher.kill, row.session_id, ended_by)
         except Exception:  # the kill's own errors are in the log; the session is over
-            log.exception("session %s: kill (%s) failed", row.session_id, why)
+            log.exception("session %s: kill (%s) failed", row.session_id, ended_by)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _row(self, request: web.Request, *, live: bool = True) -> SessionRow:
@@ -176,6 +178,7 @@ class SessionRoutes:
                       int(profile.limits.ttl), dict(req.labels), spec)
         # nothing larger fits in its scratch
         row.file_limit = min(FILE_MAX, int(profile.limits.disk or FILE_MAX))
+        row.finished = run.finished
         self.table.add(row)
         run.finished.add_done_callback(lambda _f: self.table.ended(sid))
         if run.finished.done():  # it ended between its start and here
@@ -191,8 +194,25 @@ class SessionRoutes:
     async def kill(self, request: web.Request) -> web.Response:
         row = self._row(request, live=False)
         if row.state != "ended":
-            await self._end(row, "kill")
+            await self._end(row, "killed")
         return web.json_response({"killed": True})
+
+    async def record(self, request: web.Request) -> web.Response:
+        """The signed task record of an ended session (its run's, `RunResult.record`);
+        a session that was just killed answers once its teardown wrote it."""
+        row = self._row(request, live=False)
+        if row.state != "ended" or row.finished is None:
+            return error(409, "session_running", f"session {row.session_id} is running: "
+                         "its record is written when it ends")
+        try:
+            status, out = await asyncio.wait_for(asyncio.shield(row.finished), RECORD_WAIT_S)
+        except TimeoutError:
+            return error(503, "record_pending", f"session {row.session_id} is still being "
+                         "torn down")
+        record = out.get("record") if status == 200 else None
+        if record is None:  # its sandbox was removed elsewhere (a reconcile): no record
+            return error(404, "no_record", f"session {row.session_id} left no record")
+        return web.json_response(record)
 
     async def _freeze(self, request: web.Request, frozen: bool) -> web.Response:
         row = self._row(request)

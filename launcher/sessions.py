@@ -29,6 +29,7 @@ class SessionRow:
     file_limit: int = 0  # bytes one file read or write may move
     scrubber: Any = None  # its output scrubber, built at the first exec (it looks up names)
     execs: set[Any] = field(default_factory=set)  # the ExecControl of each running exec
+    finished: Any = None  # its run's future: (status, RunResult.to_json()) once it ended
 
     def view(self) -> dict[str, Any]:
         return {"session_id": self.session_id, "profile": self.profile,

@@ -61,6 +61,7 @@ class RunResult:
     stderr_truncated: bool = False
     stdout_bytes: int = 0
     stderr_bytes: int = 0
+    record: dict[str, Any] | None = None  # the signed task record (DSSE envelope)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

@@ -194,9 +194,10 @@ def precheck(
     if task.pooled:  # a warm-pool sandbox before its claim: nothing is resolved for it
         return _deny(settings, Reason.UNCLAIMED)
     version = ruleset.version if ruleset is not None else None
-    refused = _rate_refusal(settings, guards, task, version, now)
-    if refused is not None:
-        return refused
+    if not guards.probe_query(task.task_id, q.labels, now):  # probes spend no rate
+        refused = _rate_refusal(settings, guards, task, version, now)
+        if refused is not None:
+            return refused
     refused = _shape_refusal(q, settings, version)
     if refused is not None:
         return refused

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 from stockade.policy.reasons import Reason
 
+from stockade.events.probemark import PROBES_PER_TASK, is_marker_labels
+
 from .namebudget import Budget, NameBudget, NameBudgetLimits, wildcard_suffix
 from .settings import settings_view
 
@@ -85,6 +87,7 @@ class TaskGuards:
     unresolvable: dict[str, UnresolvableWindow] = field(default_factory=dict)  # per rule id
     suppressed_rate_events: int = 0
     last_rate_event: float = -math.inf
+    probes: int = 0  # the fence self-test's marker queries let past the query rate
 
 
 class GuardState:
@@ -141,6 +144,17 @@ class GuardState:
 
     def allow_query(self, task_id: str, now: float) -> bool:
         return self.task(task_id, now).bucket.take(now)
+
+    def probe_query(self, task_id: str, labels: tuple[bytes, ...], now: float) -> bool:
+        """A fence self-test's marker query (stockade/events/probemark.py): it takes no
+        token of the task's query rate, up to PROBES_PER_TASK of them."""
+        if not is_marker_labels(labels):
+            return False
+        g = self.task(task_id, now)
+        if g.probes >= PROBES_PER_TASK:
+            return False
+        g.probes += 1
+        return True
 
     def unresolvable_exhausted(self, task_id: str, rule: str, name: str, now: float) -> bool:
         w = self.task(task_id, now).unresolvable.get(rule)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 from .. import initscript, rootfs, seccomp_bpf, trust
-from ..spec import LauncherError
+from ..spec import EndedBy, LauncherError
 from ..supervise import Capture, feed_stdin, kill_proc, started
 
 if TYPE_CHECKING:  # annotations only
@@ -45,6 +45,7 @@ class Live:
     backend: Backend
     proc: subprocess.Popen[bytes] | None = None
     killed: threading.Event = field(default_factory=threading.Event)
+    ended_as: EndedBy = "killed"  # the end an operator's kill gives it (session expiry: ttl)
     pipes: Any = None  # the backend's own handles (the microVM's output pipes)
     # the control sockets a registration may have reached: what its teardown deregisters
     registered: list[str] = field(default_factory=list)

@@ -22,6 +22,7 @@ from stockade.launcher import LauncherError, SandboxSpec, fence, nft
 from stockade.launcher.selftest import FENCE_UNVERIFIED
 
 from stockade.events import read_events, validate
+from stockade.events.summary import is_probe
 
 # the stack fixture, imported (F401, and F811 for every test taking it): module-scoped,
 # so this module gets a stack of its own, whose gateway a test may stop
@@ -58,6 +59,18 @@ def test_a_holding_fence_passes_and_its_probes_are_not_the_runs(stack: Stack) ->
     assert all(p["passed"] for p in st["probes"]), st
     res = stack.run(["true"])
     assert res.denials == []  # the probes' denials are in the store, not in the run's
+
+
+def test_the_probes_events_name_markers(stack: Stack) -> None:
+    """So the gateway's and the DNS firewall's throttles keep them off the task's event
+    budget (stockade/events/summary.py); only the raw-IP probe is nameless by design."""
+    tid = _start(stack)["labels"]["task_id"]
+    decided = [e for e in read_events(stack.config.events_file)
+               if e.get("labels", {}).get("task_id") == tid
+               and e["event"]["action"] in ("connection_decision", "dns_decision")]
+    assert len(decided) >= 7, decided
+    unmarked = [e for e in decided if not is_probe(e)]
+    assert [e["event"]["reason"] for e in unmarked] == ["sni_missing"], unmarked
 
 
 def _verify(stack: Stack, record: Path, *extra: str) -> tuple[int, dict[str, Any]]:
