@@ -6,6 +6,9 @@ fork/exec of the same command, and `ip netns exec` into a fresh namespace) and t
 `--tiers container,gvisor,microvm` instead puts the isolation tiers side by side in one
 run: start-to-exec, kill-to-gone and the memory of an idle sandbox (PSS of every process in
 its cgroups, and the memory cgroup's charge, over `--idle N` concurrent sandboxes).
+`--pools container` puts warm pools next to cold starts in one run (bench/pool_bench.py):
+claim-to-first-instruction, the refill rate, `--concurrent N` claims from a pool of N, and
+the wall time of `stockade sandbox kill ID` and `stockade sandbox list`.
 All traffic stays inside the benchmark's own namespaces; every piece is removed at the end.
 """
 
@@ -20,7 +23,7 @@ import time
 import types
 from typing import Any
 
-from launcher_rig import started_launcher
+from launcher_rig import sleeping_sandbox, started_launcher
 from stockade.launcher import SandboxSpec
 from stockade.policy.model import Limits, Profile
 
@@ -72,12 +75,18 @@ def main() -> None:
     ap.add_argument("--vm-runs", type=int, default=5, help="runs of the microvm tier (TCG)")
     ap.add_argument("--cpus", type=float, default=0.5,
                     help="the tier profiles' CPU limit (gVisor's start is CPU-bound)")
+    ap.add_argument("--pools", help="e.g. container: warm pools of these tiers vs cold starts")
     ap.add_argument("--selftest", action="store_true",
                     help="starts with and without the fence self-test, against a real gateway")
     ap.add_argument("--cpu-hook-ab", action="store_true",
                     help="with gvisor: starts with the CPU quota at the prestart hook and "
                     "at cgroup creation, interleaved")
     args = ap.parse_args()
+    if args.pools:
+        from pool_bench import run_pools
+
+        run_pools(args.pools.split(","), args.runs, args.concurrent)
+        return
     if args.selftest:
         from selftest_bench import run_selftest_bench
 
@@ -112,14 +121,8 @@ def main() -> None:
 
         gone = []
         for _ in range(args.runs):
-            box: dict[str, Any] = {}
-            th = threading.Thread(target=lambda b=box: b.setdefault(
-                "r", launcher.run(SandboxSpec("bench", ["sleep", "60"]), rs)))
-            th.start()
-            while not [x for x in launcher.list() if x["state"] == "running"]:
-                time.sleep(0.001)
+            th, box, tid = sleeping_sandbox(launcher, rs)
             time.sleep(0.05)  # let the command start
-            tid = launcher.list()[0]["task_id"]
             t0 = time.monotonic()
             launcher.kill(tid)
             th.join()

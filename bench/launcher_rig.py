@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -58,15 +59,33 @@ def stand_ins(cfg: Config) -> Iterator[asyncio.AbstractEventLoop]:
 
 
 @contextlib.contextmanager
-def started_launcher(name: str, pool: str, nflog_group: int,
+def started_launcher(name: str, pool: str, nflog_group: int, keep_pools: bool = False,
                      **launcher: Any) -> Iterator[Launcher]:
+    """`keep_pools`: the launcher keeps `launcher.pools` (as the launcher service does)."""
     tmp = Path(tempfile.mkdtemp(prefix=f"stockade-{name}-"))
     cfg = bench_config(tmp, name, pool, nflog_group, **launcher)
     with stand_ins(cfg):
-        launcher = Launcher(cfg)
+        launcher = Launcher(cfg, pools=keep_pools)
         try:
             launcher.start()
             yield launcher
         finally:
             launcher.close()
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def sleeping_sandbox(launcher: Launcher, ruleset: Any,
+                     profile: str = "bench") -> tuple[threading.Thread, dict[str, Any], str]:
+    """A `sleep 60` sandbox run in a thread: the thread, its result box (`r` once it
+    ended) and its task id once it is running."""
+    from stockade.launcher import SandboxSpec
+
+    box: dict[str, Any] = {}
+    th = threading.Thread(target=lambda: box.setdefault(
+        "r", launcher.run(SandboxSpec(profile, ["sleep", "60"]), ruleset)))
+    th.start()
+    while True:
+        running = [x for x in launcher.list() if x["state"] == "running"]
+        if running:
+            return th, box, running[0]["task_id"]
+        time.sleep(0.001)

@@ -27,7 +27,7 @@ from launcher_rig import bench_config, stand_ins
 from stockade.launcher.execspec import ExecSpec
 from stockade.launcher.service import LauncherService
 
-from stockade.tasks.control import _UnixHTTPConnection
+from stockade.tasks.client import _UnixHTTPConnection
 
 PROFILE = """\
 profile: {name}

@@ -54,6 +54,14 @@ def _pss(pid: int) -> int:
     return 0
 
 
+def sandbox_memory(s: Any, task_id: str) -> tuple[int, int]:
+    """(PSS of every process in the sandbox's cgroups, its memory cgroup's charge), bytes."""
+    cg = CgroupSet(s.cgroup_root, s.cgroup_parent, task_id)
+    d = cg.dirs.get("memory") or cg.dirs["unified"]
+    f = d / ("memory.usage_in_bytes" if "memory" in cg.dirs else "memory.current")
+    return sum(_pss(p) for p in cg.pids()), int(f.read_text())
+
+
 def _profiles(cpus: float) -> types.SimpleNamespace:
     lim = Limits(memory=128 * MIB, disk=16 * MIB, pids=64, ttl=120, cpus=cpus)
     return types.SimpleNamespace(version="bench", profiles={
@@ -173,11 +181,8 @@ def _idle_memory(launcher: Launcher, rs: Any, tier: str, n: int,
     time.sleep(settle)
     pss = charge = outside = 0
     for tid in ids:
-        cg = CgroupSet(s.cgroup_root, s.cgroup_parent, tid)
-        pss += sum(_pss(p) for p in cg.pids())
-        d = cg.dirs.get("memory") or cg.dirs["unified"]
-        f = d / ("memory.usage_in_bytes" if "memory" in cg.dirs else "memory.current")
-        charge += int(f.read_text())
+        p, c = sandbox_memory(s, tid)
+        pss, charge = pss + p, charge + c
         live = launcher._live.get(tid)
         if tier == "gvisor" and live is not None and live.proc is not None:
             outside += _pss(live.proc.pid)  # nsenter execs runsc: this is `runsc run`

@@ -110,6 +110,9 @@ def identify(cl: CallLog, registry: TaskRegistry,
     if task is None:
         raise Denied(403, Reason.UNKNOWN_TASK, "caller address is not a registered task")
     cl.task = task
+    if task.pooled:
+        raise Denied(403, Reason.UNCLAIMED, "the caller is a warm-pool sandbox no task "
+                     "has claimed")
     profile = profiles.get(task.profile)
     if profile is None:
         raise Denied(403, Reason.UNKNOWN_PROFILE, "the task's profile is not loaded")

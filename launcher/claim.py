@@ -33,9 +33,11 @@ class Claims:
         self.s, self.state, self.scratch_base, self.live = s, state, scratch_base, live
         self.params, self.retry_deregistrations = params, retry_deregistrations
 
-    def claim(self, profile: str, ttl: float, isolation: str, backend: Backend) -> Live:
+    def claim(self, profile: str, ttl: float | None, isolation: str, backend: Backend,
+              pool: str = "") -> Live:
         """A task id, a slot and the sandbox's record (state `starting`), written before
-        any piece of it exists; on any error nothing of it is left."""
+        any piece of it exists; on any error nothing of it is left. `pool`: a warm-pool
+        sandbox of that pool (no profile, no TTL until a task claims it)."""
         # an address whose old task is still registered is never handed out (its record
         # keeps the slot); a retry that succeeds now frees it
         self.retry_deregistrations()
@@ -44,6 +46,7 @@ class Claims:
             with self.state.locked() as records:
                 rec, cg = new_record(records, self.s, self.scratch_base, profile, ttl,
                                      isolation, time.time())
+                rec.pool = pool
                 # known as live before the record is visible: a concurrent kill() finds it
                 live = self.live[rec.task_id] = Live(rec, cg, backend)
                 records[rec.task_id] = rec
@@ -66,18 +69,35 @@ class Claims:
             if rec.task_id in records:
                 records[rec.task_id].ifindex = rec.ifindex
 
-    def running(self, live: Live) -> None:
-        """The sandbox's process started: its record says so (and where it is)."""
+    def running(self, live: Live, state: str = "running") -> None:
+        """The sandbox's process started: its record says so (and where it is); `pooled`:
+        a warm-pool sandbox waiting for its task."""
         rec = live.record
+        rec.state = state
         with self.state.locked() as records:
             if rec.task_id in records:
                 records[rec.task_id].pid = live.proc.pid  # type: ignore[union-attr]
                 records[rec.task_id].ifindex = rec.ifindex
-                records[rec.task_id].state = "running"
+                records[rec.task_id].state = state
+
+    def bind(self, live: Live, profile: str, ttl: float) -> bool:
+        """A warm-pool sandbox becomes one task's (state `starting` until its command
+        runs): its profile, and its TTL counted from now. False: its record is gone or
+        no longer pooled (killed while it waited), nothing changed."""
+        rec = live.record
+        now = time.time()
+        with self.state.locked() as records:
+            stored = records.get(rec.task_id)
+            if stored is None or stored.state != "pooled":
+                return False
+            for r in (stored, rec):
+                r.profile, r.started_at, r.expires_at = profile, now, now + ttl
+                r.state = "starting"
+        return True
 
 
 def new_record(records: dict[str, SandboxRecord], s: LauncherSettings, scratch_base: Path,
-               profile: str, ttl: float, isolation: str,
+               profile: str, ttl: float | None, isolation: str,
                now: float) -> tuple[SandboxRecord, cgroups.CgroupSet]:
     """The record (state `starting`) of a sandbox none of `records` collides with."""
     task_id = ""
@@ -94,6 +114,6 @@ def new_record(records: dict[str, SandboxRecord], s: LauncherSettings, scratch_b
         guest_mac=a.guest_mac, owner_pid=os.getpid(),
         owner_start=start_time(os.getpid()) or 0,
         scratch=str(scratch_base / task_id), cgroups=cg.paths,
-        started_at=now, expires_at=now + ttl, isolation=isolation,
+        started_at=now, expires_at=None if ttl is None else now + ttl, isolation=isolation,
     )
     return rec, cg

@@ -8,6 +8,7 @@ import argparse
 import json
 import logging
 import sys
+from collections import Counter
 from typing import Any
 
 from stockade.clikit import add_config_args, setup_logging
@@ -50,14 +51,23 @@ def _launcher(args: argparse.Namespace, command: str) -> Any:
 
 
 def _list(args: argparse.Namespace) -> int:
-    rows = _launcher(args, "sandbox list").list()
+    # the state file is the whole answer: no launcher (event writer, backends) is needed
+    from .state import StateFile, state_path
+
+    cfg = args.config_loader(args.config, "sandbox list")
+    records = StateFile(state_path(cfg.state_dir, cfg.launcher.nft_table)).read()
+    rows = [r.summary() for r in records.values()]
     if args.json:
         print(json.dumps(rows))
         return 0
     print(f"{'TASK':<12} {'PROFILE':<20} {'ADDRESS':<16} {'ISOLATION':<10} STATE")
     for r in rows:
-        print(f"{r['task_id']:<12} {r['profile']:<20} {r['address']:<16} "
+        # a warm-pool sandbox belongs to no task yet: no profile
+        print(f"{r['task_id']:<12} {r['profile'] or '-':<20} {r['address']:<16} "
               f"{r['isolation']:<10} {r['state']}")
+    ready = Counter(r["pool"] for r in rows if r["state"] == "pooled")
+    for pool, n in sorted(ready.items()):
+        print(f"pool {pool}: {n} ready")
     return 0
 
 

@@ -9,11 +9,13 @@ and a normal end share it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,9 +24,17 @@ from stockade.events.taskstore import sweep
 from stockade.tasks import StateWriteError, Task
 
 from . import exports, mounts, netns, nft, rootfs, scrub
-from .addresses import slot_addresses
-from .backends import Backend, Live, StartContext, backend_for, backend_of, seccomp_program
-from .backends.microvm import scrub_vm_error
+from .addresses import SlotAddresses, slot_addresses
+from .backends import (
+    NAMES,
+    Backend,
+    Live,
+    StartContext,
+    backend_for,
+    backend_of,
+    pooled,
+    seccomp_program,
+)
 from .claim import Claims
 from .cleanup import Cleaner, wiring
 from .denials import BypassCollector
@@ -32,9 +42,10 @@ from .deregistration import deregister, retry_pending
 from .ending import end_due, end_event
 from .environment import exec_env, permitted_congestion_control, port, sandbox_env
 from .fence import Fence
-from .isolation import choose_backend, preflight, profile_of
+from .isolation import PROVIDED_ISOLATION, choose_backend, preflight, profile_of
 from .lifecycle import operator_event, start_event
 from .nflog import LogRecord
+from .poolplan import Shape, shape_of
 from .registration import register as register_task
 from .spec import (
     EndedBy,
@@ -45,13 +56,14 @@ from .spec import (
     check_inputs,
     check_spec,
 )
-from .state import SandboxRecord, StateFile
+from .state import SandboxRecord, StateFile, state_path
 from .supervise import capture_fields, classify_end, kill_marker
 from .taskrecord import Recorder, backend_details, limits_of
 
 if TYPE_CHECKING:  # annotations only
     from .configview import LauncherConfig as Config
     from .execspec import ExecProc, ExecSpec
+    from .pools import PoolManager
 
 # stockade/stack/run.py imports these from here
 __all__ = ["ExportedFile", "Launcher", "LauncherError", "RunResult", "SandboxSpec", "preflight"]
@@ -59,13 +71,14 @@ __all__ = ["ExportedFile", "Launcher", "LauncherError", "RunResult", "SandboxSpe
 
 class Launcher:
     def __init__(self, config: Config, *, events: EventWriter | None = None,
-                 register: bool = True, nflog: bool = True) -> None:
+                 register: bool = True, nflog: bool = True, pools: bool = False) -> None:
+        """`pools`: keep `launcher.pools` (the launcher service does; a one-shot run not)."""
         self.config = config
         self.s = s = config.launcher
         self.events = events or config.event_writer(stdout=False)
         self.register_tasks = register
         self.use_nflog = nflog
-        self.state = StateFile(Path(config.state_dir) / "launcher" / f"{s.nft_table}.json")
+        self.state = StateFile(state_path(config.state_dir, s.nft_table))
         self.scratch_base = Path(s.scratch_dir)
         gw = config.gateway
         self.params = nft.TableParams(
@@ -91,6 +104,11 @@ class Launcher:
         self.fence = Fence(config, self.params.broker_port, self._emit, self.claims.wired,
                            lambda: self.use_nflog and self.bypass.bound)
         self.recorder = Recorder(config, self._emit)
+        self.pools: PoolManager | None = None
+        if pools and s.pools.targets:
+            from .pools import PoolManager  # here: its metrics' library is not small
+
+            self.pools = PoolManager(s.pools, self._warm, self._teardown)
 
     # the NFLOG reader's state as before the split (the service's status reads the first)
     @property
@@ -107,14 +125,21 @@ class Launcher:
             if self._started:
                 return
             mounts.private_dir(self.scratch_base)
-            nft.apply_table(self.params)
+            # under the state lock, as a claim's re-install: launchers starting at once
+            # (concurrent `stockade run`s) must not interleave their table transactions
+            with self.state.locked():
+                nft.apply_table(self.params)
             self.reconcile()
             sweep(self.config.task_events_dir, self.config.events.task_retention_s)
             if self.use_nflog:
                 self.bypass.start()
+            if self.pools is not None:
+                self.pools.start([n for n in NAMES if pooled(backend_for(n))])
             self._started = True
 
     def close(self) -> None:
+        if self.pools is not None:
+            self.pools.close()
         self.bypass.stop()
         for tid in list(self._live):
             self.kill(tid)
@@ -135,7 +160,9 @@ class Launcher:
         self.start()
         policy_version = getattr(ruleset, "version", None)
         t0 = time.monotonic()
-        live = self._create(spec, profile, policy_version, isolation, backend_for(name))
+        live = self._claim_warm(name, spec, profile, policy_version, isolation)
+        if live is None:  # no pool of its shape, or it was empty
+            live = self._create(spec, profile, policy_version, isolation, backend_for(name))
         rec = live.record
         t_setup = time.monotonic()
         ttl = rec.expires_at - time.time() if rec.expires_at else float(self.s.default_ttl_s)
@@ -172,6 +199,7 @@ class Launcher:
         scrubber = scrub.for_sandbox(self.config, str(self.scratch_base), rec.host_ip,
                                      spec.inputs, spec.env)
         if ended.failed is not None:  # torn down above, like any sandbox that fails to start
+            from .backends.microvm import scrub_vm_error
             # QEMU's and the console's words go to the orchestrator without host paths (the
             # raw line is in the launcher's log, see backends/microvm.py:vm_outcome)
             raise LauncherError(scrub_vm_error(ended.failed, scrubber, self.s.microvm.image_dir))
@@ -229,6 +257,9 @@ class Launcher:
         if rec is None and live is None:
             return False
         self._emit(operator_event(rec or (live.record if live else None), task_id, "kill"))
+        if self.pools is not None and self.pools.forget(task_id):
+            self._teardown(task_id)  # a waiting pooled sandbox: no task, no end event
+            return True
         if live is not None:
             live.ended_as = ended_by
             live.killed.set()
@@ -302,39 +333,132 @@ class Launcher:
         rec, task_id = live.record, live.record.task_id
         if spec.labels:
             self._labels[task_id] = dict(spec.labels)
-        a = slot_addresses(self.s.address_pool, rec.slot)
-        try:
-            backend.create(live, limits, self.s)
-            etc = rootfs.prepare(Path(rec.scratch), limits.disk, a.host_ip, self.s, self.config)
-            rec.ifindex = netns.create(rec.netns, rec.ifname, a, tap=backend.tap)
-            self.bypass.ifindex[rec.ifindex] = (task_id, profile.name)
-            nft.run(nft.element_commands(self.s.nft_table, "add",
-                                         [wiring(rec, proxy=proxy_env)]))
+        with self._undone_on_error(task_id):
+            a, etc = self._wire(live, limits, profile.name, proxy_env)
             if self.register_tasks:
                 register_task(Task(task_id, a.guest_ip, profile.name,
                               expires_at=rec.started_at + ttl + 5,
                               labels=dict(spec.labels)),
                               self._control_sockets(), live.registered)
-            fence = self.fence.check(rec, profile, a, tap=bool(backend.tap),
-                                     policy_version=policy_version)
-            python = self._init_python()
-            ctx = StartContext(
-                settings=self.s, addresses=a, inputs=inputs, etc=etc, limits=limits,
-                env=self._env(spec, a.host_ip, proxy=proxy_env, trust=etc.trust_vars),
-                init_python=python, congestion_control=self._congestion_control,
-                seccomp=lambda: seccomp_program(python, profile),
-                state_dir=Path(self.config.state_dir) / "launcher")
-            # only a session takes more commands: its execs need what its start got
-            live.ctx = ctx if spec.session else None
+            fence, ctx = self._begin(live, spec, profile, policy_version, a, etc, inputs,
+                                     proxy_env)
             backend.start(live, spec, ctx)
             self.claims.running(live)
+        self._emit(start_event(rec, policy_version, ttl, isolation, fence.as_dict()))
+        return live
+
+    def _begin(self, live: Live, spec: SandboxSpec, profile: Any, policy_version: str | None,
+               a: SlotAddresses, etc: rootfs.Etc, inputs: list[Any],
+               proxy_env: bool) -> tuple[Any, StartContext]:
+        """What a cold start and a claim share between the task's registration and its
+        command: the fence self-test (FenceUnverified: the caller tears the sandbox down),
+        then the command's start context. (The self-test's report, the context.)"""
+        fence = self.fence.check(live.record, profile, a, tap=bool(live.backend.tap),
+                                 policy_version=policy_version)
+        ctx = self._context(a, etc, inputs, profile.limits, profile,
+                            self._env(spec, a.host_ip, proxy=proxy_env, trust=etc.trust_vars))
+        # only a session takes more commands: its execs need what its start got
+        live.ctx = ctx if spec.session else None
+        return fence, ctx
+
+    def _warm(self, shape: Shape) -> Live:
+        """One warm-pool sandbox of `shape`: every piece made, registered as pooled (all
+        its traffic denied as `unclaimed`), its backend's setup done, no task."""
+        backend = backend_for(shape.backend)
+        assert pooled(backend)
+        isolation = PROVIDED_ISOLATION if shape.backend == "netns" else shape.backend
+        live = self.claims.claim("", None, isolation, backend, pool=shape.label())
+        task_id = live.record.task_id
+        with self._undone_on_error(task_id):
+            a, etc = self._wire(live, shape, "", proxy=False)
+            if self.register_tasks:
+                register_task(Task(task_id, a.guest_ip, "", pooled=True),
+                              self._control_sockets(), live.registered)
+            live.warm_etc = etc
+            backend.start_pooled(live, self._context(a, etc, [], shape, None, {}))
+            self.claims.running(live, "pooled")
+        return live
+
+    def _claim_warm(self, backend_name: str, spec: SandboxSpec, profile: Any,
+                    policy_version: str | None, isolation: dict[str, Any]) -> Live | None:
+        """A warm-pool sandbox of the profile's tier and shape bound to this task (its
+        registration with the task's profile and labels, the fence self-test, then its
+        command); None when there is none."""
+        if self.pools is None:
+            return None
+        backend = backend_for(backend_name)
+        if not pooled(backend) or (spec.inputs and not backend.claims_inputs):
+            return None  # this tier's pooled sandboxes cannot take the task: a cold start
+        # checked first: a refused task must not use up a warm sandbox
+        proxy_env = check_spec(spec, profile, self.config.gateway.proxy_listen)
+        inputs = check_inputs(spec.inputs, self.s.ro_binds)
+        live = self.pools.take(shape_of(backend_name, profile.limits))
+        if live is None:
+            return None
+        rec, task_id = live.record, live.record.task_id
+        ttl = min(spec.ttl, profile.limits.ttl) if spec.ttl else profile.limits.ttl
+        with self._undone_on_error(task_id):
+            bound = self.claims.bind(live, profile.name, ttl)
+        if not bound:  # killed while it waited (`sandbox kill`): this task starts cold
+            self._teardown(task_id)
+            return None
+        if spec.labels:
+            self._labels[task_id] = dict(spec.labels)
+        with self._undone_on_error(task_id):
+            a, etc = slot_addresses(self.s.address_pool, rec.slot), live.warm_etc
+            self.bypass.ifindex[rec.ifindex] = (task_id, profile.name)
+            if proxy_env:
+                nft.run(nft.element_commands(self.s.nft_table, "add",
+                                             [wiring(rec, proxy=True)]))
+            if self.register_tasks:  # the pooled registration becomes the task's
+                register_task(Task(task_id, a.guest_ip, profile.name,
+                              expires_at=rec.started_at + ttl + 5,
+                              labels=dict(spec.labels)),
+                              self._control_sockets(), [])
+            # as a cold start: the fence proven (now that the gateway, the DNS firewall and
+            # the broker know the task's profile) before the init gets the command
+            fence, ctx = self._begin(live, spec, profile, policy_version, a, etc, inputs,
+                                     proxy_env)
+            backend.claim_pooled(live, spec, ctx)
+            self.claims.running(live)
+        self._emit(start_event(rec, policy_version, ttl, {**isolation, "pool": rec.pool},
+                               fence.as_dict()))
+        return live
+
+    def _wire(self, live: Live, limits: Any, profile: str,
+              proxy: bool) -> tuple[SlotAddresses, rootfs.Etc]:
+        """Cgroups, scratch and /etc, netns and veth (or tap), nft elements."""
+        rec = live.record
+        a = slot_addresses(self.s.address_pool, rec.slot)
+        live.backend.create(live, limits, self.s)
+        etc = rootfs.prepare(Path(rec.scratch), limits.disk, a.host_ip, self.s, self.config)
+        rec.ifindex = netns.create(rec.netns, rec.ifname, a, tap=live.backend.tap)
+        self.bypass.ifindex[rec.ifindex] = (rec.task_id, profile)
+        nft.run(nft.element_commands(self.s.nft_table, "add", [wiring(rec, proxy=proxy)]))
+        return a, etc
+
+    def _context(self, a: SlotAddresses, etc: rootfs.Etc, inputs: list[Any], limits: Any,
+                 profile: Any, env: dict[str, str]) -> StartContext:
+        """The backend's start context; `profile` None: a warm-pool sandbox, no filter."""
+        python = self._init_python()
+        return StartContext(
+            settings=self.s, addresses=a, inputs=inputs, etc=etc, limits=limits, env=env,
+            init_python=python, congestion_control=self._congestion_control,
+            seccomp=(lambda: seccomp_program(python, profile)) if profile is not None
+            else _no_task_filter,
+            state_dir=Path(self.config.state_dir) / "launcher")
+
+    @contextlib.contextmanager
+    def _undone_on_error(self, task_id: str) -> Iterator[None]:
+        """A sandbox that fails on its way up is torn down whole, whatever failed."""
+        try:
+            yield
         except BaseException as e:
             self._teardown(task_id)
+            self._labels.pop(task_id, None)
             if isinstance(e, StateWriteError):
                 raise LauncherError(f"cannot write the launcher state {e.path}: {e}") from None
             raise
-        self._emit(start_event(rec, policy_version, ttl, isolation, fence.as_dict()))
-        return live
 
     def _init_python(self) -> str:
         # the sandbox can read its pid 1's argv: prefer the system interpreter's plain path
@@ -357,3 +481,7 @@ class Launcher:
 
     def _emit(self, event: dict[str, Any]) -> None:
         self.events.write(event)
+
+
+def _no_task_filter() -> bytes:
+    raise LauncherError("a warm-pool sandbox has no task, so no profile's seccomp filter")

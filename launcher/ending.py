@@ -20,8 +20,8 @@ from .state import SandboxRecord
 
 def end_due(rec: SandboxRecord | None) -> TypeGuard[SandboxRecord]:
     """The teardown that removed `rec` owes its end event (a sandbox that never reached
-    `running` had no start event either)."""
-    return rec is not None and rec.state != "starting"
+    `running` had no start event either, nor had a pooled one no task claimed)."""
+    return rec is not None and rec.state not in ("starting", "pooled")
 
 
 def lifecycle_reason(ended_by: str) -> str | None:

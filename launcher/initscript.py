@@ -195,14 +195,18 @@ def _etc(plan: InitPlan, r: str) -> list[list[Any]]:
     return ops
 
 
-def _scratch_and_inputs(plan: InitPlan, r: str) -> list[list[Any]]:
-    ops: list[list[Any]] = [
+def _scratch(plan: InitPlan, r: str) -> list[list[Any]]:
+    return [
         ["mkdir", r + SCRATCH, 0o755],
         ["mkdir", r + TMP, 0o755],
         ["bind", plan.scratch, r + SCRATCH, False, False],
         # the sandbox's /tmp is a directory of the scratch tmpfs (size-capped with it)
         ["bind", plan.scratch + TMP, r + TMP, False, False],
     ]
+
+
+def _inputs(plan: InitPlan, r: str) -> list[list[Any]]:
+    ops: list[list[Any]] = []
     for b in plan.inputs:
         t = check_input_target(b.target)
         # the mount point must resolve to itself, checked before it is created: a symlink
@@ -212,8 +216,8 @@ def _scratch_and_inputs(plan: InitPlan, r: str) -> list[list[Any]]:
     return ops
 
 
-def _proc_dev_and_pivot(plan: InitPlan, r: str) -> list[list[Any]]:
-    """/proc, a minimal /dev with its own /dev/shm, then the switch into the new root."""
+def _proc_dev(plan: InitPlan, r: str) -> list[list[Any]]:
+    """/proc and a minimal /dev with its own /dev/shm."""
     d = r + "/dev"
     ops: list[list[Any]] = [
         ["mkdir", r + "/proc", 0o555],
@@ -233,6 +237,12 @@ def _proc_dev_and_pivot(plan: InitPlan, r: str) -> list[list[Any]]:
         ["mount", "stockade-shm", d + "/shm", "tmpfs", MS_NOSUID | MS_NODEV,
          f"size={plan.shm_size},mode=1777"],
         ["remount_ro", d, MS_NOSUID | MS_NOEXEC],
+    ]
+
+
+def _pivot(r: str) -> list[list[Any]]:
+    """The switch into the new root: the host's tree is out of reach from here on."""
+    return [
         ["mkdir", f"{r}/{OLDROOT}", 0o700],
         ["pivot", r, OLDROOT],
         ["remount_ro", "/", MS_NOSUID | MS_NODEV],
@@ -240,13 +250,33 @@ def _proc_dev_and_pivot(plan: InitPlan, r: str) -> list[list[Any]]:
     ]
 
 
-def build(plan: InitPlan) -> dict[str, Any]:
-    r = plan.root.rstrip("/")
+def _setup(plan: InitPlan, r: str) -> list[list[Any]]:
+    """Everything before the inputs: the same for every task of a resource shape."""
     ops = _prelude(plan, r)
     for b in plan.system:
         ops += _bind(b, r, _guest(b.target))
-    ops += _etc(plan, r) + _scratch_and_inputs(plan, r) + _proc_dev_and_pivot(plan, r)
+    return ops + _etc(plan, r) + _scratch(plan, r) + _proc_dev(plan, r)
+
+
+def build(plan: InitPlan) -> dict[str, Any]:
+    r = plan.root.rstrip("/")
+    ops = _setup(plan, r) + claim_ops(plan)
     return {"ops": ops, "uid": plan.uid, "gid": plan.gid, "rlimits": dict(plan.rlimits)}
+
+
+def build_pooled(plan: InitPlan) -> dict[str, Any]:
+    """A warm-pool sandbox's init plan: the operations no task decides (`plan.inputs` is
+    not used); the init then waits for its claim (`claim_ops` and the command)."""
+    r = plan.root.rstrip("/")
+    return {"ops": _setup(plan, r), "uid": plan.uid, "gid": plan.gid,
+            "rlimits": dict(plan.rlimits)}
+
+
+def claim_ops(plan: InitPlan) -> list[list[Any]]:
+    """What a task brings to a sandbox whose setup is done: its inputs, bound read-only
+    while the host's tree is still reachable, then the pivot into the new root."""
+    r = plan.root.rstrip("/")
+    return _inputs(plan, r) + _pivot(r)
 
 
 def exec_plan(plan: InitPlan, init_pid: int) -> dict[str, Any]:

@@ -19,6 +19,14 @@ init's namespaces once, and for each exec makes a pid namespace of its own below
 sandbox's (a kill of the exec ends exactly its processes) and starts the command through
 the same `start_command` as the first command (uid, capabilities, no_new_privs, rlimits,
 seccomp, environment).
+
+A warm-pool sandbox's plan names two more descriptors: `ready_fd`, where the init writes
+one byte once the operations no task decides are done (then closes it), and `claim_fd`,
+from which it then reads its claim (until EOF, marshal: the task's own operations,
+environment, seccomp filter and argv). The launcher holds the other ends; both are closed
+before anything of the task runs, so the command inherits neither. EOF without a claim
+(the pool was drained, or its launcher died) ends the init. After the claim the init goes
+on as a cold one: `start_command` with the claim's argv (or, with none, it holds).
 """
 
 import ctypes
@@ -177,6 +185,33 @@ def execvp(argv, env):
     raise err
 
 
+def read_marshal(fd):
+    with os.fdopen(fd, "rb") as fh:
+        return marshal.loads(fh.read())  # noqa: S302 - written by the launcher; builtin, fast
+
+
+def perform(ops):
+    try:
+        for op in ops:
+            do(op)
+    except OSError as e:
+        os.write(2, f"stockade-init: {e.strerror or e}\n".encode())
+        os._exit(125)
+
+
+def await_claim(plan):
+    """A warm-pool sandbox: report the setup done, then wait for the task's part."""
+    os.write(plan["ready_fd"], b"R")
+    os.close(plan["ready_fd"])
+    try:
+        claim = read_marshal(plan["claim_fd"])
+    except (EOFError, ValueError):  # closed without a claim: nothing ever ran here
+        os._exit(0)
+    plan.update(claim)
+    perform(claim["ops"])
+    return claim["argv"]
+
+
 def status_of(status):
     if os.WIFSIGNALED(status):
         return 128 + os.WTERMSIG(status)
@@ -329,20 +364,19 @@ def serve_request(sock, sel, running, plan, umask):
 def main():
     plan = globals().get("PLAN")  # read by the bootstrap that ran this file's code
     if plan is None:
-        with os.fdopen(int(sys.argv[1]), "rb") as fh:
-            plan = marshal.loads(fh.read())  # noqa: S302 - the launcher's; builtin, fast
+        plan = read_marshal(int(sys.argv[1]))
     # the new root's directories (/etc and its parents among them) get their modes whatever
     # the launcher's umask; the command gets the launcher's umask back
     umask = os.umask(0o022)
-    argv = sys.argv[2:]
-    try:
-        if "serve" in plan:
+    if "serve" in plan:
+        try:
             exec_server(plan, umask)
-        for op in plan["ops"]:
-            do(op)
-    except OSError as e:
-        os.write(2, f"stockade-init: {e.strerror or e}\n".encode())
-        os._exit(125)
+        except OSError as e:
+            os.write(2, f"stockade-init: {e.strerror or e}\n".encode())
+            os._exit(125)
+    perform(plan["ops"])
+    # a warm-pool sandbox's argv comes with its claim, a cold one's on the command line
+    argv = await_claim(plan) if "claim_fd" in plan else sys.argv[2:]
     if not argv:
         hold()
     start_command(plan, argv, umask)

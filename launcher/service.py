@@ -84,7 +84,8 @@ class LauncherService:
 
         self.config = config
         self.events = config.event_writer(stdout=False)
-        self.launcher = launcher or Launcher(config, events=self.events)
+        # the service keeps `launcher.pools` (a one-shot `stockade run` does not)
+        self.launcher = launcher or Launcher(config, events=self.events, pools=True)
         # the gateway's holder: an invalid reload keeps the rules in force (fail closed)
         self.rules = RulesHolder(config.rules_dir, self.events.write, component="launcher")
         self.socket_path = config.launcher.control_socket
@@ -225,14 +226,24 @@ class LauncherService:
         app.router.add_post("/v1/sandboxes/{task_id}/suspend", self._suspend)
         app.router.add_post("/v1/sandboxes/{task_id}/resume", self._resume)
         app.router.add_post("/v1/reload", self._reload)
+        app.router.add_get("/v1/metrics", self._metrics)
         self.sessions.add_to(app)
         return app
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text: the warm pools' counters (empty without pools)."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        pools = self.launcher.pools
+        body = generate_latest(pools.metrics.registry) if pools is not None else b""
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _health(self, request: web.Request) -> web.Response:
         running = sum(1 for r in self._runs.values() if not r.finished.done())
         return web.json_response({
             "ok": not self._closing, "sandboxes": running,
             "rules": self.rules.current.version, "nflog_bound": self.launcher.nflog_bound,
+            "pools": self.launcher.pools.rows() if self.launcher.pools is not None else [],
         })
 
     async def _list(self, request: web.Request) -> web.Response:

@@ -64,6 +64,46 @@ class GvisorSettings(BaseModel):
     debug_log_dir: str | None = None  # runsc --debug logs here (slower starts)
 
 
+class PoolTarget(BaseModel):
+    """One warm pool: sandboxes of one tier and resource shape kept ready for a claim. A
+    task uses it when its profile's tier and limits (cpus, memory, disk, pids) are exactly
+    these; its TTL starts at the claim."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    isolation: Literal["container", "gvisor", "microvm"] = "container"
+    size: int = Field(ge=1, le=1000)  # sandboxes kept ready (each holds its shape's memory)
+    cpus: float = Field(1.0, gt=0)
+    memory_mib: int = Field(512, ge=16)
+    disk_mib: int = Field(1024, ge=1)  # the scratch tmpfs
+    pids: int = Field(256, ge=16)
+
+
+class PoolSettings(BaseModel):
+    """`launcher.pools`: warm pools, kept by the launcher service (`stockade up`); a
+    one-shot `stockade run` without a running stack keeps none."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    targets: list[PoolTarget] = []
+    # pooled sandboxes being made at once, over all pools (each start is mostly mount and
+    # netns syscalls: more than the host's cores only queues them)
+    refill_concurrency: int = Field(2, ge=1, le=64)
+
+    @field_validator("targets")
+    @classmethod
+    def _one_per_shape(cls, v: list[PoolTarget]) -> list[PoolTarget]:
+        seen: set[tuple[object, ...]] = set()
+        for t in v:
+            key = (t.isolation, t.cpus, t.memory_mib, t.disk_mib, t.pids)
+            if key in seen:
+                raise ValueError(f"two pools of one tier and shape: {t.isolation} "
+                                 f"cpus={t.cpus} memory_mib={t.memory_mib} "
+                                 f"disk_mib={t.disk_mib} pids={t.pids} (give one its size)")
+            seen.add(key)
+        return v
+
+
 class SelftestSettings(BaseModel):
     """`launcher.selftest`: the probes each sandbox's fence must fail before its command
     starts (launcher/selftest.py). The target addresses are never dialled past the fence:
@@ -105,6 +145,7 @@ class LauncherSettings(BaseModel):
     backend: Literal["netns"] = "netns"
     microvm: MicrovmSettings = MicrovmSettings()
     gvisor: GvisorSettings = GvisorSettings()
+    pools: PoolSettings = PoolSettings()
     selftest: SelftestSettings = SelftestSettings()
     # A profile whose `isolation` asks for a tier this host cannot give (gvisor:
     # launcher.gvisor disabled or runsc missing; microvm: launcher.microvm disabled, QEMU or

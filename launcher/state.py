@@ -36,7 +36,9 @@ class SandboxRecord:
     cgroups: list[str] = field(default_factory=list)
     started_at: float = 0.0
     expires_at: float | None = None
-    state: str = "starting"  # starting | running | frozen | ending | deregistering
+    # pooled (a warm-pool sandbox no task has claimed) | starting | running | frozen |
+    # ending | deregistering
+    state: str = "starting"
     isolation: str = "container"  # the tier it runs at: container (netns) | microvm
     # the nft bypass counter, copied here by each teardown before it deletes the counter's
     # element: whichever teardown removes the record reports the count, not a zero
@@ -45,6 +47,7 @@ class SandboxRecord:
     # how many tries failed (launcher/deregistration.py)
     deregister: list[str] = field(default_factory=list)
     deregister_failures: int = 0
+    pool: str = ""  # the warm pool it was made for (poolplan.Shape.label), "" if none
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> SandboxRecord:
@@ -55,11 +58,16 @@ class SandboxRecord:
         return {"task_id": self.task_id, "profile": self.profile, "address": self.guest_ip,
                 "state": self.state, "isolation": self.isolation,
                 "started_at": self.started_at, "expires_at": self.expires_at,
-                "owner_pid": self.owner_pid}
+                "owner_pid": self.owner_pid, "pool": self.pool}
 
     def owner_alive(self) -> bool:
         """The launcher process that runs it is still there (not a later one with its pid)."""
         return same_process(self.owner_pid, self.owner_start)
+
+
+def state_path(state_dir: str, nft_table: str) -> Path:
+    """The state file of the launchers of one nft table."""
+    return Path(state_dir) / "launcher" / f"{nft_table}.json"
 
 
 class StateFile:

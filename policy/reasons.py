@@ -18,6 +18,8 @@ class Reason(StrEnum):
     PATH_NOT_ALLOWED = "path_not_allowed"
     INSPECTION_UNAVAILABLE = "inspection_unavailable"
     UNKNOWN_TASK = "unknown_task"
+    # a warm-pool sandbox no task has claimed yet: everything from it is denied
+    UNCLAIMED = "unclaimed"
     UNKNOWN_PROFILE = "unknown_profile"
     INVALID_HOST = "invalid_host"
     # the gateway's own checks

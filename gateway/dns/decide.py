@@ -191,6 +191,8 @@ def precheck(
         return refused
     if task is None:
         return _deny(settings, Reason.UNKNOWN_TASK)
+    if task.pooled:  # a warm-pool sandbox before its claim: nothing is resolved for it
+        return _deny(settings, Reason.UNCLAIMED)
     version = ruleset.version if ruleset is not None else None
     if not guards.probe_query(task.task_id, q.labels, now):  # probes spend no rate
         refused = _rate_refusal(settings, guards, task, version, now)

@@ -233,8 +233,9 @@ class DnsFirewall:
     ) -> bytes | None:
         self.metrics.count(out.decision, str(out.reason), transport)
         if out.log and (out.decision == "denied" or self.settings.log_allowed or out.report_only):
-            if task is None:
-                # no task, no per-task rate budget: throttle per source instead
+            if task is None or task.pooled:
+                # no task (or a pooled sandbox's, denied before any budget): no per-task
+                # rate budget, so throttle per source instead
                 suppressed = self._throttle((source[0], str(out.reason)), time.monotonic())
                 if suppressed is not None:
                     if suppressed:

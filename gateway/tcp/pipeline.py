@@ -156,6 +156,8 @@ class Pipeline:
         task = conn.task
         if task is None:
             reason, detail = Reason.UNKNOWN_TASK, "unknown source address"
+        elif task.pooled:
+            reason, detail = Reason.UNCLAIMED, "a warm-pool sandbox no task has claimed"
         elif not self.table.admit(conn, task, self.settings.max_connections_per_task):
             reason, detail = Reason.CONNECTION_LIMIT, "too many concurrent connections"
         else:

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 from .. import initscript, rootfs, seccomp_bpf, trust
 from ..spec import EndedBy, LauncherError
@@ -49,6 +49,8 @@ class Live:
     pipes: Any = None  # the backend's own handles (the microVM's output pipes)
     # the control sockets a registration may have reached: what its teardown deregisters
     registered: list[str] = field(default_factory=list)
+    # a warm-pool sandbox's /etc (rootfs.Etc), made before any task: its claim's context
+    warm_etc: Any = None
     ctx: StartContext | None = None  # what its start got: a session's execs need it again
 
 
@@ -104,6 +106,31 @@ class Backend(Protocol):
 
     def sweep(self, keep: set[str], s: LauncherSettings) -> list[str]:
         """Remove the tier's own leftovers of sandboxes no record keeps (reconcile)."""
+
+
+class PooledBackend(Backend, Protocol):
+    """A tier that keeps warm pools (launcher/pools.py); pools of a tier without these
+    two are refused when the pool manager starts (`pooled`)."""
+
+    # False: a task with inputs never takes a pooled sandbox of this tier (it starts cold)
+    claims_inputs: bool
+
+    def start_pooled(self, live: Live, ctx: StartContext) -> None:
+        """Start a sandbox that belongs to no task yet. Its cgroups (the pool's resource
+        shape), netns, nft elements and scratch exist, and its address is registered as
+        pooled (gateway, DNS firewall and broker deny it everything as `unclaimed`). Do
+        the work no task decides (the container tier: every mount but the inputs; a
+        microVM: a booted guest whose agent waits for its plan) and return once it is
+        done with `live.proc` set, or raise LauncherError (the pool tears it down). `ctx`
+        carries no task: its `inputs` and `env` are empty and its `seccomp` refuses."""
+
+    def claim_pooled(self, live: Live, spec: SandboxSpec, ctx: StartContext) -> None:
+        """Bind the sandbox to the task of `spec` (registered already); `ctx` is the
+        task's, complete (inputs, environment, the profile's seccomp filter). Deliver the
+        inputs read-only with the same discipline as `start` (nothing writable but the
+        scratch), then start the command; `wait` follows as after `start`. A claimed
+        sandbox is never pooled again: its teardown destroys it. LauncherError: the
+        sandbox is unusable (the caller tears it down and starts the task cold)."""
 
 
 class CgroupControl:
@@ -180,6 +207,21 @@ def init_plan(live: Live, ctx: StartContext) -> initscript.InitPlan:
                  ("MEMLOCK", s.rlimit_memlock)),
         congestion_control=ctx.congestion_control,
     )
+
+
+def not_ready(proc: subprocess.Popen[bytes] | None, timeout_s: float) -> str:
+    """Why a warm-pool sandbox's process never reported ready: its stderr, or that it
+    still hangs after `timeout_s`."""
+    if proc is None or proc.poll() is None:
+        return f"no answer within {timeout_s:.0f} s"
+    err = proc.stderr.read().decode("utf-8", "replace").strip() if proc.stderr else ""
+    return err[-500:] or f"exit status {proc.returncode}"
+
+
+def pooled(backend: Backend) -> TypeGuard[PooledBackend]:
+    """The tier keeps warm pools (has `start_pooled` and `claim_pooled`)."""
+    return callable(getattr(backend, "start_pooled", None)) and callable(
+        getattr(backend, "claim_pooled", None))
 
 
 def seccomp_program(python: str, profile: Any) -> bytes:

@@ -9,39 +9,38 @@ import contextlib
 import dataclasses
 import functools
 import json
+import marshal
 import os
 import secrets
+import select
 import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import cgroups, gvisor, initscript, mounts, netns, nssysctl
+from .. import cgroups, gvisor, netns
 from ..environment import SANDBOX_PATH
-from ..spec import TASK_ID_RE, LauncherError
+from ..gvisor_waiter import READY
+from ..spec import LauncherError
 from ..supervise import Ended, exit_status, kill_proc, watch
-from . import CgroupControl, Live, StartContext, captures, init_plan
+from . import CgroupControl, Live, StartContext, captures, init_plan, not_ready
+from . import gvisor_host as host
+from .gvisor_host import RUNSC_HIERARCHIES, state_root  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:  # annotations only
     from ..execspec import ExecProc, ExecSpec
     from ..settings import LauncherSettings
     from ..spec import SandboxSpec
 
-# cgroup v1 hierarchies runsc makes <parent>/<id> in besides the launcher's own four
-STAGED = "inputs-ro"  # <base>/inputs-ro/<n>: the inputs' read-only host binds
-RUNSC_HIERARCHIES = ("blkio", "cpuacct", "cpuset", "devices", "systemd")
 CALL_TIMEOUT_S = 15.0
 # a session's first process in the container: it only keeps the container alive
 SESSION_HOLDER = ("sleep", "infinity")
 STATS_EVERY_S = 1.0  # `runsc events --stats` costs ~150 ms under load: at most this often
-
-
-def state_root(s: LauncherSettings) -> str:
-    """runsc's --root: one per nft table, so launchers on other tables never meet."""
-    return os.path.join(s.gvisor.root_dir, s.nft_table)
+# a warm-pool sandbox's runsc start (no command yet) takes a few hundred ms, seconds under
+# load: past this it is taken for broken and the refill tears it down
+POOLED_READY_TIMEOUT_S = 60.0
 
 
 def _call(argv: list[str], timeout: float = CALL_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
@@ -166,39 +165,85 @@ class GvisorBackend(CgroupControl):
         live.cg.create(gvisor.host_limits(limits, s.gvisor), cpu_later=self.cpu_at_hook(s))
 
     def start(self, live: Live, spec: SandboxSpec, ctx: StartContext) -> None:
+        self._bundle(live, ctx, _first_process(spec), ctx.env)
+        self._run(live, ctx, stdin=spec.stdin is not None)
+        if spec.session:
+            self._await_running(live, ctx.settings)
+
+    # a pooled sandbox's mounts are fixed when runsc starts it: a task with inputs starts
+    # cold (launcher/core.py asks before it takes a pooled sandbox)
+    claims_inputs = False
+
+    def start_pooled(self, live: Live, ctx: StartContext) -> None:
+        """runsc runs the bundle with `gvisor_waiter.py` as its process, which reports
+        ready once the Sentry, the gofer and the root are up, then waits for its task."""
+        self._bundle(live, ctx, [ctx.init_python, "-I", "-S", "-c", _waiter_source()],
+                     {"PATH": SANDBOX_PATH})
+        self._run(live, ctx, stdin=True)
+        proc = live.proc
+        assert proc is not None and proc.stdout is not None
+        got = b""
+        end = time.monotonic() + POOLED_READY_TIMEOUT_S
+        while len(got) < len(READY) and time.monotonic() < end:
+            if not select.select([proc.stdout], [], [], max(0.0, end - time.monotonic()))[0]:
+                break
+            chunk = os.read(proc.stdout.fileno(), len(READY) - len(got))
+            if not chunk:
+                break
+            got += chunk
+        if got != READY:
+            raise LauncherError("a warm-pool gVisor sandbox did not get ready: "
+                                + not_ready(proc, POOLED_READY_TIMEOUT_S))
+
+    def claim_pooled(self, live: Live, spec: SandboxSpec, ctx: StartContext) -> None:
+        """The waiter gets the task's command and environment and execs it."""
+        if ctx.inputs:
+            raise LauncherError("a pooled gVisor sandbox cannot take inputs")
+        proc = live.proc
+        assert proc is not None and proc.stdin is not None
+        claim = marshal.dumps({"argv": _first_process(spec), "env": ctx.env}, 4)
+        try:
+            proc.stdin.write(len(claim).to_bytes(8, "big") + claim)
+            proc.stdin.flush()
+        except OSError as e:  # runsc or the waiter died while it waited
+            raise LauncherError(f"the warm-pool sandbox is gone: {e.strerror or e}") from None
+        if spec.session:  # its execs: `runsc exec` with the container's process settings
+            self._await_running(live, ctx.settings)
+
+    def _bundle(self, live: Live, ctx: StartContext, argv: list[str],
+                env: dict[str, str]) -> None:
+        """The OCI bundle of the container tier's plan (`ctx.inputs` staged read-only)."""
         s, rec = ctx.settings, live.record
-        flags = self._flags(s)
-        _netns_sysctls(rec.netns, ctx.congestion_control)
+        host.netns_sysctls(rec.netns, ctx.congestion_control)
         base = Path(rec.scratch)
-        plan = dataclasses.replace(init_plan(live, ctx), inputs=_stage_inputs(base, ctx.inputs))
+        plan = dataclasses.replace(init_plan(live, ctx), inputs=host.stage_inputs(base, ctx.inputs))
         try:
             layout = gvisor.root_layout(plan, tuple(s.ro_binds))
-            _materialize(base / "root", layout)
+            host.materialize(base / "root", layout)
         except (ValueError, OSError) as e:
             raise LauncherError(f"cannot build the gVisor bundle: {e}") from None
-        # a session's first process only holds the container (runsc needs one); its
-        # commands come through exec
-        argv = list(spec.argv) if spec.argv else list(SESSION_HOLDER)
-        config = gvisor.oci_config(layout, str(base / "root"), argv, ctx.env, plan,
+        config = gvisor.oci_config(layout, str(base / "root"), argv, env, plan,
                                    ctx.limits.pids, f"/{s.cgroup_parent}/{rec.task_id}")
         if self.cpu_at_hook(s):
             config["hooks"] = gvisor.cpu_limit_hooks(*live.cg.cpu_limit(ctx.limits.cpus))
         fd = os.open(base / "config.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(config, f)
+
+    def _run(self, live: Live, ctx: StartContext, *, stdin: bool) -> None:
+        s, rec = ctx.settings, live.record
+        flags = self._flags(s)
         os.makedirs(state_root(s), mode=0o700, exist_ok=True)
         # `run`, not create + start: its exit status is the command's, its stdio the
         # command's pipes, and a killed `run` takes the sandbox with it
         live.proc = subprocess.Popen(
             ["nsenter", f"--net={netns.NETNS_DIR}/{rec.netns}", "--", *flags, "run",
-             "--bundle", str(base), rec.task_id],
+             "--bundle", rec.scratch, rec.task_id],
             env={"PATH": SANDBOX_PATH},
-            stdin=subprocess.PIPE if spec.stdin is not None else subprocess.DEVNULL,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True,
             start_new_session=True, cwd="/")
         live.pipes = ctx.limits.pids  # the guest's NPROC: what wait's ceiling watches
-        if spec.session:
-            self._await_running(live, s)
 
     def _await_running(self, live: Live, s: LauncherSettings) -> None:
         """A session is ready once runsc reports its container running (an exec before
@@ -301,13 +346,13 @@ class GvisorBackend(CgroupControl):
         """`delete -force` where runsc left state (idempotent; removes runsc's state and its
         own cgroup dirs), then what is left of both and the staged inputs' mounts (before
         the scratch directory is removed)."""
-        if _state_left(s, task_id):
+        if host.state_left(s, task_id):
             with contextlib.suppress(LauncherError, OSError, subprocess.TimeoutExpired):
                 _call([*self._flags(s), "delete", "-force", task_id])
-        _remove_state_files(s, lambda names: [n for n in gvisor.stale_state_files(names, set())
+        host.remove_state_files(s, lambda names: [n for n in gvisor.stale_state_files(names, set())
                                               if task_id in n])
-        _remove_runsc_cgroups(s, task_id)
-        _unstage(Path(s.scratch_dir, task_id))
+        host.remove_runsc_cgroups(s, task_id)
+        host.unstage(Path(s.scratch_dir, task_id))
 
     def sweep(self, keep: set[str], s: LauncherSettings) -> list[str]:
         if not os.path.isdir(state_root(s)) or shutil.which(s.gvisor.runsc) is None:
@@ -320,8 +365,19 @@ class GvisorBackend(CgroupControl):
         gone = gvisor.reconcile_ids(ids, keep)
         for tid in gone:
             self.discard(tid, s)
-        _sweep_host(s, keep)
+        host.sweep_host(s, keep)
         return gone
+
+
+@functools.cache
+def _waiter_source() -> str:
+    return (Path(__file__).parent.parent / "gvisor_waiter.py").read_text()
+
+
+def _first_process(spec: SandboxSpec) -> list[str]:
+    """The container's first process: the command, or for a session one that only holds
+    the container (runsc needs one); a session's commands come through exec."""
+    return list(spec.argv) if spec.argv else list(SESSION_HOLDER)
 
 
 class _GuestExec:
@@ -353,8 +409,6 @@ class _GuestExec:
             _call([*self.backend._flags(self.s), "kill", f"--pid={guest}", self.task_id,
                    "KILL"])
         kill_proc(self.proc)
-
-
 class _Ceiling:
     """The gVisor analogue of pids_fail_kill: the guest at its NPROC ceiling (the Sentry's
     task count, asked at most once a second while the host pids are high) twice in a row."""
@@ -378,146 +432,6 @@ class _Ceiling:
         self.streak = self.streak + 1 if n is not None and n >= self.pids - 1 else 0
         self.seen = self.seen or self.streak >= 2
         return self.seen
-
-
-def _stage_inputs(base: Path, inputs: list[initscript.Bind]) -> tuple[initscript.Bind, ...]:
-    """Each input through a bind that is read-only in the host's kernel: runsc's gofer
-    opens host files as root, and an open(O_TRUNC) of a host file the sandbox user may
-    write (mode 0666) truncated it although the OCI mount says "ro" (runsc 20240729)."""
-    if not inputs:
-        return ()
-    staged = base / STAGED
-    staged.mkdir(mode=0o711)
-    out = []
-    for i, b in enumerate(inputs):
-        target = staged / str(i)
-        if b.is_dir:
-            target.mkdir(mode=0o755)
-        else:
-            target.touch(mode=0o644)
-        try:
-            mounts.bind_ro(b.source, str(target))
-        except OSError as e:
-            raise LauncherError(f"cannot stage input {b.target}: {e.strerror}") from None
-        out.append(dataclasses.replace(b, source=str(target)))
-    return tuple(out)
-
-
-def _unstage(base: Path) -> None:
-    staged = base / STAGED
-    with contextlib.suppress(OSError):
-        for d in staged.iterdir():
-            for _ in range(3):
-                if not mounts.umount(str(d)):
-                    break
-
-
-def _netns_sysctls(ns: str, congestion_control: str | None) -> None:
-    """What sandbox_init.py sets in the container tier, from the host: IPv6 off, ICMP
-    sockets for everyone (nft still rejects them), the TCP default. Written in-process:
-    two nsenter + sysctl(8) spawns cost 5-10 ms per start (more under load)."""
-    path = f"{netns.NETNS_DIR}/{ns}"
-    try:
-        nssysctl.write(path, [("net.ipv6.conf.all.disable_ipv6", "1"),
-                              ("net.ipv6.conf.default.disable_ipv6", "1"),
-                              ("net.ipv4.ping_group_range", "0 2147483647")])
-    except OSError as e:
-        raise LauncherError(f"cannot set the sandbox's sysctls: {e}") from None
-    if congestion_control:  # best effort: an algorithm the kernel lacks keeps the default
-        with contextlib.suppress(OSError):
-            nssysctl.write(path, [("net.ipv4.tcp_congestion_control", congestion_control)],
-                           strict=False)
-
-
-def _materialize(root: Path, layout: gvisor.RootLayout) -> None:
-    """The bundle's root directory: only mount points, copied symlinks and copied /etc
-    files, root's; it is mounted read-only, so nothing here is ever written by the sandbox."""
-    root.mkdir(mode=0o755, exist_ok=True)
-    os.chmod(root, 0o755)  # noqa: S103 - the Sentry's gofer reads it as the sandbox user
-    for guest in layout.dirs:
-        os.makedirs(gvisor.confined(str(root), guest), mode=0o755, exist_ok=True)
-    for guest in layout.files:
-        p = gvisor.confined(str(root), guest)
-        os.makedirs(os.path.dirname(p), mode=0o755, exist_ok=True)
-        Path(p).touch(mode=0o644, exist_ok=True)
-    for guest, target in layout.symlinks:
-        p = gvisor.confined(str(root), guest)
-        os.makedirs(os.path.dirname(p), mode=0o755, exist_ok=True)
-        os.symlink(target, p)
-    for guest, source in layout.copies:
-        _copy_into(gvisor.confined(str(root), guest), source)
-
-
-def _copy_into(dest: str, source: str) -> None:
-    """A host file's bytes at `dest` with its permission bits and owner (a file the
-    sandbox user could not read through a bind stays unreadable); set-id bits dropped."""
-    os.makedirs(os.path.dirname(dest), mode=0o755, exist_ok=True)
-    st = os.stat(source)
-    shutil.copyfile(source, dest)
-    os.chown(dest, st.st_uid, st.st_gid)
-    os.chmod(dest, st.st_mode & 0o777)
-
-
-def _sweep_host(s: LauncherSettings, keep: set[str]) -> None:
-    """What runsc leaves on the host of containers no record keeps: cgroup dirs, staged
-    input mounts, state files; with no record at all, the table's state root and the
-    cgroup parents runsc made (each removed only once empty)."""
-    for name in _runsc_cgroup_names(s):
-        if name not in keep:
-            _remove_runsc_cgroups(s, name)
-    with contextlib.suppress(OSError):
-        for d in Path(s.scratch_dir).iterdir():
-            if d.name not in keep and TASK_ID_RE.match(d.name):
-                _unstage(d)
-    _remove_state_files(s, lambda names: gvisor.stale_state_files(names, keep))
-    if not keep:
-        with contextlib.suppress(OSError):
-            Path(state_root(s)).rmdir()
-        for h in RUNSC_HIERARCHIES:
-            with contextlib.suppress(OSError):
-                Path(s.cgroup_root, h, s.cgroup_parent).rmdir()
-
-
-def _state_left(s: LauncherSettings, task_id: str) -> bool:
-    """True unless runsc's state root shows nothing of `task_id` but its lock: most ends
-    (the command's own, or a kill) need no `delete -force`, which is one more runsc start
-    (tens of ms, over a second under load: the gVisor tier's kill-to-gone p95)."""
-    try:
-        return gvisor.state_left(os.listdir(state_root(s)), task_id)
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True  # unreadable: let runsc decide
-
-
-def _remove_state_files(s: LauncherSettings,
-                        which: Callable[[list[str]], list[str]]) -> None:
-    """runsc's files of gone containers (`delete -force` leaves the `.lock`)."""
-    root = Path(state_root(s))
-    with contextlib.suppress(OSError):
-        for name in which(os.listdir(root)):
-            (root / name).unlink(missing_ok=True)
-
-
-def _runsc_cgroup_names(s: LauncherSettings) -> set[str]:
-    names: set[str] = set()
-    for h in RUNSC_HIERARCHIES:
-        with contextlib.suppress(OSError):
-            names.update(p.name for p in Path(s.cgroup_root, h, s.cgroup_parent).iterdir()
-                         if p.is_dir())
-    return names
-
-
-def _remove_runsc_cgroups(s: LauncherSettings, task_id: str) -> None:
-    """The dirs a runsc that died between create and delete leaves (v1 only); then the
-    parents it made, once empty (a test launcher's own parent goes with its last sandbox)."""
-    if cgroups.detect_version(s.cgroup_root) == 2:
-        return
-    for h in RUNSC_HIERARCHIES:
-        parent = Path(s.cgroup_root, h, s.cgroup_parent)
-        for d in (parent / task_id, parent):
-            with contextlib.suppress(OSError):
-                d.rmdir()
 
 
 BACKEND = GvisorBackend()

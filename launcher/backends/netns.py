@@ -7,6 +7,7 @@ import contextlib
 import functools
 import marshal
 import os
+import select
 import subprocess
 import threading
 import time
@@ -18,7 +19,7 @@ from ..environment import SANDBOX_PATH
 from ..execserver import ExecServer
 from ..spec import LauncherError
 from ..supervise import Ended, exit_status, watch
-from . import CgroupControl, Live, StartContext, captures, init_plan
+from . import CgroupControl, Live, StartContext, captures, init_plan, not_ready
 
 if TYPE_CHECKING:  # annotations only
     from ..execspec import ExecProc, ExecSpec
@@ -33,11 +34,17 @@ COMPILE = ("import marshal,sys\nsys.stdout.buffer.write(marshal.dumps(compile("
            "sys.stdin.read(),'stockade-init','exec')))")
 HELD_NAME = "stockade-held"  # = sandbox_init.py's HELD_NAME
 READY_TIMEOUT_S = 30.0  # a session's init holds the sandbox within this (a loaded host)
-
+# a warm-pool init's setup (mounts, no command yet) takes tens of ms; on a loaded host
+# seconds: past this it is taken for broken and the refill tears it down
+POOLED_READY_TIMEOUT_S = 30.0
+# what the container tier's init runs under: its own namespaces inside the sandbox's netns
+_INIT_PREFIX = ["unshare", "--mount", "--pid", "--ipc", "--uts", "--fork",
+                "--kill-child", "--propagation", "private", "--"]
 
 class NetnsBackend(CgroupControl):
     name = "netns"
     tap = None
+    claims_inputs = True  # bound at the claim, before the init's pivot
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # one exec server per session, started once
@@ -49,10 +56,48 @@ class NetnsBackend(CgroupControl):
     def start(self, live: Live, spec: SandboxSpec, ctx: StartContext) -> None:
         plan = {**initscript.build(init_plan(live, ctx)), "env": ctx.env,
                 "seccomp": ctx.seccomp()}
-        argv = ["nsenter", f"--net={netns.NETNS_DIR}/{live.record.netns}", "--",
-                "unshare", "--mount", "--pid", "--ipc", "--uts", "--fork",
-                "--kill-child", "--propagation", "private", "--"]
-        live.proc = _spawn_init(argv, ctx.init_python, plan, spec.argv, spec.stdin is not None)
+        live.proc = _spawn_init(_prefix(live), ctx.init_python, plan, spec.argv,
+                                spec.stdin is not None)
+        if spec.session:
+            _await_held(live)
+
+    def start_pooled(self, live: Live, ctx: StartContext) -> None:
+        """The init with every operation no task decides done, waiting for its claim."""
+        ready_r, ready_w = os.pipe()
+        claim_r, claim_w = os.pipe()
+        try:
+            plan = {**initscript.build_pooled(init_plan(live, ctx)), "ready_fd": ready_w,
+                    "claim_fd": claim_r}
+            live.proc = _spawn_init(_prefix(live), ctx.init_python, plan, [], True,
+                                    ready_w, claim_r)
+        except BaseException:
+            os.close(claim_w)
+            raise
+        finally:
+            os.close(ready_w)
+            os.close(claim_r)
+        live.pipes = claim_w  # the claim goes here; teardown closes it
+        try:
+            ready = select.select([ready_r], [], [], POOLED_READY_TIMEOUT_S)[0]
+            ok = bool(ready) and os.read(ready_r, 1) == b"R"
+        finally:
+            os.close(ready_r)
+        if not ok:
+            raise LauncherError("a warm-pool sandbox's init did not finish its setup: "
+                                + not_ready(live.proc, POOLED_READY_TIMEOUT_S))
+
+    def claim_pooled(self, live: Live, spec: SandboxSpec, ctx: StartContext) -> None:
+        """Hand the waiting init its task: inputs, pivot, environment, filter, command
+        (from there on it is a cold start's init: `start_command`, or a session's hold
+        when the claim has no command)."""
+        claim = {"ops": initscript.claim_ops(init_plan(live, ctx)), "env": ctx.env,
+                 "seccomp": ctx.seccomp(), "argv": list(spec.argv)}
+        fd, live.pipes = live.pipes, None
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(marshal.dumps(claim, 4))
+        except OSError as e:  # the init died while it waited: this sandbox is unusable
+            raise LauncherError(f"the warm-pool sandbox is gone: {e.strerror or e}") from None
         if spec.session:
             _await_held(live)
 
@@ -72,6 +117,10 @@ class NetnsBackend(CgroupControl):
         return server.start(list(req.argv), req.env, req.cwd, req.stdin is not None)
 
     def teardown(self, live: Live) -> None:
+        if isinstance(live.pipes, int):  # an unclaimed warm-pool sandbox: its init ends
+            with contextlib.suppress(OSError):
+                os.close(live.pipes)
+            live.pipes = None
         super().teardown(live)
         if isinstance(live.pipes, ExecServer):
             live.pipes.close()  # its process went with the sandbox's cgroups
@@ -90,6 +139,10 @@ class NetnsBackend(CgroupControl):
         err.join(timeout=5)
         # a fork bomb whose shell died of a failed fork between two polls of the watch
         return Ended(ended_by, exit_status(proc.returncode), pids_hit(), out, err)
+
+
+def _prefix(live: Live) -> list[str]:
+    return ["nsenter", f"--net={netns.NETNS_DIR}/{live.record.netns}", "--", *_INIT_PREFIX]
 
 
 def _spawn_init(prefix: list[str], python: str, plan: dict[str, Any], argv: list[str],

@@ -47,7 +47,7 @@ def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from stockade.launcher.core import Launcher, LauncherError, SandboxSpec, preflight
+    from stockade.launcher.core import LauncherError, SandboxSpec, preflight
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
@@ -79,8 +79,16 @@ def _run(args: argparse.Namespace) -> int:
                        inputs=[_parse_input(i) for i in args.input],
                        export_dir=args.export, ttl=args.ttl)
     from .progress import Progress
-    from .services import StackError, ensure_stack
+    from .services import StackError, ensure_stack, stack_running
 
+    same_rules = not args.rules or (
+        os.path.realpath(args.rules) == os.path.realpath(config.rules_dir))
+    if same_rules and not stack_running(config):
+        # a stack this run starts (or shares with runs like it) leaves out what the rules
+        # never use; a running one (`stockade up`) is used as it is
+        from .lean import without_unneeded_inspector
+
+        config = without_unneeded_inspector(config, ruleset)
     progress = Progress(None if args.json or args.quiet else sys.stderr)
     try:
         # a running stack (`stockade up`) is used as it is; otherwise gateway, broker and
@@ -89,19 +97,55 @@ def _run(args: argparse.Namespace) -> int:
             with progress.phase("joining or starting the stack (gateway, broker, OpenBao)",
                                 "stack ready"):
                 effective = stack.enter_context(ensure_stack(config, secrets))
-            launcher = Launcher(effective)
-            launcher.events.subscribe(progress.on_event)
             progress.begin_sandbox()
-            try:
-                result = launcher.run(spec, ruleset)
-            finally:
-                launcher.close()
+            result = _run_sandbox(effective, spec, ruleset, progress, same_rules)
     except (LauncherError, StackError, OSError) as e:  # OSError: a full or read-only disk
         print(f"stockade run: {e}", file=sys.stderr)
         return 2
     _print_result(result, args.json)
     progress.summary(result.denials)
     return result.exit_code
+
+
+def _run_sandbox(effective: Any, spec: Any, ruleset: Any, progress: Any,
+                 same_rules: bool) -> Any:
+    """The run's sandbox: claimed through the running stack's launcher service when it
+    keeps warm pools (it decides with its own rules, so only when this run reads the same
+    rules directory), else from a launcher of this run's own."""
+    from stockade.launcher.core import Launcher
+
+    service = _pooled_service(effective) if same_rules else None
+    if service is not None:
+        return _run_in_service(service, spec)
+    launcher = Launcher(effective)
+    launcher.events.subscribe(progress.on_event)
+    try:
+        return launcher.run(spec, ruleset)
+    finally:
+        launcher.close()
+
+
+def _pooled_service(effective: Any) -> Any | None:
+    """The running stack's launcher service when it keeps warm pools (`stockade up` with
+    `launcher.pools`), else None: this command then runs its own launcher."""
+    from stockade.launcher.service import LauncherClient
+
+    client = LauncherClient(effective.launcher.control_socket, timeout=2.0)
+    try:
+        health = client.health()
+    except (OSError, ValueError, RuntimeError):  # no service, or one that does not answer
+        return None
+    return client if health.get("ok") and health.get("pools") else None
+
+
+def _run_in_service(client: Any, spec: Any) -> Any:
+    from stockade.launcher.core import LauncherError
+    from stockade.tasks import ControlError
+
+    try:
+        return client.run(spec)
+    except ControlError as e:  # the service's refusal, in its own words
+        raise LauncherError(f"the launcher service refused: {e.describe()}") from None
 
 
 def _print_result(result: Any, as_json: bool) -> None:

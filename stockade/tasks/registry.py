@@ -48,6 +48,10 @@ class Task:
     registered_at: float = 0.0
     # the caller's labels (labels.py): every event of the task carries them
     labels: dict[str, str] = field(default_factory=dict)
+    # a warm-pool sandbox no task has claimed: known (its traffic is logged as `unclaimed`)
+    # and denied everything; it is registered with an empty profile, so a service that
+    # ignored this flag would still find no profile and deny (fail closed)
+    pooled: bool = False
 
     def expired(self, now: float) -> bool:
         return self.expires_at is not None and now >= self.expires_at
@@ -67,12 +71,22 @@ class Task:
             raise RegistryError("expires_at must be a number (unix time)")
         reg = d.get("registered_at") or time.time()
         assert isinstance(reg, int | float)
-        try:
-            labels = check_labels(d.get("labels"))
-        except LabelError as e:
-            raise RegistryError(f"invalid labels: {e}") from None
+        labels, pooled = _labels_and_pooled(d, profile)
         return Task(task_id, address, profile, float(exp) if exp is not None else None,
-                    float(reg), labels)
+                    float(reg), labels=labels, pooled=pooled)
+
+
+def _labels_and_pooled(d: dict[str, object], profile: str) -> tuple[dict[str, str], bool]:
+    try:
+        labels = check_labels(d.get("labels"))
+    except LabelError as e:
+        raise RegistryError(f"invalid labels: {e}") from None
+    pooled = d.get("pooled", False)
+    if not isinstance(pooled, bool):
+        raise RegistryError("pooled must be true or false")
+    if pooled and (profile or labels):
+        raise RegistryError("a pooled task has no profile until it is claimed, nor labels")
+    return labels, pooled
 
 
 Listener = Callable[[Task], None]

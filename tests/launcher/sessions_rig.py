@@ -20,7 +20,7 @@ from stockade.launcher.cgroups import remove_parent
 from stockade.launcher.service import LauncherService
 
 from stockade.config import Config
-from stockade.tasks.control import _UnixHTTPConnection
+from stockade.tasks.client import _UnixHTTPConnection
 
 from .conftest import Lab
 

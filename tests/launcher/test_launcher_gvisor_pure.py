@@ -217,14 +217,14 @@ def test_hook_probe_config_creates_its_stamp(tmp_path: Path) -> None:
 
 
 def test_copied_etc_file_keeps_mode_and_owner(tmp_path: Path) -> None:
-    from stockade.launcher.backends.gvisor import _materialize
+    from stockade.launcher.backends.gvisor_host import materialize
 
     secret = tmp_path / "host-secret.conf"
     secret.write_text("only root reads this\n")
     os.chown(secret, 1234, 4321)
     os.chmod(secret, 0o4640)  # a set-id bit is not carried over
     layout = gvisor.RootLayout(dirs=["/etc"], copies=[("/etc/app/secret.conf", str(secret))])
-    _materialize(tmp_path / "root", layout)
+    materialize(tmp_path / "root", layout)
     st = (tmp_path / "root/etc/app/secret.conf").stat()
     assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (1234, 4321, 0o640)
     assert (tmp_path / "root/etc/app/secret.conf").read_text() == "only root reads this\n"

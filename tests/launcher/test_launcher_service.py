@@ -32,6 +32,7 @@ from stockade.launcher.service import (
     parse_run_request,
     run_request,
 )
+from stockade.launcher.settings import PoolSettings
 
 from stockade.config import Config
 from stockade.events import validate
@@ -80,16 +81,18 @@ class Served:
             return self.proc.wait()
 
 
-def _serve(lab: Lab, tmp: Path) -> Iterator[Served]:
+def _serve(lab: Lab, tmp: Path, pools: dict[str, Any] | None = None) -> Iterator[Served]:
     """`stockade launcher serve` on a config of its own that shares the lab's gateway and
-    broker; torn down (and checked for leftovers by the tests) at the end."""
+    broker; torn down (and checked for leftovers by the tests) at the end. `pools`: its
+    `launcher.pools`."""
     config = own_config(
         lab, tmp, "sv", 216, 7500,
         {"svc": PROFILE.format(name="svc"),
          "gv": PROFILE.format(name="gv") + "isolation: gvisor\n"},
         reconcile_interval_s=1.0,  # orphans of a killed `stockade run` go within 1 s
         # the gv profile stands for a tier this service cannot give
-        gvisor=lab.config.launcher.gvisor.model_copy(update={"enabled": False}))
+        gvisor=lab.config.launcher.gvisor.model_copy(update={"enabled": False}),
+        **({"pools": PoolSettings.model_validate(pools)} if pools else {}))
     launcher, rules = config.launcher, Path(config.rules_dir)
     cfg_path = tmp / "stockade.yaml"
     cfg_path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
