@@ -9,7 +9,7 @@
 #   base-<key>.tar   the rootfs; <key> hashes packages.txt, the suite and the mirror
 #   wheels-<key>/    the dependency wheels; <key> hashes pyproject.toml
 # and the images themselves: localhost/stockade-base:<key> and localhost/stockade:<src>, where
-# <src> hashes every input (an existing image is reused, not rebuilt).
+# <src> hashes every input (an existing image is reused, not rebuilt: a repeat takes seconds).
 #
 # Environment: STOCKADE_DEBIAN_MIRROR (default http://deb.debian.org/debian),
 # STOCKADE_DEBIAN_SECURITY (default http://deb.debian.org/debian-security),
@@ -73,10 +73,27 @@ if ! image_exists "$base_image"; then
     "$tool" import "$base_tar" "$base_image" >/dev/null
 fi
 
-# -- 2. the build context ----------------------------------------------------------------------
+# -- 2. the image's inputs --------------------------------------------------------------------
+# <src> hashes everything that goes into the image: the base, the Containerfile, the
+# dependency set, the project's source (not its wheel: wheels carry build timestamps), the
+# guest, the rules and the example config. An image of the same inputs is reused as it is.
+[ -f "$vm/manifest.json" ] || { log "building the microVM guest into $vm"; bash "$repo/vm-images/build.sh" "$vm" >&2; }
+wheels_key=$(hash_of < "$repo/pyproject.toml")
+src=$( (echo "$base_key $wheels_key"; cat "$here/Containerfile";
+        cd "$repo" && find pyproject.toml README.md stockade policy gateway broker launcher rules \
+            deploy/stockade.yaml -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 \
+            | sort -z | xargs -0 sha256sum;
+        cd "$vm/" && find . -type f -print0 | sort -z | xargs -0 sha256sum) | hash_of)
+image=localhost/stockade:$src
+if image_exists "$image"; then
+    log "reusing $image"
+    echo "$image"
+    exit 0
+fi
+
+# -- 3. the build context ----------------------------------------------------------------------
 ctx=$(mktemp -d "$cache/ctx.XXXXXX")
 trap 'rm -rf "$ctx"' EXIT
-wheels_key=$(hash_of < "$repo/pyproject.toml")
 wheels=$cache/wheels-$wheels_key
 if [ ! -d "$wheels" ]; then
     log "collecting the dependency wheels into $wheels"
@@ -87,31 +104,16 @@ fi
 mkdir "$ctx/wheels"
 cp -l "$wheels"/*.whl "$ctx/wheels/" 2>/dev/null || cp "$wheels"/*.whl "$ctx/wheels/"
 "$pip" wheel -q --no-deps --wheel-dir "$ctx/wheels" "$repo" >&2
-
-if [ ! -f "$vm/manifest.json" ]; then
-    log "building the microVM guest into $vm"
-    bash "$repo/vm-images/build.sh" "$vm" >&2
-fi
 cp -rL "$vm" "$ctx/vm"
 cp -r "$repo/rules" "$ctx/rules"
 cp "$repo/deploy/stockade.yaml" "$ctx/stockade.yaml"
 version=$("$repo/.venv/bin/python" -c 'from importlib.metadata import version; print(version("stockade"))' 2>/dev/null || echo unknown)
 echo "$version" > "$ctx/version"
 
-# -- 3. the image ------------------------------------------------------------------------------
-# <src>: the base, the Containerfile and everything copied in (wheel names carry versions;
-# the project's wheel is hashed by content, since its version rarely changes)
-src=$( (echo "$base_key"; cat "$here/Containerfile";
-        cd "$ctx" && find . -type f ! -path './wheels/*' -print0 | sort -z | xargs -0 sha256sum;
-        ls "$ctx/wheels"; sha256sum "$ctx"/wheels/stockade-*.whl | cut -d' ' -f1) | hash_of)
-image=localhost/stockade:$src
-if image_exists "$image"; then
-    log "reusing $image"
-else
-    log "building $image with $tool"
-    "$tool" build --runtime runc --network none \
-        --ulimit nofile=1024:1024 --ulimit nproc=1024:1024 \
-        --build-arg "BASE=$base_image" --label "org.opencontainers.image.version=$version" \
-        -f "$here/Containerfile" -t "$image" "$ctx" >&2
-fi
+# -- 4. the image ------------------------------------------------------------------------------
+log "building $image with $tool"
+"$tool" build --runtime runc --network none \
+    --ulimit nofile=1024:1024 --ulimit nproc=1024:1024 \
+    --build-arg "BASE=$base_image" --label "org.opencontainers.image.version=$version" \
+    -f "$here/Containerfile" -t "$image" "$ctx" >&2
 echo "$image"
