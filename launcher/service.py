@@ -86,6 +86,7 @@ class LauncherService:
         self.socket_path = config.launcher.control_socket
         self._runner: web.AppRunner | None = None
         self._reconciler: asyncio.Task[None] | None = None
+        self._rules_watch: asyncio.Task[None] | None = None
         self._closing = False
         # task id -> run (this service's); touched only on the loop thread (run threads
         # hand over through call_soon_threadsafe), so no lock
@@ -109,16 +110,20 @@ class LauncherService:
             self.config.launcher.reconcile_interval_s,
             lambda: asyncio.to_thread(self.launcher.reconcile),
             "launcher: orphan reconcile", log))
+        self._rules_watch = asyncio.create_task(every(
+            self.config.launcher.rules_poll_interval_s,
+            lambda: asyncio.to_thread(self.rules.poll), "launcher: rule file polling", log))
 
     async def stop(self) -> None:
         """Refuse new runs, kill this service's sandboxes, wait for their teardown, close
         the socket, then `Launcher.close()` (the last launcher out removes the nft table)."""
         self._closing = True
-        if self._reconciler is not None:
-            self._reconciler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reconciler
-            self._reconciler = None
+        for task in (self._reconciler, self._rules_watch):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._reconciler = self._rules_watch = None
         await asyncio.to_thread(self._kill_own_and_wait)
         if self._runner is not None:
             await self._runner.cleanup()
