@@ -79,7 +79,9 @@ class LauncherService:
         from stockade.policy.holder import RulesHolder
 
         self.config = config
-        self.events = config.event_writer(stdout=False)
+        # events.stdout as configured: in a pod, the node's log agent reads the containers'
+        # stdout (only `stockade run`, whose stdout is its result, keeps it off: core.py)
+        self.events = config.event_writer()
         self.launcher = launcher or Launcher(config, events=self.events)
         # the gateway's holder: an invalid reload keeps the rules in force (fail closed)
         self.rules = RulesHolder(config.rules_dir, self.events.write, component="launcher")

@@ -1,16 +1,20 @@
 """`stockade launcher serve` reloads its rules when a file under rules_dir changes, as the
 gateway and the broker do (the same change detection, stockade.policy.holder), so a
 kubelet ConfigMap swap reaches every component without a SIGHUP; a broken file is refused
-and the rules in force stay."""
+and the rules in force stay. Its events go to stdout when events.stdout says so (the Helm
+chart's pods)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from polling import eventually
 from stockade.launcher import SandboxSpec
+from stockade.launcher.service import LauncherService
 
+from stockade.config import Config
 from stockade.events import read_events
 
 from .test_launcher_service import PROFILE, Served, served  # noqa: F401 - the fixture
@@ -41,3 +45,16 @@ def refused(svc: Served) -> bool:
     return path is not None and any(
         e["event"]["action"] == "rules_reload" and e["event"]["reason"] == "rules_invalid"
         and '"file_change"' in json.dumps(e) for e in read_events(path))
+
+
+@pytest.mark.parametrize("stdout", [True, False])
+def test_the_service_writes_events_to_stdout_as_configured(tmp_path: Path, stdout: bool) -> None:
+    """A pod's log agent reads stdout (the Helm chart sets events.stdout: true)."""
+    d = str(tmp_path)
+    cfg = Config.model_validate({"log_dir": d, "state_dir": d, "run_dir": d,
+                                 "events": {"stdout": stdout}})
+    svc = LauncherService(cfg)
+    try:
+        assert svc.events.stdout is stdout
+    finally:
+        svc.events.close()
