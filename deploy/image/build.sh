@@ -79,10 +79,13 @@ fi
 # guest, the rules and the example config. An image of the same inputs is reused as it is.
 [ -f "$vm/manifest.json" ] || { log "building the microVM guest into $vm"; bash "$repo/vm-images/build.sh" "$vm" >&2; }
 wheels_key=$(hash_of < "$repo/pyproject.toml")
+sources() {   # the files the project's wheel is built from, NUL-separated
+    (cd "$repo" && find pyproject.toml README.md stockade policy gateway broker launcher \
+        -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | sort -z)
+}
 src=$( (echo "$base_key $wheels_key"; cat "$here/Containerfile";
-        cd "$repo" && find pyproject.toml README.md stockade policy gateway broker launcher rules \
-            deploy/stockade.yaml -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 \
-            | sort -z | xargs -0 sha256sum;
+        cd "$repo" && { sources; find rules deploy/stockade.yaml -type f -print0 | sort -z; } \
+            | xargs -0 sha256sum;
         cd "$vm/" && find . -type f -print0 | sort -z | xargs -0 sha256sum) | hash_of)
 image=localhost/stockade:$src
 if image_exists "$image"; then
@@ -94,16 +97,21 @@ fi
 # -- 3. the build context ----------------------------------------------------------------------
 ctx=$(mktemp -d "$cache/ctx.XXXXXX")
 trap 'rm -rf "$ctx"' EXIT
+# wheels are built from a copy of exactly the hashed sources (setuptools would also leave
+# a build/ directory in the checkout)
+mkdir "$ctx/src"
+sources | (cd "$repo" && xargs -0 cp --parents -t "$ctx/src")
 wheels=$cache/wheels-$wheels_key
 if [ ! -d "$wheels" ]; then
     log "collecting the dependency wheels into $wheels"
-    "$pip" wheel -q --wheel-dir "$wheels.part" "$repo" >&2
+    "$pip" wheel -q --wheel-dir "$wheels.part" "$ctx/src" >&2
     rm -f "$wheels.part"/stockade-*.whl   # the project's own wheel is built every time
     mv "$wheels.part" "$wheels"
 fi
 mkdir "$ctx/wheels"
 cp -l "$wheels"/*.whl "$ctx/wheels/" 2>/dev/null || cp "$wheels"/*.whl "$ctx/wheels/"
-"$pip" wheel -q --no-deps --wheel-dir "$ctx/wheels" "$repo" >&2
+"$pip" wheel -q --no-deps --wheel-dir "$ctx/wheels" "$ctx/src" >&2
+rm -rf "$ctx/src"
 cp -rL "$vm" "$ctx/vm"
 cp -r "$repo/rules" "$ctx/rules"
 cp "$repo/deploy/stockade.yaml" "$ctx/stockade.yaml"
