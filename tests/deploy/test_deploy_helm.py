@@ -155,6 +155,13 @@ def test_bad_values_fail_with_a_clear_message() -> None:
         values(pools=[{**pool, "tiers": ["gvisor"]}]))
     assert "at least one node pool" in render_error(values(pools=[]))
     # (Helm's lint runs `fail` leniently, so these refusals are install-time: render)
+    # values.schema.json: a misspelt key, a value outside its set, a bad pool name
+    assert "additional properties 'vualt' not allowed" in render_error(values(vualt={}))
+    assert "value must be one of 'kubernetes', 'token', 'approle'" in render_error(
+        values(vault={"auth": "userpass"}))
+    assert "/pools/0/name" in render_error(values(pools=[{**pool, "name": "Pool_A"}]))
+    assert "/pools/0/tiers/1" in render_error(
+        values(pools=[{**pool, "tiers": ["container", "firecracker"]}]))
 
 
 def test_daemonset_shape_and_per_container_security() -> None:
