@@ -75,12 +75,14 @@ def containers(ds: Doc) -> dict[str, Doc]:
     return {c["name"]: c for c in ds["spec"]["template"]["spec"]["containers"]}
 
 
-def pool_config(docs: list[Doc], pool: str, tmp_path: Path) -> Any:
-    """The pool's stockade.yaml, loaded by stockade.config (strict: unknown keys fail)."""
+def pool_config(docs: list[Doc], pool: str, tmp_path: Path, key: str = "stockade.yaml"
+                ) -> Any:
+    """The pool's stockade.yaml (or launcher.yaml), loaded by stockade.config (strict:
+    unknown keys fail)."""
     cm = next(d for d in kinds(docs, "ConfigMap")
               if d["metadata"]["name"] == f"stk-stockade-{pool}-config")
-    path = tmp_path / f"{pool}.yaml"
-    path.write_text(cm["data"]["stockade.yaml"])
+    path = tmp_path / f"{pool}-{key}"
+    path.write_text(cm["data"][key])
     return load_config(path)
 
 
@@ -233,6 +235,18 @@ def test_pool_configs_load_and_follow_tiers(tmp_path: Path) -> None:
         assert cfg.events.stdout and cfg.events.file is None
         assert cfg.gateway.metrics_listen.startswith("127.0.0.1:")
         assert cfg.broker.metrics_listen.startswith("127.0.0.1:")
+    # the root launcher's event files are its own (a root-created 0640 file in the shared
+    # directory would lock the uid-65534 services out); all else is the pool's config
+    launcher = pool_config(docs, "vm", tmp_path, "launcher.yaml")
+    assert launcher.events.stdout
+    assert Path(launcher.events_file).parent != Path(vm.events_file).parent
+    assert Path(launcher.task_events_dir) != Path(vm.task_events_dir)
+    assert launcher.model_dump(exclude={"events"}) == vm.model_dump(exclude={"events"})
+    ds = next(d for d in kinds(docs, "DaemonSet") if d["metadata"]["name"] == "stk-stockade-vm")
+    c = containers(ds)
+    assert c["launcher"]["command"][-1] == "/etc/stockade/config/launcher.yaml"
+    assert c["gateway"]["command"][-1] == c["broker"]["command"][-1] == (
+        "/etc/stockade/config/stockade.yaml")
 
 
 @pytest.mark.parametrize(("variant", "mode", "volume_kind"), [

@@ -67,7 +67,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
-{{/* stockade.yaml of one pool: what the chart sets, under the values' `config`. */}}
+{{/* stockade.yaml of one pool (dict root, pool, component: "launcher" for the launcher's):
+     what the chart sets, under the values' `config`. */}}
 {{- define "stockade.config" -}}
 {{- $pool := .pool -}}
 {{- $v := .root.Values -}}
@@ -109,6 +110,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
     "gvisor" (dict "enabled" (has "gvisor" $pool.tiers) "root_dir" "/run/stockade/runsc")
     "microvm" $microvm)
 -}}
+{{- if eq (default "" .component) "launcher" -}}
+{{- /* root's files in a directory of their own: a file the root launcher creates (0640)
+       in the shared one, or its rotation, would lock the uid-65534 services out of it */ -}}
+{{- $_ := set $chart "events" (dict "file" "/var/log/stockade/launcher/events.jsonl" "task_dir" "/var/log/stockade/launcher/tasks" "stdout" true) -}}
+{{- end -}}
 {{- toYaml (mergeOverwrite (deepCopy $v.config) $chart) -}}
 {{- end -}}
 
