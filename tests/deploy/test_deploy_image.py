@@ -84,8 +84,9 @@ def netns() -> Iterator[str]:
         subprocess.run(["ip", "netns", "del", name], check=False)
 
 
-def run(image: str, *argv: str, opts: tuple[str, ...] = (), timeout: float = 300
-        ) -> subprocess.CompletedProcess[str]:
+def run(image: str, *argv: str, opts: tuple[str, ...] = ("--network", "none"),
+        timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`podman run` of `image`; by default without a network (no bridge, no host rules)."""
     return subprocess.run([*RUN, *opts, image, *argv], capture_output=True, text=True,
                           check=False, timeout=timeout)
 
