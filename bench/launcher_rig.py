@@ -37,25 +37,36 @@ def bench_config(tmp: Path, name: str, pool: str, nflog_group: int, **launcher: 
 
 
 @contextlib.contextmanager
-def started_launcher(name: str, pool: str, nflog_group: int,
-                     **launcher: Any) -> Iterator[Launcher]:
-    tmp = Path(tempfile.mkdtemp(prefix=f"stockade-{name}-"))
-    cfg = bench_config(tmp, name, pool, nflog_group, **launcher)
+def stand_ins(cfg: Config) -> Iterator[asyncio.AbstractEventLoop]:
+    """The stand-in gateway and broker registries on an event loop of their own (the
+    loop, for the caller's own coroutines); at the end the launcher's table and cgroup
+    parent are removed too, if its owner left them."""
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     runners = [asyncio.run_coroutine_threadsafe(start_control_server(
         make_control_app(TaskRegistry()), p), loop).result(10)
         for p in (cfg.gateway.control_socket, cfg.broker.control_socket)]
-    launcher = Launcher(cfg)
     try:
-        launcher.start()
-        yield launcher
+        yield loop
     finally:
-        launcher.close()
         subprocess.run(["nft", "delete", "table", "inet", cfg.launcher.nft_table], check=False,
                        capture_output=True)
         remove_parent(cfg.launcher.cgroup_root, cfg.launcher.cgroup_parent)
-        shutil.rmtree(tmp, ignore_errors=True)
         for r in runners:
             asyncio.run_coroutine_threadsafe(r.cleanup(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
+
+
+@contextlib.contextmanager
+def started_launcher(name: str, pool: str, nflog_group: int,
+                     **launcher: Any) -> Iterator[Launcher]:
+    tmp = Path(tempfile.mkdtemp(prefix=f"stockade-{name}-"))
+    cfg = bench_config(tmp, name, pool, nflog_group, **launcher)
+    with stand_ins(cfg):
+        launcher = Launcher(cfg)
+        try:
+            launcher.start()
+            yield launcher
+        finally:
+            launcher.close()
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -58,6 +58,7 @@ class BrokerService:
         rules = load_rules(rules_dir)  # RulesError: refuse to start on invalid rules
         self.registry = TaskRegistry(s.state_file or Path(cfg.state_dir) / "broker-tasks.json")
         self.events = cfg.event_writer()
+        self.events.label_with(self.registry.labels_of)  # every broker event of a task
         self.vault = self._vault_client()
         # upstream names resolve like the gateway's: configured servers, checked addresses
         from .upstream_dns import checked_resolver

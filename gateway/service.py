@@ -78,6 +78,8 @@ class GatewayService:
         self.rules = RulesHolder(config.rules_dir, self.writer.write, self.metrics)
         registry_file = gs.registry_file or str(Path(config.state_dir) / "gateway-tasks.json")
         self.registry = TaskRegistry(registry_file)
+        # gateway and DNS events of a task carry its labels (this writer is both's)
+        self.writer.label_with(self.registry.labels_of)
         own = list(gs.own_addresses)
         if gs.detect_own_addresses:
             own += host_addresses()

@@ -9,6 +9,7 @@ and a normal end share it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
@@ -29,7 +30,7 @@ from .cleanup import Cleaner, wiring
 from .denials import BypassCollector
 from .deregistration import deregister, retry_pending
 from .ending import end_due, end_event
-from .environment import permitted_congestion_control, port, sandbox_env
+from .environment import exec_env, permitted_congestion_control, port, sandbox_env
 from .isolation import choose_backend, preflight, profile_of
 from .lifecycle import operator_event, start_event
 from .nflog import LogRecord
@@ -47,6 +48,7 @@ from .supervise import capture_fields, classify_end, kill_marker
 
 if TYPE_CHECKING:  # annotations only
     from .configview import LauncherConfig as Config
+    from .execspec import ExecProc, ExecSpec
 
 # stockade/stack/run.py imports these from here
 __all__ = ["ExportedFile", "Launcher", "LauncherError", "RunResult", "SandboxSpec", "preflight"]
@@ -79,6 +81,10 @@ class Launcher:
                              self._retry_deregistrations)
         self.deregister_failures = 0  # failed deregistrations (each logged), retries too
         self._congestion_control = permitted_congestion_control(s.congestion_control)
+        # task id -> the labels its spec asked for: in its registration and, through the
+        # writer, in every event the launcher writes of it
+        self._labels: dict[str, dict[str, str]] = {}
+        self.events.label_with(self._labels.get)
 
     # the NFLOG reader's state as before the split (the service's status reads the first)
     @property
@@ -151,6 +157,7 @@ class Launcher:
                                  accounting=self.bypass.end_accounting(ours)))
         else:
             self.bypass.forget(rec.task_id)
+        self._labels.pop(rec.task_id, None)
         scrubber = scrub.for_sandbox(self.config, str(self.scratch_base), rec.host_ip,
                                      spec.inputs, spec.env)
         if ended.failed is not None:  # torn down above, like any sandbox that fails to start
@@ -167,6 +174,29 @@ class Launcher:
                      "teardown_s": t_end - t_run},
             **capture_fields(ended.out, ended.err),
         )
+
+    def exec(self, task_id: str, req: ExecSpec) -> ExecProc:
+        """One more command in the running session sandbox `task_id` (`SandboxSpec.session`,
+        run by this launcher); `req.env` holds only the caller's additions, merged under
+        the sandbox's own rules. LauncherError when there is no such sandbox."""
+        live = self._live.get(task_id)
+        if live is None or live.ctx is None or live.killed.is_set():
+            raise LauncherError(f"no running session sandbox {task_id} in this launcher")
+        full = dataclasses.replace(req, env=exec_env(live.ctx.env, req.env))
+        return live.backend.exec(live, full, live.ctx)
+
+    def scrubber(self, task_id: str, spec: SandboxSpec) -> scrub.Scrubber:
+        """The output scrubber of a running sandbox (as its end result is scrubbed)."""
+        live = self._live.get(task_id)
+        if live is None:
+            raise LauncherError(f"no running sandbox {task_id} in this launcher")
+        return scrub.for_sandbox(self.config, str(self.scratch_base), live.record.host_ip,
+                                 spec.inputs, spec.env)
+
+    def scratch_root(self, task_id: str) -> str | None:
+        """The host path of a running sandbox's /scratch (None: not one of ours)."""
+        live = self._live.get(task_id)
+        return None if live is None else str(Path(live.record.scratch) / "scratch")
 
     def list(self) -> list[dict[str, Any]]:
         return [r.summary() for r in self.state.read().values()]
@@ -248,6 +278,8 @@ class Launcher:
         ttl = min(spec.ttl, limits.ttl) if spec.ttl else limits.ttl
         live = self.claims.claim(profile.name, ttl, isolation["isolation"], backend)
         rec, task_id = live.record, live.record.task_id
+        if spec.labels:
+            self._labels[task_id] = dict(spec.labels)
         a = slot_addresses(self.s.address_pool, rec.slot)
         try:
             backend.create(live, limits, self.s)
@@ -258,15 +290,19 @@ class Launcher:
                                          [wiring(rec, proxy=proxy_env)]))
             if self.register_tasks:
                 register_task(Task(task_id, a.guest_ip, profile.name,
-                              expires_at=rec.started_at + ttl + 5),
+                              expires_at=rec.started_at + ttl + 5,
+                              labels=dict(spec.labels)),
                               self._control_sockets(), live.registered)
             python = self._init_python()
-            backend.start(live, spec, StartContext(
+            ctx = StartContext(
                 settings=self.s, addresses=a, inputs=inputs, etc=etc, limits=limits,
                 env=self._env(spec, a.host_ip, proxy=proxy_env, trust=etc.trust_vars),
                 init_python=python, congestion_control=self._congestion_control,
                 seccomp=lambda: seccomp_program(python, profile),
-                state_dir=Path(self.config.state_dir) / "launcher"))
+                state_dir=Path(self.config.state_dir) / "launcher")
+            # only a session takes more commands: its execs need what its start got
+            live.ctx = ctx if spec.session else None
+            backend.start(live, spec, ctx)
             self.claims.running(live)
         except BaseException as e:
             self._teardown(task_id)

@@ -87,3 +87,13 @@ def sandbox_env(spec: SandboxSpec, host_ip: str, allowlist: list[str], broker_po
         env.update({"HTTP_PROXY": url, "HTTPS_PROXY": url, "http_proxy": url,
                     "https_proxy": url, "NO_PROXY": host_ip, "no_proxy": host_ip})
     return env
+
+
+# what the launcher sets in every sandbox's environment: an exec's additions never change it
+LAUNCHER_ENV_NAMES = ("PATH", "HOME", "TMPDIR", "STOCKADE_BROKER", *PROXY_ENV_NAMES)
+
+
+def exec_env(base: dict[str, str], additions: dict[str, str]) -> dict[str, str]:
+    """The environment of one more command in a session (pure): the sandbox's own
+    (`base`, built by `sandbox_env`) with the caller's additions, except the launcher's."""
+    return {**base, **{k: v for k, v in additions.items() if k not in LAUNCHER_ENV_NAMES}}

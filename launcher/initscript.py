@@ -247,3 +247,11 @@ def build(plan: InitPlan) -> dict[str, Any]:
         ops += _bind(b, r, _guest(b.target))
     ops += _etc(plan, r) + _scratch_and_inputs(plan, r) + _proc_dev_and_pivot(plan, r)
     return {"ops": ops, "uid": plan.uid, "gid": plan.gid, "rlimits": dict(plan.rlimits)}
+
+
+def exec_plan(plan: InitPlan, init_pid: int) -> dict[str, Any]:
+    """The plan of a session's exec server (`sandbox_init.py` with `join`): the sandbox's
+    cgroups and its init's namespaces to join, then for every exec the same uid, gid and
+    rlimits as the first command (`build`)."""
+    return {"join": {"pid": init_pid, "cgroup_procs": list(plan.cgroup_procs)},
+            "uid": plan.uid, "gid": plan.gid, "rlimits": dict(plan.rlimits)}

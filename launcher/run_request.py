@@ -8,6 +8,8 @@ import os
 from collections.abc import Container
 from typing import Any
 
+from stockade.tasks.labels import LabelError, check_labels
+
 from .initscript import check_input_target
 from .spec import ENV_NAME_RE, ExportedFile, RunResult, SandboxSpec
 
@@ -15,7 +17,7 @@ MAX_ARGV = 4096
 MAX_STDIN = 256 * 1024  # stdin travels inside the JSON body
 TRUNCATION_FIELDS = ("stdout_truncated", "stderr_truncated", "stdout_bytes", "stderr_bytes")
 RUN_FIELDS = frozenset({"profile", "argv", "inputs", "ttl", "env", "export_dir", "stdin",
-                        "wait"})
+                        "wait", "labels"})
 class RequestError(ValueError):
     """A request the service refuses (400); `field` names the offending key."""
 
@@ -143,8 +145,12 @@ def parse_run_request(
     wait = body.get("wait", True)
     if not isinstance(wait, bool):
         raise RequestError("wait", "must be true or false")
+    try:
+        labels = check_labels(body.get("labels"))
+    except LabelError as e:
+        raise RequestError("labels", str(e)) from None
     spec = SandboxSpec(profile=profile, argv=argv, inputs=inputs, export_dir=export_dir,
-                       ttl=ttl, env=env, stdin=stdin)
+                       ttl=ttl, env=env, stdin=stdin, labels=labels)
     return spec, wait
 
 
@@ -154,6 +160,8 @@ def run_request(spec: SandboxSpec, *, wait: bool = True) -> dict[str, Any]:
                             "inputs": [[h, g] for h, g in spec.inputs], "ttl": spec.ttl,
                             "env": dict(spec.env), "export_dir": spec.export_dir,
                             "wait": wait}
+    if spec.labels:
+        body["labels"] = dict(spec.labels)
     if spec.stdin is not None:
         body["stdin"] = spec.stdin.decode("utf-8")  # UnicodeDecodeError: not sendable as text
     return body

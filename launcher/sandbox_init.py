@@ -8,13 +8,26 @@ then starts the command as an unprivileged user with an empty capability boundin
 no_new_privs and the seccomp filter of the plan (BPF compiled by libseccomp on the host,
 `seccomp_bpf.py`; loaded last, so the init's own mounts are done by then), waits for it
 and exits with its status (128+N when a signal ended it).
-Nothing from the plan reaches argv, so /proc/1/cmdline shows no host paths.
+Nothing from the plan reaches argv, so /proc/1/cmdline shows no host paths. The launcher
+passes this file's code compiled inside the plan (a small bootstrap runs it with the plan
+as PLAN), or where that cannot be had, this source itself.
+
+A session's init gets no command: it holds the sandbox (reaping orphans) until it is
+killed. The session's exec server is this same file with a plan that carries `join` (the
+init's pid, the sandbox's cgroups) and `serve` (its socket): it joins the cgroups and the
+init's namespaces once, and for each exec makes a pid namespace of its own below the
+sandbox's (a kill of the exec ends exactly its processes) and starts the command through
+the same `start_command` as the first command (uid, capabilities, no_new_privs, rlimits,
+seccomp, environment).
 """
 
 import ctypes
 import marshal
 import os
 import resource
+import selectors
+import signal
+import socket
 import sys
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
@@ -23,6 +36,10 @@ MNT_DETACH = 2
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(os.uname().machine, 155)
 PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP = 38, 24
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER, BPF_INSN = 22, 2, 8
+PR_SET_PDEATHSIG, CLONE_NEWPID, PR_SET_NAME = 1, 0x20000000, 15
+HELD_NAME = b"stockade-held"  # the session init's name once it holds (the launcher waits)
+# the init's namespaces an exec joins; mnt last (it changes what /proc/<pid> means)
+JOIN_NS = ("ipc", "uts", "net", "pid", "mnt")
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -160,24 +177,48 @@ def execvp(argv, env):
     raise err
 
 
-def main():
-    with os.fdopen(int(sys.argv[1]), "rb") as fh:
-        plan = marshal.loads(fh.read())  # noqa: S302 - written by the launcher; builtin, fast
-    # the new root's directories (/etc and its parents among them) get their modes whatever
-    # the launcher's umask; the command gets the launcher's umask back
-    umask = os.umask(0o022)
-    try:
-        for op in plan["ops"]:
-            do(op)
-    except OSError as e:
-        os.write(2, f"stockade-init: {e.strerror or e}\n".encode())
-        os._exit(125)
-    argv = sys.argv[2:]
+def status_of(status):
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
+
+
+def reap_until(pid):
+    """As an init, reap every orphan; the exit status of `pid` once it ends."""
+    while True:
+        try:
+            got, status = os.wait()
+        except ChildProcessError:
+            return 1
+        if got == pid:
+            return status_of(status)
+
+
+def hold():
+    """A session's init: no command, reap orphans until killed (SIGCHLD blocked and
+    waited for, so no orphan can end between a reap and the wait). Its new name tells
+    the launcher that the plan is done: from now on an exec may join it."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+    check(libc.prctl(PR_SET_NAME, HELD_NAME, 0, 0, 0), "name")
+    while True:
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        except ChildProcessError:
+            pass
+        signal.sigwaitinfo({signal.SIGCHLD})
+
+
+def start_command(plan, argv, umask, cwd=None):
+    """Fork the command as the sandbox user (the same steps for the first command and
+    every exec); reap until it ends and exit with its status."""
     pid = os.fork()
     if pid == 0:
         try:
             os.umask(umask)
             become(plan["uid"], plan["gid"], plan.get("rlimits", {}))
+            if cwd is not None:  # as the sandbox user: its own view of its scratch
+                os.chdir(cwd)
             load_filter(plan.get("seccomp"))  # after no_new_privs, right before the exec
             # the command's environment comes with the plan: this init (root) never runs
             # with it, so the loader never applies the caller's LD_* to a root process
@@ -185,15 +226,126 @@ def main():
         except Exception as e:
             os.write(2, f"stockade: {argv[0]}: {getattr(e, 'strerror', None) or e}\n".encode())
             os._exit(127 if isinstance(e, FileNotFoundError) else 126)
-    while True:  # as pid 1, reap every orphan; leave when the command ends
-        try:
-            got, status = os.wait()
-        except ChildProcessError:
-            os._exit(1)
-        if got == pid:
-            if os.WIFSIGNALED(status):
-                os._exit(128 + os.WTERMSIG(status))
-            os._exit(os.WEXITSTATUS(status))
+    os._exit(reap_until(pid))
+
+
+def fork_tied():
+    """fork(); the child dies with its parent (SIGKILL). A pipe, not getppid(), tells
+    whether the parent died before the prctl: across a pid namespace getppid() is 0.
+    The parent gets (pid, the pipe's write end: held while the child may start)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(r)
+        return pid, w
+    os.close(w)
+    check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
+    os.set_blocking(r, False)
+    try:
+        if os.read(r, 1) == b"":  # every write end closed: the parent is gone
+            os._exit(137)
+    except BlockingIOError:
+        pass
+    os.close(r)
+    return 0, None
+
+
+def join(target, cgroup_procs):
+    """Join the sandbox's cgroups (host paths: before the mount namespace), then the
+    namespaces of its init `target`."""
+    op_cgroup(["cgroup", cgroup_procs])
+    fds = [os.open(f"/proc/{target}/ns/{n}", os.O_RDONLY) for n in JOIN_NS]
+    for fd in fds:
+        check(libc.setns(fd, 0), "setns")
+        os.close(fd)
+
+
+def start_exec(plan, argv, umask, cwd, before=None):
+    """The exec's first child, in the sandbox's pid namespace (`before` runs in it
+    first): it makes the exec's own pid namespace, whose pid 1 starts the command; the
+    end of that pid 1 kills every process of the exec and nothing else."""
+    outer, tie = fork_tied()
+    if outer == 0:
+        if before is not None:
+            before()
+        check(libc.unshare(CLONE_NEWPID), "unshare")
+        inner, _ = fork_tied()
+        if inner == 0:
+            start_command(plan, argv, umask, cwd)
+        os._exit(reap_until(inner))
+    return outer, tie
+
+
+def exec_server(plan, umask):
+    """A session's exec server: the cgroups and namespaces joined once, then one exec
+    per request on the launcher's socket (argv, environment, cwd, and the exec's stdin,
+    stdout and stderr as fds); it answers each exec's pid and, later, its status."""
+    join(plan["join"]["pid"], plan["join"]["cgroup_procs"])
+    sock = socket.socket(fileno=plan["serve"])
+    sel = selectors.DefaultSelector()
+    sel.register(sock, selectors.EVENT_READ)
+    running = {}  # pidfd -> (request id, pid, the tie's write end)
+    while True:
+        for key, _ in sel.select():
+            if key.fileobj is not sock:
+                rid, pid, tie = running.pop(key.fd)
+                sel.unregister(key.fd)
+                os.close(key.fd)
+                os.close(tie)
+                sock.send(marshal.dumps(("exit", rid, status_of(os.waitpid(pid, 0)[1]))))
+            elif not serve_request(sock, sel, running, plan, umask):
+                os._exit(0)  # the launcher closed its end: the session is over
+
+
+def serve_request(sock, sel, running, plan, umask):
+    msg, fds, _flags, _addr = socket.recv_fds(sock, 1 << 20, 3)
+    if not msg:
+        return False
+    req = marshal.loads(msg)  # noqa: S302 - the launcher's
+    if "kill" in req:
+        for pid in [p for rid, p, _ in running.values() if rid == req["kill"]]:
+            os.kill(pid, signal.SIGKILL)  # not reaped yet: the pid is still this child's
+        return True
+
+    def stdio():  # in the child: the exec's pipes become 0, 1, 2
+        sock.close()
+        sel.close()
+        for i, fd in enumerate(fds):
+            os.dup2(fd, i)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+
+    pid, tie = start_exec({**plan, "env": req["env"]}, req["argv"], umask, req["cwd"], stdio)
+    for fd in fds:
+        os.close(fd)
+    pidfd = os.pidfd_open(pid)
+    running[pidfd] = (req["id"], pid, tie)
+    sel.register(pidfd, selectors.EVENT_READ)
+    sock.send(marshal.dumps(("started", req["id"], pid)))
+    return True
+
+
+def main():
+    plan = globals().get("PLAN")  # read by the bootstrap that ran this file's code
+    if plan is None:
+        with os.fdopen(int(sys.argv[1]), "rb") as fh:
+            plan = marshal.loads(fh.read())  # noqa: S302 - the launcher's; builtin, fast
+    # the new root's directories (/etc and its parents among them) get their modes whatever
+    # the launcher's umask; the command gets the launcher's umask back
+    umask = os.umask(0o022)
+    argv = sys.argv[2:]
+    try:
+        if "serve" in plan:
+            exec_server(plan, umask)
+        for op in plan["ops"]:
+            do(op)
+    except OSError as e:
+        os.write(2, f"stockade-init: {e.strerror or e}\n".encode())
+        os._exit(125)
+    if not argv:
+        hold()
+    start_command(plan, argv, umask)
 
 
 main()

@@ -86,13 +86,21 @@ def build(
 
 
 def scrub(text: str, s: Scrubber) -> str:
-    if not text:
-        return text
-    if s.pairs:
+    return scrub_names(scrub_literals(text, s), s)
+
+
+def scrub_literals(text: str, s: Scrubber) -> str:
+    """The first pass: paths, environment values, addresses."""
+    if text and s.pairs:
         # one pass with an alternation keeps replacements from being re-scrubbed
         pattern = re.compile("|".join(re.escape(k) for k, _ in s.pairs))
         table = dict(s.pairs)
         text = pattern.sub(lambda m: _addr_guard(m, text, table), text)
+    return text
+
+
+def scrub_names(text: str, s: Scrubber) -> str:
+    """The second pass, over the first one's output: the host's names."""
     for h in s.hostnames:
         text = re.sub(rf"(?<![\w.-]){re.escape(h)}(?![\w-])", "<hostname>", text,
                       flags=re.IGNORECASE)

@@ -1,4 +1,5 @@
-"""The launcher's control service: sandboxes driven over a root-only Unix socket.
+"""The launcher's control service: sandboxes driven over a root-only Unix socket, and
+over TCP with a bearer token (`transport.py`) when `launcher.control_listen` is set.
 
 `stockade launcher serve` keeps one `Launcher` (nft table, NFLOG reader, reconciliation)
 behind an aiohttp app on `launcher.control_socket`, so an orchestrator can start, list,
@@ -9,7 +10,8 @@ from the first instant; `UnixJsonClient`: synchronous stdlib client).
 Routes: `GET /v1/health`, `GET /v1/sandboxes`, `POST /v1/sandboxes` (run; `"wait": false`
 answers 202 once the sandbox exists), `GET /v1/sandboxes/{id}/result`,
 `DELETE /v1/sandboxes/{id}` (kill), `POST /v1/sandboxes/{id}/suspend|resume`,
-`POST /v1/reload`. Request validation (`run_request.py`: `parse_run_request`) is pure;
+`POST /v1/reload`; the sessions under `/v1/sessions` (`session_routes.py`) and
+`GET /openapi.json`. Request validation (`run_request.py`: `parse_run_request`) is pure;
 every `Launcher.run` gets its own thread (runs last up to the TTL, so they must not occupy
 the loop's shared executor that list/kill/suspend use).
 """
@@ -39,7 +41,9 @@ from .run_request import (  # re-exported: the service's public request format
     result_from_json,
     run_request,
 )
+from .session_routes import SessionRoutes
 from .spec import TASK_ID_RE, LauncherError, RunResult, SandboxSpec
+from .transport import TokenFile, auth_middleware, start_tcp
 
 if TYPE_CHECKING:  # annotations only
     from .configview import LauncherConfig as Config
@@ -98,14 +102,30 @@ class LauncherService:
         self._starting: dict[int, _Run] = {}  # thread ident -> its run, until it has an id
         # the start event is written from the run's own thread: the thread says which run
         self.launcher.events.subscribe(self._on_event)
+        self.sessions = SessionRoutes(self)
+        s = config.launcher
+        self.tokens = TokenFile(s.control_token_file) if s.control_listen and \
+            s.control_token_file else None
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         """Rules (RulesError: refuse to start), then the launcher (nft table, reconcile),
         then the socket: a client that can connect finds a working launcher."""
         self.rules.load_initial()
+        if self.tokens is not None:
+            self.tokens.load()  # LauncherError: no TCP listener without a usable token
         await asyncio.to_thread(self.launcher.start)
         self._runner = await start_control_server(self.app(), self.socket_path)
+        if self.tokens is not None:
+            try:
+                await start_tcp(self._runner, self.config.launcher)
+            except BaseException:
+                await self._runner.cleanup()
+                raise
         # sandboxes of a `stockade run` that died (SIGKILL) are removed, with their end
         # event, within one period, not only at the next run's start
         self._reconciler = asyncio.create_task(every(
@@ -115,11 +135,13 @@ class LauncherService:
         self._rules_watch = asyncio.create_task(every(
             self.config.launcher.rules_poll_interval_s,
             lambda: asyncio.to_thread(self.rules.poll), "launcher: rule file polling", log))
+        self.sessions.start()
 
     async def stop(self) -> None:
         """Refuse new runs, kill this service's sandboxes, wait for their teardown, close
         the socket, then `Launcher.close()` (the last launcher out removes the nft table)."""
         self._closing = True
+        await self.sessions.stop()
         for task in (self._reconciler, self._rules_watch):
             if task is not None:
                 task.cancel()
@@ -186,9 +208,22 @@ class LauncherService:
             self._starting.pop(threading.get_ident(), None)
         run.report(run.finished, outcome)
 
+    def launch(self, spec: SandboxSpec, ruleset: Any) -> _Run:
+        """`Launcher.run(spec)` in a thread of its own; the run reports through its
+        futures (`started` once the sandbox exists). Call only on the loop's thread."""
+        loop = asyncio.get_running_loop()
+        run = _Run(loop, loop.create_future(), loop.create_future())
+        t = threading.Thread(target=self._worker, args=(run, spec, ruleset), daemon=True,
+                             name="stockade-sandbox")
+        self._threads = {x for x in self._threads if x.is_alive()}
+        self._threads.add(t)
+        t.start()
+        return run
+
     # -- the HTTP app ------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY)
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[
+            auth_middleware(self.tokens)] if self.tokens is not None else [])
         app.router.add_get("/v1/health", self._health)
         app.router.add_get("/v1/sandboxes", self._list)
         app.router.add_post("/v1/sandboxes", self._run)
@@ -197,6 +232,7 @@ class LauncherService:
         app.router.add_post("/v1/sandboxes/{task_id}/suspend", self._suspend)
         app.router.add_post("/v1/sandboxes/{task_id}/resume", self._resume)
         app.router.add_post("/v1/reload", self._reload)
+        self.sessions.add_to(app)
         return app
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -230,13 +266,7 @@ class LauncherService:
         # checked after the last await: stop() sets it on this thread before it waits
         if self._closing:
             return _error(503, "shutting_down", "the launcher service is stopping")
-        loop = asyncio.get_running_loop()
-        run = _Run(loop, loop.create_future(), loop.create_future())
-        t = threading.Thread(target=self._worker, args=(run, spec, ruleset), daemon=True,
-                             name="stockade-sandbox")
-        self._threads = {x for x in self._threads if x.is_alive()}
-        self._threads.add(t)
-        t.start()
+        run = self.launch(spec, ruleset)
         if not wait:
             # answered once the sandbox exists (or failed): the id can be killed at once
             await asyncio.wait({run.started, run.finished},

@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stockade.tcp import CONGESTION_CONTROL_NAME
 
@@ -82,6 +82,18 @@ class LauncherSettings(BaseModel):
     # Unix socket (0600) of `stockade launcher serve` (started by `stockade up`); default
     # <run_dir>/launcher.sock
     control_socket: str = "/run/stockade/launcher.sock"
+    # TCP listener ("host:port") of the same API for remote orchestrators; None: the Unix
+    # socket only. Every TCP request carries `Authorization: Bearer <token>` (the token
+    # in control_token_file); no sandbox can reach it (nft redirects all its TCP)
+    control_listen: str | None = Field(None, pattern=r"^[^\s]+:[0-9]{1,5}$")
+    # the bearer token of control_listen (one line; mode 0600 or stricter; re-read when
+    # it changes, so a rotation needs no restart)
+    control_token_file: str | None = None
+    # TLS on control_listen: certificate chain and key (PEM); with control_tls_client_ca
+    # a client certificate signed by that CA is required too (mTLS)
+    control_tls_cert: str | None = None
+    control_tls_key: str | None = None
+    control_tls_client_ca: str | None = None
     # per-sandbox root, scratch tmpfs and /etc files live below this
     scratch_dir: str = "/var/lib/stockade/sandboxes"
     nft_table: str = "stockade"  # the one nftables table (family inet) the launcher owns
@@ -138,6 +150,16 @@ class LauncherSettings(BaseModel):
     # (python3-seccomp), compiles its seccomp filter; falls back to the launcher's own interpreter
     init_python: str = "/usr/bin/python3"
     shm_size: int = Field(16 * 2**20, ge=4096)  # /dev/shm tmpfs (charged to the memory cgroup)
+
+    @model_validator(mode="after")
+    def _control_tcp(self) -> "LauncherSettings":
+        if self.control_listen and not self.control_token_file:
+            raise ValueError("launcher.control_listen needs launcher.control_token_file")
+        if bool(self.control_tls_cert) != bool(self.control_tls_key):
+            raise ValueError("launcher.control_tls_cert and control_tls_key go together")
+        if self.control_tls_client_ca and not self.control_tls_cert:
+            raise ValueError("launcher.control_tls_client_ca needs control_tls_cert")
+        return self
 
     @field_validator("etc_allowlist")
     @classmethod

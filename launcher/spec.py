@@ -33,6 +33,9 @@ class SandboxSpec:
     # a session: the sandbox starts with no command (its init holds it until killed) and
     # commands arrive through Backend.exec; argv may then be empty
     session: bool = False
+    # the caller's labels (stockade.tasks.labels): in its registration, so every event
+    # of the task carries them
+    labels: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +71,7 @@ class RunResult:
 def check_spec(spec: SandboxSpec, profile: Any, proxy_listen: list[str]) -> bool:
     """LauncherError for a spec no sandbox may run; True when the profile wants the
     explicit proxy in the environment (`egress.proxy_env`) and the gateway can give it."""
-    if not spec.argv:
+    if not spec.argv and not spec.session:
         raise LauncherError("empty command")
     for k in spec.env:
         if not ENV_NAME_RE.match(k) or k.startswith("STOCKADE_"):

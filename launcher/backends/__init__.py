@@ -48,6 +48,7 @@ class Live:
     pipes: Any = None  # the backend's own handles (the microVM's output pipes)
     # the control sockets a registration may have reached: what its teardown deregisters
     registered: list[str] = field(default_factory=list)
+    ctx: StartContext | None = None  # what its start got: a session's execs need it again
 
 
 @dataclass(frozen=True)

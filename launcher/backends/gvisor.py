@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -21,10 +22,11 @@ from typing import TYPE_CHECKING, Any
 from .. import cgroups, gvisor, initscript, mounts, netns, nssysctl
 from ..environment import SANDBOX_PATH
 from ..spec import TASK_ID_RE, LauncherError
-from ..supervise import Ended, exit_status, watch
+from ..supervise import Ended, exit_status, kill_proc, watch
 from . import CgroupControl, Live, StartContext, captures, init_plan
 
 if TYPE_CHECKING:  # annotations only
+    from ..execspec import ExecProc, ExecSpec
     from ..settings import LauncherSettings
     from ..spec import SandboxSpec
 
@@ -32,6 +34,8 @@ if TYPE_CHECKING:  # annotations only
 STAGED = "inputs-ro"  # <base>/inputs-ro/<n>: the inputs' read-only host binds
 RUNSC_HIERARCHIES = ("blkio", "cpuacct", "cpuset", "devices", "systemd")
 CALL_TIMEOUT_S = 15.0
+# a session's first process in the container: it only keeps the container alive
+SESSION_HOLDER = ("sleep", "infinity")
 STATS_EVERY_S = 1.0  # `runsc events --stats` costs ~150 ms under load: at most this often
 
 
@@ -150,7 +154,10 @@ class GvisorBackend(CgroupControl):
             _materialize(base / "root", layout)
         except ValueError as e:
             raise LauncherError(f"cannot build the gVisor bundle: {e}") from None
-        config = gvisor.oci_config(layout, str(base / "root"), list(spec.argv), ctx.env, plan,
+        # a session's first process only holds the container (runsc needs one); its
+        # commands come through exec
+        argv = list(spec.argv) if spec.argv else list(SESSION_HOLDER)
+        config = gvisor.oci_config(layout, str(base / "root"), argv, ctx.env, plan,
                                    ctx.limits.pids, f"/{s.cgroup_parent}/{rec.task_id}")
         fd = os.open(base / "config.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -166,6 +173,24 @@ class GvisorBackend(CgroupControl):
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True,
             start_new_session=True, cwd="/")
         live.pipes = ctx.limits.pids  # the guest's NPROC: what wait's ceiling watches
+        if spec.session:
+            self._await_running(live, s)
+
+    def _await_running(self, live: Live, s: LauncherSettings) -> None:
+        """A session is ready once runsc reports its container running (an exec before
+        that finds no container)."""
+        end = time.monotonic() + CALL_TIMEOUT_S
+        while time.monotonic() < end:
+            assert live.proc is not None
+            if live.proc.poll() is not None:
+                raise LauncherError("runsc ended before the session's container ran")
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired, ValueError):
+                p = _call([*self._flags(s), "state", live.record.task_id])
+                if p.returncode == 0 and json.loads(p.stdout).get("status") == "running":
+                    return
+            time.sleep(0.01)
+        raise LauncherError(f"the session's container was not running within "
+                            f"{CALL_TIMEOUT_S} s")
 
     def wait(self, live: Live, spec: SandboxSpec, deadline: float,
              s: LauncherSettings) -> Ended:
@@ -186,6 +211,32 @@ class GvisorBackend(CgroupControl):
         sentry_died = proc.returncode == 2 and cg.pids_failures() > 0
         return Ended(ended_by, exit_status(proc.returncode), ceiling.seen or sentry_died,
                      out, err)
+
+    def exec(self, live: Live, req: ExecSpec, ctx: StartContext) -> ExecProc:
+        """`runsc exec --process`: the OCI process of the container's first command (its
+        user, rlimits, capabilities, no_new_privs, as config.json has them) with this
+        command's argv, environment and cwd; the same global flags as every call."""
+        rec = live.record
+        with open(Path(rec.scratch) / "config.json") as f:
+            process = json.load(f)["process"]
+        process.update(args=list(req.argv), cwd=req.cwd,
+                       env=[f"{k}={v}" for k, v in req.env.items()])
+        process.pop("terminal", None)
+        fd = os.memfd_create("stockade-exec-process", 0)
+        pidfile = Path(rec.scratch) / f"exec-{secrets.token_hex(6)}.pid"
+        try:
+            os.write(fd, json.dumps(process).encode())
+            os.lseek(fd, 0, os.SEEK_SET)
+            proc = subprocess.Popen(
+                [*self._flags(ctx.settings), "exec", f"--process=/proc/self/fd/{fd}",
+                 f"--internal-pid-file={pidfile}", rec.task_id],
+                env={"PATH": SANDBOX_PATH},
+                stdin=subprocess.PIPE if req.stdin is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True,
+                pass_fds=(fd,), start_new_session=True, cwd="/")
+        finally:
+            os.close(fd)
+        return _GuestExec(proc, self, ctx.settings, rec.task_id, pidfile)
 
     def guest_pids(self, s: LauncherSettings, task_id: str) -> int | None:
         """The Sentry's task count of a running sandbox (`runsc events --stats`)."""
@@ -245,6 +296,37 @@ class GvisorBackend(CgroupControl):
             self.discard(tid, s)
         _sweep_host(s, keep)
         return gone
+
+
+class _GuestExec:
+    """A `runsc exec` as an ExecProc; kill() ends the command inside the Sentry too (a
+    SIGKILL of `runsc exec` alone would leave it running in the container)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], backend: GvisorBackend,
+                 s: LauncherSettings, task_id: str, pidfile: Path) -> None:
+        self.proc, self.backend, self.s, self.task_id, self.pidfile = (
+            proc, backend, s, task_id, pidfile)
+        self.pid, self.stdin, self.stdout, self.stderr = (
+            proc.pid, proc.stdin, proc.stdout, proc.stderr)
+
+    def poll(self) -> int | None:
+        rc = self.proc.poll()
+        if rc is not None:
+            self.pidfile.unlink(missing_ok=True)
+        return rc
+
+    def wait(self, timeout: float | None = None) -> int:
+        rc = self.proc.wait(timeout)
+        self.pidfile.unlink(missing_ok=True)
+        return rc
+
+    def kill(self) -> None:
+        with contextlib.suppress(OSError, ValueError, subprocess.TimeoutExpired,
+                                 LauncherError):
+            guest = int(self.pidfile.read_text().strip())
+            _call([*self.backend._flags(self.s), "kill", f"--pid={guest}", self.task_id,
+                   "KILL"])
+        kill_proc(self.proc)
 
 
 class _Ceiling:

@@ -63,6 +63,7 @@ ROTATION_CHECK_S = 0.5  # how often a writer looks for a rotation done by anothe
 SUMMARY_FLUSH_S = 1.0  # how often a component writes the summaries of ended windows
 LOST_LOG_EVERY = 1000  # a log line at the first lost event and then every this many
 TASK_STORE_BYTES = 4 * 2**20  # default cap per task and writer in the per-task store
+LABELLED_TASKS = 8192  # tasks whose labels a writer remembers (oldest forgotten first)
 log = logging.getLogger("stockade.events")
 
 
@@ -109,10 +110,34 @@ class EventWriter:
         self._ino = 0
         self._size = 0  # current file size, as seen at the last write (several writers share it)
         self._subscribers: list[Callable[[Event], None]] = []
+        self._labels_of: Callable[[str], dict[str, str] | None] | None = None
+        # task id -> its labels, from the first event until end_task (a task's last
+        # events come after its deregistration: they are labelled all the same)
+        self._labels: dict[str, dict[str, str]] = {}
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.task_dir is not None:
             self.task_dir.mkdir(parents=True, exist_ok=True)
+
+    def label_with(self, labels_of: Callable[[str], dict[str, str] | None]) -> None:
+        """Copy each task's labels (`labels_of(task_id)`, the task registry's) into every
+        event of the task, beside `labels.task_id` and `labels.profile`."""
+        self._labels_of = labels_of
+
+    def _label(self, event: Event) -> None:
+        own = event.get("labels")
+        tid = own.get("task_id") if isinstance(own, dict) else None
+        if not isinstance(tid, str) or self._labels_of is None:
+            return
+        extra = self._labels.get(tid)
+        if extra is None:
+            extra = self._labels_of(tid) or {}
+            if extra:
+                if len(self._labels) >= LABELLED_TASKS:
+                    self._labels.pop(next(iter(self._labels)))
+                self._labels[tid] = extra
+        if extra:
+            event["labels"] = {**extra, **own}  # type: ignore[dict-item]
 
     def subscribe(self, fn: Callable[[Event], None]) -> None:
         """Call `fn` with every event written (metrics, tests, live views)."""
@@ -160,6 +185,8 @@ class EventWriter:
 
     def write(self, event: Event) -> bool:
         """Write (or, under a throttle, maybe only count) one event; False when lost."""
+        if self._labels_of is not None:
+            self._label(event)
         try:
             data = self.encode(event)
         except (TypeError, ValueError):  # ValueError includes a lone surrogate's encode error
@@ -214,6 +241,7 @@ class EventWriter:
                 if stored and stored[1] and ev["event"]["action"] == "event_totals":
                     ev["stockade"]["totals"]["store_truncated"] = stored[1]
                 self._write_locked(ev, None, done)
+            self._labels.pop(task_id, None)
         self._notify(done)
         return [e for e in events if e["event"]["action"] == "event_totals"]
 
@@ -236,6 +264,8 @@ class EventWriter:
                         self._lost, self.path, self.dropped)
 
     def _write_locked(self, event: Event, data: bytes | None, done: list[Event]) -> bool:
+        if data is None and self._labels_of is not None:  # a summary the throttle made
+            self._label(event)
         if self._lost:
             self._report_loss(done)
         data = self._line(event, data)

@@ -18,8 +18,10 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from .labels import LabelError, check_labels
 
 
 class RegistryError(ValueError):
@@ -44,6 +46,8 @@ class Task:
     profile: str
     expires_at: float | None = None  # unix time; None = until deregistered
     registered_at: float = 0.0
+    # the caller's labels (labels.py): every event of the task carries them
+    labels: dict[str, str] = field(default_factory=dict)
 
     def expired(self, now: float) -> bool:
         return self.expires_at is not None and now >= self.expires_at
@@ -63,7 +67,12 @@ class Task:
             raise RegistryError("expires_at must be a number (unix time)")
         reg = d.get("registered_at") or time.time()
         assert isinstance(reg, int | float)
-        return Task(task_id, address, profile, float(exp) if exp is not None else None, float(reg))
+        try:
+            labels = check_labels(d.get("labels"))
+        except LabelError as e:
+            raise RegistryError(f"invalid labels: {e}") from None
+        return Task(task_id, address, profile, float(exp) if exp is not None else None,
+                    float(reg), labels)
 
 
 Listener = Callable[[Task], None]
@@ -102,6 +111,11 @@ class TaskRegistry:
 
     def get(self, task_id: str) -> Task | None:
         return self._by_id.get(task_id)
+
+    def labels_of(self, task_id: str) -> dict[str, str] | None:
+        """The task's labels, for the event writer (`EventWriter.label_with`)."""
+        task = self._by_id.get(task_id)
+        return task.labels if task is not None else None
 
     def tasks(self) -> list[Task]:
         return list(self._by_id.values())

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -39,6 +38,7 @@ from stockade.events import validate
 from stockade.tasks import ControlError
 
 from .conftest import Lab, command_running
+from .sessions_rig import own_config
 from .test_launcher_flood import _attempts_in
 
 pytestmark = pytest.mark.netns
@@ -82,22 +82,14 @@ class Served:
 def _serve(lab: Lab, tmp: Path) -> Iterator[Served]:
     """`stockade launcher serve` on a config of its own that shares the lab's gateway and
     broker; torn down (and checked for leftovers by the tests) at the end."""
-    rules = tmp / "rules"
-    (rules / "profiles").mkdir(parents=True)
-    (rules / "profiles" / "svc.yaml").write_text(PROFILE.format(name="svc"))
-    (rules / "profiles" / "gv.yaml").write_text(PROFILE.format(name="gv") + "isolation: gvisor\n")
-    sfx = secrets.token_hex(3)
-    launcher = lab.config.launcher.model_copy(update={
-        "nft_table": f"stockade_sv{sfx}", "name_prefix": f"v{sfx[:3]}",
-        "cgroup_parent": f"stockade_sv{sfx}", "scratch_dir": str(tmp / "sbx"),
-        "address_pool": f"10.216.{100 + secrets.randbelow(100)}.0/24",
-        "nflog_group": 7500 + secrets.randbelow(99),
-        "control_socket": str(tmp / "run" / "launcher.sock"),
-        "reconcile_interval_s": 1.0,  # orphans of a killed `stockade run` go within 1 s
+    config = own_config(
+        lab, tmp, "sv", 216, 7500,
+        {"svc": PROFILE.format(name="svc"),
+         "gv": PROFILE.format(name="gv") + "isolation: gvisor\n"},
+        reconcile_interval_s=1.0,  # orphans of a killed `stockade run` go within 1 s
         # the gv profile stands for a tier this service cannot give
-        "gvisor": lab.config.launcher.gvisor.model_copy(update={"enabled": False}),
-    })
-    config = lab.config.model_copy(update={"launcher": launcher, "rules_dir": str(rules)})
+        gvisor=lab.config.launcher.gvisor.model_copy(update={"enabled": False}))
+    launcher, rules = config.launcher, Path(config.rules_dir)
     cfg_path = tmp / "stockade.yaml"
     cfg_path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     err = tmp / "serve.err"

@@ -1,0 +1,173 @@
+"""Sessions against one-shot runs, side by side in one run (root).
+
+Per tier (container, gVisor): the round trip of `true` in a warm session through the
+control API (POST .../exec over the Unix socket, stream: false) as p50/p99; the same
+through `Launcher.exec` in-process (what the API adds is the difference); session create
+to ready (POST /v1/sessions until its 201); and a one-shot run of `true` through
+`POST /v1/sandboxes`, the cost a session saves per command. One service, one launcher.
+
+    .venv/bin/python bench/session_bench.py [--tiers container,gvisor] [--execs 200]
+        [--runs 10] [--sessions 10] [--concurrent 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from launcher_rig import bench_config, stand_ins
+from stockade.launcher.execspec import ExecSpec
+from stockade.launcher.service import LauncherService
+
+from stockade.tasks.control import _UnixHTTPConnection
+
+PROFILE = """\
+profile: {name}
+description: session bench
+isolation: {tier}
+limits: {{cpus: 1, memory: 128MiB, disk: 16MiB, pids: 64, ttl: 600s}}
+egress:
+  mode: enforce
+"""
+
+
+def _pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
+
+
+def _call(sock: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    conn = _UnixHTTPConnection(sock, 300)
+    try:
+        conn.request(method, path, body=json.dumps(body) if body is not None else None,
+                     headers={"Content-Type": "application/json"} if body is not None else {})
+        resp = conn.getresponse()
+        data = resp.read()
+        return resp.status, json.loads(data) if data else None
+    finally:
+        conn.close()
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1000
+
+
+def _tier(svc: LauncherService, sock: str, tier: str, a: argparse.Namespace) -> dict[str, Any]:
+    creates, api, direct, oneshot = [], [], [], []
+    sids = []
+    for _ in range(a.sessions):
+        t0 = time.perf_counter()
+        status, s = _call(sock, "POST", "/v1/sessions", {"profile": tier})
+        assert status == 201, s
+        creates.append(_ms(t0))
+        sids.append(s["session_id"])
+    sid = sids[0]
+    for _ in range(5):  # warm: the seccomp filter, runsc's caches
+        _call(sock, "POST", f"/v1/sessions/{sid}/exec", {"argv": ["true"], "stream": False})
+    for _ in range(a.execs):
+        t0 = time.perf_counter()
+        status, r = _call(sock, "POST", f"/v1/sessions/{sid}/exec",
+                          {"argv": ["true"], "stream": False})
+        api.append(_ms(t0))
+        assert status == 200 and r["exit_code"] == 0, r
+    for _ in range(a.execs):
+        t0 = time.perf_counter()
+        svc.launcher.exec(sid, ExecSpec(("true",))).wait()
+        direct.append(_ms(t0))
+    for x in sids:
+        _call(sock, "DELETE", f"/v1/sessions/{x}")
+    for _ in range(a.runs):
+        t0 = time.perf_counter()
+        status, r = _call(sock, "POST", "/v1/sandboxes", {"profile": tier, "argv": ["true"]})
+        oneshot.append(_ms(t0))
+        assert status == 200 and r["exit_code"] == 0, r
+    return {"tier": tier, "exec_api": api, "exec_direct": direct, "create": creates,
+            "oneshot": oneshot, **_concurrent(sock, tier, a.concurrent)}
+
+
+def _all(threads: list[threading.Thread]) -> None:
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _concurrent(sock: str, tier: str, n: int) -> dict[str, Any]:
+    """`n` sessions created at once, then one exec in each at once: how many answered."""
+    if n <= 0:
+        return {}
+    sids: list[str] = []
+    answered: list[float] = []
+
+    def create() -> None:
+        status, s = _call(sock, "POST", "/v1/sessions", {"profile": tier})
+        if status == 201:
+            sids.append(s["session_id"])
+
+    def run(sid: str) -> None:
+        t0 = time.perf_counter()
+        status, r = _call(sock, "POST", f"/v1/sessions/{sid}/exec",
+                          {"argv": ["true"], "stream": False})
+        if status == 200 and r["exit_code"] == 0:
+            answered.append(_ms(t0))
+
+    _all([threading.Thread(target=create) for _ in range(n)])
+    _all([threading.Thread(target=run, args=(sid,)) for sid in list(sids)])
+    for sid in sids:
+        _call(sock, "DELETE", f"/v1/sessions/{sid}")
+    return {"concurrent": (n, len(sids), answered)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiers", default="container,gvisor")
+    p.add_argument("--execs", type=int, default=200)
+    p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--sessions", type=int, default=10)
+    p.add_argument("--concurrent", type=int, default=0,
+                   help="also N sessions at once, one exec each at once (the issue: 100)")
+    a = p.parse_args()
+    tiers = [t for t in a.tiers.split(",") if t]
+    tmp = Path(tempfile.mkdtemp(prefix="stockade-sbench-"))
+    (tmp / "rules" / "profiles").mkdir(parents=True)
+    for t in tiers:
+        (tmp / "rules" / "profiles" / f"{t}.yaml").write_text(PROFILE.format(name=t, tier=t))
+    cfg = bench_config(tmp, "sb", "10.219.0.0/22", 7700 + os.getpid() % 99,
+                       control_socket=str(tmp / "launcher.sock"))
+    cfg = cfg.model_copy(update={"rules_dir": str(tmp / "rules")})
+    with stand_ins(cfg) as loop:
+        svc = LauncherService(cfg)
+        asyncio.run_coroutine_threadsafe(svc.start(), loop).result(120)
+        load = os.getloadavg()[0]
+        try:
+            rows = [_tier(svc, cfg.launcher.control_socket, t, a) for t in tiers]
+        finally:
+            asyncio.run_coroutine_threadsafe(svc.stop(), loop).result(120)
+            shutil.rmtree(tmp, ignore_errors=True)
+    print(f"load before {load:.1f} after {os.getloadavg()[0]:.1f}; execs {a.execs}, "
+          f"sessions {a.sessions}, one-shot runs {a.runs}")
+    print("| tier | exec API p50 | p99 | exec in-process p50 | p99 | create->ready p50 | p99 "
+          "| one-shot run p50 | p99 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        cells = [f"{_pct(r[k], q):.1f} ms" for k in ("exec_api", "exec_direct", "create",
+                                                    "oneshot") for q in (50, 99)]
+        print(f"| {r['tier']} | " + " | ".join(cells) + " |")
+    for r in rows:
+        if "concurrent" in r:
+            n, made, answered = r["concurrent"]
+            print(f"{r['tier']}: {n} sessions at once: {made} created, {len(answered)} execs "
+                  f"answered (p50 {_pct(answered, 50):.0f} ms, max "
+                  f"{max(answered, default=float('nan')):.0f} ms)")
+
+
+if __name__ == "__main__":
+    main()
