@@ -137,12 +137,16 @@ def test_a_container_tier_sandbox_inside_the_image(image: str, netns: str, tmp_p
             ).split()
     opts = (
         "--network", f"ns:/run/netns/{netns}",
-        # the launcher unit's capabilities, nothing else; /proc/sys writable (as the Helm
-        # chart's launcher is) for the sandbox's network sysctls; the node's cgroups
+        # the launcher unit's capabilities, nothing else (as the Helm chart's launcher);
+        # /proc/sys stays as podman mounts it, read-only: the launcher writes the
+        # sandbox's sysctls through a procfs of its own; the node's cgroups
         "--cap-drop", "all", "--cap-add", ",".join(c.removeprefix("CAP_") for c in caps),
-        "--security-opt", "unmask=/proc/sys",
         "-v", "/sys/fs/cgroup:/sys/fs/cgroup", "-v", f"{tmp_path}:/work:ro",
     )
+    # as in a pod: /proc/sys is read-only for root in the container
+    proc = run(image, "sh", "-c", "test ! -w /proc/sys/net/ipv4/ping_group_range && "
+               "grep -E '^proc /proc/sys proc ro,' /proc/mounts", opts=opts)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     proc = run(image, "stockade", "run", "--config", "/work/stockade.yaml", "--profile",
                "image-test", "--input", "/work/probe.py:/input/probe.py", "--json", "--",
                "python3", "/input/probe.py", opts=opts)
