@@ -34,8 +34,9 @@ def repo_rules() -> dict[str, str]:
             if p.is_file()}
 
 
+API = {"tokenSecret": "stockade-launcher-token", "tlsSecret": "stockade-launcher-tls"}
 BASE: dict[str, Any] = {"vault": {"address": "https://vault.example.internal:8200"},
-                        "rules": {"files": repo_rules()}}
+                        "rules": {"files": repo_rules()}, "launcher": {"api": API}}
 
 
 def values(**over: Any) -> dict[str, Any]:
@@ -115,8 +116,10 @@ VARIANTS = {
                                 "caSecret": "vault-ca"}),
     "approle-auth": values(vault={"auth": "approle",
                                   "approle": {"secret": "vault-approle", "mount": "approle"}}),
-    "capabilities": values(launcher={"privileged": False},
-                           authProxy={"tlsSecret": "stockade-authproxy-tls"}),
+    "privileged": values(launcher={"privileged": True},
+                         authProxy={"tlsSecret": "stockade-authproxy-tls"}),
+    "mtls": values(launcher={"api": {**API, "clientCertificates": True}}),
+    "plaintext-api": values(launcher={"api": {"tokenSecret": "t", "plaintext": True}}),
 }
 
 
@@ -156,6 +159,17 @@ def test_bad_values_fail_with_a_clear_message() -> None:
     assert "must include container" in render_error(
         values(pools=[{**pool, "tiers": ["gvisor"]}]))
     assert "at least one node pool" in render_error(values(pools=[]))
+    # the launcher API never listens without its token, nor (unasked) without TLS
+    assert "launcher.api.tokenSecret is required" in render_error(
+        values(launcher={"api": {"tlsSecret": "x"}}))
+    assert "launcher.api.tlsSecret is empty" in render_error(
+        values(launcher={"api": {"tokenSecret": "t"}}))
+    assert "clientCertificates needs launcher.api.tlsSecret" in render_error(values(
+        launcher={"api": {"tokenSecret": "t", "plaintext": True, "clientCertificates": True}}))
+    kvm = {**pool, "tiers": ["container", "microvm"], "kvm": True}
+    assert "gets /dev/kvm only through kvmResource" in render_error(
+        values(pools=[kvm], kvmResource=""))
+    assert render(values(pools=[kvm], kvmResource="", launcher={"privileged": True}))
     # (Helm's lint runs `fail` leniently, so these refusals are install-time: render)
     # values.schema.json: a misspelt key, a value outside its set, a bad pool name
     assert "additional properties 'vualt' not allowed" in render_error(values(vualt={}))
@@ -173,14 +187,14 @@ def test_daemonset_shape_and_per_container_security() -> None:
     assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert spec["nodeSelector"] == {"stockade.io/sandbox-node": "true"}
     c = containers(ds)
-    assert set(c) == {"gateway", "broker", "launcher", "launcher-bridge", "auth-gateway-metrics",
-                      "auth-broker-metrics", "auth-launcher-api"}
+    assert set(c) == {"gateway", "broker", "launcher", "auth-gateway-metrics",
+                      "auth-broker-metrics"}
     for name in ("gateway", "broker"):
         sc = c[name]["securityContext"]
         assert sc["capabilities"] == {"drop": ["ALL"]} and sc["runAsNonRoot"] is True
         assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
         assert c[name]["command"][:3] == ["stockade", name, "serve"]
-    assert c["launcher"]["securityContext"]["privileged"] is True
+    assert "privileged" not in c["launcher"]["securityContext"]
     assert c["launcher"]["command"][:3] == ["stockade", "launcher", "serve"]
     mounts = {m["name"]: m["mountPath"] for m in c["launcher"]["volumeMounts"]}
     assert mounts["cgroup"] == "/sys/fs/cgroup"
@@ -194,14 +208,20 @@ def test_daemonset_shape_and_per_container_security() -> None:
 
 
 def test_launcher_capabilities_are_the_units() -> None:
-    """launcher.privileged: false gives exactly the systemd unit's bounding set."""
-    ds = one(render(VARIANTS["capabilities"]), "DaemonSet")
+    """By default the launcher has exactly the systemd unit's bounding set: not
+    privileged, /proc/sys left masked (it mounts a procfs of its own), no escalation."""
+    ds = one(render(values()), "DaemonSet")
     sc = containers(ds)["launcher"]["securityContext"]
     unit = parse_unit(LAUNCHER_UNIT)
     caps = {c.removeprefix("CAP_")
             for c in (unit_value(unit, "Service", "CapabilityBoundingSet") or "").split()}
     assert sc["capabilities"]["drop"] == ["ALL"] and set(sc["capabilities"]["add"]) == caps
-    assert "privileged" not in sc and sc["procMount"] == "Unmasked"
+    assert "privileged" not in sc and "procMount" not in sc
+    assert sc["allowPrivilegeEscalation"] is False
+    assert yaml.safe_load((CHART / "values.yaml").read_text())["launcher"]["privileged"] is False
+    # privileged only when asked for
+    ds = one(render(VARIANTS["privileged"]), "DaemonSet")
+    assert containers(ds)["launcher"]["securityContext"]["privileged"] is True
 
 
 def test_pools_and_tiers_render_one_daemonset_each() -> None:
@@ -241,7 +261,13 @@ def test_pool_configs_load_and_follow_tiers(tmp_path: Path) -> None:
     assert launcher.events.stdout
     assert Path(launcher.events_file).parent != Path(vm.events_file).parent
     assert Path(launcher.task_events_dir) != Path(vm.task_events_dir)
-    assert launcher.model_dump(exclude={"events"}) == vm.model_dump(exclude={"events"})
+    # ... and its API's TCP listener (the token is the launcher's alone)
+    api = {"control_listen", "control_token_file", "control_tls_cert", "control_tls_key",
+           "control_tls_client_ca"}
+    assert vm.launcher.control_listen is None and vm.launcher.control_token_file is None
+    assert launcher.model_dump(exclude={"events", "launcher"}) == vm.model_dump(
+        exclude={"events", "launcher"})
+    assert launcher.launcher.model_dump(exclude=api) == vm.launcher.model_dump(exclude=api)
     ds = next(d for d in kinds(docs, "DaemonSet") if d["metadata"]["name"] == "stk-stockade-vm")
     c = containers(ds)
     assert c["launcher"]["command"][-1] == "/etc/stockade/config/launcher.yaml"
@@ -294,23 +320,87 @@ def test_rules_configmap_projects_back_to_the_repository(tmp_path: Path) -> None
 
 def test_control_ports_service_and_networkpolicy() -> None:
     docs = render(values())
-    chart_values = yaml.safe_load((CHART / "values.yaml").read_text())
-    auth = {chart_values["ports"][k] for k in ("gatewayMetricsAuth", "brokerMetricsAuth",
-                                                "launcherApiAuth")}
+    ports = yaml.safe_load((CHART / "values.yaml").read_text())["ports"]
+    control = {ports[k] for k in ("gatewayMetricsAuth", "brokerMetricsAuth", "launcherApi")}
     svc = one(docs, "Service")
     assert svc["spec"]["clusterIP"] == "None"
-    assert {p["port"] for p in svc["spec"]["ports"]} == auth
+    assert {p["port"] for p in svc["spec"]["ports"]} == control
+    assert {p["targetPort"] for p in svc["spec"]["ports"]} == control
     np_ = one(docs, "NetworkPolicy")
     assert np_["spec"]["policyTypes"] == ["Ingress"]
-    assert {p["port"] for p in np_["spec"]["ingress"][0]["ports"]} == auth
+    rule = np_["spec"]["ingress"][0]
+    assert {p["port"] for p in rule["ports"]} == control
+    assert rule["from"] == [{"namespaceSelector": {"matchLabels": {
+        "stockade.io/control-plane": "true"}}, "podSelector": {}}]
     ds = one(docs, "DaemonSet")
-    proxies = [c for n, c in containers(ds).items() if n.startswith("auth-")]
-    assert {c["ports"][0]["containerPort"] for c in proxies} == auth
-    for c in proxies:  # the upstreams are loopback only
-        upstream = next(a for a in c["args"] if a.startswith("--upstream="))
-        assert upstream.startswith("--upstream=http://127.0.0.1:")
+    c = containers(ds)
+    proxies = [ct for n, ct in c.items() if n.startswith("auth-")]
+    assert {ct["ports"][0]["containerPort"] for ct in proxies} == control - {
+        ports["launcherApi"]}
+    for ct in proxies:  # the metrics' upstreams are loopback only
+        upstream = next(a for a in ct["args"] if a.startswith("--upstream="))
+        assert upstream in (f"--upstream=http://127.0.0.1:{ports['gatewayMetrics']}/",
+                            f"--upstream=http://127.0.0.1:{ports['brokerMetrics']}/")
+    # the launcher serves its API itself: the Service's launcher-api is its port
+    assert c["launcher"]["ports"] == [{"name": "launcher-api", "protocol": "TCP",
+                                       "containerPort": ports["launcherApi"]}]
     role = next(d for d in kinds(docs, "Role") if d["metadata"]["name"].endswith("-client"))
     assert role["rules"][0]["resources"] == ["services/proxy"]
+
+
+def test_no_unauthenticated_bridge_to_the_launcher() -> None:
+    """No socat (nor anything else) copies the root-only socket to a port: the only
+    containers mounting /run/stockade are the three services, and no command or argument
+    names the launcher's socket but the launcher's own readiness probe."""
+    for variant in VARIANTS.values():
+        ds = kinds(render(variant), "DaemonSet")
+        for d in ds:
+            c = containers(d)
+            text = yaml.safe_dump({n: {k: v for k, v in ct.items() if k != "readinessProbe"}
+                                   for n, ct in c.items()})
+            assert "socat" not in text and "launcher.sock" not in text
+            assert "UNIX-CONNECT" not in text
+            run = {n for n, ct in c.items()
+                   if any(m["name"] == "run" for m in ct.get("volumeMounts", []))}
+            assert run == {"gateway", "broker", "launcher"}
+
+
+@pytest.mark.parametrize("variant", ["defaults", "mtls", "plaintext-api"])
+def test_launcher_api_token_secret_is_wired(variant: str, tmp_path: Path) -> None:
+    """The Secret's token reaches the launcher alone, mode 0400, at the file its config
+    names; TLS and client certificates follow the values."""
+    docs = render(VARIANTS[variant])
+    api = VARIANTS[variant]["launcher"]["api"]
+    ds = one(docs, "DaemonSet")
+    vols = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
+    secret = vols["launcher-api-token"]["secret"]
+    assert secret == {"secretName": api["tokenSecret"], "defaultMode": 0o400,
+                      "items": [{"key": "token", "path": "token"}]}
+    c = containers(ds)
+    holders = {n: m["mountPath"] for n, ct in c.items() for m in ct.get("volumeMounts", [])
+               if m["name"] in ("launcher-api-token", "launcher-api-tls")}
+    assert set(holders) == {"launcher"}
+    mounts = {m["name"]: m for m in c["launcher"]["volumeMounts"]}
+    cfg = pool_config(docs, "sandbox", tmp_path, "launcher.yaml").launcher
+    port = yaml.safe_load((CHART / "values.yaml").read_text())["ports"]["launcherApi"]
+    assert cfg.control_listen == f"0.0.0.0:{port}"
+    token_dir = mounts["launcher-api-token"]["mountPath"]
+    assert mounts["launcher-api-token"]["readOnly"] is True
+    # through ..data, the directory the kubelet swaps (test_deploy_helm_launcher_api.py
+    # serves the API with this very config and a Secret laid out as the kubelet does)
+    assert cfg.control_token_file == f"{token_dir}/..data/token"
+    if api.get("tlsSecret"):
+        tls = vols["launcher-api-tls"]["secret"]
+        assert tls["secretName"] == api["tlsSecret"] and tls["defaultMode"] == 0o400
+        tls_dir = mounts["launcher-api-tls"]["mountPath"]
+        assert (cfg.control_tls_cert, cfg.control_tls_key) == (f"{tls_dir}/tls.crt",
+                                                               f"{tls_dir}/tls.key")
+        want_ca = f"{tls_dir}/ca.crt" if api.get("clientCertificates") else None
+        assert cfg.control_tls_client_ca == want_ca
+        assert {i["key"] for i in tls["items"]} == {"tls.crt", "tls.key"} | (
+            {"ca.crt"} if want_ca else set())
+    else:
+        assert "launcher-api-tls" not in vols and cfg.control_tls_cert is None
 
 
 def test_every_value_is_documented() -> None:

@@ -52,6 +52,16 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if and (eq .Values.vault.auth "approle") (not .Values.vault.approle.secret) -}}
 {{- fail "vault.auth is approle: set vault.approle.secret (a Secret with role-id and secret-id)" -}}
 {{- end -}}
+{{- $api := .Values.launcher.api -}}
+{{- if not $api.tokenSecret -}}
+{{- fail "launcher.api.tokenSecret is required: a Secret with the key token, the bearer token of the launcher API (docs/deploy.md \"The launcher API\")" -}}
+{{- end -}}
+{{- if and (not $api.tlsSecret) (not $api.plaintext) -}}
+{{- fail "launcher.api.tlsSecret is empty: give a kubernetes.io/tls Secret for the launcher API, or set launcher.api.plaintext: true to send its token unencrypted" -}}
+{{- end -}}
+{{- if and $api.clientCertificates (not $api.tlsSecret) -}}
+{{- fail "launcher.api.clientCertificates needs launcher.api.tlsSecret (its ca.crt signs the clients' certificates)" -}}
+{{- end -}}
 {{- if not .Values.pools -}}
 {{- fail "pools is empty: at least one node pool runs Stockade" -}}
 {{- end -}}
@@ -61,6 +71,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- fail (printf "pools: the name %q is used twice" .name) -}}
 {{- end -}}
 {{- $_ := set $names .name true -}}
+{{- if and .kvm (has "microvm" .tiers) (not $.Values.kvmResource) (not $.Values.launcher.privileged) -}}
+{{- fail (printf "pools[%s].kvm: an unprivileged launcher gets /dev/kvm only through kvmResource (a device plugin); set it, or launcher.privileged: true" .name) -}}
+{{- end -}}
 {{- if not (has "container" .tiers) -}}
 {{- fail (printf "pools[%s].tiers must include container (the tier every node gives)" .name) -}}
 {{- end -}}
@@ -114,6 +127,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- /* root's files in a directory of their own: a file the root launcher creates (0640)
        in the shared one, or its rotation, would lock the uid-65534 services out of it */ -}}
 {{- $_ := set $chart "events" (dict "file" "/var/log/stockade/launcher/events.jsonl" "task_dir" "/var/log/stockade/launcher/tasks" "stdout" true) -}}
+{{- $_ := mergeOverwrite $chart.launcher (include "stockade.launcherApi" .root | fromYaml) -}}
 {{- end -}}
 {{- toYaml (mergeOverwrite (deepCopy $v.config) $chart) -}}
 {{- end -}}
@@ -136,4 +150,22 @@ capabilities: {drop: [ALL]}
 - {name: state, mountPath: /var/lib/stockade}
 - {name: logs, mountPath: /var/log/stockade}
 - {name: tmp, mountPath: /tmp}
+{{- end -}}
+
+
+{{/* The launcher's TCP listener (its own bearer-token transport), in launcher.yaml only. */}}
+{{- define "stockade.launcherApi" -}}
+{{- $api := .Values.launcher.api -}}
+control_listen: {{ printf "0.0.0.0:%d" (int .Values.ports.launcherApi) | quote }}
+{{- /* ..data/token, not token: the launcher opens its token file without following a
+       symlink, and the kubelet's projected `token` is a symlink into ..data, the
+       directory it swaps atomically on a rotation (which the launcher sees, and reloads) */}}
+control_token_file: /var/run/secrets/stockade/launcher-api/..data/token
+{{- if $api.tlsSecret }}
+control_tls_cert: /var/run/secrets/stockade/launcher-tls/tls.crt
+control_tls_key: /var/run/secrets/stockade/launcher-tls/tls.key
+{{- if $api.clientCertificates }}
+control_tls_client_ca: /var/run/secrets/stockade/launcher-tls/ca.crt
+{{- end }}
+{{- end }}
 {{- end -}}
