@@ -7,18 +7,15 @@ restart; with clientCertificates a client without a certificate cannot connect."
 
 from __future__ import annotations
 
-import asyncio
-import http.client
-import json
 import os
 import secrets
 import socket
 import ssl
-import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import yaml
 from configmap_volume import project
@@ -91,26 +88,24 @@ class Served:
         self.client = client  # the orchestrator's certificate (mTLS), or None
         self.port = int(config.launcher.control_listen.rsplit(":", 1)[1])
 
-    def call(self, token: str | None, client_cert: Any = None) -> tuple[int, Any]:
-        ctx = ssl.create_default_context(cafile=None)
+    async def call(self, token: str | None, client_cert: Any = None,
+                   scheme: str = "https") -> tuple[int, Any]:
+        ctx = ssl.create_default_context()
         self.ca.configure_trust(ctx)
         if client_cert is not None:
             client_cert.configure_cert(ctx)
-        conn = http.client.HTTPSConnection("127.0.0.1", self.port, context=ctx, timeout=60)
         headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
-        try:
-            conn.request("GET", "/v1/sandboxes", headers=headers)
-            resp = conn.getresponse()
-            return resp.status, json.loads(resp.read() or b"null")
-        finally:
-            conn.close()
+        url = f"{scheme}://127.0.0.1:{self.port}/v1/sandboxes"
+        async with aiohttp.ClientSession() as s, s.get(
+                url, headers=headers, ssl=ctx if scheme == "https" else False) as resp:
+            return resp.status, await resp.json(content_type=None)
 
     def rotate(self, token: bytes) -> None:
         _secret_volume(self.root, self.mounts["launcher-api-token"], {"token": token})
 
 
 @pytest.fixture(params=["tls", "mtls"])
-def served(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Served]:
+async def served(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Served]:
     from stockade.launcher.cgroups import remove_parent
     from stockade.launcher.service import LauncherService
 
@@ -127,47 +122,36 @@ def served(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Served]:
         tls["ca.crt"] = ca.cert_pem.bytes()
     _secret_volume(root, mounts["launcher-api-tls"], tls)
     _secret_volume(root, mounts["launcher-api-token"], {"token": b"chart-token-1\n"})
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
     svc = LauncherService(config)
+    await svc.start()
     try:
-        asyncio.run_coroutine_threadsafe(svc.start(), loop).result(120)
         yield Served(config, root, mounts, ca,
                      ca.issue_cert("orchestrator.example") if mtls else None)
     finally:
-        asyncio.run_coroutine_threadsafe(svc.stop(), loop).result(120)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+        await svc.stop()
         remove_parent(config.launcher.cgroup_root, config.launcher.cgroup_parent)
 
 
-def test_missing_and_wrong_tokens_are_refused(served: Served) -> None:
+async def test_missing_and_wrong_tokens_are_refused(served: Served) -> None:
     client = served.client
     for token in (None, "", "wrong", "chart-token-1x", "chart-token"):
-        status, body = served.call(token, client)
+        status, body = await served.call(token, client)
         assert status == 401 and body["error"] == "unauthorized", token
-    status, body = served.call("chart-token-1", client)
+    status, body = await served.call("chart-token-1", client)
     assert status == 200, body
     # a rotated Secret (the kubelet's ..data swap) takes over without a restart
     served.rotate(b"chart-token-2\n")
-    assert served.call("chart-token-1", client)[0] == 401
-    assert served.call("chart-token-2", client)[0] == 200
+    assert (await served.call("chart-token-1", client))[0] == 401
+    assert (await served.call("chart-token-2", client))[0] == 200
 
 
 @pytest.mark.parametrize("served", ["mtls"], indirect=True)
-def test_client_certificate_required_with_mtls(served: Served) -> None:
-    with pytest.raises((ssl.SSLError, ConnectionError)):
-        served.call("chart-token-1")
-    assert served.call("chart-token-1", served.client)[0] == 200
+async def test_client_certificate_required_with_mtls(served: Served) -> None:
+    with pytest.raises((aiohttp.ClientError, ssl.SSLError)):
+        await served.call("chart-token-1")
+    assert (await served.call("chart-token-1", served.client))[0] == 200
 
 
-def test_plaintext_gets_no_answer_on_the_tls_listener(served: Served) -> None:
-    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
-    try:
-        with pytest.raises((http.client.HTTPException, OSError)):
-            conn.request("GET", "/v1/sandboxes",
-                         headers={"Authorization": "Bearer chart-token-1"})
-            conn.getresponse()
-    finally:
-        conn.close()
+async def test_plaintext_gets_no_answer_on_the_tls_listener(served: Served) -> None:
+    with pytest.raises(aiohttp.ClientError):
+        await served.call("chart-token-1", scheme="http")
