@@ -103,7 +103,9 @@ def test_cli_version_and_the_shipped_rules(image: str) -> None:
     assert "0 error(s)" in proc.stdout + proc.stderr
     # the image's rules are the repository's, and every tier's tools are there
     proc = run(image, "sh", "-c", "cd /etc/stockade/rules && find . -type f | sort; "
-               "for t in runsc qemu-system-x86_64 socat bao nft ip; do command -v $t; done; "
+               "for t in runsc qemu-system-x86_64 bao nft ip; do command -v $t; done; "
+               # no socket bridge to copy the launcher's API to an open port
+               "if command -v socat; then exit 3; fi; "
                "test -f /var/cache/stockade/vm/manifest.json && echo guest-image")
     assert proc.returncode == 0, proc.stderr
     shipped = sorted("./" + str(p.relative_to(REPO / "rules"))
@@ -111,7 +113,7 @@ def test_cli_version_and_the_shipped_rules(image: str) -> None:
     lines = proc.stdout.splitlines()
     assert lines[:len(shipped)] == shipped
     assert [Path(p).name for p in lines[len(shipped):-1]] == [
-        "runsc", "qemu-system-x86_64", "socat", "bao", "nft", "ip"]
+        "runsc", "qemu-system-x86_64", "bao", "nft", "ip"]
     assert lines[-1] == "guest-image"
 
 
