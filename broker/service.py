@@ -25,6 +25,7 @@ from stockade.testing.devvault import DevOpenBao
 
 from .configview import BrokerConfig
 from .metrics import BrokerMetrics
+from .rules_watch import RulesWatch
 from .server import Broker
 from .settings import VaultSettings
 from .vault import VaultClient
@@ -53,6 +54,7 @@ class BrokerService:
         cfg = self.config
         s = cfg.broker
         rules_dir = cfg.rules_dir
+        watch = RulesWatch(rules_dir, self.reload)  # baseline first: no change missed
         rules = load_rules(rules_dir)  # RulesError: refuse to start on invalid rules
         self.registry = TaskRegistry(s.state_file or Path(cfg.state_dir) / "broker-tasks.json")
         self.events = cfg.event_writer()
@@ -77,6 +79,8 @@ class BrokerService:
         self._tasks.append(asyncio.create_task(self._expire_loop()))
         self._tasks.append(asyncio.create_task(
             every(SUMMARY_FLUSH_S, events.flush_due, "broker: event summaries", log)))
+        self._tasks.append(asyncio.create_task(
+            every(s.rules_poll_interval_s, watch.poll, "broker: rule file polling", log)))
 
     def _vault_client(self) -> VaultClient:
         """The configured Vault, or a dev OpenBao started here when none is configured."""

@@ -1,6 +1,8 @@
 """The `broker:` and `vault:` sections of stockade.yaml."""
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stockade.listen import ListenAddress, OptionalListenAddress
 from stockade.tcp import CONGESTION_CONTROL_NAME
@@ -45,6 +47,9 @@ class BrokerSettings(BaseModel):
     # pinned upstream addresses {name: ip} (fake internet, private APIs); others use DNS
     hosts: dict[str, str] = {}
     state_file: str | None = None  # task registry state; default <state_dir>/broker-tasks.json
+    # rule file change detection (mtime/size, as gateway.rules_poll_interval_s): a changed
+    # rules directory (a kubelet ConfigMap swap too) is reloaded like SIGHUP does
+    rules_poll_interval_s: float = Field(2.0, gt=0)
 
 
 class AppRoleSettings(BaseModel):
@@ -56,14 +61,54 @@ class AppRoleSettings(BaseModel):
     mount: str = "approle"
 
 
+SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"  # noqa: S105
+
+
+class KubernetesAuthSettings(BaseModel):
+    """`vault.kubernetes`: Vault's Kubernetes auth method, logged in with the pod's token."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: str = Field(min_length=1)  # the Vault role bound to the pod's service account
+    mount: str = Field("kubernetes", min_length=1)  # where the auth method is mounted
+    # the service-account token; read again at every login (the kubelet rotates it)
+    token_file: str = SERVICE_ACCOUNT_TOKEN
+
+
+VaultAuth = Literal["token", "approle", "kubernetes"]
+
+
 class VaultSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     address: str | None = None  # None: `stockade run`/`up` start a dev OpenBao
-    token_file: str | None = None  # file holding a Vault token (alternative to approle)
+    # how the broker logs in: token (token_file), approle (vault.approle) or kubernetes
+    # (vault.kubernetes); unset: token when token_file is set, else approle
+    auth: VaultAuth | None = None
+    token_file: str | None = None  # file holding a Vault token (auth: token)
     approle: AppRoleSettings | None = None
+    kubernetes: KubernetesAuthSettings | None = None
     ca_file: str | None = None  # CA bundle to verify the Vault server's certificate
     timeout_s: float = Field(5.0, gt=0)  # timeout of one Vault request
+
+    @model_validator(mode="after")
+    def _auth_has_its_settings(self) -> "VaultSettings":
+        needs = {"token": ("token_file", self.token_file), "approle": ("approle", self.approle),
+                 "kubernetes": ("kubernetes", self.kubernetes)}
+        if self.auth is not None and needs[self.auth][1] is None:
+            raise ValueError(f"auth: {self.auth} needs vault.{needs[self.auth][0]}")
+        if self.kubernetes is not None and self.auth != "kubernetes":
+            raise ValueError("vault.kubernetes is set: also set auth: kubernetes")
+        return self
+
+    @property
+    def auth_mode(self) -> VaultAuth | None:
+        """The login in force: `auth`, else what today's settings imply (None: none set)."""
+        if self.auth is not None:
+            return self.auth
+        if self.token_file:
+            return "token"
+        return "approle" if self.approle is not None else None
 
 
 class DevSecret(BaseModel):

@@ -1,11 +1,11 @@
 """The broker's Vault/OpenBao client: authentication, token renewal, a KV v2 cache.
 
-hvac does the protocol; this module adds what the broker needs around it: AppRole or
-token auth with renewal before expiry and re-login on 403, a per-secret cache with a
-TTL, single-flight reads (N concurrent callers cause one Vault read), serve-stale for a
-bounded time when Vault fails, then fail closed. hvac is synchronous, so every call
-runs in a small thread pool. hvac exceptions carry URLs and response bodies: they are
-reduced to their class name here and never leave this module.
+hvac does the protocol; this module adds what the broker needs around it: AppRole,
+Kubernetes (`vault_k8s.py`) or token auth with renewal before expiry and re-login on 403,
+a per-secret cache with a TTL, single-flight reads (N concurrent callers cause one Vault
+read), serve-stale for a bounded time when Vault fails, then fail closed. hvac is
+synchronous, so every call runs in a small thread pool. hvac exceptions carry URLs and
+response bodies: they are reduced to their class name here and never leave this module.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import hvac.exceptions
 from stockade.policy.model import CredentialSource
 
 from .settings import VaultSettings
+from .vault_k8s import KubernetesLoginError, kubernetes_login
 
 log = logging.getLogger("stockade.broker.vault")
 T = TypeVar("T")
@@ -112,7 +113,8 @@ class VaultClient:
     # -- authentication ------------------------------------------------------------------
     def _login_sync(self) -> None:
         s = self.settings
-        if self._explicit_token is not None or s.token_file:
+        mode = s.auth_mode
+        if self._explicit_token is not None or mode == "token":
             token = self._explicit_token
             if token is None:
                 assert s.token_file is not None
@@ -121,31 +123,49 @@ class VaultClient:
             data = self._client.auth.token.lookup_self()["data"]
             self._lease_s = float(data.get("ttl") or 0)
             self._renewable = bool(data.get("renewable"))
-        elif s.approle is not None:
-            role_id = Path(s.approle.role_id_file).read_text().strip()
-            if self._secret_id is None:
-                raw = Path(s.approle.secret_id_file).read_text().strip()
-                if s.approle.secret_id_wrapped:
-                    # a wrapping token is single-use: unwrap once, keep the secret id
-                    unwrapper = hvac.Client(
-                        url=s.address, token=raw, timeout=s.timeout_s, verify=self._verify
-                    )
-                    try:
-                        raw = str(unwrapper.sys.unwrap()["data"]["secret_id"])
-                    finally:
-                        unwrapper.adapter.close()
-                self._secret_id = raw
-            resp = self._client.auth.approle.login(
-                role_id=role_id, secret_id=self._secret_id, mount_point=s.approle.mount
-            )
-            auth = resp["auth"]
-            self._client.token = auth["client_token"]
-            self._lease_s = float(auth.get("lease_duration") or 0)
-            self._renewable = bool(auth.get("renewable"))
+        elif mode == "approle":
+            self._use_auth(self._approle_login())
+        elif mode == "kubernetes":
+            assert s.kubernetes is not None
+            self._use_auth(kubernetes_login(self._client, s.kubernetes))
         else:
-            raise ValueError("vault: set token_file or approle")
+            raise ValueError("vault: set token_file, approle or kubernetes")
         self._token_at = self.clock()
         self.logins += 1
+
+    def _approle_login(self) -> dict[str, Any]:
+        s = self.settings
+        assert s.approle is not None
+        role_id = Path(s.approle.role_id_file).read_text().strip()
+        if self._secret_id is None:
+            raw = Path(s.approle.secret_id_file).read_text().strip()
+            if s.approle.secret_id_wrapped:
+                # a wrapping token is single-use: unwrap once, keep the secret id
+                unwrapper = hvac.Client(
+                    url=s.address, token=raw, timeout=s.timeout_s, verify=self._verify
+                )
+                try:
+                    raw = str(unwrapper.sys.unwrap()["data"]["secret_id"])
+                finally:
+                    unwrapper.adapter.close()
+            self._secret_id = raw
+        resp = self._client.auth.approle.login(
+            role_id=role_id, secret_id=self._secret_id, mount_point=s.approle.mount
+        )
+        auth: dict[str, Any] = resp["auth"]
+        return auth
+
+    def _use_auth(self, auth: dict[str, Any]) -> None:
+        """Take the token of a login's `auth` block, with its lease."""
+        self._client.token = auth["client_token"]
+        self._lease_s = float(auth.get("lease_duration") or 0)
+        self._renewable = bool(auth.get("renewable"))
+
+    @property
+    def _can_relogin(self) -> bool:
+        """A login method that yields a fresh token by itself (a static token does not)."""
+        return self._explicit_token is None and self.settings.auth_mode in ("approle",
+                                                                            "kubernetes")
 
     def _renew_sync(self) -> None:
         """Renew the token when 2/3 of its lease is gone; log in again when that fails."""
@@ -159,14 +179,14 @@ class VaultClient:
                 auth = self._client.auth.token.renew_self()["auth"]
                 new_lease = float(auth.get("lease_duration") or 0)
                 # at max_ttl the lease stops growing: log in again instead of expiring
-                if new_lease >= self._lease_s * 0.5 or self.settings.approle is None:
+                if new_lease >= self._lease_s * 0.5 or not self._can_relogin:
                     self._lease_s = new_lease
                     self._token_at = self.clock()
                     self.renewals += 1
                     return
             except Exception as e:  # renewal refused or Vault down: try a fresh login
                 log.warning("vault token renewal failed: %s", type(e).__name__)
-        if self.settings.approle is not None:
+        if self._can_relogin:
             self._login_sync()
 
     async def start(self) -> None:
@@ -186,7 +206,9 @@ class VaultClient:
         try:
             await self.start()
         except Exception as e:
-            log.warning("vault login failed: %s", type(e).__name__)
+            # our own errors name the file at fault; hvac's carry URLs and bodies: class only
+            why = str(e) if isinstance(e, KubernetesLoginError) else type(e).__name__
+            log.warning("vault login failed: %s", why)
             self._set_up(False, type(e).__name__)
             return False
         return True
@@ -226,7 +248,7 @@ class VaultClient:
                 break
             except hvac.exceptions.Forbidden:
                 # token expired or revoked: log in again once, then give up
-                if attempt == 0 and (self.settings.approle is not None or self.settings.token_file):
+                if attempt == 0 and (self._can_relogin or self.settings.token_file):
                     self._login_sync()
                     continue
                 raise

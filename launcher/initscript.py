@@ -155,16 +155,24 @@ def _prelude(plan: InitPlan, r: str) -> list[list[Any]]:
         # not pid 1 (which reports the command's status);
         # the command goes back to 0 before it starts
         ["write", "/proc/self/oom_score_adj", "-1000", True],
-        # /proc/sys/net still reflects this process's netns: IPv6 off before anything runs
-        ["write", "/proc/sys/net/ipv6/conf/all/disable_ipv6", "1", True],
-        ["write", "/proc/sys/net/ipv6/conf/default/disable_ipv6", "1", True],
-        # unprivileged ICMP sockets: a ping gets a legible "prohibited" (nft still rejects it)
-        ["write", "/proc/sys/net/ipv4/ping_group_range", "0 2147483647", True],
-        # best effort: an algorithm the kernel lacks leaves the host's default
-        *([["write", "/proc/sys/net/ipv4/tcp_congestion_control", plan.congestion_control, True]]
-          if plan.congestion_control else []),
-        ["write", "/proc/sys/kernel/hostname", plan.hostname, False],
         ["mount", "stockade-root", r, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=0755"],
+    ]
+
+
+def _sysctls(plan: InitPlan, p: str) -> list[list[Any]]:
+    """The sandbox's sysctls, through its own fresh procfs at `p`: the /proc/sys the init
+    inherits is read-only in a container (the Helm chart's launcher), a new one is not.
+    Its net files reflect the init's netns, its hostname the init's UTS namespace."""
+    return [
+        # IPv6 off before anything of the sandbox runs
+        ["write", p + "/sys/net/ipv6/conf/all/disable_ipv6", "1", True],
+        ["write", p + "/sys/net/ipv6/conf/default/disable_ipv6", "1", True],
+        # unprivileged ICMP sockets: a ping gets a legible "prohibited" (nft still rejects it)
+        ["write", p + "/sys/net/ipv4/ping_group_range", "0 2147483647", True],
+        # best effort: an algorithm the kernel lacks leaves the host's default
+        *([["write", p + "/sys/net/ipv4/tcp_congestion_control", plan.congestion_control,
+            True]] if plan.congestion_control else []),
+        ["write", p + "/sys/kernel/hostname", plan.hostname, False],
     ]
 
 
@@ -222,6 +230,7 @@ def _proc_dev(plan: InitPlan, r: str) -> list[list[Any]]:
     ops: list[list[Any]] = [
         ["mkdir", r + "/proc", 0o555],
         ["mount", "proc", r + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None],
+        *_sysctls(plan, r + "/proc"),
         ["mkdir", d, 0o755],
         ["mount", "stockade-dev", d, "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=0755"],
     ]

@@ -12,6 +12,7 @@ import os
 import subprocess
 from pathlib import Path
 
+from . import nssysctl
 from .addresses import SlotAddresses
 
 NETNS_DIR = "/run/netns"
@@ -98,9 +99,10 @@ def mirred_commands(tap: str, a: SlotAddresses) -> list[str]:
 def harden_host_side(ifname: str) -> None:
     """The host-side veth answers ARP only for its own address on it (arp_ignore=2: the
     target address must be on this interface and in the sender's subnet) and announces
-    only that one (arp_announce=2): a sandbox cannot map the host's other addresses."""
-    for name, value in (("arp_ignore", "2"), ("arp_announce", "2")):
-        Path(f"/proc/sys/net/ipv4/conf/{ifname}/{name}").write_text(value)
+    only that one (arp_announce=2): a sandbox cannot map the host's other addresses.
+    (Through `nssysctl`: in a container /proc/sys is read-only.)"""
+    nssysctl.write(None, [(f"net.ipv4.conf.{ifname}.{name}", "2")
+                          for name in ("arp_ignore", "arp_announce")])
 
 
 def _tc_batch(lines: list[str], netns: str) -> None:

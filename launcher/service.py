@@ -83,7 +83,9 @@ class LauncherService:
         from stockade.policy.holder import RulesHolder
 
         self.config = config
-        self.events = config.event_writer(stdout=False)
+        # events.stdout as configured: in a pod, the node's log agent reads the containers'
+        # stdout (only `stockade run`, whose stdout is its result, keeps it off: core.py)
+        self.events = config.event_writer()
         # the service keeps `launcher.pools` (a one-shot `stockade run` does not)
         self.launcher = launcher or Launcher(config, events=self.events, pools=True)
         # the gateway's holder: an invalid reload keeps the rules in force (fail closed)
@@ -91,6 +93,7 @@ class LauncherService:
         self.socket_path = config.launcher.control_socket
         self._runner: web.AppRunner | None = None
         self._reconciler: asyncio.Task[None] | None = None
+        self._rules_watch: asyncio.Task[None] | None = None
         self._closing = False
         # task id -> run (this service's); touched only on the loop thread (run threads
         # hand over through call_soon_threadsafe), so no lock
@@ -130,6 +133,9 @@ class LauncherService:
             self.config.launcher.reconcile_interval_s,
             lambda: asyncio.to_thread(self.launcher.reconcile),
             "launcher: orphan reconcile", log))
+        self._rules_watch = asyncio.create_task(every(
+            self.config.launcher.rules_poll_interval_s,
+            lambda: asyncio.to_thread(self.rules.poll), "launcher: rule file polling", log))
         self.sessions.start()
 
     async def stop(self) -> None:
@@ -137,11 +143,12 @@ class LauncherService:
         the socket, then `Launcher.close()` (the last launcher out removes the nft table)."""
         self._closing = True
         await self.sessions.stop()
-        if self._reconciler is not None:
-            self._reconciler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reconciler
-            self._reconciler = None
+        for task in (self._reconciler, self._rules_watch):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._reconciler = self._rules_watch = None
         await asyncio.to_thread(self._kill_own_and_wait)
         if self._runner is not None:
             await self._runner.cleanup()

@@ -176,6 +176,9 @@ class LauncherSettings(BaseModel):
     default_ttl_s: int = Field(300, ge=1)  # TTL when neither the profile nor --ttl sets one
     # `launcher serve` removes sandboxes whose `stockade run` died this often (seconds)
     reconcile_interval_s: float = Field(10.0, gt=0)
+    # `launcher serve` reloads the rules when a file under rules_dir changed (mtime/size, as
+    # gateway.rules_poll_interval_s; a kubelet ConfigMap swap too), checked this often
+    rules_poll_interval_s: float = Field(2.0, gt=0)
     # names of host-side veths and of netns start with this; reconcile removes what carries it
     name_prefix: str = Field("stk", min_length=1, max_length=5, pattern=r"^[a-z][a-z0-9]*$")
     # cgroup parent (v1: /sys/fs/cgroup/<controller>/<parent>/<id>, v2: <root>/<parent>/<id>)

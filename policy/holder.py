@@ -89,6 +89,11 @@ class RulesHolder:
     def changed(self) -> bool:
         return snapshot(self.rules_dir) != self._snapshot
 
+    def poll(self, trigger: str = "file_change") -> dict[str, Any] | None:
+        """Reload when a file changed since the last load (the reload's summary), else None:
+        the file watch of a component that polls from a worker thread (the launcher)."""
+        return self.reload(trigger) if self.changed() else None
+
     def reload(self, trigger: str) -> dict[str, Any]:
         """Load and swap; on any problem keep the old rules. Returns a JSON-able summary."""
         from stockade.policy import RulesError, load_rules

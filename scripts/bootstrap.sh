@@ -15,6 +15,7 @@ APT_PACKAGES=(
     jq                # tests/deploy runs docs/runbooks.md's event queries
     python3-seccomp   # libseccomp's binding for the system Python: compiles the sandbox's seccomp filter
     gcc libc6-dev     # the seccomp tests check a C compiler still works inside the sandbox
+    podman runc mmdebstrap   # tests/deploy builds the OCI image (deploy/image) and runs it
 )
 
 missing=()

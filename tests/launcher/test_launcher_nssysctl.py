@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -62,3 +63,39 @@ def test_strict_failure_raises_best_effort_does_not(ns: str) -> None:
 def test_missing_namespace_is_a_clear_error() -> None:
     with pytest.raises(FileNotFoundError):
         nssysctl.write("/run/netns/nssys-no-such-ns", [("net.ipv4.ping_group_range", "0 0")])
+
+
+def _in_read_only_proc_sys(code: str, *, drop_sys_admin: bool = False
+                           ) -> subprocess.CompletedProcess[str]:
+    """`code` run by Python in a mount namespace whose /proc/sys is a read-only bind (what
+    a container runtime gives an unprivileged container), optionally without
+    CAP_SYS_ADMIN in its bounding set (so without it once python is exec'd)."""
+    drop = "setpriv --bounding-set -sys_admin " if drop_sys_admin else ""
+    script = (f"mount --bind -o ro /proc/sys /proc/sys && test ! -w /proc/sys/net && "
+              f"exec {drop}{sys.executable} -c \"$0\"")
+    return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                           script, code], capture_output=True, text=True, check=False)
+
+
+WRITE = ("from stockade.launcher import nssysctl; nssysctl.write({ns!r}, "
+         "[('net.ipv4.ping_group_range', '0 2147483647')])")
+
+
+def test_read_only_proc_sys_uses_a_private_procfs(ns: str) -> None:
+    """The chart's unprivileged launcher: /proc/sys read-only, CAP_SYS_ADMIN held. The
+    write lands in the sandbox's namespace; the caller's /proc/sys stays read-only."""
+    assert _get("net.ipv4.ping_group_range", ns) != ["0", "2147483647"]
+    code = WRITE.format(ns=f"/run/netns/{ns}") + (
+        "; import os; assert os.statvfs('/proc/sys').f_flag & os.ST_RDONLY")
+    proc = _in_read_only_proc_sys(code)
+    assert proc.returncode == 0, proc.stderr
+    assert _get("net.ipv4.ping_group_range", ns) == ["0", "2147483647"]
+
+
+def test_read_only_proc_sys_without_sys_admin_fails_closed(ns: str) -> None:
+    before = _get("net.ipv4.ping_group_range", ns)
+    proc = _in_read_only_proc_sys(WRITE.format(ns=f"/run/netns/{ns}"), drop_sys_admin=True)
+    assert proc.returncode != 0
+    assert "/proc/sys is read-only and no private procfs could be mounted" in proc.stderr
+    assert "CAP_SYS_ADMIN" in proc.stderr
+    assert _get("net.ipv4.ping_group_range", ns) == before

@@ -279,10 +279,26 @@ def test_init_plan_with_host_etc_overlays_only() -> None:
 
 def test_init_plan_congestion_control_is_optional_and_best_effort() -> None:
     plan = initscript.InitPlan(root="/r", scratch="/s", etc_dir="/e", uid=1, gid=1)
-    cc_path = "/proc/sys/net/ipv4/tcp_congestion_control"
+    cc_path = "/r/proc/sys/net/ipv4/tcp_congestion_control"
     assert not [op for op in initscript.build(plan)["ops"] if op[1:2] == [cc_path]]
     ops = initscript.build(dataclasses.replace(plan, congestion_control="cubic"))["ops"]
     assert [op for op in ops if op[1:2] == [cc_path]] == [["write", cc_path, "cubic", True]]
+
+
+def test_init_plan_sysctls_go_through_the_inits_own_procfs() -> None:
+    """In a container the inherited /proc/sys is read-only: every sysctl the init writes
+    is under the fresh procfs it mounts itself, after that mount."""
+    plan = initscript.InitPlan(root="/r", scratch="/s", etc_dir="/e", uid=1, gid=1,
+                               congestion_control="bbr")
+    ops = initscript.build(plan)["ops"]
+    mount = ops.index(["mount", "proc", "/r/proc", "proc", initscript.MS_NOSUID
+                       | initscript.MS_NODEV | initscript.MS_NOEXEC, None])
+    writes = [(i, op[1]) for i, op in enumerate(ops) if op[0] == "write"]
+    sysctls = [(i, path) for i, path in writes if "/sys/" in path]
+    assert {p.rsplit("/", 1)[1] for _, p in sysctls} == {
+        "disable_ipv6", "ping_group_range", "tcp_congestion_control", "hostname"}
+    assert all(i > mount and p.startswith("/r/proc/sys/") for i, p in sysctls), sysctls
+    assert not [p for _, p in writes if p.startswith("/proc/sys")]
 
 
 def test_generated_etc_content() -> None:
