@@ -68,6 +68,7 @@ class StartContext:
     congestion_control: str | None
     seccomp: Callable[[], bytes]  # the profile's filter (LauncherError: none can be built)
     state_dir: Path  # the launcher's own state directory (caches)
+    emit: Callable[[dict[str, Any]], None] | None = None  # the launcher's event writer
 
 
 class Backend(Protocol):

@@ -10,19 +10,18 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
-from .. import cgroups, initscript, microvm, netns, rootfs, scrub, vmimage, vmsnapshot
-from ..environment import SANDBOX_PATH
+from .. import cgroups, initscript, microvm, rootfs, scrub, vmimage, vmsnapshot, vmtemplates
+from ..lifecycle import snapshot_fallback_event
 from ..spec import LauncherError
 from ..supervise import Ended, feed_stdin, kill_marker, kill_proc, started, watch
-from ..vmexec import AgentLink, VmExec
+from ..vmexec import VmExec
 from . import CgroupControl, Live, StartContext
+from .microvm_qemu import VmPipes, spawn, unspawn, vm_spec
 
 if TYPE_CHECKING:  # annotations only
     from ..execspec import ExecSpec
@@ -32,32 +31,10 @@ if TYPE_CHECKING:  # annotations only
 VM_CONSOLE_CAP = 64 * 1024  # the guest's console (kernel messages) kept for diagnostics
 # a session's guest boots to its agent within this (seconds under TCG on a busy host)
 AGENT_READY_TIMEOUT_S = 180.0
+RESTORE_TIMEOUT_S = 60.0  # QEMU loads a template's state within this (a busy host, TCG)
 # the guest-side modules a session guest's init loads from its plan
 SESSION_MODULES = ("vmchannel", "guest_agent")
-# moves this shell into each cgroup.procs file given before "--", then execs the rest
-_JOIN_CGROUPS = ('for f; do shift; [ "$f" = -- ] && break; echo 0 > "$f" || exit 125; done; '
-                 'exec "$@"')
 _ABS_PATH = re.compile(r"(?<![\w.])/[^\s,:;'\"()\[\]]+")
-
-
-@dataclass
-class VmPipes:
-    """Read ends of the pipes QEMU writes the guest's console and ports into."""
-
-    stdout: IO[bytes]
-    stderr: IO[bytes]
-    status: IO[bytes]
-    console: IO[bytes]
-    agent: AgentLink | None = None  # the guest agent's port (served in sessions)
-    restored: bool = False  # started from a snapshot template
-    session: bool = False  # its guest serves execs through the agent
-
-    def close(self) -> None:
-        if self.agent is not None:
-            self.agent.close()
-        for f in (self.stdout, self.stderr, self.status, self.console):
-            with contextlib.suppress(OSError):
-                f.close()
 
 
 class MicrovmBackend(CgroupControl):
@@ -67,6 +44,7 @@ class MicrovmBackend(CgroupControl):
     def __init__(self) -> None:
         # shapes started without a template: (a VmSpec of the shape, the image's stamp)
         self.missed: dict[str, tuple[microvm.VmSpec, str]] = {}
+        self.templates = vmtemplates.Templates()
 
     def create(self, live: Live, limits: Any, s: LauncherSettings) -> None:
         vm = s.microvm
@@ -80,31 +58,65 @@ class MicrovmBackend(CgroupControl):
         """Raises LauncherError for anything that stops the VM from starting; the caller
         tears down what exists."""
         machine = _machine(ctx)
-        base = Path(live.record.scratch)
-        cfg = base / "cfg"
-        cfg.mkdir(mode=0o755)
-        os.chmod(cfg, 0o755)  # noqa: S103 - QEMU reads it after dropping to sandbox_uid
-        if not ctx.etc.host_etc:  # the guest's /etc is this directory
-            rootfs.stage_guest_etc(base / "etc", rootfs.etc_binds(ctx.settings.etc_allowlist),
-                                   bool(ctx.etc.trust_vars))
-        layout, mount_table, input_table = _layout(base, ctx)
+        cfg, layout, tables = _prepare(live, ctx)
         # a template of this shape saved earlier: restored instead of booted (vmsnapshot.py)
-        shape = _vm_spec(ctx, cfg, layout, machine, [0, 0, 0, 0], 0)
-        key = vmsnapshot.shape_key(shape, machine[0].stamp)
-        snapshot = vmsnapshot.find_template(ctx.state_dir, key)
+        shape = vm_spec(ctx, cfg, layout, machine, [0, 0, 0, 0], 0)
+        snapshot = self._template(live, ctx, shape, machine[0].stamp)
+        _write_cfg(cfg, spec, ctx, *tables, restored=snapshot is not None)
+        if snapshot is not None and not self._restore(live, ctx, cfg, layout, machine,
+                                                      spec.session, snapshot, shape):
+            _write_cfg(cfg, spec, ctx, *tables)
+            snapshot = None
         if snapshot is None:
-            self.missed[key] = (shape, machine[0].stamp)
-        _write_cfg(cfg, spec, ctx, mount_table, input_table, restored=snapshot is not None)
-        _spawn(live, ctx, cfg, layout, machine, session=spec.session, snapshot=snapshot)
+            spawn(live, ctx, cfg, layout, machine, session=spec.session)
         if spec.session:
             _await_agent(live)
 
+    def _template(self, live: Live, ctx: StartContext, shape: microvm.VmSpec,
+                  stamp: str) -> Path | None:
+        """The shape's template when it has a whole one; none yet: built in the background
+        (this start boots cold, later ones restore)."""
+        if not ctx.settings.microvm.snapshots:
+            return None
+        key = vmsnapshot.shape_key(shape, stamp)
+        try:
+            found = self.templates.lookup(ctx.state_dir, key)
+        except vmtemplates.Bad as e:
+            _fell_back(live, ctx, str(e))
+            found = None
+        if found is None:
+            self.missed[key] = (shape, stamp)
+            self.templates.build_later(shape, stamp, ctx.state_dir)
+        return found
+
+    def _restore(self, live: Live, ctx: StartContext, cfg: Path, layout: microvm.Layout,
+                 machine: tuple[vmimage.Image, str, microvm.Accel], session: bool,
+                 snapshot: Path, shape: microvm.VmSpec, go: bool = True) -> bool:
+        """QEMU restored from `snapshot`, running; False when QEMU refused the state (the
+        template is removed, QEMU gone, an event says so: the caller boots cold)."""
+        qmp = spawn(live, ctx, cfg, layout, machine, session=session, snapshot=snapshot,
+                     go=go)
+        assert qmp is not None
+        try:
+            vmsnapshot.await_running(qmp, RESTORE_TIMEOUT_S)
+            return True
+        except (OSError, ValueError, vmsnapshot.SnapshotError) as e:
+            unspawn(live)
+            self.templates.drop(ctx.state_dir, vmsnapshot.shape_key(shape, machine[0].stamp))
+            _fell_back(live, ctx, f"QEMU did not restore the snapshot template: {e}")
+            self.missed[vmsnapshot.shape_key(shape, machine[0].stamp)] = (shape,
+                                                                          machine[0].stamp)
+            self.templates.build_later(shape, machine[0].stamp, ctx.state_dir)  # anew
+            return False
+        finally:
+            qmp.close()
+
     def build_templates(self, state_dir: Path) -> list[Path]:
         """Save the snapshot templates of the shapes that were booted cold so far (their
-        later starts restore): for pool refills and `stockade up`, off any start's path."""
+        later starts restore) and wait for them: tests and benchmarks."""
         done = []
         for key, (shape, stamp) in list(self.missed.items()):
-            done.append(vmsnapshot.ensure_template(shape, stamp, state_dir))
+            done.append(self.templates.build_now(shape, stamp, state_dir))
             self.missed.pop(key, None)
         return done
 
@@ -154,6 +166,27 @@ def _machine(ctx: StartContext) -> tuple[vmimage.Image, str, microvm.Accel]:
     accel = vmimage.resolve_accel(vm.accel, vm.qemu, image,
                                   ctx.state_dir / "microvm-accel.json", vm.probe_timeout_s)
     return image, qemu, accel
+
+
+def _prepare(live: Live, ctx: StartContext,
+             stage_etc: bool = True) -> tuple[Path, microvm.Layout, tuple[str, str]]:
+    """The guest's config share directory, its /etc (`stage_etc`), its layout with the
+    mount and input tables."""
+    base = Path(live.record.scratch)
+    cfg = base / "cfg"
+    cfg.mkdir(mode=0o755, exist_ok=True)
+    os.chmod(cfg, 0o755)  # noqa: S103 - QEMU reads it after dropping to sandbox_uid
+    if stage_etc and not ctx.etc.host_etc:  # the guest's /etc is this directory
+        rootfs.stage_guest_etc(base / "etc", rootfs.etc_binds(ctx.settings.etc_allowlist),
+                               bool(ctx.etc.trust_vars))
+    layout, mount_table, input_table = _layout(base, ctx)
+    return cfg, layout, (mount_table, input_table)
+
+
+def _fell_back(live: Live, ctx: StartContext, why: str) -> None:
+    logging.getLogger("stockade.launcher").warning("microVM %s: %s", live.record.task_id, why)
+    if ctx.emit is not None:
+        ctx.emit(snapshot_fallback_event(live.record, why))
 
 
 def _layout(base: Path, ctx: StartContext) -> tuple[microvm.Layout, str, str]:
@@ -207,67 +240,6 @@ def _write_cfg(cfg: Path, spec: SandboxSpec, ctx: StartContext, mount_table: str
         os.chmod(f, 0o644)
 
 
-def _vm_spec(ctx: StartContext, cfg: Path, layout: microvm.Layout,
-             machine: tuple[vmimage.Image, str, microvm.Accel], fds: list[int],
-             agent_fd: int | None) -> microvm.VmSpec:
-    """The VM of this sandbox; `fds`: where QEMU writes the console and the three ports."""
-    s, vm, limits = ctx.settings, ctx.settings.microvm, ctx.limits
-    image, qemu, accel = machine
-    con, *ports = (f"/proc/self/fd/{fd}" for fd in fds)
-    return microvm.VmSpec(
-        qemu=qemu, accel=accel, kernel=image.kernel, initrd=image.initrd,
-        memory_mib=microvm.guest_memory_mib(limits.memory, vm.guest_kernel_mib),
-        cpus=microvm.vcpus(limits.cpus), mac=ctx.addresses.guest_mac, cfg_dir=str(cfg),
-        layout=layout, console=con, ports=(ports[0], ports[1], ports[2]),
-        tsc_khz=vmimage.tsc_khz(), tb_size_mib=vm.tb_size_mib,
-        runas=(s.sandbox_uid, s.sandbox_gid) if vm.harden_qemu else None,
-        seccomp=vm.harden_qemu, agent_fd=agent_fd)
-
-
-def _spawn(live: Live, ctx: StartContext, cfg: Path, layout: microvm.Layout,
-           machine: tuple[vmimage.Image, str, microvm.Accel], session: bool = False,
-           snapshot: Path | None = None) -> None:
-    """QEMU, its console and three ports on pipes the launcher reads, the agent port on one
-    end of a socket pair (the other is the AgentLink's; every shape has it, so that its
-    template does); restored from `snapshot` when given."""
-    pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(4)]
-    ours, theirs = socket.socketpair()
-    passed = [w for _, w in pipes] + [theirs.fileno()]
-    state_fd = None
-    try:
-        vspec = _vm_spec(ctx, cfg, layout, machine, passed[:4], passed[4])
-        if snapshot is not None:
-            state_fd = os.open(snapshot, os.O_RDONLY | os.O_CLOEXEC)
-            passed.append(state_fd)
-            vspec = vmsnapshot.restore_spec(vspec, state_fd)
-        try:
-            qargv = microvm.qemu_argv(vspec)
-        except ValueError as e:
-            raise LauncherError(f"cannot start the microVM: {e}") from None
-        live.proc = subprocess.Popen(
-            _argv(live, qargv), env={"PATH": SANDBOX_PATH}, stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, close_fds=True,
-            pass_fds=tuple(passed), start_new_session=True, cwd="/")
-        if snapshot is not None:
-            ours.sendall(vmsnapshot.GO)  # read once the restored guest runs
-        live.pipes = VmPipes(*(os.fdopen(r, "rb") for r, _ in
-                               [pipes[1], pipes[2], pipes[3], pipes[0]]),
-                             agent=AgentLink(ours), restored=snapshot is not None,
-                             session=session)
-    except BaseException:
-        for r, _ in pipes:
-            with contextlib.suppress(OSError):
-                os.close(r)
-        ours.close()
-        raise
-    finally:  # QEMU has its copies
-        for _, w in pipes:
-            os.close(w)
-        theirs.close()
-        if state_fd is not None:
-            os.close(state_fd)
-
-
 def _await_agent(live: Live) -> None:
     """Until the session guest's agent waits for execs; LauncherError with the guest's own
     words when it ended first (the caller tears down)."""
@@ -285,19 +257,6 @@ def _await_agent(live: Live) -> None:
         said = vm.stderr.read(4096).decode("utf-8", "replace").strip().splitlines()
         why = _ABS_PATH.sub("<host-path>", said[-1])[:300] if said else ""
         raise LauncherError(f"{e}: {why}" if why else str(e)) from None
-
-
-def _argv(live: Live, qargv: list[str]) -> list[str]:
-    # QEMU joins the sandbox's cgroups before it allocates anything (a shell that
-    # moves itself, then execs), then enters the netns, and runs as pid 1 of a pid
-    # namespace of its own with its own /proc (it sees no host process; its end
-    # ends the namespace) in a private mount namespace; the paths are arguments.
-    # No chroot: QEMU 7.2's 9p server still resolves some operations (file
-    # creation) by path, and the scratch share fails under -chroot
-    return ["sh", "-c", _JOIN_CGROUPS, "sh", *live.cg.procs_files(), "--",
-            "nsenter", f"--net={netns.NETNS_DIR}/{live.record.netns}", "--",
-            "unshare", "--pid", "--fork", "--kill-child", "--mount",
-            "--propagation", "private", "--mount-proc", "--", *qargv]
 
 
 def vm_outcome(vm: VmPipes, qemu_rc: int, console: bytes, qemu_err: bytes, ended_by: str,
