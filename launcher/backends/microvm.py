@@ -120,6 +120,60 @@ class MicrovmBackend(CgroupControl):
             self.missed.pop(key, None)
         return done
 
+    # a pooled guest's shares are fixed when QEMU starts: a task with inputs starts cold
+    claims_inputs = False
+
+    def start_pooled(self, live: Live, ctx: StartContext) -> None:
+        """A guest that waits for its plan: restored from its shape's template (built
+        first when there is none: a refill is off every task's path) or, without one, booted
+        as a template is. Either way it stopped before any share is mounted and before its
+        network exists (it sends nothing), and goes on when `claim_pooled` writes a line on
+        its agent port."""
+        machine = _machine(ctx)
+        cfg, layout, _ = _prepare(live, ctx)
+        shape = vm_spec(ctx, cfg, layout, machine, [0, 0, 0, 0], 0)
+        snapshot = self._pool_template(live, ctx, shape, machine[0].stamp)
+        if snapshot is None or not self._restore(live, ctx, cfg, layout, machine, False,
+                                                  snapshot, shape, go=False):
+            spawn(live, ctx, cfg, layout, machine, template=True)
+            vm = live.pipes
+            assert isinstance(vm, VmPipes) and vm.agent is not None
+            try:
+                vmsnapshot.await_ready(vm.agent.sock, AGENT_READY_TIMEOUT_S)
+            except (OSError, vmsnapshot.SnapshotError) as e:
+                raise LauncherError(f"the pooled microVM did not boot: {e}") from None
+            finally:
+                vm.agent.sock.settimeout(None)
+
+    def _pool_template(self, live: Live, ctx: StartContext, shape: microvm.VmSpec,
+                       stamp: str) -> Path | None:
+        if not ctx.settings.microvm.snapshots:
+            return None
+        try:
+            self.templates.build_now(shape, stamp, ctx.state_dir)
+        except (OSError, vmsnapshot.SnapshotError) as e:
+            _fell_back(live, ctx, f"no snapshot template could be built: {e}")
+            return None
+        return self._template(live, ctx, shape, stamp)
+
+    def claim_pooled(self, live: Live, spec: SandboxSpec, ctx: StartContext) -> None:
+        """The task's plan into the waiting guest's config share, then its line on the agent
+        port: the guest mounts its shares, applies a fresh identity (MAC, entropy, clock),
+        its network and limits, and runs the command (or serves the session's execs)."""
+        vm, proc = live.pipes, live.proc
+        if not isinstance(vm, VmPipes) or vm.agent is None or proc is None or (
+                proc.poll() is not None):
+            raise LauncherError("the pooled microVM has ended")
+        cfg, _, tables = _prepare(live, ctx, stage_etc=False)
+        _write_cfg(cfg, spec, ctx, *tables, restored=True)
+        vm.session = spec.session
+        try:
+            vm.agent.sock.sendall(vmsnapshot.GO)
+        except OSError as e:
+            raise LauncherError(f"the pooled microVM is unreachable: {e}") from None
+        if spec.session:
+            _await_agent(live)
+
     def exec(self, live: Live, req: ExecSpec, ctx: StartContext) -> VmExec:
         """One exec through the session guest's agent (its plan already holds the uid,
         rlimits, seccomp filter and cgroup every exec runs under)."""
