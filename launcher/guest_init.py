@@ -19,6 +19,10 @@ needs none of the calls it denies), its stdout and stderr on their virtio-serial
 loader variables (LD_*) reach the command through `env`, run after the drop, never setpriv
 itself. It waits for the command, writes `<exit status> <oom kills> <pids limit hits>` to
 the status port and reboots (QEMU runs with -no-reboot: the VM ends).
+
+A pooled guest's plan on the config share is a placeholder (`pooled`): this init loads
+what every task's guest loads, says so on the agent port and reads the task's plan there
+(`claimed`) before anything of the above.
 """
 
 import _signal as signal  # the C module: `signal` would import enum (and re) first
@@ -35,6 +39,9 @@ CGROOT = "/sbx/cg"
 PORTS = {"stdout": "/sbx/port-stdout", "stderr": "/sbx/port-stderr", "status": "/sbx/port-status"}
 # the agent port's number (microvm.AGENT_PORT_NR); vm-images/init links no port of that name
 AGENT_NR = "p4"
+# microvm.POOLED_READY and MAX_PLAN_BYTES (this script imports nothing of the launcher)
+POOLED_READY = b"stockade-pooled-ready\n"
+MAX_PLAN_BYTES = 16 * 2**20
 
 
 def write(path, value, best_effort=True):
@@ -213,12 +220,55 @@ def child(plan, cg, fds, setpriv_fd):
         os._exit(126)
 
 
+def read_exact(fd, n):
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            raise OSError("the launcher closed the agent port")
+        buf += chunk
+    return bytes(buf)
+
+
+def claimed(pooled):
+    """A pooled guest (its config share's plan is microvm.pooled_plan): load what every
+    task's guest loads, say so on the agent port (root's alone), then wait there for the
+    task's plan: a 4-byte big-endian length and the marshal bytes (microvm.plan_frame).
+    (The task's plan, the open agent port.)"""
+    load_modules(pooled["modules"])
+    import ctypes  # noqa: F401 - what the claim's start would import (load_filter, refresh)
+    import fcntl  # noqa: F401
+
+    port = agent_port()
+    os.write(port, POOLED_READY)
+    n = int.from_bytes(read_exact(port, 4), "big")
+    if n > MAX_PLAN_BYTES:
+        raise OSError("the plan on the agent port is too large")
+    return marshal.loads(read_exact(port, n)), port  # noqa: S302 - the launcher's
+
+
+def stdin_of(plan):
+    """The command's stdin: the plan's bytes (a pooled guest's), the copied file, or none."""
+    if plan.get("stdin_data") is not None:
+        fd = os.memfd_create("stdin", 0)
+        view = memoryview(plan["stdin_data"])
+        while view:
+            view = view[os.write(fd, view):]
+        os.lseek(fd, 0, os.SEEK_SET)
+        return fd
+    return os.open(f"{RUN}/stdin" if plan["stdin"] else "/dev/null", os.O_RDONLY)
+
+
 def setup(status_fd, err_fd):
     """The guest's network, names and inputs from the plan; (plan, the command's cgroup,
-    its stdin, setpriv) or the end of the guest with status 125."""
+    its stdin, setpriv, the agent port when a pooled guest's plan came on it) or the end of
+    the guest with status 125."""
+    port = None
     try:
         with open(f"{RUN}/plan", "rb") as fh:
             plan = marshal.load(fh)  # noqa: S302 - written by the launcher; builtin, fast
+        if plan.get("pooled"):
+            plan, port = claimed(plan)
         if plan.get("fresh"):
             refresh(plan["fresh"])
         network(plan["net"])
@@ -234,7 +284,7 @@ def setup(status_fd, err_fd):
             if fh.read().strip() != "1" or not os.path.exists(f"{RUN}/inputs"):
                 raise OSError("the guest image is outdated: rebuild it with vm-images/build.sh")
         cg = command_cgroup(plan)
-        in_fd = os.open(f"{RUN}/stdin" if plan["stdin"] else "/dev/null", os.O_RDONLY)
+        in_fd = stdin_of(plan)
         # opened before any input exists in the guest (os.open: close-on-exec)
         setpriv_fd = os.open(plan["setpriv"], os.O_RDONLY)
         with open(f"{RUN}/inputs") as fh:
@@ -242,7 +292,7 @@ def setup(status_fd, err_fd):
     except Exception as e:
         os.write(err_fd, f"stockade-vm-init: {e}\n".encode())
         end(status_fd, "125 0 0\n")
-    return plan, cg, in_fd, setpriv_fd
+    return plan, cg, in_fd, setpriv_fd, port
 
 
 def reap(status_fd, pid, cg, limit):
@@ -268,6 +318,8 @@ def load_modules(sources):
     """The plan's guest modules (vmchannel, guest_agent: source text from the launcher's
     root-only config share) as importable modules; vm-images/init copies only this init."""
     for name, source in sources:
+        if name in sys.modules:  # a pooled guest loaded them before its claim
+            continue
         mod = type(sys)(name)
         exec(compile(source, f"{name}.py", "exec"), mod.__dict__)  # noqa: S102
         sys.modules[name] = mod
@@ -301,10 +353,11 @@ def spawn(plan, cg, setpriv_fd, req):
     return pid, in_w, out_r, err_r
 
 
-def session(plan, cg, setpriv_fd, status_fd, err_fd):
-    """Serve execs over the agent port until the launcher closes it."""
+def session(plan, cg, setpriv_fd, status_fd, err_fd, port):
+    """Serve execs over the agent port (`port`: opened already) until the launcher closes
+    it."""
     try:
-        port = agent_port()
+        port = agent_port() if port is None else port
         load_modules(plan["modules"])
         import ctypes  # noqa: F401 - once here, not in every exec's child (see load_filter)
 
@@ -327,10 +380,10 @@ def main():
     status_fd = os.open(PORTS["status"], os.O_WRONLY)
     out_fd = os.open(PORTS["stdout"], os.O_WRONLY)
     err_fd = os.open(PORTS["stderr"], os.O_WRONLY)
-    plan, cg, in_fd, setpriv_fd = setup(status_fd, err_fd)
+    plan, cg, in_fd, setpriv_fd, port = setup(status_fd, err_fd)
     if plan.get("session"):
         os.close(in_fd)
-        session(plan, cg, setpriv_fd, status_fd, err_fd)
+        session(plan, cg, setpriv_fd, status_fd, err_fd, port)
     pid = os.fork()
     if pid == 0:
         child(plan, cg, (in_fd, out_fd, err_fd), setpriv_fd)

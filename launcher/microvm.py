@@ -238,6 +238,26 @@ def fresh_identity(mac: str, seed: bytes, clock: float) -> dict[str, Any]:
     return {"mac": mac, "seed": bytes(seed), "clock": float(clock)}
 
 
+# a pooled guest (guest_init.py `claimed`) says this on its agent port once everything no
+# task decides is done, then reads its plan there: a 4-byte big-endian length, the plan
+POOLED_READY = b"stockade-pooled-ready\n"
+MAX_PLAN_BYTES = 16 * MIB
+
+
+def pooled_plan(session_modules: Sequence[tuple[str, str]]) -> dict[str, Any]:
+    """The config share's plan of a pooled guest: no task, only what every task's guest
+    loads (the agent's modules), and the mark that its real plan comes on the agent port."""
+    return {"pooled": True, "modules": list(session_modules)}
+
+
+def plan_frame(plan: dict[str, Any]) -> bytes:
+    """A claimed pooled guest's plan as sent on its agent port."""
+    blob = encode_plan(plan)
+    if len(blob) > MAX_PLAN_BYTES:
+        raise ValueError(f"the guest's plan is {len(blob)} bytes, over {MAX_PLAN_BYTES}")
+    return len(blob).to_bytes(4, "big") + blob
+
+
 def encode_plan(plan: dict[str, Any]) -> bytes:
     """marshal (a builtin the guest's Python reads without importing anything; format 4 is
     what every Python 3.4+ reads), never a format parsed as shell."""

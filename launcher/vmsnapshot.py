@@ -141,15 +141,17 @@ def await_running(sock: socket.socket, timeout_s: float) -> float:
     return time.monotonic() - t0
 
 
-def await_ready(sock: socket.socket, timeout_s: float) -> None:
-    """Until a template boot's guest says it stopped for its save (or its plan)."""
+def await_ready(sock: socket.socket, timeout_s: float, marker: bytes = READY) -> None:
+    """Until the guest says `marker` on its agent port: a template boot stopped for its
+    save (READY), a pooled guest waits for its plan (microvm.POOLED_READY)."""
     sock.settimeout(timeout_s)
     got = b""
-    while READY not in got:
+    while marker not in got:
         chunk = sock.recv(4096)
         if not chunk:
-            raise SnapshotError("the template guest ended before it was ready")
+            raise SnapshotError("the guest ended before it was ready")
         got = (got + chunk)[-4096:]
+    sock.settimeout(None)
 
 
 def _save(qmp: Qmp, out_fd: int, timeout_s: float) -> None:

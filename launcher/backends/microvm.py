@@ -76,9 +76,10 @@ class MicrovmBackend(CgroupControl):
                   stamp: str) -> Path | None:
         """The shape's template when it has a whole one; none yet: built in the background
         (this start boots cold, later ones restore)."""
-        if not ctx.settings.microvm.snapshots:
-            return None
         key = vmsnapshot.shape_key(shape, stamp)
+        if not ctx.settings.microvm.snapshots:  # (build_templates can still save it)
+            self.missed[key] = (shape, stamp)
+            return None
         try:
             found = self.templates.lookup(ctx.state_dir, key)
         except vmtemplates.Bad as e:
@@ -91,14 +92,15 @@ class MicrovmBackend(CgroupControl):
 
     def _restore(self, live: Live, ctx: StartContext, cfg: Path, layout: microvm.Layout,
                  machine: tuple[vmimage.Image, str, microvm.Accel], session: bool,
-                 snapshot: Path, shape: microvm.VmSpec, go: bool = True) -> bool:
+                 snapshot: Path, shape: microvm.VmSpec) -> bool:
         """QEMU restored from `snapshot`, running; False when QEMU refused the state (the
         template is removed, QEMU gone, an event says so: the caller boots cold)."""
-        qmp = spawn(live, ctx, cfg, layout, machine, session=session, snapshot=snapshot,
-                     go=go)
+        qmp = spawn(live, ctx, cfg, layout, machine, session=session, snapshot=snapshot)
         assert qmp is not None
         try:
-            vmsnapshot.await_running(qmp, RESTORE_TIMEOUT_S)
+            took = vmsnapshot.await_running(qmp, RESTORE_TIMEOUT_S)
+            if isinstance(live.pipes, VmPipes):
+                live.pipes.restore_s = took
             return True
         except (OSError, ValueError, vmsnapshot.SnapshotError) as e:
             unspawn(live)
@@ -125,25 +127,24 @@ class MicrovmBackend(CgroupControl):
 
     def start_pooled(self, live: Live, ctx: StartContext) -> None:
         """A guest that waits for its plan: restored from its shape's template (built
-        first when there is none: a refill is off every task's path) or, without one, booted
-        as a template is. Either way it stopped before any share is mounted and before its
-        network exists (it sends nothing), and goes on when `claim_pooled` writes a line on
-        its agent port."""
+        first when there is none: a refill is off every task's path; a cold boot when none
+        can be), it mounts its shares and starts its init, which loads what every task's
+        guest loads and then waits on the agent port, before its network exists (it sends
+        nothing). `claim_pooled` sends the plan there."""
         machine = _machine(ctx)
-        cfg, layout, _ = _prepare(live, ctx)
+        cfg, layout, tables = _prepare(live, ctx)
+        _write_files(cfg, ctx, microvm.pooled_plan(_session_modules()), *tables)
         shape = vm_spec(ctx, cfg, layout, machine, [0, 0, 0, 0], 0)
         snapshot = self._pool_template(live, ctx, shape, machine[0].stamp)
         if snapshot is None or not self._restore(live, ctx, cfg, layout, machine, False,
-                                                  snapshot, shape, go=False):
-            spawn(live, ctx, cfg, layout, machine, template=True)
-            vm = live.pipes
-            assert isinstance(vm, VmPipes) and vm.agent is not None
-            try:
-                vmsnapshot.await_ready(vm.agent.sock, AGENT_READY_TIMEOUT_S)
-            except (OSError, vmsnapshot.SnapshotError) as e:
-                raise LauncherError(f"the pooled microVM did not boot: {e}") from None
-            finally:
-                vm.agent.sock.settimeout(None)
+                                                  snapshot, shape):
+            spawn(live, ctx, cfg, layout, machine)
+        vm = live.pipes
+        assert isinstance(vm, VmPipes) and vm.agent is not None
+        try:
+            vmsnapshot.await_ready(vm.agent.sock, AGENT_READY_TIMEOUT_S, microvm.POOLED_READY)
+        except (OSError, vmsnapshot.SnapshotError) as e:
+            raise LauncherError(f"the pooled microVM did not start: {e}") from None
 
     def _pool_template(self, live: Live, ctx: StartContext, shape: microvm.VmSpec,
                        stamp: str) -> Path | None:
@@ -157,18 +158,22 @@ class MicrovmBackend(CgroupControl):
         return self._template(live, ctx, shape, stamp)
 
     def claim_pooled(self, live: Live, spec: SandboxSpec, ctx: StartContext) -> None:
-        """The task's plan into the waiting guest's config share, then its line on the agent
-        port: the guest mounts its shares, applies a fresh identity (MAC, entropy, clock),
-        its network and limits, and runs the command (or serves the session's execs)."""
+        """The task's plan (with a fresh identity: MAC, entropy, clock; its stdin) on the
+        waiting guest's agent port: its init sets up the network and limits and runs the
+        command (or serves the session's execs)."""
         vm, proc = live.pipes, live.proc
         if not isinstance(vm, VmPipes) or vm.agent is None or proc is None or (
                 proc.poll() is not None):
             raise LauncherError("the pooled microVM has ended")
-        cfg, _, tables = _prepare(live, ctx, stage_etc=False)
-        _write_cfg(cfg, spec, ctx, *tables, restored=True)
+        plan = _plan(spec, ctx, restored=True)
+        plan["stdin_data"] = spec.stdin
+        try:
+            frame = microvm.plan_frame(plan)
+        except ValueError as e:
+            raise LauncherError(str(e)) from None
         vm.session = spec.session
         try:
-            vm.agent.sock.sendall(vmsnapshot.GO)
+            vm.agent.sock.sendall(frame)
         except OSError as e:
             raise LauncherError(f"the pooled microVM is unreachable: {e}") from None
         if spec.session:
@@ -268,30 +273,41 @@ def _layout(base: Path, ctx: StartContext) -> tuple[microvm.Layout, str, str]:
 def _write_cfg(cfg: Path, spec: SandboxSpec, ctx: StartContext, mount_table: str,
                input_table: str, restored: bool = False) -> None:
     """The guest's configuration share: its plan, tables, stdin and init."""
-    s, a, limits = ctx.settings, ctx.addresses, ctx.limits
     if spec.stdin is not None:
         (cfg / "stdin").write_bytes(spec.stdin)
-    setpriv = _guest_setpriv(s.ro_binds)
-    plan = microvm.guest_plan(
+    _write_files(cfg, ctx, _plan(spec, ctx, restored), mount_table, input_table)
+
+
+def _write_files(cfg: Path, ctx: StartContext, plan: dict[str, Any], mount_table: str,
+                 input_table: str) -> None:
+    (cfg / "plan").write_bytes(microvm.encode_plan(plan))
+    (cfg / "mounts").write_text(mount_table)
+    (cfg / "inputs").write_text(input_table)
+    (cfg / "python").write_text(ctx.settings.init_python + "\n")
+    (cfg / "guest_init.py").write_text(_guest_init_source())
+    for f in cfg.iterdir():
+        os.chmod(f, 0o644)
+
+
+def _plan(spec: SandboxSpec, ctx: StartContext, restored: bool) -> dict[str, Any]:
+    """guest_init.py's plan of the task (`restored`: with a fresh identity)."""
+    s, a, limits = ctx.settings, ctx.addresses, ctx.limits
+    return microvm.guest_plan(
         argv=list(spec.argv), env=ctx.env, uid=s.sandbox_uid, gid=s.sandbox_gid,
         rlimits={"NOFILE": s.rlimit_nofile, "CORE": s.rlimit_core,
                  "MEMLOCK": s.rlimit_memlock},
         guest_ip=a.guest_ip, host_ip=a.host_ip, prefixlen=a.prefixlen,
         memory=limits.memory, pids=limits.pids, pids_fail_kill=s.pids_fail_kill,
-        stdin=spec.stdin is not None, setpriv=setpriv,
+        stdin=spec.stdin is not None, setpriv=_guest_setpriv(s.ro_binds),
         congestion_control=ctx.congestion_control, seccomp=ctx.seccomp(),
         reserved=(*initscript.RESERVED, *s.ro_binds),
-        session_modules=[(m, _launcher_source(m)) for m in SESSION_MODULES]
-        if spec.session else None,
+        session_modules=_session_modules() if spec.session else None,
         fresh=microvm.fresh_identity(a.guest_mac, os.urandom(64), time.time())
         if restored else None)
-    (cfg / "plan").write_bytes(microvm.encode_plan(plan))
-    (cfg / "mounts").write_text(mount_table)
-    (cfg / "inputs").write_text(input_table)
-    (cfg / "python").write_text(s.init_python + "\n")
-    (cfg / "guest_init.py").write_text(_guest_init_source())
-    for f in cfg.iterdir():
-        os.chmod(f, 0o644)
+
+
+def _session_modules() -> list[tuple[str, str]]:
+    return [(m, _launcher_source(m)) for m in SESSION_MODULES]
 
 
 def _await_agent(live: Live) -> None:

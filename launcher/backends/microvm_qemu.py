@@ -34,6 +34,7 @@ class VmPipes:
     console: IO[bytes]
     agent: AgentLink | None = None  # the guest agent's port (served in sessions)
     restored: bool = False  # started from a snapshot template
+    restore_s: float | None = None  # how long QEMU took to load the template's state
     session: bool = False  # its guest serves execs through the agent
 
     def close(self) -> None:
@@ -63,13 +64,11 @@ def vm_spec(ctx: StartContext, cfg: Path, layout: microvm.Layout,
 
 def spawn(live: Live, ctx: StartContext, cfg: Path, layout: microvm.Layout,
           machine: tuple[vmimage.Image, str, microvm.Accel], session: bool = False,
-          snapshot: Path | None = None, go: bool = True,
-          template: bool = False) -> socket.socket | None:
+          snapshot: Path | None = None) -> socket.socket | None:
     """QEMU, its console and three ports on pipes the launcher reads, the agent port on one
     end of a socket pair (the other is the AgentLink's; every shape has it, so that its
-    template does). Restored from `snapshot` when given: the guest goes on once it reads
-    vmsnapshot.GO (written now with `go`, else by the claim); its QMP monitor's socket is
-    returned. `template`: a cold boot that stops as a template does, until GO."""
+    template does). Restored from `snapshot` when given (the guest goes on once it reads
+    vmsnapshot.GO, written now): its QMP monitor's socket is returned."""
     pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(4)]
     ours, theirs = socket.socketpair()
     qmp = None
@@ -82,10 +81,8 @@ def spawn(live: Live, ctx: StartContext, cfg: Path, layout: microvm.Layout,
             vspec = vm_spec(ctx, cfg, layout, machine, passed[:4], passed[4])
             if snapshot is not None:
                 vspec, qmp = _restoring(vspec, snapshot, passed, qemus)
-            elif template:
-                vspec = dataclasses.replace(vspec, template=True)
             live.proc = _popen(live, vspec, passed)
-            if snapshot is not None and go:
+            if snapshot is not None:
                 ours.sendall(vmsnapshot.GO)  # read once the restored guest runs
             live.pipes = VmPipes(*(os.fdopen(r, "rb") for r, _ in
                                    [pipes[1], pipes[2], pipes[3], pipes[0]]),

@@ -263,3 +263,22 @@ def test_snapshot_shapes_templates_and_restores() -> None:
     assert fresh == {"mac": "02:00:0a:d5:00:02", "seed": b"s" * 64, "clock": 1.5}
     with pytest.raises(ValueError, match="seed"):
         microvm.fresh_identity("02:00:0a:d5:00:02", b"short", 1.5)
+
+
+def test_a_pooled_guests_plan_comes_on_its_agent_port() -> None:
+    from pathlib import Path
+
+    placeholder = microvm.pooled_plan([("vmchannel", "X = 1")])
+    assert marshal.loads(microvm.encode_plan(placeholder)) == {  # noqa: S302
+        "pooled": True, "modules": [("vmchannel", "X = 1")]}
+    plan = {"argv": ["true"], "stdin_data": b"in"}
+    frame = microvm.plan_frame(plan)
+    n = int.from_bytes(frame[:4], "big")
+    assert n == len(frame) - 4 and marshal.loads(frame[4:]) == plan  # noqa: S302
+    with pytest.raises(ValueError, match="over"):
+        microvm.plan_frame({"env": {"BIG": "x" * microvm.MAX_PLAN_BYTES}})
+    # the guest's init (standalone: it imports nothing of the launcher) agrees
+    src = (Path(microvm.__file__).parent / "guest_init.py").read_text()
+    for name in ("POOLED_READY", "MAX_PLAN_BYTES"):
+        line = next(x for x in src.splitlines() if x.startswith(f"{name} = "))
+        assert eval(line.split("=", 1)[1]) == getattr(microvm, name)  # noqa: S307 - ours

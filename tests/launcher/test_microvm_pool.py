@@ -10,11 +10,13 @@ import json
 import re
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from polling import eventually
 from stockade.launcher import Launcher, SandboxSpec, vmsnapshot
 from stockade.launcher.netns import NETNS_DIR
 
@@ -23,6 +25,7 @@ from stockade.tasks import ControlClient
 
 from .test_launcher_pools import AGENT_SHAPE, CRASHER, _events, _pooled_records
 from .test_launcher_stack import Stack, stack  # noqa: F401 - the module's fixture
+from .test_microvm_session import run
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
@@ -84,11 +87,13 @@ def test_a_pooled_microvm_waits_unclaimed_then_runs_one_task(
     res = vm_pool.run(SandboxSpec("agent-vm", [
         "sh", "-c", "curl -sS -k --max-time 20 https://allowed.test/ >/dev/null && "
         "echo allowed; curl -sS -k --max-time 10 https://denied.test/ >/dev/null || "
-        "echo denied; id -u; ip -o -4 addr show eth0 | cut -d' ' -f7"]), stack.ruleset)
+        "echo denied; id -u; ip -o -4 addr show eth0 | cut -d' ' -f7; cat"],
+        stdin=b"from-stdin\n"), stack.ruleset)
     assert res.task_id == task_id, "the task ran in the pooled guest"
     lines = res.stdout.split()
     assert lines[:3] == ["allowed", "denied", "65534"], (res.stdout, res.stderr)
     assert lines[3].split("/")[0] == row["address"]  # its own address, set at the claim
+    assert lines[4:] == ["from-stdin"]  # the plan's stdin
     (start,) = [e for e in _events(stack, task_id) if e["stockade"].get("lifecycle") ==
                 "start"]
     assert start["stockade"]["pool"] and start["stockade"]["selftest"], start
@@ -130,3 +135,30 @@ def test_pooled_microvms_of_a_dead_launcher_are_reconciled(stack: Stack) -> None
         assert len(_pooled_records(launcher)) == 1
     finally:
         launcher.close()
+
+
+def test_a_session_claims_a_pooled_microvm(stack: Stack, vm_pool: Launcher) -> None:  # noqa: F811
+    (row,) = _pooled_records(vm_pool)
+    task_id, box = row["task_id"], {}
+
+    def go() -> None:
+        box["result"] = vm_pool.run(SandboxSpec("agent-vm", ["true"], session=True),
+                                    stack.ruleset)
+
+    def running() -> bool:  # the pooled record becomes the session's: the same task id
+        rec = vm_pool.state.read().get(task_id)
+        return rec is not None and rec.state == "running"
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    try:
+        assert eventually(running, timeout=120), box
+        live = vm_pool._live[task_id]
+        for _ in range(2):  # execs through the agent its init loaded before the claim
+            rc, out, err = run(live, ["sh", "-c", "id -u; cat"], stdin=b"in")
+            assert rc == 0 and out.split() == ["65534", "in"], (rc, out, err)
+    finally:
+        vm_pool.kill(task_id)
+        t.join(60)
+    assert box["result"].task_id == task_id
+    assert task_id not in vm_pool.state.read()
