@@ -133,7 +133,10 @@ class MicrovmBackend(CgroupControl):
         nothing). `claim_pooled` sends the plan there."""
         machine = _machine(ctx)
         cfg, layout, tables = _prepare(live, ctx)
-        _write_files(cfg, ctx, microvm.pooled_plan(_session_modules()), *tables)
+        a = ctx.addresses
+        _write_files(cfg, ctx, microvm.pooled_plan(
+            _session_modules(), a.guest_ip, a.host_ip, a.prefixlen,
+            microvm.fresh_identity(a.guest_mac, os.urandom(64), time.time())), *tables)
         shape = vm_spec(ctx, cfg, layout, machine, [0, 0, 0, 0], 0)
         snapshot = self._pool_template(live, ctx, shape, machine[0].stamp)
         if snapshot is None or not self._restore(live, ctx, cfg, layout, machine, False,
@@ -298,7 +301,7 @@ def _plan(spec: SandboxSpec, ctx: StartContext, restored: bool) -> dict[str, Any
                  "MEMLOCK": s.rlimit_memlock},
         guest_ip=a.guest_ip, host_ip=a.host_ip, prefixlen=a.prefixlen,
         memory=limits.memory, pids=limits.pids, pids_fail_kill=s.pids_fail_kill,
-        stdin=spec.stdin is not None, setpriv=_guest_setpriv(s.ro_binds),
+        stdin=spec.stdin is not None,
         congestion_control=ctx.congestion_control, seccomp=ctx.seccomp(),
         reserved=(*initscript.RESERVED, *s.ro_binds),
         session_modules=_session_modules() if spec.session else None,
@@ -350,14 +353,6 @@ def vm_outcome(vm: VmPipes, qemu_rc: int, console: bytes, qemu_err: bytes, ended
     why = (err_text.splitlines() or console_text.strip().splitlines() or
            [f"qemu exit status {qemu_rc}"])[-1]
     return 125, False, f"the microVM failed: {why[:500]}"
-
-
-def _guest_setpriv(ro_binds: list[str]) -> str:
-    """util-linux setpriv on a path the guest sees (the host's, through ro_binds)."""
-    path = shutil.which("setpriv", path="/usr/bin:/bin")
-    if path is None or not any(path.startswith(os.path.normpath(p) + "/") for p in ro_binds):
-        raise LauncherError("the microVM guest needs util-linux setpriv under ro_binds")
-    return path
 
 
 def _guest_init_source() -> str:

@@ -6,10 +6,8 @@ once, the pool refills, and a launcher that dies leaves guests the next one reco
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +21,7 @@ from stockade.launcher.netns import NETNS_DIR
 from stockade.config import Config
 from stockade.tasks import ControlClient
 
-from .test_launcher_pools import AGENT_SHAPE, CRASHER, _events, _pooled_records
+from .test_launcher_pools import AGENT_SHAPE, _events, _pooled_records, crash_leaving
 from .test_launcher_stack import Stack, stack  # noqa: F401 - the module's fixture
 from .test_microvm_session import run
 
@@ -120,11 +118,7 @@ def _qemu_of(task_id: str) -> bool:
 
 def test_pooled_microvms_of_a_dead_launcher_are_reconciled(stack: Stack) -> None:  # noqa: F811
     cfg = _vm_pool_config(stack.config, 1)
-    p = subprocess.run([sys.executable, "-c", CRASHER, cfg.model_dump_json()],
-                       capture_output=True, text=True, timeout=FILL_TIMEOUT_S + 60)
-    assert p.returncode == -9, p.stderr
-    left = set(json.loads(p.stdout))
-    assert len(left) == 1 and left <= set(stack.launcher.state.read())
+    left = crash_leaving(stack, cfg, 1, FILL_TIMEOUT_S + 60)
     launcher = Launcher(cfg, nflog=False, pools=True)
     launcher.start()  # reconcile, then refill
     try:
