@@ -183,6 +183,8 @@ def libc():
         class SockFprog(ctypes.Structure):
             _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
+        import warnings  # noqa: F401 - os.execvpe's PATH search imports it: once, here
+
         _LIBC.append((ctypes, ctypes.CDLL(None, use_errno=True), SockFprog))
     return _LIBC[0]
 
@@ -216,21 +218,6 @@ def load_filter(bpf):
         raise OSError(ctypes.get_errno(), "cannot load the seccomp filter")
 
 
-def execvp(argv, env):
-    """PATH search of the command's environment by hand (os.execvp imports modules)."""
-    if "/" in argv[0]:
-        os.execve(argv[0], argv, env)  # noqa: S606 - no shell on purpose
-    err = FileNotFoundError(2, "command not found")
-    for d in env.get("PATH", "/usr/bin:/bin").split(":"):
-        try:
-            os.execve(os.path.join(d or ".", argv[0]), argv, env)  # noqa: S606 - no shell
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        except PermissionError as e:
-            err = e
-    raise err
-
-
 def child(plan, cg, fds):
     """In the forked child: join the cgroup, take the ports as stdio, become the sandbox
     user, load the filter and exec the command. (No helper binary runs as root: an exec
@@ -251,7 +238,7 @@ def child(plan, cg, fds):
         load_filter(plan.get("seccomp"))
         # the command's environment comes with the plan: this init (root) never runs with
         # it, so the loader never applies the caller's LD_* to a root process
-        execvp(plan["argv"], plan["env"])
+        os.execvpe(plan["argv"][0], plan["argv"], plan["env"])  # noqa: S606 - no shell
     except Exception as e:
         os.write(2, f"stockade: {plan['argv'][0]}: {getattr(e, 'strerror', None) or e}\n"
                  .encode())

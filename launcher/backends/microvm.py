@@ -104,11 +104,12 @@ class MicrovmBackend(CgroupControl):
             return True
         except (OSError, ValueError, vmsnapshot.SnapshotError) as e:
             unspawn(live)
-            self.templates.drop(ctx.state_dir, vmsnapshot.shape_key(shape, machine[0].stamp))
+            stamp = machine[0].stamp
+            key = vmsnapshot.shape_key(shape, stamp)
+            self.templates.drop(ctx.state_dir, key)
             _fell_back(live, ctx, f"QEMU did not restore the snapshot template: {e}")
-            self.missed[vmsnapshot.shape_key(shape, machine[0].stamp)] = (shape,
-                                                                          machine[0].stamp)
-            self.templates.build_later(shape, machine[0].stamp, ctx.state_dir)  # anew
+            self.missed[key] = (shape, stamp)
+            self.templates.build_later(shape, stamp, ctx.state_dir)  # anew
             return False
         finally:
             qmp.close()
@@ -129,8 +130,8 @@ class MicrovmBackend(CgroupControl):
         """A guest that waits for its plan: restored from its shape's template (built
         first when there is none: a refill is off every task's path; a cold boot when none
         can be), it mounts its shares and starts its init, which loads what every task's
-        guest loads and then waits on the agent port, before its network exists (it sends
-        nothing). `claim_pooled` sends the plan there."""
+        guest loads, takes its slot's identity and address (denied as unclaimed; nothing
+        in it sends) and waits on the agent port. `claim_pooled` sends the plan there."""
         machine = _machine(ctx)
         cfg, layout, tables = _prepare(live, ctx)
         a = ctx.addresses

@@ -81,7 +81,7 @@ def test_a_pooled_microvm_waits_unclaimed_then_runs_one_task(
     assert list(state.glob(f"*{vmsnapshot.SUFFIX}"))
     reg = _registered(stack)[task_id]
     assert reg.pooled and reg.profile == ""  # the gateway and broker deny it as unclaimed
-    assert _guest_forwarded(vm_pool, task_id) == 0  # it stopped before its network
+    assert _guest_forwarded(vm_pool, task_id) == 0  # it has its address; nothing sends
     res = vm_pool.run(SandboxSpec("agent-vm", [
         "sh", "-c", "curl -sS -k --max-time 20 https://allowed.test/ >/dev/null && "
         "echo allowed; curl -sS -k --max-time 10 https://denied.test/ >/dev/null || "
