@@ -238,3 +238,36 @@ def test_state_left_needs_more_than_the_lock() -> None:
     assert gvisor.state_left([lock, state], "0123456789")
     assert gvisor.state_left(["runsc-0123456789.sock"], "0123456789")
     assert not gvisor.state_left([], "0123456789")
+
+
+def test_execd_frames_round_trip_and_split_anywhere() -> None:
+    from stockade.launcher import gvisor_execd as wire
+
+    frames = [(1, b"S", b"x" * 70000), (2, b"E", b""), (3, b"O", b"out")]
+    data = b"".join(wire.frame(*f) for f in frames)
+    for cut in (0, 1, 8, 9, 70008, 70009, len(data) - 1):
+        first, rest = wire.unframe(data[:cut])
+        second, rest = wire.unframe(rest + data[cut:])
+        assert first + second == frames and rest == b""
+
+
+def test_execd_refuses_an_oversized_frame() -> None:
+    from stockade.launcher import gvisor_execd as wire
+
+    with pytest.raises(ValueError, match="frame of"):
+        wire.unframe(wire.HEADER.pack(1, ord("O"), wire.MAX_FRAME + 1))
+    assert wire.status_of(-9) == 137 and wire.status_of(3) == 3
+
+
+def test_execd_process_keeps_limits_and_names_the_uid_it_drops_to() -> None:
+    first = {"user": {"uid": 65534, "gid": 65534, "additionalGids": []},
+             "rlimits": [{"type": "RLIMIT_NPROC", "hard": 64, "soft": 64}],
+             "noNewPrivileges": True, "args": ["sleep", "1"], "env": ["SECRET=x"]}
+    p = gvisor.execd_process(first, "/usr/bin/python3", "src", "/usr/bin:/bin")
+    assert p["user"] == {"uid": 0, "gid": 0, "additionalGids": []}
+    assert p["args"] == ["/usr/bin/python3", "-I", "-S", "-c", "src"]
+    assert p["env"] == ["PATH=/usr/bin:/bin", "STOCKADE_UID=65534", "STOCKADE_GID=65534"]
+    assert p["rlimits"] == first["rlimits"] and p["noNewPrivileges"] is True
+    caps = p["capabilities"]
+    assert caps["ambient"] == caps["inheritable"] == []
+    assert caps["bounding"] == caps["permitted"] == caps["effective"] == gvisor.EXECD_CAPS
