@@ -174,9 +174,9 @@ class GvisorBackend(CgroupControl):
         if spec.session:
             self._await_running(live, ctx.settings)
 
-    # a pooled sandbox's mounts are fixed when runsc starts it: a task with inputs starts
-    # cold (launcher/core.py asks before it takes a pooled sandbox)
-    claims_inputs = False
+    # its mounts are fixed when runsc starts it: the claim copies the inputs into the
+    # read-only root instead (gvisor_host.copy_inputs)
+    claims_inputs = True
 
     def start_pooled(self, live: Live, ctx: StartContext) -> None:
         """runsc runs the bundle with `gvisor_waiter.py` as its process, which reports
@@ -200,9 +200,11 @@ class GvisorBackend(CgroupControl):
                                 + not_ready(proc, POOLED_READY_TIMEOUT_S))
 
     def claim_pooled(self, live: Live, spec: SandboxSpec, ctx: StartContext) -> None:
-        """The waiter gets the task's command and environment and execs it."""
+        """The task's inputs copied into the sandbox's read-only root, then the waiter gets
+        the task's command and environment and execs it."""
         if ctx.inputs:
-            raise LauncherError("a pooled gVisor sandbox cannot take inputs")
+            host.copy_inputs(Path(live.record.scratch) / "root", ctx.inputs,
+                             tuple(ctx.settings.ro_binds))
         proc = live.proc
         assert proc is not None and proc.stdin is not None
         claim = marshal.dumps({"argv": _first_process(spec), "env": ctx.env}, 4)
