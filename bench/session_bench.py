@@ -33,6 +33,8 @@ PROFILE = """\
 profile: {name}
 description: session bench
 isolation: {tier}
+# the stand-in registries answer no probe: the self-test is measured by launcher_bench
+selftest: sampled
 limits: {{cpus: 1, memory: 128MiB, disk: 16MiB, pids: 64, ttl: 600s}}
 egress:
   mode: enforce
@@ -141,7 +143,8 @@ def main() -> None:
     for t in tiers:
         (tmp / "rules" / "profiles" / f"{t}.yaml").write_text(PROFILE.format(name=t, tier=t))
     cfg = bench_config(tmp, "sb", "10.219.0.0/22", 7700 + os.getpid() % 99,
-                       control_socket=str(tmp / "launcher.sock"))
+                       control_socket=str(tmp / "launcher.sock"),
+                       selftest={"sample_rate": 0.0})
     cfg = cfg.model_copy(update={"rules_dir": str(tmp / "rules")})
     with stand_ins(cfg) as loop:
         svc = LauncherService(cfg)
