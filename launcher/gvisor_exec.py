@@ -164,6 +164,7 @@ class GuestExecServer:
             raise
         if not ex.started.wait(READY_TIMEOUT_S):
             self.kill_from_host(ex)
+            self.retire()  # a server that does not answer is not asked again
             raise LauncherError("the session's exec server did not start the command")
         return ex
 

@@ -271,3 +271,43 @@ def test_execd_process_keeps_limits_and_names_the_uid_it_drops_to() -> None:
     caps = p["capabilities"]
     assert caps["ambient"] == caps["inheritable"] == []
     assert caps["bounding"] == caps["permitted"] == caps["effective"] == gvisor.EXECD_CAPS
+
+
+def test_copy_inputs_into_a_pooled_root(tmp_path: Path) -> None:
+    """The claim's copy (no runsc needed): files and trees without write bits, owners
+    kept, symlinks as symlinks, FIFOs remade; refusals name what they refuse."""
+    import socket
+    import stat
+
+    from stockade.launcher.backends import gvisor_host
+    from stockade.launcher.spec import LauncherError
+
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "sub" / "f").write_text("x")
+    (src / "sub" / "f").chmod(0o4777)
+    (src / "link").symlink_to("sub/f")
+    os.mkfifo(src / "pipe")
+    one = tmp_path / "one.txt"
+    one.write_text("1")
+    root = tmp_path / "root"
+    (root / "usr").mkdir(parents=True)
+    (root / "out").symlink_to("/")  # a symlink in the root: nothing may go through it
+    gvisor_host.copy_inputs(root, [Bind(str(src), "/data/in", is_dir=True),
+                                   Bind(str(one), "/inputs/one.txt")], ())
+    assert (root / "data/in/sub/f").read_text() == "x" and (root / "inputs/one.txt").exists()
+    assert stat.S_IMODE((root / "data/in/sub/f").stat().st_mode) == 0o555
+    assert stat.S_IMODE((root / "data/in").stat().st_mode) & 0o222 == 0
+    assert os.readlink(root / "data/in/link") == "sub/f"
+    assert stat.S_ISFIFO(os.lstat(root / "data/in/pipe").st_mode)
+    for bind, why in [(Bind(str(one), "/inputs/one.txt"), "already exists"),
+                      (Bind(str(one), "/usr/x"), "reserved"),
+                      (Bind(str(one), "/out/etc/x"), "outside the sandbox root")]:
+        with pytest.raises(LauncherError, match=why):
+            gvisor_host.copy_inputs(root, [bind], ())
+    sock_dir = tmp_path / "s"
+    sock_dir.mkdir()
+    with socket.socket(socket.AF_UNIX) as sk:
+        sk.bind(str(sock_dir / "sock"))
+        with pytest.raises(LauncherError, match="device or a socket"):
+            gvisor_host.copy_inputs(root, [Bind(str(sock_dir), "/data/s", is_dir=True)], ())
