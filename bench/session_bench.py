@@ -34,6 +34,7 @@ profile: {name}
 description: session bench
 isolation: {tier}
 limits: {{cpus: 1, memory: 128MiB, disk: 16MiB, pids: 64, ttl: 600s}}
+selftest: sampled
 egress:
   mode: enforce
 """
@@ -141,7 +142,10 @@ def main() -> None:
     for t in tiers:
         (tmp / "rules" / "profiles" / f"{t}.yaml").write_text(PROFILE.format(name=t, tier=t))
     cfg = bench_config(tmp, "sb", "10.219.0.0/22", 7700 + os.getpid() % 99,
-                       control_socket=str(tmp / "launcher.sock"))
+                       control_socket=str(tmp / "launcher.sock"),
+                       # the stand-in registries answer no probe (launcher_bench.py --selftest
+                       # measures the self-test)
+                       selftest={"sample_rate": 0.0})
     cfg = cfg.model_copy(update={"rules_dir": str(tmp / "rules")})
     with stand_ins(cfg) as loop:
         svc = LauncherService(cfg)
