@@ -5,13 +5,14 @@ control API (POST .../exec over the Unix socket, stream: false) as p50/p99; the 
 through `Launcher.exec` in-process (what the API adds is the difference); session create
 to ready (POST /v1/sessions until its 201); and a one-shot run of `true` through
 `POST /v1/sandboxes`, the cost a session saves per command. One service, one launcher.
-On the container tier two floors run interleaved with the execs, on the same session:
+On the container tier floors run interleaved with the execs, on the same session:
 `nsenter --all true` into its init's namespaces (entering a sandbox and nothing else) and
 the steps of a `podman exec` / `runc exec` done by util-linux (nsenter, a pid namespace of
-its own, setpriv to the sandbox uid with no capabilities and no_new_privs; no seccomp, no
-cgroup join). `--concurrent N`: N sessions created at once, one exec in each at once
-(each prints its network namespace: all must differ), all killed, then what is left on
-the host (netns, links, nft set elements, cgroups, scratch) is listed.
+its own, setpriv to the sandbox uid with no capabilities and no_new_privs; no seccomp),
+outside and (through a `sh` that joins them first) inside the sandbox's cgroups.
+`--concurrent N`: N sessions created at once, one exec in each at once (each prints its
+network namespace: all must differ), all killed, then what is left on the host (netns,
+links, nft set elements, cgroups, scratch) is listed.
 
     .venv/bin/python bench/session_bench.py [--tiers container,gvisor] [--execs 200]
         [--runs 10] [--sessions 10] [--concurrent 100]
@@ -23,6 +24,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -81,12 +83,15 @@ def _floors(svc: LauncherService, sid: str) -> list[tuple[str, list[str]]]:
     init = Path(f"/proc/{rec.pid}/task/{rec.pid}/children").read_text().split()[0]
     s = svc.launcher.s
     enter = ["nsenter", "--target", init, "--all"]
-    return [("nsenter true", [*enter, "true"]),
-            ("exec-like floor", [*enter, "unshare", "--pid", "--fork", "--kill-child",
-                                 "setpriv", f"--reuid={s.sandbox_uid}",
-                                 f"--regid={s.sandbox_gid}", "--clear-groups",
-                                 "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs",
-                                 "true"])]
+    like = [*enter, "unshare", "--pid", "--fork", "--kill-child", "setpriv",
+            f"--reuid={s.sandbox_uid}", f"--regid={s.sandbox_gid}", "--clear-groups",
+            "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "true"]
+    # as an exec must (and podman exec does): into the sandbox's cgroups first, whose CPU
+    # weight (launcher.cgroup_cpu_weight) is below the host's services' under contention
+    join = " ".join(f"echo $$ > {shlex.quote(d)}/cgroup.procs;" for d in rec.cgroups)
+    return [("nsenter true", [*enter, "true"]), ("exec-like floor", like),
+            ("exec-like floor in the sandbox's cgroups",
+             ["sh", "-c", f'{join} exec "$@"', "floor", *like])]
 
 
 def _tier(svc: LauncherService, sock: str, tier: str, a: argparse.Namespace) -> dict[str, Any]:
