@@ -310,8 +310,11 @@ class Launcher:
             self._emit(end_event(gone, "orphaned",
                                  accounting=self.bypass.end_accounting(gone)))
 
-    def denials(self, task_id: str) -> list[dict[str, Any]]:
-        return self.bypass.denials(task_id)
+    def denials(self, task_id: str, since: int = 0) -> list[dict[str, Any]]:
+        return self.bypass.denials(task_id, since)
+
+    def denials_mark(self, task_id: str) -> int:
+        return self.bypass.denials_mark(task_id)
 
     def handle_log_record(self, r: LogRecord) -> dict[str, Any] | None:
         return self.bypass.handle_log_record(r)
