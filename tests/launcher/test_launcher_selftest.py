@@ -225,10 +225,10 @@ def _sabotage(monkeypatch: pytest.MonkeyPatch, stack: Stack,
     monkeypatch.setattr(fence, "run_probes", probes)
 
 
-def _refused(stack: Stack, *probes: str) -> None:
+def _refused(stack: Stack, *probes: str, profile: str = "agent") -> None:
     before = {r["task_id"] for r in stack.launcher.list()}
     with pytest.raises(LauncherError, match=FENCE_UNVERIFIED) as e:
-        stack.run(["sh", "-c", "echo must-not-run"])
+        stack.run(["sh", "-c", "echo must-not-run"], profile=profile)
     for p in probes:
         assert p in str(e.value), e.value
     assert {r["task_id"] for r in stack.launcher.list()} == before  # torn down
@@ -310,6 +310,79 @@ def test_a_widened_set_element_is_detected(stack: Stack,
 
     _sabotage(monkeypatch, stack, breaks)
     _refused(stack, "exempt_port_elsewhere")
+
+
+def test_a_microvm_is_probed_from_inside_its_guest(stack: Stack, tmp_path: Path) -> None:
+    """The same probes and verdicts as the other tiers, run through the guest's agent
+    before the one-shot command; the record carries them."""
+    out = tmp_path / "out"
+    out.mkdir()
+    res = stack.launcher.run(SandboxSpec("agent-vm", ["sh", "-c", "echo ran"],
+                                         export_dir=str(out)), stack.ruleset)
+    assert res.exit_code == 0 and res.stdout.strip() == "ran", res.stdout + res.stderr
+    assert res.denials == []  # the probes' denials are not the command's
+    start = next(e for e in read_events(stack.config.events_file)
+                 if e.get("labels", {}).get("task_id") == res.task_id
+                 and e["stockade"].get("lifecycle") == "start")
+    st = start["stockade"]["selftest"]
+    assert st["passed"] is True, st
+    names = {p["probe"] for p in st["probes"]}
+    assert {"dns_denied_name", "tls_denied_name", "outside_resolver", "raw_ip", "udp",
+            "host_service", "exempt_port_elsewhere", "ipv6", "allowed_name"} <= names, names
+    import base64
+
+    env = json.loads((out / "stockade-record.json").read_text())
+    record = json.loads(base64.b64decode(env["payload"]))
+    assert record["selftest"]["passed"] is True and "skipped" not in record["selftest"]
+    assert record["isolation"]["isolation"] == "microvm"
+
+
+def test_a_microvm_session_is_probed_before_its_agent_serves_it(stack: Stack) -> None:
+    """A session guest's agent runs the probes first, then serves the session's execs."""
+    import threading
+
+    from stockade.launcher.execspec import ExecSpec
+
+    box: dict[str, Any] = {}
+    known = {r["task_id"] for r in stack.launcher.list()}
+    t = threading.Thread(target=lambda: box.update(res=stack.launcher.run(
+        SandboxSpec("agent-vm", ["true"], session=True), stack.ruleset)), daemon=True)
+    t.start()
+    new = eventually(lambda: [r["task_id"] for r in stack.launcher.list()
+                              if r["task_id"] not in known and r["state"] == "running"],
+                     timeout=240)
+    assert new, "the session did not start"
+    try:
+        proc = stack.launcher.exec(new[0], ExecSpec(("sh", "-c", "echo served")))
+        assert proc.stdout is not None
+        assert proc.stdout.read() == b"served\n" and proc.wait(timeout=120) == 0
+        start = next(e for e in read_events(stack.config.events_file)
+                     if e.get("labels", {}).get("task_id") == new[0]
+                     and e["stockade"].get("lifecycle") == "start")
+        assert start["stockade"]["selftest"]["passed"] is True, start["stockade"]["selftest"]
+    finally:
+        stack.launcher.kill(new[0])
+        t.join(timeout=60)
+
+
+def test_a_broken_microvm_fence_is_detected(stack: Stack,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from stockade.launcher import vmprobes
+
+    table = stack.config.launcher.nft_table
+    real = vmprobes.run_in_guest
+
+    def probes(link: Any, python: str, plan: Any, timeout: float) -> Any:
+        rec = next(r for r in stack.launcher.state.read().values()
+                   if r.profile == "agent-vm")
+        _nft_element("delete", table, nft.SET_IFS, rec.ifname)  # the tap's redirect
+        try:
+            return real(link, python, plan, timeout)
+        finally:
+            _nft_element("add", table, nft.SET_IFS, rec.ifname)
+
+    monkeypatch.setattr(vmprobes, "run_in_guest", probes)
+    _refused(stack, "tls_denied_name", "raw_ip", profile="agent-vm")
 
 
 @pytest.fixture(autouse=True)
