@@ -95,3 +95,15 @@ def test_the_program_reports_what_the_host_side_runner_would(listeners: dict[str
         "h": "denied:no_matching_rule", "t": "closed", "d": "answer:REFUSED",
         "u": "refused", "c": "refused"}, proc.stdout  # (a local port answers ICMP)
     assert all(o.source_port for n, o in seen.items() if n != "c")
+
+
+def test_a_probed_one_shot_guest_serves_its_agent_first() -> None:
+    from stockade.launcher import microvm
+
+    common = dict(argv=["true"], env={}, uid=1000, gid=1000, rlimits={}, guest_ip="10.0.0.2",
+                  host_ip="10.0.0.1", prefixlen=30, memory=1, pids=1, pids_fail_kill=1,
+                  stdin=False, setpriv="/usr/bin/setpriv", session_modules=[("m", "")])
+    first = microvm.guest_plan(**common, probe_first=True)  # type: ignore[arg-type]
+    assert (first["session"], first["probe_first"], first["argv"]) == (False, True, ["true"])
+    session = microvm.guest_plan(**common)  # type: ignore[arg-type]
+    assert (session["session"], session["probe_first"]) == (True, False)
