@@ -360,6 +360,9 @@ class Launcher:
                                  policy_version=policy_version)
         ctx = self._context(a, etc, inputs, profile.limits, profile,
                             self._env(spec, a.host_ip, proxy=proxy_env, trust=etc.trust_vars))
+        if fence.pending:  # a microVM: its guest runs the probes once booted
+            ctx = dataclasses.replace(ctx, selftest=self.fence.guest(
+                live.record, profile, a, policy_version, fence))
         # only a session takes more commands: its execs need what its start got
         live.ctx = ctx if spec.session else None
         return fence, ctx
