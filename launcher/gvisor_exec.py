@@ -23,9 +23,10 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 from . import gvisor_execd as wire
-from .execserver import ServedExec
+from .execspec import EndedByReport
 from .spec import LauncherError
 
 READY_TIMEOUT_S = 30.0
@@ -56,25 +57,28 @@ class _Stdin:
                 self.server.send(self.rid, b"E")
 
 
-class ServerExec(ServedExec):
-    """One exec of the server (poll, wait and the events as the container tier's): its
+class ServerExec(EndedByReport):
+    """One exec of the server (poll and wait as the other tiers' reported execs): its
     pipes, its sandbox pid (pid 1 of its namespace), its end."""
 
     def __init__(self, server: GuestExecServer, rid: int, stdin: bool) -> None:
+        self.server, self.rid = server, rid
         r_out, self._w_out = os.pipe()
         r_err, self._w_err = os.pipe()
-        super().__init__(server, rid,  # type: ignore[arg-type]
-                         _Stdin(server, rid) if stdin else None,  # type: ignore[arg-type]
-                         os.fdopen(r_out, "rb"), os.fdopen(r_err, "rb"))
-        self.guest = server
+        self.stdout: IO[bytes] | None = os.fdopen(r_out, "rb")
+        self.stderr: IO[bytes] | None = os.fdopen(r_err, "rb")
+        self.stdin: IO[bytes] | None = _Stdin(server, rid) if stdin else None  # type: ignore[assignment]
+        self.pid = 0  # its pid 1 in the sandbox's pid namespace, once started
+        self._init_report()
+        self.started = threading.Event()
         self._lock = threading.Lock()
 
     def kill(self) -> None:
         with contextlib.suppress(LauncherError):
-            self.guest.send(self.rid, b"K")
-        if not self.ended.wait(KILL_GRACE_S):
-            self.guest.kill_from_host(self)
-            self.guest.retire()
+            self.server.send(self.rid, b"K")
+        if not self._done.wait(KILL_GRACE_S):
+            self.server.kill_from_host(self)
+            self.server.retire()
 
     def _out(self, kind: bytes, data: bytes) -> None:
         fd = self._w_out if kind == b"O" else self._w_err
@@ -88,7 +92,8 @@ class ServerExec(ServedExec):
             for fd in (self._w_out, self._w_err):
                 with contextlib.suppress(OSError):
                     os.close(fd)
-            super()._end(status)
+            self._report_end(status)
+        self.started.set()
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -67,8 +67,19 @@ def append(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def read_task_events(directory: Path, task_id: str) -> list[Event]:
-    """Every event stored for the task (all components), in file order."""
+def store_size(directory: Path, task_id: str) -> int:
+    """How many bytes the task's store holds now: a mark for `read_task_events(start=)`
+    (the file only grows while the task runs)."""
+    path = task_file(directory, task_id)
+    try:
+        return 0 if path is None else path.stat().st_size
+    except OSError:
+        return 0
+
+
+def read_task_events(directory: Path, task_id: str, start: int = 0) -> list[Event]:
+    """Every event stored for the task (all components), in file order; with `start` (a
+    `store_size` mark) only those written after it, without parsing the earlier ones."""
     path = task_file(directory, task_id)
     out: list[Event] = []
     if path is None:
@@ -78,6 +89,10 @@ def read_task_events(directory: Path, task_id: str) -> list[Event]:
     except OSError:
         return out
     with fh:
+        if start > 0:
+            fh.seek(start - 1)
+            if fh.read(1) != b"\n":  # a mark inside a line: from the next whole one
+                fh.readline()
         for line in fh:
             try:
                 ev = json.loads(line)
