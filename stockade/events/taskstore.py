@@ -74,11 +74,12 @@ class OpenStores:
     """Open O_APPEND descriptors of task stores, so an event costs its store one locked
     write instead of an open, the write and a close (four syscalls fewer per event on
     the gateway's per-connection path). At most `keep` stay open (the oldest is closed
-    first), a task's is closed at its end, and every descriptor is checked at most
-    every `check_s` (one fstat): a file that `sweep` (or anyone) unlinked meanwhile is
-    reopened, so its lines never go to a file nobody can read."""
+    first: a gateway's descriptors are its tunnels' budget), a task's is closed at its
+    end, and every descriptor is checked at most every `check_s` (one fstat): a file
+    that `sweep` (or anyone) unlinked meanwhile is reopened, so its lines never go to a
+    file nobody can read."""
 
-    def __init__(self, keep: int = 256, check_s: float = 0.5) -> None:
+    def __init__(self, keep: int = 64, check_s: float = 0.5) -> None:
         self.keep = keep
         self.check_s = check_s
         self._fds: dict[Path, tuple[int, float]] = {}  # path -> (fd, last checked)
