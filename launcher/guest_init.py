@@ -386,8 +386,21 @@ def spawn(plan, cg, req):
 
 
 def session(plan, cg, status_fd, err_fd, port):
-    """Serve execs over the agent port (`port`: opened already) until the launcher closes
-    it."""
+    """Serve execs over the agent port (`port`: opened already, or None) until the launcher
+    closes it."""
+    serve_agent(plan, cg, status_fd, err_fd, port)
+    end(status_fd, "0 0 0\n")
+
+
+def probes_first(plan, cg, status_fd, err_fd, port):
+    """The fence self-test's execs (before a one-shot command): served until the launcher
+    closes the agent's port, then the agent's signal handling is undone for reap()."""
+    serve_agent(plan, cg, status_fd, err_fd, port)
+    signal.set_wakeup_fd(-1)
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
+
+
+def serve_agent(plan, cg, status_fd, err_fd, port):
     try:
         port = agent_port() if port is None else port
         load_modules(plan["modules"])
@@ -403,7 +416,7 @@ def session(plan, cg, status_fd, err_fd, port):
         os.write(err_fd, f"stockade-vm-init: {e}\n".encode())
         end(status_fd, "125 0 0\n")
     agent.serve()
-    end(status_fd, "0 0 0\n")
+    os.close(port)
 
 
 def main():
@@ -416,6 +429,8 @@ def main():
     if plan.get("session"):
         os.close(in_fd)
         session(plan, cg, status_fd, err_fd, port)
+    if plan.get("probe_first"):
+        probes_first(plan, cg, status_fd, err_fd, port)
     pid = os.fork()
     if pid == 0:
         child(plan, cg, (in_fd, out_fd, err_fd))

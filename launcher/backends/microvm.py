@@ -12,10 +12,21 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import cgroups, initscript, microvm, rootfs, scrub, vmimage, vmsnapshot, vmtemplates
+from .. import (
+    cgroups,
+    initscript,
+    microvm,
+    rootfs,
+    scrub,
+    vmimage,
+    vmprobes,
+    vmsnapshot,
+    vmtemplates,
+)
 from ..lifecycle import snapshot_fallback_event
 from ..spec import LauncherError
 from ..supervise import Ended, feed_stdin, kill_marker, kill_proc, started, watch
@@ -69,8 +80,10 @@ class MicrovmBackend(CgroupControl):
             snapshot = None
         if snapshot is None:
             spawn(live, ctx, cfg, layout, machine, session=spec.session)
-        if spec.session:
+        if spec.session or ctx.selftest is not None:
             _await_agent(live)
+        if ctx.selftest is not None:
+            _selftest_in_guest(live, spec, ctx, ctx.selftest)
 
     def _template(self, live: Live, ctx: StartContext, shape: microvm.VmSpec,
                   stamp: str) -> Path | None:
@@ -180,8 +193,11 @@ class MicrovmBackend(CgroupControl):
             vm.agent.sock.sendall(frame)
         except OSError as e:
             raise LauncherError(f"the pooled microVM is unreachable: {e}") from None
-        if spec.session:
+        # the fence self-test from inside the guest, as a cold start's (`start`)
+        if spec.session or ctx.selftest is not None:
             _await_agent(live)
+        if ctx.selftest is not None:
+            _selftest_in_guest(live, spec, ctx, ctx.selftest)
 
     def exec(self, live: Live, req: ExecSpec, ctx: StartContext) -> VmExec:
         """One exec through the session guest's agent (its plan already holds the uid,
@@ -305,13 +321,27 @@ def _plan(spec: SandboxSpec, ctx: StartContext, restored: bool) -> dict[str, Any
         stdin=spec.stdin is not None,
         congestion_control=ctx.congestion_control, seccomp=ctx.seccomp(),
         reserved=(*initscript.RESERVED, *s.ro_binds),
-        session_modules=_session_modules() if spec.session else None,
+        session_modules=_session_modules() if spec.session or ctx.selftest is not None
+        else None,
+        probe_first=ctx.selftest is not None and not spec.session,
         fresh=microvm.fresh_identity(a.guest_mac, os.urandom(64), time.time())
         if restored else None)
 
 
 def _session_modules() -> list[tuple[str, str]]:
     return [(m, _launcher_source(m)) for m in SESSION_MODULES]
+
+
+def _selftest_in_guest(live: Live, spec: SandboxSpec, ctx: StartContext,
+                       selftest: Callable[[Any], None]) -> None:
+    """The fence self-test from inside the guest, through its agent, before the command
+    (FenceUnverified: the caller tears the VM down). A one-shot guest then runs its
+    command once the agent's port is closed; a session's agent goes on serving."""
+    vm = live.pipes
+    assert isinstance(vm, VmPipes) and vm.agent is not None
+    selftest(functools.partial(vmprobes.run_in_guest, vm.agent, ctx.init_python))
+    if not spec.session:
+        vm.agent.close()
 
 
 def _await_agent(live: Live) -> None:
