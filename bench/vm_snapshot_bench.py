@@ -31,8 +31,9 @@ from stockade.launcher.backends import backend_for
 from stockade.launcher.execspec import ExecSpec
 from stockade.policy.model import Limits, Profile
 
+# the stand-in registries answer no fence probe: sampled, at rate 0 (as pool_bench.py)
 RULES = types.SimpleNamespace(version="bench", profiles={"vm": Profile(
-    "vm", "bench microvm", isolation="microvm",
+    "vm", "bench microvm", isolation="microvm", selftest="sampled",
     limits=Limits(memory=128 * 2**20, disk=16 * 2**20, pids=64, ttl=600, cpus=1.0))})
 
 
@@ -117,7 +118,8 @@ def main() -> None:
         # snapshot starts off for the cold rows (a cold boot would build the template in
         # the background, and later "cold" runs would restore)
         with started_launcher("vmsnap", "10.213.232.0/22", 7397, microvm={
-                "image_dir": str(image), "accel": "tcg", "snapshots": False}) as launcher:
+                "image_dir": str(image), "accel": "tcg", "snapshots": False},
+                selftest={"sample_rate": 0.0}) as launcher:
             backend = backend_for("microvm")
             state = Path(launcher.config.state_dir) / "launcher"
             cold = one_shot(launcher, args.cold)
