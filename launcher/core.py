@@ -452,7 +452,7 @@ class Launcher:
             init_python=python, congestion_control=self._congestion_control,
             seccomp=(lambda: seccomp_program(python, profile)) if profile is not None
             else _no_task_filter,
-            state_dir=Path(self.config.state_dir) / "launcher")
+            state_dir=Path(self.config.state_dir) / "launcher", emit=self._emit)
 
     @contextlib.contextmanager
     def _undone_on_error(self, task_id: str) -> Iterator[None]:

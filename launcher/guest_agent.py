@@ -5,8 +5,8 @@ The port is no network port: its device node is root's alone (0600) and the agen
 the guest's root, outside the sandbox user and its cgroup; the sandbox's code cannot open
 it (tests/launcher/test_microvm_session.py proves it). guest_init.py loads this module from
 the plan (the launcher's trusted, root-only config share) and hands it `spawn`, which starts
-one command exactly as the first command of a one-shot guest starts (setpriv to the sandbox
-uid, empty bounding set, no_new_privs, the seccomp filter, rlimits, the task's cgroup).
+one command exactly as the first command of a one-shot guest starts (the sandbox uid, empty
+bounding set, no_new_privs, the seccomp filter, rlimits, the task's cgroup).
 
 One thread, one poll loop: the port, each exec's stdout/stderr pipes and its stdin while
 bytes are pending, and SIGCHLD through the signal wakeup fd. Like guest_init.py it imports

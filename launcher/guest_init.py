@@ -8,17 +8,21 @@ cost a second. vm-images/init has already built the filesystem, copied the plan 
 
 It reads the plan (`microvm.guest_plan`, marshal: the values are data, never parsed as
 shell), sets up eth0 with the sandbox's address (busybox `ip`, argument lists), puts the
-command in a cgroup with the profile's memory and pids limits, opens the host's util-linux
-`setpriv`, and only then mounts the inputs (their table from the config share; a target
-at or under a reserved path, or one reached through a symlink, is refused): from there on
-it execs, as root, only the opened setpriv (fexecve) and /sbx/busybox of the initramfs,
-so an input can replace nothing it runs. setpriv starts the command as the unprivileged
-sandbox user (no supplementary groups, empty capability bounding set, no_new_privs) with
-the rlimits, under the container tier's seccomp filter (loaded just before setpriv, which
-needs none of the calls it denies), its stdout and stderr on their virtio-serial ports;
-loader variables (LD_*) reach the command through `env`, run after the drop, never setpriv
-itself. It waits for the command, writes `<exit status> <oom kills> <pids limit hits>` to
-the status port and reboots (QEMU runs with -no-reboot: the VM ends).
+command in a cgroup with the profile's memory and pids limits, and only then mounts the
+inputs (their table from the config share; a target at or under a reserved path, or one
+reached through a symlink, is refused): from there on it execs, as root, only
+/sbx/busybox of the initramfs, so an input can replace nothing it runs. Its forked child
+becomes the unprivileged sandbox user itself (`become`: empty capability bounding set, no
+supplementary groups, no_new_privs; the container tier's steps) with the rlimits, loads
+the container tier's seccomp filter and execs the command (PATH of the plan's
+environment), its stdout and stderr on their virtio-serial ports; the command's
+environment (LD_* included) is never this root init's. It waits for the command, writes
+`<exit status> <oom kills> <pids limit hits>` to the status port and reboots (QEMU runs
+with -no-reboot: the VM ends).
+
+A pooled guest's plan on the config share is a placeholder (`pooled`): this init loads
+what every task's guest loads, says so on the agent port and reads the task's plan there
+(`claimed`) before anything of the above.
 """
 
 import _signal as signal  # the C module: `signal` would import enum (and re) first
@@ -35,6 +39,9 @@ CGROOT = "/sbx/cg"
 PORTS = {"stdout": "/sbx/port-stdout", "stderr": "/sbx/port-stderr", "status": "/sbx/port-status"}
 # the agent port's number (microvm.AGENT_PORT_NR); vm-images/init links no port of that name
 AGENT_NR = "p4"
+# microvm.POOLED_READY and MAX_PLAN_BYTES (this script imports nothing of the launcher)
+POOLED_READY = b"stockade-pooled-ready\n"
+MAX_PLAN_BYTES = 16 * 2**20
 
 
 def write(path, value, best_effort=True):
@@ -101,10 +108,11 @@ def mount_inputs(table, reserved):
         bb("mount", "-o", "remount,ro", "/")
 
 
-def refresh(fresh):
+def refresh(fresh, mac=True):
     """A guest restored from a snapshot shares its template's kernel random state, clock
     and MAC: the plan's seed is mixed in and the kernel's generator reseeded from it
-    (RNDRESEEDCRNG) before anything else draws from it, the clock set, the MAC changed."""
+    (RNDRESEEDCRNG) before anything else draws from it, the clock set, the MAC changed
+    (`mac`: not yet set)."""
     import fcntl  # a C extension: no Python-level imports behind it
 
     fd = os.open("/dev/urandom", os.O_WRONLY)
@@ -114,7 +122,8 @@ def refresh(fresh):
     finally:
         os.close(fd)
     time.clock_settime(time.CLOCK_REALTIME, fresh["clock"])
-    ip("link", "set", "eth0", "address", fresh["mac"])
+    if mac:
+        ip("link", "set", "eth0", "address", fresh["mac"])
 
 
 def network(net):
@@ -161,29 +170,58 @@ def end(status_fd, line):
     os.execv(BUSYBOX, ["reboot", "-f"])  # noqa: S606 - syncs, then reboot(2): the VM ends
 
 
-def load_filter(bpf):
-    """The plan's seccomp program (compiled by libseccomp on the host), for setpriv and the
-    command. The twin of sandbox_init.load_filter (each init is a standalone script);
-    ctypes is imported here only, in the child: under emulation the import is slow."""
-    import ctypes
+PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 24, 22, 2
+_LIBC = []  # (ctypes, libc, SockFprog), made once: a session's execs reuse them
 
+
+def libc():
+    """ctypes, libc and the sock_fprog type: ctypes is imported on the first call only
+    (under emulation the import is slow; a session and a pooled guest import it early)."""
+    if not _LIBC:
+        import ctypes
+
+        class SockFprog(ctypes.Structure):
+            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+        import warnings  # noqa: F401 - os.execvpe's PATH search imports it: once, here
+
+        _LIBC.append((ctypes, ctypes.CDLL(None, use_errno=True), SockFprog))
+    return _LIBC[0]
+
+
+def become(plan):
+    """The sandbox user with nothing to regain: the twin of sandbox_init.become (each init
+    is a standalone script): an empty capability bounding set, no supplementary groups,
+    the uid and gid (leaving uid 0 clears the permitted, effective and ambient sets),
+    no_new_privs."""
+    ctypes, lib, _ = libc()
+    for cap in range(64):
+        if lib.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            break
+    os.setgroups([])
+    os.setresgid(plan["gid"], plan["gid"], plan["gid"])
+    os.setresuid(plan["uid"], plan["uid"], plan["uid"])
+    if lib.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "cannot set no_new_privs")
+
+
+def load_filter(bpf):
+    """The plan's seccomp program (compiled by libseccomp on the host), for the command:
+    the twin of sandbox_init.load_filter, loaded after no_new_privs, right before the
+    exec."""
+    ctypes, lib, sock_fprog = libc()
     if not bpf or len(bpf) % 8:
         raise OSError("the plan carries no seccomp filter")
-
-    class SockFprog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-    libc = ctypes.CDLL(None, use_errno=True)
     buf = ctypes.create_string_buffer(bpf, len(bpf))
-    prog = SockFprog(len(bpf) // 8, ctypes.addressof(buf))
-    if libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:  # PR_SET_SECCOMP, MODE_FILTER
+    prog = sock_fprog(len(bpf) // 8, ctypes.addressof(buf))
+    if lib.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "cannot load the seccomp filter")
 
 
-def child(plan, cg, fds, setpriv_fd):
-    """In the forked child: join the cgroup, take the ports as stdio, drop to the sandbox
-    user through the setpriv opened before the inputs were mounted and run the command
-    (setpriv searches PATH of `env`)."""
+def child(plan, cg, fds):
+    """In the forked child: join the cgroup, take the ports as stdio, become the sandbox
+    user, load the filter and exec the command. (No helper binary runs as root: an exec
+    costs ~100 ms under emulation, and an input could not replace what is never run.)"""
     in_fd, out_fd, err_fd = fds
     try:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
@@ -193,35 +231,81 @@ def child(plan, cg, fds, setpriv_fd):
         os.dup2(in_fd, 0)
         os.dup2(out_fd, 1)
         os.dup2(err_fd, 2)
-        os.closerange(3, setpriv_fd)  # setpriv_fd is close-on-exec: the command never has it
-        os.closerange(setpriv_fd + 1, 1024)
+        os.closerange(3, 1024)
         os.umask(0o022)
-        os.chdir(plan["cwd"])
-        # the dynamic loader honours LD_* (LD_PRELOAD...) in setpriv, which runs as root:
-        # they go to the command through `env`, exec'd after the drop
-        env = {k: v for k, v in plan["env"].items() if not k.startswith("LD_")}
-        loader = [f"{k}={v}" for k, v in plan["env"].items() if k.startswith("LD_")]
-        argv = [plan["env_bin"], *loader, *plan["argv"]] if loader else plan["argv"]
-        load_filter(plan.get("seccomp"))  # last: nothing but the exec runs under it as root
-        os.execve(setpriv_fd, [  # noqa: S606 - no shell on purpose
-            "setpriv", f"--reuid={plan['uid']}", f"--regid={plan['gid']}", "--clear-groups",
-            "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs", "--", *argv,
-        ], env)
+        become(plan)
+        os.chdir(plan["cwd"])  # as the sandbox user: its own view of its scratch
+        load_filter(plan.get("seccomp"))
+        # the command's environment comes with the plan: this init (root) never runs with
+        # it, so the loader never applies the caller's LD_* to a root process
+        os.execvpe(plan["argv"][0], plan["argv"], plan["env"])  # noqa: S606 - no shell
     except Exception as e:
         os.write(2, f"stockade: {plan['argv'][0]}: {getattr(e, 'strerror', None) or e}\n"
                  .encode())
-        os._exit(126)
+        os._exit(127 if isinstance(e, FileNotFoundError) else 126)
+
+
+def read_exact(fd, n):
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            raise OSError("the launcher closed the agent port")
+        buf += chunk
+    return bytes(buf)
+
+
+def claimed(pooled):
+    """A pooled guest (its config share's plan is microvm.pooled_plan): load what every
+    task's guest loads, take its slot's fresh identity and network, say so on the agent
+    port (root's alone), then wait there for the
+    task's plan: a 4-byte big-endian length and the marshal bytes (microvm.plan_frame).
+    (The task's plan, the open agent port.)"""
+    load_modules(pooled["modules"])
+    libc()  # what the claim's start would load (become, load_filter, refresh)
+    # its slot's identity and network, known before any task: a claim spawns no `ip`
+    # (each spawn forks this Python under emulation); the services deny the address as
+    # unclaimed until the claim, and nothing here sends
+    refresh(pooled["fresh"])
+    network(pooled["net"])
+
+    port = agent_port()
+    os.write(port, POOLED_READY)
+    n = int.from_bytes(read_exact(port, 4), "big")
+    if n > MAX_PLAN_BYTES:
+        raise OSError("the plan on the agent port is too large")
+    return marshal.loads(read_exact(port, n)), port  # noqa: S302 - the launcher's
+
+
+def stdin_of(plan):
+    """The command's stdin: the plan's bytes (a pooled guest's), the copied file, or none."""
+    if plan.get("stdin_data") is not None:
+        fd = os.memfd_create("stdin", 0)
+        view = memoryview(plan["stdin_data"])
+        while view:
+            view = view[os.write(fd, view):]
+        os.lseek(fd, 0, os.SEEK_SET)
+        return fd
+    return os.open(f"{RUN}/stdin" if plan["stdin"] else "/dev/null", os.O_RDONLY)
 
 
 def setup(status_fd, err_fd):
     """The guest's network, names and inputs from the plan; (plan, the command's cgroup,
-    its stdin, setpriv) or the end of the guest with status 125."""
+    its stdin, the agent port when a pooled guest's plan came on it) or the end of
+    the guest with status 125."""
+    port = None
     try:
         with open(f"{RUN}/plan", "rb") as fh:
             plan = marshal.load(fh)  # noqa: S302 - written by the launcher; builtin, fast
-        if plan.get("fresh"):
-            refresh(plan["fresh"])
-        network(plan["net"])
+        pooled = plan if plan.get("pooled") else None
+        if pooled is not None:
+            plan, port = claimed(pooled)
+            if (plan["net"], plan["fresh"]["mac"]) != (pooled["net"], pooled["fresh"]["mac"]):
+                raise OSError("the plan is not for this pooled guest's address")
+        if plan.get("fresh"):  # a pooled guest: reseeded again, its clock set again
+            refresh(plan["fresh"], mac=pooled is None)
+        if pooled is None:
+            network(plan["net"])
         write("/proc/sys/kernel/hostname", plan["hostname"], best_effort=False)
         write("/proc/sys/net/ipv4/ping_group_range", "0 2147483647")
         if plan.get("congestion_control"):
@@ -234,15 +318,13 @@ def setup(status_fd, err_fd):
             if fh.read().strip() != "1" or not os.path.exists(f"{RUN}/inputs"):
                 raise OSError("the guest image is outdated: rebuild it with vm-images/build.sh")
         cg = command_cgroup(plan)
-        in_fd = os.open(f"{RUN}/stdin" if plan["stdin"] else "/dev/null", os.O_RDONLY)
-        # opened before any input exists in the guest (os.open: close-on-exec)
-        setpriv_fd = os.open(plan["setpriv"], os.O_RDONLY)
+        in_fd = stdin_of(plan)
         with open(f"{RUN}/inputs") as fh:
             mount_inputs(fh.read(), plan["reserved"])
     except Exception as e:
         os.write(err_fd, f"stockade-vm-init: {e}\n".encode())
         end(status_fd, "125 0 0\n")
-    return plan, cg, in_fd, setpriv_fd
+    return plan, cg, in_fd, port
 
 
 def reap(status_fd, pid, cg, limit):
@@ -268,6 +350,8 @@ def load_modules(sources):
     """The plan's guest modules (vmchannel, guest_agent: source text from the launcher's
     root-only config share) as importable modules; vm-images/init copies only this init."""
     for name, source in sources:
+        if name in sys.modules:  # a pooled guest loaded them before its claim
+            continue
         mod = type(sys)(name)
         exec(compile(source, f"{name}.py", "exec"), mod.__dict__)  # noqa: S102
         sys.modules[name] = mod
@@ -285,7 +369,7 @@ def agent_port():
     return os.open(path, os.O_RDWR)
 
 
-def spawn(plan, cg, setpriv_fd, req):
+def spawn(plan, cg, req):
     """One exec of a session: the first command's start with the request's argv, env and
     cwd, its stdio on fresh pipes, in a session of its own (a signal reaches its group)."""
     in_r, in_w = os.pipe()
@@ -295,35 +379,36 @@ def spawn(plan, cg, setpriv_fd, req):
     if pid == 0:
         os.setsid()
         child(dict(plan, argv=req["argv"], env=req["env"], cwd=req["cwd"]), cg,
-              (in_r, out_w, err_w), setpriv_fd)
+              (in_r, out_w, err_w))
     for fd in (in_r, out_w, err_w):
         os.close(fd)
     return pid, in_w, out_r, err_r
 
 
-def session(plan, cg, setpriv_fd, status_fd, err_fd):
-    """Serve execs over the agent port until the launcher closes it."""
-    serve_agent(plan, cg, setpriv_fd, status_fd, err_fd)
+def session(plan, cg, status_fd, err_fd, port):
+    """Serve execs over the agent port (`port`: opened already, or None) until the launcher
+    closes it."""
+    serve_agent(plan, cg, status_fd, err_fd, port)
     end(status_fd, "0 0 0\n")
 
 
-def probes_first(plan, cg, setpriv_fd, status_fd, err_fd):
+def probes_first(plan, cg, status_fd, err_fd, port):
     """The fence self-test's execs (before a one-shot command): served until the launcher
     closes the agent's port, then the agent's signal handling is undone for reap()."""
-    serve_agent(plan, cg, setpriv_fd, status_fd, err_fd)
+    serve_agent(plan, cg, status_fd, err_fd, port)
     signal.set_wakeup_fd(-1)
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
 
 
-def serve_agent(plan, cg, setpriv_fd, status_fd, err_fd):
+def serve_agent(plan, cg, status_fd, err_fd, port):
     try:
-        port = agent_port()
+        port = agent_port() if port is None else port
         load_modules(plan["modules"])
-        import ctypes  # noqa: F401 - once here, not in every exec's child (see load_filter)
+        libc()  # once here, not in every exec's child
 
         import guest_agent
         agent = guest_agent.Agent(
-            port, lambda req: spawn(plan, cg, setpriv_fd, req),
+            port, lambda req: spawn(plan, cg, req),
             lambda: (counter(f"{cg}/memory.events", "oom_kill"),
                      counter(f"{cg}/pids.events", "max")),
             lambda: write(f"{cg}/cgroup.kill", "1"), plan["pids_fail_kill"])
@@ -340,16 +425,16 @@ def main():
     status_fd = os.open(PORTS["status"], os.O_WRONLY)
     out_fd = os.open(PORTS["stdout"], os.O_WRONLY)
     err_fd = os.open(PORTS["stderr"], os.O_WRONLY)
-    plan, cg, in_fd, setpriv_fd = setup(status_fd, err_fd)
+    plan, cg, in_fd, port = setup(status_fd, err_fd)
     if plan.get("session"):
         os.close(in_fd)
-        session(plan, cg, setpriv_fd, status_fd, err_fd)
+        session(plan, cg, status_fd, err_fd, port)
     if plan.get("probe_first"):
-        probes_first(plan, cg, setpriv_fd, status_fd, err_fd)
+        probes_first(plan, cg, status_fd, err_fd, port)
     pid = os.fork()
     if pid == 0:
-        child(plan, cg, (in_fd, out_fd, err_fd), setpriv_fd)
-    for fd in (in_fd, out_fd, err_fd, setpriv_fd):
+        child(plan, cg, (in_fd, out_fd, err_fd))
+    for fd in (in_fd, out_fd, err_fd):
         os.close(fd)
     reap(status_fd, pid, cg, plan["pids_fail_kill"])
 

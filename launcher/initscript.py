@@ -26,10 +26,10 @@ TMP = "/tmp"  # noqa: S108 - a path inside the sandbox
 # what an input may not be mounted at or under, in either backend: the sandbox's own mounts
 # (scratch, /tmp, /proc, /dev, /sys), the netns init's old root, the microVM guest's init
 # (/init, /sbx: its busybox, plan, ports, cgroup) and everything the init relies on while it
-# is still root: the system directories (the Python that runs it, setpriv, the dynamic
+# is still root: the system directories (the Python that runs it, the dynamic
 # loader and the libraries are there) and /etc (ld.so.preload, ld.so.cache). `ro_binds`
 # entries are added by the launcher (`check_input_target(..., extra=)`). In the microVM an
-# input there would be mounted before the guest's root init execs its Python and setpriv
+# input there would be mounted before the guest's root init execs its Python
 # (a forged plan on /sbx/cfg, a fake python3 on /usr/bin: guest root). In the netns backend
 # the init has already started and drops privileges before it execs anything, so such an
 # input would only break the command's own tools; it is refused there too (one rule, one

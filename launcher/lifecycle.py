@@ -32,3 +32,12 @@ def operator_event(rec: SandboxRecord | None, task_id: str, what: str) -> dict[s
         profile=rec.profile if rec else None, source_ip=rec.guest_ip if rec else None,
         message=f"sandbox {what} requested", extra={"lifecycle": what},
     )
+
+
+def snapshot_fallback_event(rec: SandboxRecord, why: str) -> dict[str, Any]:
+    """A microVM booted cold because its shape's snapshot template could not be used."""
+    return make_event(
+        component="launcher", action="sandbox_lifecycle", task_id=rec.task_id or None,
+        profile=rec.profile or None, source_ip=rec.guest_ip,
+        message=f"microVM booted cold: {why}", extra={"lifecycle": "snapshot_fallback"},
+    )

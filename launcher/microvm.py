@@ -200,17 +200,17 @@ def input_table(layout: Layout) -> str:
 
 def guest_plan(*, argv: list[str], env: dict[str, str], uid: int, gid: int,
                rlimits: dict[str, int], guest_ip: str, host_ip: str, prefixlen: int,
-               memory: int, pids: int, pids_fail_kill: int, stdin: bool, setpriv: str,
+               memory: int, pids: int, pids_fail_kill: int, stdin: bool,
                hostname: str = "sandbox", cwd: str = "/scratch",
                congestion_control: str | None = None,
                reserved: Sequence[str] = RESERVED,
-               env_bin: str = "/usr/bin/env", seccomp: bytes = b"",
+               seccomp: bytes = b"",
                session_modules: Sequence[tuple[str, str]] | None = None,
                fresh: dict[str, Any] | None = None, probe_first: bool = False) -> dict[str, Any]:
     """guest_init.py's plan: plain data (dict, list, str, int, bool, bytes, None).
     `reserved`: the paths no input may be mounted at or under (the guest checks its input
     table again). `seccomp`: the container tier's BPF program (`seccomp_bpf.py`), loaded in
-    the guest right before setpriv; the guest refuses to start the command without one.
+    the guest right before the exec; the guest refuses to start the command without one.
     `session_modules` ((name, source) of vmchannel and guest_agent): a session guest, whose
     init serves execs through its agent instead of running `argv`; with `probe_first` it
     serves them only until the launcher closes the agent's port (the fence self-test's
@@ -223,7 +223,7 @@ def guest_plan(*, argv: list[str], env: dict[str, str], uid: int, gid: int,
     return {
         "argv": list(argv), "env": dict(env), "uid": uid, "gid": gid, "rlimits": rlimits,
         "cwd": cwd, "hostname": hostname, "stdin": stdin, "memory": memory, "pids": pids,
-        "pids_fail_kill": pids_fail_kill, "setpriv": setpriv, "env_bin": env_bin,
+        "pids_fail_kill": pids_fail_kill,
         "congestion_control": congestion_control, "seccomp": seccomp,
         "reserved": [r.rstrip("/") for r in reserved if r.rstrip("/")],
         "net": {"ip": guest_ip, "prefixlen": prefixlen, "gateway": host_ip},
@@ -240,6 +240,30 @@ def fresh_identity(mac: str, seed: bytes, clock: float) -> dict[str, Any]:
     if len(seed) < 32:
         raise ValueError("an entropy seed of at least 32 bytes")
     return {"mac": mac, "seed": bytes(seed), "clock": float(clock)}
+
+
+# a pooled guest (guest_init.py `claimed`) says this on its agent port once everything no
+# task decides is done, then reads its plan there: a 4-byte big-endian length, the plan
+POOLED_READY = b"stockade-pooled-ready\n"
+MAX_PLAN_BYTES = 16 * MIB
+
+
+def pooled_plan(session_modules: Sequence[tuple[str, str]], guest_ip: str, host_ip: str,
+                prefixlen: int, fresh: dict[str, Any]) -> dict[str, Any]:
+    """The config share's plan of a pooled guest: no task, only what every task's guest
+    loads (the agent's modules), its slot's network and a fresh identity (`fresh_identity`:
+    the claim's plan brings another seed and the clock, the same MAC and network), and the
+    mark that its real plan comes on the agent port."""
+    return {"pooled": True, "modules": list(session_modules), "fresh": fresh,
+            "net": {"ip": guest_ip, "prefixlen": prefixlen, "gateway": host_ip}}
+
+
+def plan_frame(plan: dict[str, Any]) -> bytes:
+    """A claimed pooled guest's plan as sent on its agent port."""
+    blob = encode_plan(plan)
+    if len(blob) > MAX_PLAN_BYTES:
+        raise ValueError(f"the guest's plan is {len(blob)} bytes, over {MAX_PLAN_BYTES}")
+    return len(blob).to_bytes(4, "big") + blob
 
 
 def encode_plan(plan: dict[str, Any]) -> bytes:

@@ -36,6 +36,10 @@ class MicrovmSettings(BaseModel):
     tb_size_mib: int = Field(64, ge=8)  # TCG translation cache (QEMU's default is 1 GiB)
     # QEMU's seccomp filter (-sandbox) and dropping to sandbox_uid/gid once set up
     harden_qemu: bool = True
+    # snapshot starts: a machine shape's first cold boot builds its template (in the
+    # background; a warm pool's refill builds it first), later guests restore from it;
+    # a corrupt or refused template is removed and that start boots cold (an event says so)
+    snapshots: bool = True
 
 
 class GvisorSettings(BaseModel):

@@ -15,15 +15,14 @@ network or anything task-related exists.
 
 The shape (`shape_key`): QEMU, accelerator, kernel, initramfs and image stamp, guest RAM,
 vCPUs, the TCG cache, the share tags in device order, the hardening flags. A template is
-`<state_dir>/microvm-snapshots/<key>.vmstate`, written once under a flock, renamed into
-place whole.
+`<state_dir>/microvm-snapshots/<key>.vmstate`, renamed into place whole; when and how often
+one is built, and whether a file may be restored, is launcher/vmtemplates.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
@@ -53,9 +52,21 @@ def _shares(v: microvm.VmSpec) -> list[microvm.Share]:
             *v.layout.input_shares]
 
 
+def file_identity(path: str) -> list[int] | None:
+    """What changes when a file is rebuilt or replaced (None: it does not exist)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
 def shape_key(v: microvm.VmSpec, stamp: str) -> str:
-    """What a template must have in common with the guests restored from it (pure)."""
-    shape = [v.qemu, v.accel, v.kernel, v.initrd, stamp, v.memory_mib, v.cpus, v.tb_size_mib,
+    """What a template must have in common with the guests restored from it: the machine,
+    and the QEMU binary, kernel and initramfs files as they are now."""
+    files = [file_identity(f) for f in (v.qemu, v.kernel, v.initrd)]
+    shape = [v.qemu, v.accel, v.kernel, v.initrd, files, stamp, v.memory_mib, v.cpus,
+             v.tb_size_mib,
              [(s.tag, s.readonly) for s in _shares(v)], v.runas, v.seccomp,
              list(v.extra_cmdline)]
     return hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:32]
@@ -82,11 +93,6 @@ def restore_spec(v: microvm.VmSpec, incoming_fd: int) -> microvm.VmSpec:
 
 def template_path(state_dir: Path, key: str) -> Path:
     return state_dir / SNAP_DIR / f"{key}{SUFFIX}"
-
-
-def find_template(state_dir: Path, key: str) -> Path | None:
-    p = template_path(state_dir, key)
-    return p if p.is_file() else None
 
 
 class Qmp:
@@ -121,14 +127,31 @@ class Qmp:
                 raise SnapshotError(f"QEMU {name}: {reply['error'].get('desc', reply)}")
 
 
-def _await_ready(sock: socket.socket, timeout_s: float) -> None:
+def await_running(sock: socket.socket, timeout_s: float) -> float:
+    """Until a guest restored with `-incoming` runs (its QMP monitor on `sock`); seconds it
+    took. SnapshotError when QEMU refused the state (it ends) or did not load it in time."""
+    t0 = time.monotonic()
+    qmp = Qmp(sock, timeout_s)
+    while (status := qmp.cmd("query-status").get("status")) != "running":
+        if status not in ("inmigrate", "prelaunch", "restore-vm"):
+            raise SnapshotError(f"the restored guest is {status}")
+        if time.monotonic() - t0 > timeout_s:
+            raise SnapshotError("the restored guest did not run in time")
+        time.sleep(0.005)
+    return time.monotonic() - t0
+
+
+def await_ready(sock: socket.socket, timeout_s: float, marker: bytes = READY) -> None:
+    """Until the guest says `marker` on its agent port: a template boot stopped for its
+    save (READY), a pooled guest waits for its plan (microvm.POOLED_READY)."""
     sock.settimeout(timeout_s)
     got = b""
-    while READY not in got:
+    while marker not in got:
         chunk = sock.recv(4096)
         if not chunk:
-            raise SnapshotError("the template guest ended before it was ready")
+            raise SnapshotError("the guest ended before it was ready")
         got = (got + chunk)[-4096:]
+    sock.settimeout(None)
 
 
 def _save(qmp: Qmp, out_fd: int, timeout_s: float) -> None:
@@ -156,7 +179,8 @@ def save_template(v: microvm.VmSpec, dest: Path, timeout_s: float) -> None:
     t = template_spec(v, str(empty), agent_q.fileno(), qmp_q.fileno())
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
     # QEMU in a network namespace of its own, on a tap nothing is connected to
-    argv = ["unshare", "--net", "--", "sh", "-c",
+    # (it dies with the thread that builds it: a launcher that exits leaves no template boot)
+    argv = ["setpriv", "--pdeathsig", "KILL", "unshare", "--net", "--", "sh", "-c",
             "ip tuntap add tap0 mode tap && exec \"$@\"", "sh", *microvm.qemu_argv(t)]
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, pass_fds=(agent_q.fileno(), qmp_q.fileno()),
@@ -164,7 +188,7 @@ def save_template(v: microvm.VmSpec, dest: Path, timeout_s: float) -> None:
     agent_q.close()
     qmp_q.close()
     try:
-        _await_ready(agent, timeout_s)
+        await_ready(agent, timeout_s)
         out_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             _save(Qmp(qmp_s, timeout_s), out_fd, timeout_s)
@@ -193,17 +217,3 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-
-
-def ensure_template(v: microvm.VmSpec, stamp: str, state_dir: Path,
-                    timeout_s: float = 300.0) -> Path:
-    """The template of `v`'s shape, saved first when there is none (one build at a time
-    per state directory, any process: the others find it done)."""
-    key = shape_key(v, stamp)
-    dest = template_path(state_dir, key)
-    dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with open(dest.parent / ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not dest.is_file():
-            save_template(v, dest, timeout_s)
-    return dest

@@ -68,6 +68,7 @@ class StartContext:
     congestion_control: str | None
     seccomp: Callable[[], bytes]  # the profile's filter (LauncherError: none can be built)
     state_dir: Path  # the launcher's own state directory (caches)
+    emit: Callable[[dict[str, Any]], None] | None = None  # the launcher's event writer
     # a microVM's fence self-test, run by the backend once its guest can run the probes
     # (with the guest's runner: probe list and timeout -> observations), before the
     # command; None: the tier was probed before its start, or the test was sampled out

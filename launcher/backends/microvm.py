@@ -10,20 +10,29 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
-from .. import cgroups, initscript, microvm, netns, rootfs, scrub, vmimage, vmprobes, vmsnapshot
-from ..environment import SANDBOX_PATH
+from .. import (
+    cgroups,
+    initscript,
+    microvm,
+    rootfs,
+    scrub,
+    vmimage,
+    vmprobes,
+    vmsnapshot,
+    vmtemplates,
+)
+from ..lifecycle import snapshot_fallback_event
 from ..spec import LauncherError
 from ..supervise import Ended, feed_stdin, kill_marker, kill_proc, started, watch
-from ..vmexec import AgentLink, VmExec
+from ..vmexec import VmExec
 from . import CgroupControl, Live, StartContext
+from .microvm_qemu import VmPipes, spawn, unspawn, vm_spec
 
 if TYPE_CHECKING:  # annotations only
     from ..execspec import ExecSpec
@@ -33,32 +42,10 @@ if TYPE_CHECKING:  # annotations only
 VM_CONSOLE_CAP = 64 * 1024  # the guest's console (kernel messages) kept for diagnostics
 # a session's guest boots to its agent within this (seconds under TCG on a busy host)
 AGENT_READY_TIMEOUT_S = 180.0
+RESTORE_TIMEOUT_S = 60.0  # QEMU loads a template's state within this (a busy host, TCG)
 # the guest-side modules a session guest's init loads from its plan
 SESSION_MODULES = ("vmchannel", "guest_agent")
-# moves this shell into each cgroup.procs file given before "--", then execs the rest
-_JOIN_CGROUPS = ('for f; do shift; [ "$f" = -- ] && break; echo 0 > "$f" || exit 125; done; '
-                 'exec "$@"')
 _ABS_PATH = re.compile(r"(?<![\w.])/[^\s,:;'\"()\[\]]+")
-
-
-@dataclass
-class VmPipes:
-    """Read ends of the pipes QEMU writes the guest's console and ports into."""
-
-    stdout: IO[bytes]
-    stderr: IO[bytes]
-    status: IO[bytes]
-    console: IO[bytes]
-    agent: AgentLink | None = None  # the guest agent's port (served in sessions)
-    restored: bool = False  # started from a snapshot template
-    session: bool = False  # its guest serves execs through the agent
-
-    def close(self) -> None:
-        if self.agent is not None:
-            self.agent.close()
-        for f in (self.stdout, self.stderr, self.status, self.console):
-            with contextlib.suppress(OSError):
-                f.close()
 
 
 class MicrovmBackend(CgroupControl):
@@ -68,6 +55,7 @@ class MicrovmBackend(CgroupControl):
     def __init__(self) -> None:
         # shapes started without a template: (a VmSpec of the shape, the image's stamp)
         self.missed: dict[str, tuple[microvm.VmSpec, str]] = {}
+        self.templates = vmtemplates.Templates()
 
     def create(self, live: Live, limits: Any, s: LauncherSettings) -> None:
         vm = s.microvm
@@ -81,35 +69,135 @@ class MicrovmBackend(CgroupControl):
         """Raises LauncherError for anything that stops the VM from starting; the caller
         tears down what exists."""
         machine = _machine(ctx)
-        base = Path(live.record.scratch)
-        cfg = base / "cfg"
-        cfg.mkdir(mode=0o755)
-        os.chmod(cfg, 0o755)  # noqa: S103 - QEMU reads it after dropping to sandbox_uid
-        if not ctx.etc.host_etc:  # the guest's /etc is this directory
-            rootfs.stage_guest_etc(base / "etc", rootfs.etc_binds(ctx.settings.etc_allowlist),
-                                   bool(ctx.etc.trust_vars))
-        layout, mount_table, input_table = _layout(base, ctx)
+        cfg, layout, tables = _prepare(live, ctx)
         # a template of this shape saved earlier: restored instead of booted (vmsnapshot.py)
-        shape = _vm_spec(ctx, cfg, layout, machine, [0, 0, 0, 0], 0)
-        key = vmsnapshot.shape_key(shape, machine[0].stamp)
-        snapshot = vmsnapshot.find_template(ctx.state_dir, key)
+        shape = vm_spec(ctx, cfg, layout, machine, [0, 0, 0, 0], 0)
+        snapshot = self._template(live, ctx, shape, machine[0].stamp)
+        _write_cfg(cfg, spec, ctx, *tables, restored=snapshot is not None)
+        if snapshot is not None and not self._restore(live, ctx, cfg, layout, machine,
+                                                      spec.session, snapshot, shape):
+            _write_cfg(cfg, spec, ctx, *tables)
+            snapshot = None
         if snapshot is None:
-            self.missed[key] = (shape, machine[0].stamp)
-        _write_cfg(cfg, spec, ctx, mount_table, input_table, restored=snapshot is not None)
-        _spawn(live, ctx, cfg, layout, machine, session=spec.session, snapshot=snapshot)
+            spawn(live, ctx, cfg, layout, machine, session=spec.session)
         if spec.session or ctx.selftest is not None:
             _await_agent(live)
         if ctx.selftest is not None:
             _selftest_in_guest(live, spec, ctx, ctx.selftest)
 
+    def _template(self, live: Live, ctx: StartContext, shape: microvm.VmSpec,
+                  stamp: str) -> Path | None:
+        """The shape's template when it has a whole one; none yet: built in the background
+        (this start boots cold, later ones restore)."""
+        key = vmsnapshot.shape_key(shape, stamp)
+        if not ctx.settings.microvm.snapshots:  # (build_templates can still save it)
+            self.missed[key] = (shape, stamp)
+            return None
+        try:
+            found = self.templates.lookup(ctx.state_dir, key)
+        except vmtemplates.Bad as e:
+            _fell_back(live, ctx, str(e))
+            found = None
+        if found is None:
+            self.missed[key] = (shape, stamp)
+            self.templates.build_later(shape, stamp, ctx.state_dir)
+        return found
+
+    def _restore(self, live: Live, ctx: StartContext, cfg: Path, layout: microvm.Layout,
+                 machine: tuple[vmimage.Image, str, microvm.Accel], session: bool,
+                 snapshot: Path, shape: microvm.VmSpec) -> bool:
+        """QEMU restored from `snapshot`, running; False when QEMU refused the state (the
+        template is removed, QEMU gone, an event says so: the caller boots cold)."""
+        qmp = spawn(live, ctx, cfg, layout, machine, session=session, snapshot=snapshot)
+        assert qmp is not None
+        try:
+            took = vmsnapshot.await_running(qmp, RESTORE_TIMEOUT_S)
+            if isinstance(live.pipes, VmPipes):
+                live.pipes.restore_s = took
+            return True
+        except (OSError, ValueError, vmsnapshot.SnapshotError) as e:
+            unspawn(live)
+            stamp = machine[0].stamp
+            key = vmsnapshot.shape_key(shape, stamp)
+            self.templates.drop(ctx.state_dir, key)
+            _fell_back(live, ctx, f"QEMU did not restore the snapshot template: {e}")
+            self.missed[key] = (shape, stamp)
+            self.templates.build_later(shape, stamp, ctx.state_dir)  # anew
+            return False
+        finally:
+            qmp.close()
+
     def build_templates(self, state_dir: Path) -> list[Path]:
         """Save the snapshot templates of the shapes that were booted cold so far (their
-        later starts restore): for pool refills and `stockade up`, off any start's path."""
+        later starts restore) and wait for them: tests and benchmarks."""
         done = []
         for key, (shape, stamp) in list(self.missed.items()):
-            done.append(vmsnapshot.ensure_template(shape, stamp, state_dir))
+            done.append(self.templates.build_now(shape, stamp, state_dir))
             self.missed.pop(key, None)
         return done
+
+    # a pooled guest's shares are fixed when QEMU starts: a task with inputs starts cold
+    claims_inputs = False
+
+    def start_pooled(self, live: Live, ctx: StartContext) -> None:
+        """A guest that waits for its plan: restored from its shape's template (built
+        first when there is none: a refill is off every task's path; a cold boot when none
+        can be), it mounts its shares and starts its init, which loads what every task's
+        guest loads, takes its slot's identity and address (denied as unclaimed; nothing
+        in it sends) and waits on the agent port. `claim_pooled` sends the plan there."""
+        machine = _machine(ctx)
+        cfg, layout, tables = _prepare(live, ctx)
+        a = ctx.addresses
+        _write_files(cfg, ctx, microvm.pooled_plan(
+            _session_modules(), a.guest_ip, a.host_ip, a.prefixlen,
+            microvm.fresh_identity(a.guest_mac, os.urandom(64), time.time())), *tables)
+        shape = vm_spec(ctx, cfg, layout, machine, [0, 0, 0, 0], 0)
+        snapshot = self._pool_template(live, ctx, shape, machine[0].stamp)
+        if snapshot is None or not self._restore(live, ctx, cfg, layout, machine, False,
+                                                  snapshot, shape):
+            spawn(live, ctx, cfg, layout, machine)
+        vm = live.pipes
+        assert isinstance(vm, VmPipes) and vm.agent is not None
+        try:
+            vmsnapshot.await_ready(vm.agent.sock, AGENT_READY_TIMEOUT_S, microvm.POOLED_READY)
+        except (OSError, vmsnapshot.SnapshotError) as e:
+            raise LauncherError(f"the pooled microVM did not start: {e}") from None
+
+    def _pool_template(self, live: Live, ctx: StartContext, shape: microvm.VmSpec,
+                       stamp: str) -> Path | None:
+        if not ctx.settings.microvm.snapshots:
+            return None
+        try:
+            self.templates.build_now(shape, stamp, ctx.state_dir)
+        except (OSError, vmsnapshot.SnapshotError) as e:
+            _fell_back(live, ctx, f"no snapshot template could be built: {e}")
+            return None
+        return self._template(live, ctx, shape, stamp)
+
+    def claim_pooled(self, live: Live, spec: SandboxSpec, ctx: StartContext) -> None:
+        """The task's plan (with a fresh identity: MAC, entropy, clock; its stdin) on the
+        waiting guest's agent port: its init sets up the network and limits and runs the
+        command (or serves the session's execs)."""
+        vm, proc = live.pipes, live.proc
+        if not isinstance(vm, VmPipes) or vm.agent is None or proc is None or (
+                proc.poll() is not None):
+            raise LauncherError("the pooled microVM has ended")
+        plan = _plan(spec, ctx, restored=True)
+        plan["stdin_data"] = spec.stdin
+        try:
+            frame = microvm.plan_frame(plan)
+        except ValueError as e:
+            raise LauncherError(str(e)) from None
+        vm.session = spec.session
+        try:
+            vm.agent.sock.sendall(frame)
+        except OSError as e:
+            raise LauncherError(f"the pooled microVM is unreachable: {e}") from None
+        # the fence self-test from inside the guest, as a cold start's (`start`)
+        if spec.session or ctx.selftest is not None:
+            _await_agent(live)
+        if ctx.selftest is not None:
+            _selftest_in_guest(live, spec, ctx, ctx.selftest)
 
     def exec(self, live: Live, req: ExecSpec, ctx: StartContext) -> VmExec:
         """One exec through the session guest's agent (its plan already holds the uid,
@@ -159,6 +247,27 @@ def _machine(ctx: StartContext) -> tuple[vmimage.Image, str, microvm.Accel]:
     return image, qemu, accel
 
 
+def _prepare(live: Live, ctx: StartContext,
+             stage_etc: bool = True) -> tuple[Path, microvm.Layout, tuple[str, str]]:
+    """The guest's config share directory, its /etc (`stage_etc`), its layout with the
+    mount and input tables."""
+    base = Path(live.record.scratch)
+    cfg = base / "cfg"
+    cfg.mkdir(mode=0o755, exist_ok=True)
+    os.chmod(cfg, 0o755)  # noqa: S103 - QEMU reads it after dropping to sandbox_uid
+    if stage_etc and not ctx.etc.host_etc:  # the guest's /etc is this directory
+        rootfs.stage_guest_etc(base / "etc", rootfs.etc_binds(ctx.settings.etc_allowlist),
+                               bool(ctx.etc.trust_vars))
+    layout, mount_table, input_table = _layout(base, ctx)
+    return cfg, layout, (mount_table, input_table)
+
+
+def _fell_back(live: Live, ctx: StartContext, why: str) -> None:
+    logging.getLogger("stockade.launcher").warning("microVM %s: %s", live.record.task_id, why)
+    if ctx.emit is not None:
+        ctx.emit(snapshot_fallback_event(live.record, why))
+
+
 def _layout(base: Path, ctx: StartContext) -> tuple[microvm.Layout, str, str]:
     """The guest's shares, as a layout and its mount and input tables; file inputs are
     copied into one staged share (9p shares directories)."""
@@ -184,92 +293,43 @@ def _layout(base: Path, ctx: StartContext) -> tuple[microvm.Layout, str, str]:
 def _write_cfg(cfg: Path, spec: SandboxSpec, ctx: StartContext, mount_table: str,
                input_table: str, restored: bool = False) -> None:
     """The guest's configuration share: its plan, tables, stdin and init."""
-    s, a, limits = ctx.settings, ctx.addresses, ctx.limits
     if spec.stdin is not None:
         (cfg / "stdin").write_bytes(spec.stdin)
-    setpriv = _guest_setpriv(s.ro_binds)
-    plan = microvm.guest_plan(
-        argv=list(spec.argv), env=ctx.env, uid=s.sandbox_uid, gid=s.sandbox_gid,
-        rlimits={"NOFILE": s.rlimit_nofile, "CORE": s.rlimit_core,
-                 "MEMLOCK": s.rlimit_memlock},
-        guest_ip=a.guest_ip, host_ip=a.host_ip, prefixlen=a.prefixlen,
-        memory=limits.memory, pids=limits.pids, pids_fail_kill=s.pids_fail_kill,
-        stdin=spec.stdin is not None, setpriv=setpriv,
-        congestion_control=ctx.congestion_control, seccomp=ctx.seccomp(),
-        reserved=(*initscript.RESERVED, *s.ro_binds),
-        session_modules=[(m, _launcher_source(m)) for m in SESSION_MODULES]
-        if spec.session or ctx.selftest is not None else None,
-        probe_first=ctx.selftest is not None and not spec.session,
-        fresh=microvm.fresh_identity(a.guest_mac, os.urandom(64), time.time())
-        if restored else None)
+    _write_files(cfg, ctx, _plan(spec, ctx, restored), mount_table, input_table)
+
+
+def _write_files(cfg: Path, ctx: StartContext, plan: dict[str, Any], mount_table: str,
+                 input_table: str) -> None:
     (cfg / "plan").write_bytes(microvm.encode_plan(plan))
     (cfg / "mounts").write_text(mount_table)
     (cfg / "inputs").write_text(input_table)
-    (cfg / "python").write_text(s.init_python + "\n")
+    (cfg / "python").write_text(ctx.settings.init_python + "\n")
     (cfg / "guest_init.py").write_text(_guest_init_source())
     for f in cfg.iterdir():
         os.chmod(f, 0o644)
 
 
-def _vm_spec(ctx: StartContext, cfg: Path, layout: microvm.Layout,
-             machine: tuple[vmimage.Image, str, microvm.Accel], fds: list[int],
-             agent_fd: int | None) -> microvm.VmSpec:
-    """The VM of this sandbox; `fds`: where QEMU writes the console and the three ports."""
-    s, vm, limits = ctx.settings, ctx.settings.microvm, ctx.limits
-    image, qemu, accel = machine
-    con, *ports = (f"/proc/self/fd/{fd}" for fd in fds)
-    return microvm.VmSpec(
-        qemu=qemu, accel=accel, kernel=image.kernel, initrd=image.initrd,
-        memory_mib=microvm.guest_memory_mib(limits.memory, vm.guest_kernel_mib),
-        cpus=microvm.vcpus(limits.cpus), mac=ctx.addresses.guest_mac, cfg_dir=str(cfg),
-        layout=layout, console=con, ports=(ports[0], ports[1], ports[2]),
-        tsc_khz=vmimage.tsc_khz(), tb_size_mib=vm.tb_size_mib,
-        runas=(s.sandbox_uid, s.sandbox_gid) if vm.harden_qemu else None,
-        seccomp=vm.harden_qemu, agent_fd=agent_fd)
+def _plan(spec: SandboxSpec, ctx: StartContext, restored: bool) -> dict[str, Any]:
+    """guest_init.py's plan of the task (`restored`: with a fresh identity)."""
+    s, a, limits = ctx.settings, ctx.addresses, ctx.limits
+    return microvm.guest_plan(
+        argv=list(spec.argv), env=ctx.env, uid=s.sandbox_uid, gid=s.sandbox_gid,
+        rlimits={"NOFILE": s.rlimit_nofile, "CORE": s.rlimit_core,
+                 "MEMLOCK": s.rlimit_memlock},
+        guest_ip=a.guest_ip, host_ip=a.host_ip, prefixlen=a.prefixlen,
+        memory=limits.memory, pids=limits.pids, pids_fail_kill=s.pids_fail_kill,
+        stdin=spec.stdin is not None,
+        congestion_control=ctx.congestion_control, seccomp=ctx.seccomp(),
+        reserved=(*initscript.RESERVED, *s.ro_binds),
+        session_modules=_session_modules() if spec.session or ctx.selftest is not None
+        else None,
+        probe_first=ctx.selftest is not None and not spec.session,
+        fresh=microvm.fresh_identity(a.guest_mac, os.urandom(64), time.time())
+        if restored else None)
 
 
-def _spawn(live: Live, ctx: StartContext, cfg: Path, layout: microvm.Layout,
-           machine: tuple[vmimage.Image, str, microvm.Accel], session: bool = False,
-           snapshot: Path | None = None) -> None:
-    """QEMU, its console and three ports on pipes the launcher reads, the agent port on one
-    end of a socket pair (the other is the AgentLink's; every shape has it, so that its
-    template does); restored from `snapshot` when given."""
-    pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(4)]
-    ours, theirs = socket.socketpair()
-    passed = [w for _, w in pipes] + [theirs.fileno()]
-    state_fd = None
-    try:
-        vspec = _vm_spec(ctx, cfg, layout, machine, passed[:4], passed[4])
-        if snapshot is not None:
-            state_fd = os.open(snapshot, os.O_RDONLY | os.O_CLOEXEC)
-            passed.append(state_fd)
-            vspec = vmsnapshot.restore_spec(vspec, state_fd)
-        try:
-            qargv = microvm.qemu_argv(vspec)
-        except ValueError as e:
-            raise LauncherError(f"cannot start the microVM: {e}") from None
-        live.proc = subprocess.Popen(
-            _argv(live, qargv), env={"PATH": SANDBOX_PATH}, stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, close_fds=True,
-            pass_fds=tuple(passed), start_new_session=True, cwd="/")
-        if snapshot is not None:
-            ours.sendall(vmsnapshot.GO)  # read once the restored guest runs
-        live.pipes = VmPipes(*(os.fdopen(r, "rb") for r, _ in
-                               [pipes[1], pipes[2], pipes[3], pipes[0]]),
-                             agent=AgentLink(ours), restored=snapshot is not None,
-                             session=session)
-    except BaseException:
-        for r, _ in pipes:
-            with contextlib.suppress(OSError):
-                os.close(r)
-        ours.close()
-        raise
-    finally:  # QEMU has its copies
-        for _, w in pipes:
-            os.close(w)
-        theirs.close()
-        if state_fd is not None:
-            os.close(state_fd)
+def _session_modules() -> list[tuple[str, str]]:
+    return [(m, _launcher_source(m)) for m in SESSION_MODULES]
 
 
 def _selftest_in_guest(live: Live, spec: SandboxSpec, ctx: StartContext,
@@ -303,19 +363,6 @@ def _await_agent(live: Live) -> None:
         raise LauncherError(f"{e}: {why}" if why else str(e)) from None
 
 
-def _argv(live: Live, qargv: list[str]) -> list[str]:
-    # QEMU joins the sandbox's cgroups before it allocates anything (a shell that
-    # moves itself, then execs), then enters the netns, and runs as pid 1 of a pid
-    # namespace of its own with its own /proc (it sees no host process; its end
-    # ends the namespace) in a private mount namespace; the paths are arguments.
-    # No chroot: QEMU 7.2's 9p server still resolves some operations (file
-    # creation) by path, and the scratch share fails under -chroot
-    return ["sh", "-c", _JOIN_CGROUPS, "sh", *live.cg.procs_files(), "--",
-            "nsenter", f"--net={netns.NETNS_DIR}/{live.record.netns}", "--",
-            "unshare", "--pid", "--fork", "--kill-child", "--mount",
-            "--propagation", "private", "--mount-proc", "--", *qargv]
-
-
 def vm_outcome(vm: VmPipes, qemu_rc: int, console: bytes, qemu_err: bytes, ended_by: str,
                host_oom: bool, pids_fail_kill: int) -> tuple[int, bool, str | None]:
     """(exit code, the guest hit a limit, why the VM failed or None) once QEMU is gone."""
@@ -337,14 +384,6 @@ def vm_outcome(vm: VmPipes, qemu_rc: int, console: bytes, qemu_err: bytes, ended
     why = (err_text.splitlines() or console_text.strip().splitlines() or
            [f"qemu exit status {qemu_rc}"])[-1]
     return 125, False, f"the microVM failed: {why[:500]}"
-
-
-def _guest_setpriv(ro_binds: list[str]) -> str:
-    """util-linux setpriv on a path the guest sees (the host's, through ro_binds)."""
-    path = shutil.which("setpriv", path="/usr/bin:/bin")
-    if path is None or not any(path.startswith(os.path.normpath(p) + "/") for p in ro_binds):
-        raise LauncherError("the microVM guest needs util-linux setpriv under ro_binds")
-    return path
 
 
 def _guest_init_source() -> str:

@@ -275,8 +275,9 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
                      "cgroup_parent": f"stockade_lt{sfx}", "scratch_dir": str(tmp / "sbx"),
                      "address_pool": f"10.213.{octet}.0/24",
                      "nflog_group": 7300 + secrets.randbelow(99),
-                     # KVM guests hang on the development VMs: the tests use TCG everywhere
-                     "microvm": {"accel": "tcg"},
+                     # KVM guests hang on the development VMs: the tests use TCG everywhere;
+                     # snapshot starts only where a test asks (test_microvm_snapshot.py)
+                     "microvm": {"accel": "tcg", "snapshots": False},
                      "selftest": {"sample_rate": 0.0}},
     })
     obs = Observed()

@@ -101,7 +101,7 @@ def test_command_runs_in_a_microvm(lab: Lab, fake_internet: Any, tmp_path: Path)
     assert all(line.split()[1] == "0000000000000000" for line in out["caps"])
     assert set(out["env"]) <= {"PATH", "HOME", "TMPDIR", "STOCKADE_BROKER", "LANG", "LC_ALL",
                                "TERM", "TZ", "PWD", "EXTRA", "LD_BIND_NOW", *TRUST_ENV_VARS}
-    # a loader variable reaches the command (through env, after the drop), never setpriv
+    # a loader variable reaches the command (after the drop), never the root init
     assert out["ld_env"] == "1"
     # the guest kernel's surface: no modules (nor a modprobe helper), no user namespaces,
     # no kernel pointers or log, no unprivileged BPF

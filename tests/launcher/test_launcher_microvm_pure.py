@@ -93,8 +93,7 @@ def test_guest_plan_is_plain_data() -> None:
     plan = microvm.guest_plan(
         argv=["sh", "-c", "echo $HOME; rm -rf / #'\""], env={"A": "b c"}, uid=65534,
         gid=65534, rlimits={"NOFILE": 4096}, guest_ip="10.0.0.2", host_ip="10.0.0.1",
-        prefixlen=30, memory=64 * MIB, pids=64, pids_fail_kill=32, stdin=False,
-        setpriv="/usr/bin/setpriv")
+        prefixlen=30, memory=64 * MIB, pids=64, pids_fail_kill=32, stdin=False)
     assert marshal.loads(microvm.encode_plan(plan)) == plan  # noqa: S302 - our own bytes
     assert plan["argv"][2] == "echo $HOME; rm -rf / #'\""
     assert plan["net"] == {"ip": "10.0.0.2", "prefixlen": 30, "gateway": "10.0.0.1"}
@@ -103,7 +102,7 @@ def test_guest_plan_is_plain_data() -> None:
     for bad in ({"argv": []}, {"uid": 0}, {"gid": 0}):
         kw = dict(argv=["true"], env={}, uid=1000, gid=1000, rlimits={}, guest_ip="a",
                   host_ip="b", prefixlen=30, memory=1, pids=1, pids_fail_kill=1,
-                  stdin=False, setpriv="/usr/bin/setpriv")
+                  stdin=False)
         kw.update(bad)
         with pytest.raises(ValueError):
             microvm.guest_plan(**kw)  # type: ignore[arg-type]
@@ -117,8 +116,7 @@ def test_a_session_guest_gets_its_agent_port_and_modules() -> None:
     assert "virtserialport,chardev=agent,name=agent,nr=4" in argv
     assert "virtio-serial-device,max_ports=5" in argv
     kw = dict(argv=[], env={}, uid=1000, gid=1000, rlimits={}, guest_ip="a", host_ip="b",
-              prefixlen=30, memory=1, pids=1, pids_fail_kill=1, stdin=False,
-              setpriv="/usr/bin/setpriv")
+              prefixlen=30, memory=1, pids=1, pids_fail_kill=1, stdin=False,)
     plan = microvm.guest_plan(**kw, session_modules=[("vmchannel", "X = 1\n")])  # type: ignore[arg-type]
     assert (plan["session"], plan["modules"]) == (True, [("vmchannel", "X = 1\n")])
     assert marshal.loads(microvm.encode_plan(plan)) == plan  # noqa: S302 - our own bytes
@@ -193,7 +191,7 @@ def test_guest_layout() -> None:
         system=system, etc_dir="/s/etc", host_etc=False, host_etc_overlay=(),
         scratch="/s/scratch", inputs=inputs, staged_dir="/s/inputs", shm_size=4096)
     # vm-images/init's table never holds an input: guest_init.py mounts them from their own
-    # table once it has read the plan and opened setpriv
+    # table once it has read the plan
     assert microvm.mount_table(layout) == (
         "9p sys0 ro /usr\n9p etc ro /etc\n9p scratch rw /scratch\n9p inputs ro /sbx/in\n"
         "link usr/bin /bin\nbindrw /scratch/tmp /tmp\ntmpfs 4096 /dev/shm\n")
@@ -263,3 +261,26 @@ def test_snapshot_shapes_templates_and_restores() -> None:
     assert fresh == {"mac": "02:00:0a:d5:00:02", "seed": b"s" * 64, "clock": 1.5}
     with pytest.raises(ValueError, match="seed"):
         microvm.fresh_identity("02:00:0a:d5:00:02", b"short", 1.5)
+
+
+def test_a_pooled_guests_plan_comes_on_its_agent_port() -> None:
+    from pathlib import Path
+
+    fresh = microvm.fresh_identity("02:00:0a:d5:00:02", b"s" * 64, 1.5)
+    placeholder = microvm.pooled_plan([("vmchannel", "X = 1")], "10.213.0.2", "10.213.0.1",
+                                      30, fresh)
+    # no task in it: its slot's network and identity, the agent's modules
+    assert marshal.loads(microvm.encode_plan(placeholder)) == {  # noqa: S302
+        "pooled": True, "modules": [("vmchannel", "X = 1")], "fresh": fresh,
+        "net": {"ip": "10.213.0.2", "prefixlen": 30, "gateway": "10.213.0.1"}}
+    plan = {"argv": ["true"], "stdin_data": b"in"}
+    frame = microvm.plan_frame(plan)
+    n = int.from_bytes(frame[:4], "big")
+    assert n == len(frame) - 4 and marshal.loads(frame[4:]) == plan  # noqa: S302
+    with pytest.raises(ValueError, match="over"):
+        microvm.plan_frame({"env": {"BIG": "x" * microvm.MAX_PLAN_BYTES}})
+    # the guest's init (standalone: it imports nothing of the launcher) agrees
+    src = (Path(microvm.__file__).parent / "guest_init.py").read_text()
+    for name in ("POOLED_READY", "MAX_PLAN_BYTES"):
+        line = next(x for x in src.splitlines() if x.startswith(f"{name} = "))
+        assert eval(line.split("=", 1)[1]) == getattr(microvm, name)  # noqa: S307 - ours

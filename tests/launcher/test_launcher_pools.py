@@ -194,13 +194,20 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def test_refill_after_a_launcher_crash_reconciles_leftovers(stack: Stack) -> None:  # noqa: F811
-    cfg = _pooled_config(stack.config, 2)
+def crash_leaving(stack: Stack, cfg: Config, n: int, timeout: float) -> set[str]:  # noqa: F811
+    """The pooled sandboxes a launcher of `cfg` left when it was killed (SIGKILL), once its
+    `n` were ready; they are in the shared state file."""
     p = subprocess.run([sys.executable, "-c", CRASHER, cfg.model_dump_json()],
-                       capture_output=True, text=True, timeout=240)
+                       capture_output=True, text=True, timeout=timeout)
     assert p.returncode == -9, p.stderr
     left = set(json.loads(p.stdout))
-    assert len(left) == 2 and left <= set(stack.launcher.state.read())
+    assert len(left) == n and left <= set(stack.launcher.state.read())
+    return left
+
+
+def test_refill_after_a_launcher_crash_reconciles_leftovers(stack: Stack) -> None:  # noqa: F811
+    cfg = _pooled_config(stack.config, 2)
+    left = crash_leaving(stack, cfg, 2, 240)
     launcher = Launcher(cfg, nflog=False, pools=True)
     launcher.start()  # reconcile, then refill
     try:

@@ -125,7 +125,7 @@ def test_an_exec_runs_as_a_first_command_does(session: tuple[Live, dict[str, Any
     assert run(live, ["cat"]) == (0, "", "")  # no stdin: EOF at once
     assert run(live, ["mkdir", "-p", "/scratch/sub"])[0] == 0
     assert run(live, ["pwd"], cwd="/scratch/sub") == (0, "/scratch/sub\n", "")
-    # a command that cannot start: as a first command's, setpriv's 127 and why
+    # a command that cannot start: as a first command's, 127 and why
     rc, _, err = run(live, ["/nonexistent"])
     assert rc == 127 and "nonexistent" in err, err
     # much output arrives whole, in order

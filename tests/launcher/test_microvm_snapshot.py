@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from stockade.launcher import SandboxSpec, vmimage, vmsnapshot
+from stockade.launcher import SandboxSpec, vmimage, vmsnapshot, vmtemplates
 from stockade.launcher.backends import backend_for
 from stockade.policy.model import Limits, Profile
 
@@ -42,7 +42,7 @@ def snap_lab(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab
                    capture_output=True, timeout=600)
     strict = lab.launcher.s
     lab.launcher.s = strict.model_copy(update={"microvm": strict.microvm.model_copy(
-        update={"image_dir": str(image)})})
+        update={"image_dir": str(image), "snapshots": True})})
     try:
         yield lab
     finally:
@@ -90,4 +90,39 @@ def test_restored_guests_get_a_fresh_identity(snap_lab: Lab) -> None:
         assert rc == 0, err
         me = json.loads(out)
         assert me["addr"] == live.record.guest_ip and me["random"] != a["random"]
+    assert leftovers(lab) == EMPTY
+
+
+def _fallbacks(lab: Lab, task_id: str) -> list[str]:
+    return [e["message"] for e in lab.events(task_id)
+            if e["stockade"].get("lifecycle") == "snapshot_fallback"]
+
+
+def test_a_broken_template_boots_cold_with_an_event(snap_lab: Lab) -> None:
+    lab = snap_lab
+    backend = backend_for("microvm")
+    state = Path(lab.config.state_dir) / "launcher"
+    _who(lab)  # this shape's template exists, or is being built from this start
+    backend.build_templates(state)  # type: ignore[attr-defined] # (waits for it)
+    (tpl,) = (state / vmsnapshot.SNAP_DIR).glob(f"*{vmsnapshot.SUFFIX}")
+    # the same size, some bytes changed: its digest no longer matches its sidecar's
+    with open(tpl, "r+b") as f:
+        f.seek(tpl.stat().st_size // 2)
+        f.write(b"\xff" * 64)
+    out, tid = _who(lab)
+    assert "stockade.template" not in str(out["cmdline"])  # booted cold: the task ran
+    assert any("SHA-256" in m for m in _fallbacks(lab, tid)), lab.events(tid)
+    # a file whole by its sidecar that QEMU refuses (another QEMU's state, say)
+    backend.build_templates(state)  # type: ignore[attr-defined]
+    (tpl,) = (state / vmsnapshot.SNAP_DIR).glob(f"*{vmsnapshot.SUFFIX}")
+    tpl.write_bytes(vmtemplates.MAGIC + b"\x07" * 4096)
+    vmtemplates.meta_path(tpl).write_text(json.dumps(
+        {"size": tpl.stat().st_size, "sha256": vmtemplates.digest(tpl)}))
+    out, tid = _who(lab)
+    assert "stockade.template" not in str(out["cmdline"])
+    assert any("QEMU did not restore" in m for m in _fallbacks(lab, tid)), lab.events(tid)
+    assert not tpl.exists() or vmtemplates.problem(tpl) is None  # removed (or rebuilt)
+    backend.build_templates(state)  # type: ignore[attr-defined] # no build left running
+    out, _ = _who(lab)
+    assert "stockade.template" in str(out["cmdline"])  # restored again
     assert leftovers(lab) == EMPTY
