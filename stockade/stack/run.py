@@ -55,11 +55,15 @@ def _run(args: argparse.Namespace) -> int:
     if not cmd:
         print("stockade run: missing command after --", file=sys.stderr)
         return 2
-    config = args.config_loader(args.config, "run")
+    file_config = args.config_loader(args.config, "run")
+    # the stack this run starts loads --rules too: the gateway and the broker must decide
+    # with the rules the sandbox was checked against, not the file's rules_dir
+    config = (file_config.model_copy(update={"rules_dir": args.rules}) if args.rules
+              else file_config)
     try:
         from stockade.policy import load_rules  # type: ignore[attr-defined]
 
-        ruleset = load_rules(args.rules or config.rules_dir)
+        ruleset = load_rules(config.rules_dir)
     except Exception as e:
         print(f"stockade run: {e}", file=sys.stderr)
         return 2
@@ -81,9 +85,11 @@ def _run(args: argparse.Namespace) -> int:
     from .progress import Progress
     from .services import StackError, ensure_stack, stack_running
 
+    # a running stack's launcher service decides with the file's rules: only when this
+    # run reads the same ones may it claim a sandbox there
     same_rules = not args.rules or (
-        os.path.realpath(args.rules) == os.path.realpath(config.rules_dir))
-    if same_rules and not stack_running(config):
+        os.path.realpath(args.rules) == os.path.realpath(file_config.rules_dir))
+    if not stack_running(config):
         # a stack this run starts (or shares with runs like it) leaves out what the rules
         # never use; a running one (`stockade up`) is used as it is
         from .lean import without_unneeded_inspector

@@ -123,3 +123,29 @@ def test_run_json_reports_denials_with_task_and_reasons(run_config, fake_interne
     assert "bypass_attempt" in by_action.get("bypass_attempt", set())  # UDP
     after = snapshot(("ske", "stockade_e2e_run"), "stockade_e2e_run", str(run_config.parent))
     assert new_since(before, after) == {}
+
+
+ONLY_IN_DIR = PROFILE + """\
+    - host: other.test
+      ports: [443]
+      id: e2e-other
+      reason: allowed only by the rules directory given with --rules
+"""
+
+
+@pytest.mark.timeout(300)
+def test_rules_dir_given_with_rules_is_the_gateways(run_config, fake_internet, tmp_path):
+    """`--rules DIR` on an embedded stack: the gateway it starts decides with DIR (a rule
+    only there lets the flow through), not with the config's rules_dir."""
+    rules = write_profiles(tmp_path / "other-rules", {"e2e": ONLY_IN_DIR})
+    script = ("curl -s -o /dev/null -w 'code=%{http_code}' --max-time 10 "
+              "--cacert /input/ca.pem https://other.test/")
+    proc = subprocess.run(
+        [sys.executable, "-m", "stockade", "run", "--config", str(run_config),
+         "--rules", str(rules), "--profile", "e2e", "--json",
+         "--input", f"{fake_internet.ca_pem}:/input/ca.pem", "--", "sh", "-c", script],
+        capture_output=True, text=True, timeout=240, check=False)
+    assert proc.stdout, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["stdout"] == "code=200", result
+    assert not [d for d in result["denials"] if "other.test" in json.dumps(d)], result
