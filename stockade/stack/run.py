@@ -134,9 +134,14 @@ def _run_sandbox(effective: Any, spec: Any, ruleset: Any, progress: Any,
 def _pooled_service(effective: Any) -> Any | None:
     """The running stack's launcher service when it keeps warm pools (`stockade up` with
     `launcher.pools`), else None: this command then runs its own launcher."""
+    sock = effective.launcher.control_socket
+    if not os.path.exists(sock):
+        # no service (an embedded stack runs none): spare the import of its client's
+        # module, which loads aiohttp (a good part of a short run's wall time)
+        return None
     from stockade.launcher.service import LauncherClient
 
-    client = LauncherClient(effective.launcher.control_socket, timeout=2.0)
+    client = LauncherClient(sock, timeout=2.0)
     try:
         health = client.health()
     except (OSError, ValueError, RuntimeError):  # no service, or one that does not answer
