@@ -22,7 +22,6 @@ from stockade.events.taskstore import read_task_events
 
 from . import nft
 from .addresses import SlotAddresses
-from .probes import ProbeSetupError, run_probes
 from .selftest import (
     FENCE_UNVERIFIED,
     SELFTEST,
@@ -121,6 +120,10 @@ class Fence:
         return report
 
     def _probe(self, rec: SandboxRecord, profile: Any, a: SlotAddresses) -> Report:
+        # here, not at the top: the probes load dnspython and ssl, which `stockade sandbox
+        # kill|suspend|resume` (a Launcher that starts nothing) must not pay for
+        from .probes import ProbeSetupError, run_probes
+
         probes = plan(profile, rec.task_id, a.host_ip, self.ports, self.s)
         self.publish(rec)  # another launcher's NFLOG reader reports the UDP probe
         counter = None if self.reading() else nft.bypass_count(self.table, rec.ifname)

@@ -37,6 +37,8 @@ def modules_for(argv: Sequence[str] | None) -> list[str]:
     command word, or all of them (no command, `--help`, an unknown or misspelt word: the
     error lists every command)."""
     word = next((a for a in argv if not a.startswith("-")), None) if argv else None
+    if word is None and argv and "--version" in argv and not {"-h", "--help"} & set(argv):
+        return []  # argparse prints the version and exits before any command matters
     for module, commands in COMMAND_MODULES.items():
         if word in commands:
             return [module]

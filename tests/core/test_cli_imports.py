@@ -95,9 +95,16 @@ def test_every_command_is_found_by_its_word() -> None:
     assert sorted(sub.choices) == sorted(w for ws in COMMAND_MODULES.values() for w in ws)
 
 
-@pytest.mark.parametrize("argv", [[], ["--help"], ["sandbx", "list"], ["--version"]])
+@pytest.mark.parametrize("argv", [[], ["--help"], ["sandbx", "list"], ["-h", "--version"]])
 def test_no_command_word_builds_every_command(argv: list[str]) -> None:
     assert modules_for(argv) == list(COMMAND_MODULES)
+
+
+def test_the_version_needs_no_command() -> None:
+    assert modules_for(["--version"]) == []
+    out = subprocess.run([sys.executable, "-m", "stockade", "--version"], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    assert out.strip() == "stockade 0.1.0"
 
 
 def test_the_kind_names_are_the_models_kinds() -> None:
