@@ -92,16 +92,17 @@ def _run(args: argparse.Namespace) -> int:
     if not stack_running(config):
         # a stack this run starts (or shares with runs like it) leaves out what the rules
         # never use; a running one (`stockade up`) is used as it is
-        from .lean import without_unneeded_inspector
+        from .lean import without_unneeded_inspector, without_unneeded_vault
 
-        config = without_unneeded_inspector(config, ruleset)
+        config = without_unneeded_vault(without_unneeded_inspector(config, ruleset), ruleset,
+                                        bool(secrets))
     progress = Progress(None if args.json or args.quiet else sys.stderr)
     try:
         # a running stack (`stockade up`) is used as it is; otherwise gateway, broker and
         # (without vault.address) a dev OpenBao run for this command only
         with contextlib.ExitStack() as stack:
-            with progress.phase("joining or starting the stack (gateway, broker, OpenBao)",
-                                "stack ready"):
+            parts = "gateway, broker" + (", OpenBao" if config.dev_vault.enabled else "")
+            with progress.phase(f"joining or starting the stack ({parts})", "stack ready"):
                 effective = stack.enter_context(ensure_stack(config, secrets))
             progress.begin_sandbox()
             result = _run_sandbox(effective, spec, ruleset, progress, same_rules)

@@ -168,9 +168,10 @@ class Stack:
             self._wait_ready([launcher], deadline)
 
     def _launch_dev_vault(self, cfg: Config) -> tuple[Config, Any]:
-        """Without vault.address: a dev OpenBao launched (not yet ready) and `cfg` with its
-        address and root token file; else `cfg` as it is and None."""
-        if cfg.vault.address is not None:
+        """Without vault.address (and the dev OpenBao not left out): a dev OpenBao launched
+        (not yet ready) and `cfg` with its address and root token file; else `cfg` as it
+        is and None."""
+        if cfg.vault.address is not None or not cfg.dev_vault.enabled:
             return cfg, None
         from stockade.testing.devvault import DevOpenBao
 

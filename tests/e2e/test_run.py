@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,27 @@ def test_rules_dir_given_with_rules_is_the_gateways(run_config, fake_internet, t
     result = json.loads(proc.stdout)
     assert result["stdout"] == "code=200", result
     assert not [d for d in result["denials"] if "other.test" in json.dumps(d)], result
+
+
+@pytest.mark.timeout(300)
+def test_rules_without_broker_grants_start_no_openbao(run_config, tmp_path):
+    """The run's rules grant no broker API: its stack is gateway and broker only (the
+    keeper's state says no dev Vault while the command runs)."""
+    cfg = yaml.safe_load(run_config.read_text())
+    cfg.pop("dev_vault")  # left to the defaults (the fixture writes every key out)
+    config = tmp_path / "defaults-vault.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    state = Path(cfg["run_dir"]) / "stack.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stockade", "run", "--config", str(config), "--profile",
+         "e2e", "--", "sleep", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = None
+    while proc.poll() is None and seen is None:
+        try:
+            seen = json.loads(state.read_text())
+        except (OSError, ValueError):
+            time.sleep(0.05)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err
+    assert seen is not None and seen["dev_vault"] is False, seen
+    assert "starting the stack (gateway, broker)" in err, err
