@@ -79,7 +79,9 @@ def cli_times(launcher: Launcher, runs: int, python: str = sys.executable,
     """`stockade sandbox list` and `sandbox kill ID` of a `sleep 60` sandbox of `launcher`,
     `runs` times, with the interpreter `python` (another checkout's, bench/cli_bench.py)."""
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as fh:
-        yaml.safe_dump(launcher.config.model_dump(mode="json"), fh)
+        # what differs from the defaults only: another checkout's schema may not know
+        # a newer key (its models forbid unknown ones)
+        yaml.safe_dump(launcher.config.model_dump(mode="json", exclude_defaults=True), fh)
     stockade = [python, "-m", "stockade"]
     kills, lists = [], []
     rs = _ruleset("container")
