@@ -112,3 +112,11 @@ def test_the_kind_names_are_the_models_kinds() -> None:
     from stockade.policy.schemawalk import KIND_MODELS
 
     assert sorted(KINDS) == sorted(KIND_MODELS)
+
+
+def test_loading_the_config_loads_no_event_writer() -> None:
+    """`sandbox list` and `rules explain` load stockade.yaml but write no event: neither
+    the writer nor the chain's cryptography is imported for it."""
+    mods = _loaded("from stockade.config import load_config; load_config(None)")
+    assert not _heavy(mods, ("cryptography",))
+    assert not {"stockade.events.writer", "stockade.events.chain"} & mods
