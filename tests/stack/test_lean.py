@@ -1,13 +1,20 @@
-"""An embedded stack leaves out the L7 inspector when no entry of its rules needs it
-(stockade/stack/lean.py), and only when the configuration leaves that to the defaults."""
+"""An embedded stack leaves out the L7 inspector when no entry of its rules needs it, and
+the dev OpenBao when no profile grants a broker API and no secret is to be put
+(stockade/stack/lean.py), each only when the configuration leaves that to the defaults."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from stockade.policy import load_rules
 
 from stockade.config import Config
+
+# the demo API definition the e2e instance's profile grants (its key is in Vault)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+from e2e_instance import API
+
 from stockade.stack.lean import (
     inspection_needed,
     vault_needed,
@@ -68,15 +75,6 @@ broker:
       operations:
         - {method: GET, path: "/v1/whoami"}
 """
-API = """\
-api: demo-api
-description: an API whose key is in Vault
-base_url: https://api.test
-credential: {mount: secret, path: stockade/demo-api, field: token}
-inject: {style: bearer}
-"""
-
-
 def test_no_broker_grant_no_dev_vault(tmp_path: Path) -> None:
     rules = _rules(tmp_path, PLAIN)
     lean = without_unneeded_vault(Config(), rules, secrets=False)
