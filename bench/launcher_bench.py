@@ -78,6 +78,8 @@ def main() -> None:
     ap.add_argument("--pools", help="e.g. container: warm pools of these tiers vs cold starts")
     ap.add_argument("--selftest", action="store_true",
                     help="starts with and without the fence self-test, against a real gateway")
+    ap.add_argument("--selftest-tier", default="container", choices=("container", "microvm"),
+                    help="with --selftest: the tier (microvm: --vm-runs starts each)")
     ap.add_argument("--cpu-hook-ab", action="store_true",
                     help="with gvisor: starts with the CPU quota at the prestart hook and "
                     "at cgroup creation, interleaved")
@@ -90,7 +92,8 @@ def main() -> None:
     if args.selftest:
         from selftest_bench import run_selftest_bench
 
-        run_selftest_bench(args.runs)
+        vm = args.selftest_tier == "microvm"
+        run_selftest_bench(args.vm_runs if vm else args.runs, args.selftest_tier)
         return
     if args.tiers:
         from tier_bench import run_tiers

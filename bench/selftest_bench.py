@@ -1,6 +1,7 @@
-"""What the fence self-test adds to a container-tier start, with and without it in one run.
+"""What the fence self-test adds to a start, with and without it in one run.
 
-Run as root: `.venv/bin/python bench/launcher_bench.py --selftest [--runs N]`. A real
+Run as root: `.venv/bin/python bench/launcher_bench.py --selftest [--runs N]
+[--selftest-tier microvm --vm-runs N]` (a microVM's probes run inside its guest). A real
 gateway (`stockade gateway serve`: transparent listener and DNS firewall) and a stand-in
 broker registry serve one launcher; two profiles differ only in `selftest` (required, and
 sampled with launcher.selftest.sample_rate 0), and their starts alternate, so both see
@@ -34,6 +35,7 @@ from stockade.tasks import ControlClient, TaskRegistry, make_control_app, start_
 PROFILE = """\
 profile: {name}
 description: self-test bench
+isolation: {tier}
 limits: {{cpus: 0.5, memory: 128MiB, disk: 16MiB, pids: 64, ttl: 60s}}
 egress: {{mode: enforce}}
 selftest: {selftest}
@@ -42,12 +44,15 @@ CMD = ["bash", "-c", "echo $EPOCHREALTIME"]
 
 
 @contextlib.contextmanager
-def _stack(tmp: Path) -> Iterator[tuple[Launcher, object]]:
+def _stack(tmp: Path, tier: str) -> Iterator[tuple[Launcher, object]]:
     rules = tmp / "rules"
     (rules / "profiles").mkdir(parents=True)
     for name, st in (("with", "required"), ("without", "sampled")):
-        (rules / "profiles" / f"{name}.yaml").write_text(PROFILE.format(name=name, selftest=st))
-    cfg = bench_config(tmp, "stb", "10.213.232.0/22", 7397, selftest={"sample_rate": 0.0})
+        (rules / "profiles" / f"{name}.yaml").write_text(
+            PROFILE.format(name=name, selftest=st, tier=tier))
+    # KVM guests hang on the development VMs: TCG, as the tests
+    vm = {"microvm": {"accel": "tcg"}} if tier == "microvm" else {}
+    cfg = bench_config(tmp, "stb", "10.213.232.0/22", 7397, selftest={"sample_rate": 0.0}, **vm)
     cfg = cfg.model_validate({
         **cfg.model_dump(mode="json"), "rules_dir": str(rules),
         "gateway": {**cfg.gateway.model_dump(mode="json"),
@@ -90,11 +95,11 @@ def _pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))]
 
 
-def run_selftest_bench(runs: int) -> None:
+def run_selftest_bench(runs: int, tier: str = "container") -> None:
     tmp = Path(tempfile.mkdtemp(prefix="stockade-stb-"))
     starts: dict[str, list[float]] = {"with": [], "without": []}
     own: list[float] = []
-    with _stack(tmp) as (launcher, rules):
+    with _stack(tmp, tier) as (launcher, rules):
         events = launcher.config.events_file
         for i in range(runs + 2):
             for name in ("with", "without"):
@@ -106,14 +111,15 @@ def run_selftest_bench(runs: int) -> None:
             st = ev.get("stockade", {}).get("selftest")
             if ev.get("stockade", {}).get("lifecycle") == "start" and st and "duration_s" in st:
                 own.append(st["duration_s"])
-    print(f"\nfence self-test, container tier ({runs} starts each, alternating; ms)\n")
+    print(f"\nfence self-test, {tier} tier ({runs} starts each, alternating; ms)\n")
     print(f"{'':<32}{'p50':>9}{'p95':>9}")
     for name, xs in (("start-to-exec with self-test", starts["with"]),
                      ("start-to-exec without", starts["without"]),
                      ("the self-test itself", own)):
         print(f"{name:<32}{_pct(xs, 50) * 1000:9.1f}{_pct(xs, 95) * 1000:9.1f}")
     added = _pct(starts["with"], 50) - _pct(starts["without"], 50)
-    print(f"\nadded at p50: {added * 1000:.1f} ms (budget 30 ms)")
+    budget = " (budget 30 ms)" if tier == "container" else ""
+    print(f"\nadded at p50: {added * 1000:.1f} ms{budget}")
     print(json.dumps({"with_p50_ms": _pct(starts["with"], 50) * 1000,
                       "without_p50_ms": _pct(starts["without"], 50) * 1000,
                       "selftest_p50_ms": _pct(own, 50) * 1000}))

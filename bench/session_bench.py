@@ -5,6 +5,14 @@ control API (POST .../exec over the Unix socket, stream: false) as p50/p99; the 
 through `Launcher.exec` in-process (what the API adds is the difference); session create
 to ready (POST /v1/sessions until its 201); and a one-shot run of `true` through
 `POST /v1/sandboxes`, the cost a session saves per command. One service, one launcher.
+On the container tier floors run interleaved with the execs, on the same session:
+`nsenter --all true` into its init's namespaces (entering a sandbox and nothing else) and
+the steps of a `podman exec` / `runc exec` done by util-linux (nsenter, a pid namespace of
+its own, setpriv to the sandbox uid with no capabilities and no_new_privs; no seccomp),
+outside and (through a `sh` that joins them first) inside the sandbox's cgroups.
+`--concurrent N`: N sessions created at once, one exec in each at once (each prints its
+network namespace: all must differ), all killed, then what is left on the host (netns,
+links, nft set elements, cgroups, scratch) is listed.
 
     .venv/bin/python bench/session_bench.py [--tiers container,gvisor] [--execs 200]
         [--runs 10] [--sessions 10] [--concurrent 100]
@@ -16,7 +24,9 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
@@ -24,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from launcher_rig import bench_config, stand_ins
+from stockade.launcher import netns, nft
+from stockade.launcher.cgroups import leftover_names
 from stockade.launcher.execspec import ExecSpec
 from stockade.launcher.service import LauncherService
 
@@ -34,9 +46,13 @@ profile: {name}
 description: session bench
 isolation: {tier}
 limits: {{cpus: 1, memory: 128MiB, disk: 16MiB, pids: 64, ttl: 600s}}
+selftest: sampled
 egress:
   mode: enforce
 """
+
+
+CLEAN_WAIT_S = 300.0  # the teardowns of --concurrent's sessions, on a loaded host
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -60,6 +76,24 @@ def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
+def _floors(svc: LauncherService, sid: str) -> list[tuple[str, list[str]]]:
+    """The container tier's floors on session `sid`: argv run from the bench's process."""
+    rec = svc.launcher.state.read()[sid]
+    # the init is the one child of `unshare --fork` (the record's outermost process)
+    init = Path(f"/proc/{rec.pid}/task/{rec.pid}/children").read_text().split()[0]
+    s = svc.launcher.s
+    enter = ["nsenter", "--target", init, "--all"]
+    like = [*enter, "unshare", "--pid", "--fork", "--kill-child", "setpriv",
+            f"--reuid={s.sandbox_uid}", f"--regid={s.sandbox_gid}", "--clear-groups",
+            "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "true"]
+    # as an exec must (and podman exec does): into the sandbox's cgroups first, whose CPU
+    # weight (launcher.cgroup_cpu_weight) is below the host's services' under contention
+    join = " ".join(f"echo $$ > {shlex.quote(d)}/cgroup.procs;" for d in rec.cgroups)
+    return [("nsenter true", [*enter, "true"]), ("exec-like floor", like),
+            ("exec-like floor in the sandbox's cgroups",
+             ["sh", "-c", f'{join} exec "$@"', "floor", *like])]
+
+
 def _tier(svc: LauncherService, sock: str, tier: str, a: argparse.Namespace) -> dict[str, Any]:
     creates, api, direct, oneshot = [], [], [], []
     sids = []
@@ -72,16 +106,21 @@ def _tier(svc: LauncherService, sock: str, tier: str, a: argparse.Namespace) -> 
     sid = sids[0]
     for _ in range(5):  # warm: the seccomp filter, runsc's caches
         _call(sock, "POST", f"/v1/sessions/{sid}/exec", {"argv": ["true"], "stream": False})
-    for _ in range(a.execs):
+    floors = _floors(svc, sid) if tier == "container" else []
+    floor_ms: dict[str, list[float]] = {name: [] for name, _ in floors}
+    for _ in range(a.execs):  # interleaved: each sees the same load
         t0 = time.perf_counter()
         status, r = _call(sock, "POST", f"/v1/sessions/{sid}/exec",
                           {"argv": ["true"], "stream": False})
         api.append(_ms(t0))
         assert status == 200 and r["exit_code"] == 0, r
-    for _ in range(a.execs):
         t0 = time.perf_counter()
         svc.launcher.exec(sid, ExecSpec(("true",))).wait()
         direct.append(_ms(t0))
+        for name, argv in floors:
+            t0 = time.perf_counter()
+            subprocess.run(argv, check=True)
+            floor_ms[name].append(_ms(t0))
     for x in sids:
         _call(sock, "DELETE", f"/v1/sessions/{x}")
     for _ in range(a.runs):
@@ -90,7 +129,8 @@ def _tier(svc: LauncherService, sock: str, tier: str, a: argparse.Namespace) -> 
         oneshot.append(_ms(t0))
         assert status == 200 and r["exit_code"] == 0, r
     return {"tier": tier, "exec_api": api, "exec_direct": direct, "create": creates,
-            "oneshot": oneshot, **_concurrent(sock, tier, a.concurrent)}
+            "oneshot": oneshot, "floors": floor_ms,
+            **_concurrent(svc, sock, tier, a.concurrent)}
 
 
 def _all(threads: list[threading.Thread]) -> None:
@@ -100,12 +140,25 @@ def _all(threads: list[threading.Thread]) -> None:
         t.join()
 
 
-def _concurrent(sock: str, tier: str, n: int) -> dict[str, Any]:
-    """`n` sessions created at once, then one exec in each at once: how many answered."""
+def _left(svc: LauncherService) -> dict[str, Any]:
+    """What the bench's launcher left on the host (all empty: nothing)."""
+    s = svc.launcher.s
+    sets = {k: v for k, v in nft.list_elements(s.nft_table).items()
+            if v and k in nft.PER_SANDBOX_SETS}
+    return {"netns": netns.list_netns(s.name_prefix), "links": netns.list_links(s.name_prefix),
+            "nft": sets, "cgroups": sorted(leftover_names(s.cgroup_root, s.cgroup_parent)),
+            "scratch": os.listdir(s.scratch_dir) if os.path.isdir(s.scratch_dir) else [],
+            "state": svc.launcher.list()}
+
+
+def _concurrent(svc: LauncherService, sock: str, tier: str, n: int) -> dict[str, Any]:
+    """`n` sessions created at once, then one exec in each at once: how many answered,
+    in how many distinct network namespaces, and what the kills left behind."""
     if n <= 0:
         return {}
     sids: list[str] = []
     answered: list[float] = []
+    spaces: set[str] = set()
 
     def create() -> None:
         status, s = _call(sock, "POST", "/v1/sessions", {"profile": tier})
@@ -115,15 +168,26 @@ def _concurrent(sock: str, tier: str, n: int) -> dict[str, Any]:
     def run(sid: str) -> None:
         t0 = time.perf_counter()
         status, r = _call(sock, "POST", f"/v1/sessions/{sid}/exec",
-                          {"argv": ["true"], "stream": False})
+                          {"argv": ["readlink", "/proc/self/ns/net"], "stream": False})
         if status == 200 and r["exit_code"] == 0:
             answered.append(_ms(t0))
+            spaces.add(r["stdout"].strip())
 
+    t0 = time.perf_counter()
     _all([threading.Thread(target=create) for _ in range(n)])
+    created_s = time.perf_counter() - t0
     _all([threading.Thread(target=run, args=(sid,)) for sid in list(sids)])
-    for sid in sids:
-        _call(sock, "DELETE", f"/v1/sessions/{sid}")
-    return {"concurrent": (n, len(sids), answered)}
+    t0 = time.perf_counter()
+    _all([threading.Thread(target=_call, args=(sock, "DELETE", f"/v1/sessions/{sid}"))
+          for sid in sids])
+    killed_s = time.perf_counter() - t0
+    # a DELETE answers once the kill is asked; each teardown runs in its session's thread
+    while (left := {k: len(v) for k, v in _left(svc).items() if v}) and \
+            time.perf_counter() - t0 < CLEAN_WAIT_S:
+        time.sleep(0.2)
+    clean_s = time.perf_counter() - t0
+    return {"concurrent": (n, len(sids), answered, len(spaces), created_s, killed_s, clean_s,
+                           left)}
 
 
 def main() -> None:
@@ -141,7 +205,10 @@ def main() -> None:
     for t in tiers:
         (tmp / "rules" / "profiles" / f"{t}.yaml").write_text(PROFILE.format(name=t, tier=t))
     cfg = bench_config(tmp, "sb", "10.219.0.0/22", 7700 + os.getpid() % 99,
-                       control_socket=str(tmp / "launcher.sock"))
+                       control_socket=str(tmp / "launcher.sock"),
+                       # the stand-in registries answer no probe (launcher_bench.py --selftest
+                       # measures the self-test)
+                       selftest={"sample_rate": 0.0})
     cfg = cfg.model_copy(update={"rules_dir": str(tmp / "rules")})
     with stand_ins(cfg) as loop:
         svc = LauncherService(cfg)
@@ -162,11 +229,18 @@ def main() -> None:
                                                     "oneshot") for q in (50, 99)]
         print(f"| {r['tier']} | " + " | ".join(cells) + " |")
     for r in rows:
+        for name, xs in r["floors"].items():
+            print(f"{r['tier']} floor, {name}: p50 {_pct(xs, 50):.1f} ms, p99 "
+                  f"{_pct(xs, 99):.1f} ms")
+    for r in rows:
         if "concurrent" in r:
-            n, made, answered = r["concurrent"]
-            print(f"{r['tier']}: {n} sessions at once: {made} created, {len(answered)} execs "
-                  f"answered (p50 {_pct(answered, 50):.0f} ms, max "
-                  f"{max(answered, default=float('nan')):.0f} ms)")
+            n, made, answered, distinct, created_s, killed_s, clean_s, left = r["concurrent"]
+            print(f"{r['tier']}: {n} sessions at once: {made} created in {created_s:.1f} s, "
+                  f"{len(answered)} execs answered in {distinct} distinct network namespaces "
+                  f"(p50 {_pct(answered, 50):.0f} ms, max "
+                  f"{max(answered, default=float('nan')):.0f} ms), all DELETEs answered in "
+                  f"{killed_s:.1f} s, torn down in {clean_s:.1f} s; left on the host: "
+                  f"{left or 'nothing'}")
 
 
 if __name__ == "__main__":

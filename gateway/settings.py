@@ -74,7 +74,7 @@ class GatewaySettings(BaseModel):
     connect_timeout_s: float = Field(10.0, gt=0)
     idle_timeout_s: float = Field(300.0, gt=0)
     max_connections_per_task: int = Field(256, ge=1)
-    uvloop: bool = True  # run on uvloop when it is installed (the default install has it)
+    uvloop: bool = True  # gateway and inspector child on uvloop when installed (it is by default)
     splice: bool = True  # zero-copy relay with os.splice where the kernel allows it
     # TCP congestion control of the client-side connections (set on both listeners, which
     # the accepted sockets inherit). Their clients are the sandboxes on this host, where a

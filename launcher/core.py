@@ -310,8 +310,11 @@ class Launcher:
             self._emit(end_event(gone, "orphaned",
                                  accounting=self.bypass.end_accounting(gone)))
 
-    def denials(self, task_id: str) -> list[dict[str, Any]]:
-        return self.bypass.denials(task_id)
+    def denials(self, task_id: str, since: int = 0) -> list[dict[str, Any]]:
+        return self.bypass.denials(task_id, since)
+
+    def denials_mark(self, task_id: str) -> int:
+        return self.bypass.denials_mark(task_id)
 
     def handle_log_record(self, r: LogRecord) -> dict[str, Any] | None:
         return self.bypass.handle_log_record(r)
@@ -357,6 +360,9 @@ class Launcher:
                                  policy_version=policy_version)
         ctx = self._context(a, etc, inputs, profile.limits, profile,
                             self._env(spec, a.host_ip, proxy=proxy_env, trust=etc.trust_vars))
+        if fence.pending:  # a microVM: its guest runs the probes once booted
+            ctx = dataclasses.replace(ctx, selftest=self.fence.guest(
+                live.record, profile, a, policy_version, fence))
         # only a session takes more commands: its execs need what its start got
         live.ctx = ctx if spec.session else None
         return fence, ctx

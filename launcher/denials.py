@@ -14,7 +14,7 @@ from collections.abc import Container
 from typing import Any
 
 from stockade.events import EventWriter, make_event
-from stockade.events.taskstore import read_task_events
+from stockade.events.taskstore import read_task_events, store_size
 
 from .accounting import (
     await_reader_totals,
@@ -158,11 +158,17 @@ class BypassCollector:
         self.logged.pop(task_id, None)
         self.events.end_task(task_id)
 
-    def denials(self, task_id: str) -> list[dict[str, Any]]:
+    def denials(self, task_id: str, since: int = 0) -> list[dict[str, Any]]:
         """The task's denial events from every component, read from its per-task store
-        (stockade/events/taskstore.py), which rotation of the shared file cannot erase."""
+        (stockade/events/taskstore.py), which rotation of the shared file cannot erase;
+        `since`: a `denials_mark`, for those written after it (one exec's)."""
         return denials_of(without_probe_events(read_task_events(self.task_events_dir,
-                                                                task_id)))
+                                                                task_id, since)))
+
+    def denials_mark(self, task_id: str) -> int:
+        """Where the task's store ends now (an exec reads only what follows: a long
+        session's earlier events are not parsed again for every exec)."""
+        return store_size(self.task_events_dir, task_id)
 
     def end_accounting(self, rec: SandboxRecord) -> dict[str, Any]:
         """Bypass counts and every component's event totals for the end event (`rec`: the

@@ -5,13 +5,17 @@ then one exit record with the denials of its span.
 The pieces that touch no process are pure (`StreamText`: incremental UTF-8 decoding,
 the byte cap and scrubbing that holds back a tail, so a secret split across two reads is
 still replaced). `drive` is the thread shell around an `ExecProc` (any tier's): it only
-moves bytes from the pipes to `emit` and watches the process.
+moves bytes from the pipes to `emit` and watches the process, all in one thread (a
+thread per stream cost two thread starts and their wake-ups on every exec).
 """
 
 from __future__ import annotations
 
 import codecs
+import contextlib
+import os
 import re
+import selectors
 import subprocess
 import threading
 import time
@@ -139,36 +143,91 @@ class ExecControl:
             self.stop.set()
 
 
-def _pump(stream: IO[bytes], text: StreamText, kind: str,
-          emit: Callable[[dict[str, Any]], None]) -> None:
-    read = getattr(stream, "read1", stream.read)
-    try:
-        while chunk := read(READ_SIZE):
-            if out := text.feed(chunk):
-                emit({"type": kind, "data": out})
-    except (OSError, ValueError):  # the pipe closed under us at a kill
-        pass
-    if tail := text.end():
-        emit({"type": kind, "data": tail})
+class _Streams:
+    """The exec's stdout and stderr read in the driving thread (one selector, no thread per
+    stream): each read is scrubbed and emitted at once, in order per stream."""
+
+    def __init__(self, proc: Any, texts: dict[str, StreamText],
+                 emit: Callable[[dict[str, Any]], None]) -> None:
+        self.texts, self.emit = texts, emit
+        self.sel = selectors.DefaultSelector()
+        for kind in texts:
+            stream: IO[bytes] | None = getattr(proc, kind)
+            if stream is not None:
+                self.sel.register(stream.fileno(), selectors.EVENT_READ, (kind, stream))
+
+    def open(self) -> bool:
+        return bool(self.sel.get_map())
+
+    def read(self, timeout: float) -> None:
+        """What is readable within `timeout`; a stream at its end (or closed under us at a
+        kill) emits its held-back tail and leaves the selector."""
+        for key, _ in self.sel.select(timeout):
+            kind, stream = key.data
+            try:
+                chunk = os.read(key.fd, READ_SIZE)
+            except OSError:
+                chunk = b""
+            if chunk:
+                if out := self.texts[kind].feed(chunk):
+                    self.emit({"type": kind, "data": out})
+                continue
+            self._finish(key.fd, kind, stream)
+
+    def close(self) -> None:
+        """The streams still open (a process outside the exec holds a pipe): their tails."""
+        for key in list(self.sel.get_map().values()):
+            self._finish(key.fd, *key.data)
+        self.sel.close()
+
+    def _finish(self, fd: int, kind: str, stream: IO[bytes]) -> None:
+        self.sel.unregister(fd)
+        with contextlib.suppress(OSError):
+            stream.close()
+        if tail := self.texts[kind].end():
+            self.emit({"type": kind, "data": tail})
 
 
-def _watch(proc: Any, limits: ExecLimits, control: ExecControl, t0: float) -> ExecEnd:
+def _stopped(proc: Any, control: ExecControl, deadline: float | None) -> ExecEnd | None:
+    """How the exec ended, once it has (a kill or the timeout end it here); None while it
+    runs."""
+    if proc.poll() is not None:
+        # a kill of the whole sandbox may end it before the watch saw the stop
+        return control.reason if control.stop.is_set() else "exit"
+    why: ExecEnd | None = None
+    if control.stop.is_set():
+        why = control.reason
+    elif deadline is not None and time.monotonic() >= deadline:
+        why = "timeout"
+    if why is not None:
+        proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(DRAIN_S)
+    return why
+
+
+def _run(proc: Any, streams: _Streams, limits: ExecLimits, control: ExecControl,
+         t0: float) -> ExecEnd:
+    """Read the streams and watch the exec until it has ended and its streams are closed
+    (or `DRAIN_S` passed after its end)."""
     deadline = t0 + limits.timeout_s if limits.timeout_s else None
-    while True:
-        try:
-            proc.wait(POLL_S)
-            # a kill of the whole sandbox may end it before this loop saw the stop
-            return control.reason if control.stop.is_set() else "exit"
-        except subprocess.TimeoutExpired:
-            pass
-        if control.stop.is_set():
-            proc.kill()
-            proc.wait(DRAIN_S)
-            return control.reason
-        if deadline is not None and time.monotonic() >= deadline:
-            proc.kill()
-            proc.wait(DRAIN_S)
-            return "timeout"
+    ended_by: ExecEnd | None = None
+    drained_at = 0.0
+    while ended_by is None or streams.open():
+        if ended_by is None and not streams.open():
+            # both streams closed before the end: wait for the end itself
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(POLL_S)
+        elif ended_by is None:
+            streams.read(POLL_S)
+        else:
+            streams.read(max(0.0, drained_at - time.monotonic()))
+            if time.monotonic() >= drained_at:
+                break
+        if ended_by is None and (ended_by := _stopped(proc, control, deadline)):
+            drained_at = time.monotonic() + DRAIN_S
+    streams.close()
+    return ended_by
 
 
 def drive(proc: Any, stdin: bytes | None, limits: ExecLimits, scrubber: Scrubber,
@@ -178,15 +237,9 @@ def drive(proc: Any, stdin: bytes | None, limits: ExecLimits, scrubber: Scrubber
     order per stream; returns the exit record (also emitted last)."""
     t0 = time.monotonic()
     texts = {k: StreamText(scrubber, limits.cap) for k in ("stdout", "stderr")}
-    pumps = [threading.Thread(target=_pump, args=(getattr(proc, k), texts[k], k, emit),
-                              daemon=True, name=f"stockade-exec-{k}") for k in texts]
-    for t in pumps:
-        t.start()
     if proc.stdin is not None:  # fed from a thread: a command that never reads
         threading.Thread(target=feed, args=(proc.stdin, stdin or b""), daemon=True).start()
-    ended_by = _watch(proc, limits, control, t0)
-    for t in pumps:
-        t.join(DRAIN_S)
+    ended_by = _run(proc, _Streams(proc, texts, emit), limits, control, t0)
     rc = proc.poll()
     exit_code = None if rc is None else (128 - rc if rc < 0 else rc)
     record = {"type": "exit", "exit_code": exit_code, "ended_by": ended_by,

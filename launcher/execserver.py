@@ -21,12 +21,13 @@ import threading
 from collections.abc import Callable
 from typing import IO
 
+from .execspec import EndedByReport
 from .spec import LauncherError
 
 START_TIMEOUT_S = 30.0
 
 
-class ServedExec:
+class ServedExec(EndedByReport):
     """One exec of an exec server: its pipes, its end as the server reports it."""
 
     def __init__(self, server: ExecServer, rid: int, stdin: IO[bytes] | None,
@@ -34,26 +35,15 @@ class ServedExec:
         self.server, self.rid = server, rid
         self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
         self.pid = 0  # the exec's first process (host pid namespace), once started
-        self.returncode: int | None = None
+        self._init_report()
         self.started = threading.Event()
-        self.ended = threading.Event()
-
-    def poll(self) -> int | None:
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if not self.ended.wait(timeout):
-            raise subprocess.TimeoutExpired(f"exec {self.rid}", timeout or 0.0)
-        assert self.returncode is not None
-        return self.returncode
 
     def kill(self) -> None:
         self.server.kill(self.rid)
 
     def _end(self, status: int) -> None:
-        self.returncode = status
         self.started.set()
-        self.ended.set()
+        self._report_end(status)
 
 
 class ExecServer:

@@ -9,6 +9,8 @@ is one piece for all three tiers.
 
 from __future__ import annotations
 
+import subprocess
+import threading
 from dataclasses import dataclass, field
 from typing import IO, Protocol
 
@@ -35,3 +37,31 @@ class ExecProc(Protocol):
     def wait(self, timeout: float | None = None) -> int: ...
 
     def kill(self) -> None: ...
+
+
+class EndedByReport:
+    """`poll` and `wait` of an exec whose end is reported to the launcher (by the exec
+    server's or the guest agent's reader thread) rather than waited for as a child: the
+    reader sets `returncode`, then `_done`. The two handles that are not a Popen share it,
+    so waiting on an exec means the same on every tier."""
+
+    returncode: int | None
+    _done: threading.Event
+    pid: int
+
+    def _init_report(self) -> None:
+        self.returncode = None
+        self._done = threading.Event()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._done.wait(timeout):
+            raise subprocess.TimeoutExpired(f"exec {self.pid}", timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def _report_end(self, status: int) -> None:
+        self.returncode = status
+        self._done.set()

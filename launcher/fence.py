@@ -1,9 +1,10 @@
-"""The fence self-test of one start: plan (selftest.py), probe (probes.py), wait for the
-events the probes caused, judge. A fence that holds (or a test that was skipped: sampled
-out, a microVM) is reported in the start event's `stockade.selftest`; one that does not
-gets a `sandbox_lifecycle` event of its own (`stockade.lifecycle = selftest`, reason
-`fence_unverified`, naming the probes) and `FenceUnverified`: `Launcher._create` tears
-the sandbox down and the task fails.
+"""The fence self-test of one start: plan (selftest.py), probe (probes.py from the
+sandbox's namespace; a microVM's from inside its guest, vmprobes.py, once the backend has
+booted it: `Fence.guest`), wait for the events the probes caused, judge. A fence that
+holds (or a test that was sampled out) is reported in the start event's
+`stockade.selftest`; one that does not gets a `sandbox_lifecycle` event of its own
+(`stockade.lifecycle = selftest`, reason `fence_unverified`, naming the probes) and
+`FenceUnverified`: `Launcher._create` tears the sandbox down and the task fails.
 
 Either event says when the last probe's event was in (`until`): the sandbox runs no
 process before then, so `selftest.without_probe_events` tells the probes' events in the
@@ -12,6 +13,7 @@ task's store from the command's (the run's denials and the task record leave the
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +28,7 @@ from .selftest import (
     FENCE_UNVERIFIED,
     SELFTEST,
     Observation,
+    Probe,
     ProbeResult,
     Report,
     ServicePorts,
@@ -38,9 +41,8 @@ from .spec import LauncherError
 from .state import SandboxRecord
 
 Event = dict[str, Any]
-# why a microVM start is not probed: the tap's namespace has no address of the guest's
-# (tc mirrors its frames to the guest), so nothing there can speak for the guest
-MICROVM_SKIP = "microvm: the sandbox namespace only bridges the guest's tap; not probed"
+# runs probes where they must start from (the namespace, or a guest): name -> what it saw
+Runner = Callable[[list[Probe], float], dict[str, Observation]]
 
 
 MAX_REPORTS = 4096  # reports kept for task records still to be written
@@ -97,17 +99,44 @@ class Fence:
               policy_version: str | None) -> Report:
         """Probe the fence of a sandbox that is wired but not started: its report (for
         the start event and the task record, `pop`), or FenceUnverified after the
-        failure's event."""
-        t0 = time.monotonic()
-        if tap:
-            report = Report(skipped=MICROVM_SKIP)
-        elif not should_run(getattr(profile, "selftest", "required"), self.s.sample_rate):
+        failure's event. `tap`: a microVM, whose guest probes once booted: the report is
+        `pending` until the backend runs `guest(...)`."""
+        if not should_run(getattr(profile, "selftest", "required"), self.s.sample_rate):
             report = Report(skipped=f"sampled out (launcher.selftest.sample_rate "
                                     f"{self.s.sample_rate})")
+        elif tap:
+            report = Report(pending=True)
         else:
-            report = self._probe(rec, profile, a)
-            report.duration_s = time.monotonic() - t0
-        if report.skipped is None and not report.passed:
+            # imported here, not at the top: the probes load dnspython and ssl, which
+            # `stockade sandbox kill|suspend|resume` (a Launcher that starts nothing) must
+            # not pay for
+            from .probes import run_probes
+
+            report = self._measured(rec, profile, a, functools.partial(run_probes, rec.netns))
+        self._conclude(rec, report, policy_version)
+        return report
+
+    def guest(self, rec: SandboxRecord, profile: Any, a: SlotAddresses,
+              policy_version: str | None, report: Report) -> Callable[[Runner], None]:
+        """The self-test of a microVM's pending `report`, for its backend to run once the
+        guest can run probes (with the guest's runner): fills `report` in, or
+        FenceUnverified after the failure's event (the caller tears the sandbox down)."""
+        def run(runner: Runner) -> None:
+            done = self._measured(rec, profile, a, runner)
+            report.results, report.until = done.results, done.until
+            report.duration_s, report.pending = done.duration_s, False
+            self._conclude(rec, report, policy_version)
+        return run
+
+    def _measured(self, rec: SandboxRecord, profile: Any, a: SlotAddresses,
+                  runner: Runner) -> Report:
+        t0 = time.monotonic()
+        report = self._probe(rec, profile, a, runner)
+        report.duration_s = time.monotonic() - t0
+        return report
+
+    def _conclude(self, rec: SandboxRecord, report: Report, policy_version: str | None) -> None:
+        if report.skipped is None and not report.pending and not report.passed:
             self.emit(failure_event(rec, report, policy_version))
             names = ", ".join(f"{r.probe} ({r.outcome}"
                               f"{', not logged' if r.evidence is False else ''})"
@@ -117,18 +146,16 @@ class Fence:
         if len(self.reports) >= MAX_REPORTS:  # starts that failed later never pop theirs
             self.reports.pop(next(iter(self.reports)))
         self.reports[rec.task_id] = report
-        return report
 
-    def _probe(self, rec: SandboxRecord, profile: Any, a: SlotAddresses) -> Report:
-        # here, not at the top: the probes load dnspython and ssl, which `stockade sandbox
-        # kill|suspend|resume` (a Launcher that starts nothing) must not pay for
-        from .probes import ProbeSetupError, run_probes
+    def _probe(self, rec: SandboxRecord, profile: Any, a: SlotAddresses,
+               runner: Runner) -> Report:
+        from .probes import ProbeSetupError  # on use, as run_probes in check()
 
         probes = plan(profile, rec.task_id, a.host_ip, self.ports, self.s)
         self.publish(rec)  # another launcher's NFLOG reader reports the UDP probe
         counter = None if self.reading() else nft.bypass_count(self.table, rec.ifname)
         try:
-            seen = run_probes(rec.netns, probes, self.s.probe_timeout_s)
+            seen = runner(probes, self.s.probe_timeout_s)
         except ProbeSetupError as e:  # nothing probed: the fence is not shown to hold
             return Report([ProbeResult(Observation("setup", "error:setup"), False, str(e))],
                           until=timestamp())

@@ -303,6 +303,19 @@ def spawn(plan, cg, setpriv_fd, req):
 
 def session(plan, cg, setpriv_fd, status_fd, err_fd):
     """Serve execs over the agent port until the launcher closes it."""
+    serve_agent(plan, cg, setpriv_fd, status_fd, err_fd)
+    end(status_fd, "0 0 0\n")
+
+
+def probes_first(plan, cg, setpriv_fd, status_fd, err_fd):
+    """The fence self-test's execs (before a one-shot command): served until the launcher
+    closes the agent's port, then the agent's signal handling is undone for reap()."""
+    serve_agent(plan, cg, setpriv_fd, status_fd, err_fd)
+    signal.set_wakeup_fd(-1)
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
+
+
+def serve_agent(plan, cg, setpriv_fd, status_fd, err_fd):
     try:
         port = agent_port()
         load_modules(plan["modules"])
@@ -318,7 +331,7 @@ def session(plan, cg, setpriv_fd, status_fd, err_fd):
         os.write(err_fd, f"stockade-vm-init: {e}\n".encode())
         end(status_fd, "125 0 0\n")
     agent.serve()
-    end(status_fd, "0 0 0\n")
+    os.close(port)
 
 
 def main():
@@ -331,6 +344,8 @@ def main():
     if plan.get("session"):
         os.close(in_fd)
         session(plan, cg, setpriv_fd, status_fd, err_fd)
+    if plan.get("probe_first"):
+        probes_first(plan, cg, setpriv_fd, status_fd, err_fd)
     pid = os.fork()
     if pid == 0:
         child(plan, cg, (in_fd, out_fd, err_fd), setpriv_fd)

@@ -193,6 +193,29 @@ def oci_config(layout: RootLayout, root: str, argv: list[str], env: dict[str, st
     }
 
 
+# what the session's exec server starts with (gvisor_execd.become drops to the sandbox's
+# uid keeping only CAP_SYS_ADMIN, for the per-exec pid namespace)
+EXECD_CAPS = ["CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP"]
+
+
+def execd_process(first: dict[str, Any], python: str, source: str,
+                  path: str) -> dict[str, Any]:
+    """The OCI process of a session's exec server (`runsc exec --process`) from the
+    container's first process: its rlimits and no_new_privs, root with EXECD_CAPS, the
+    server's source as `python -I -S -c`, the uid/gid it drops to in its environment."""
+    user = first["user"]
+    return {
+        "user": {"uid": 0, "gid": 0, "additionalGids": []},
+        "args": [python, "-I", "-S", "-c", source],
+        "env": [f"PATH={path}", f"STOCKADE_UID={user['uid']}", f"STOCKADE_GID={user['gid']}"],
+        "cwd": "/",
+        "capabilities": {k: ([] if k in ("inheritable", "ambient") else list(EXECD_CAPS))
+                         for k in CAP_SETS},
+        "rlimits": list(first.get("rlimits", [])),
+        "noNewPrivileges": True,
+    }
+
+
 # The sandbox's CPU limit, written by an OCI prestart hook. runsc's start is CPU-bound and
 # runs in the sandbox's cgroup, so the cgroup is made without a quota and this hook puts it
 # in force: runsc (20240729) runs prestart hooks on the host once the Sentry and the gofer

@@ -206,13 +206,15 @@ def guest_plan(*, argv: list[str], env: dict[str, str], uid: int, gid: int,
                reserved: Sequence[str] = RESERVED,
                env_bin: str = "/usr/bin/env", seccomp: bytes = b"",
                session_modules: Sequence[tuple[str, str]] | None = None,
-               fresh: dict[str, Any] | None = None) -> dict[str, Any]:
+               fresh: dict[str, Any] | None = None, probe_first: bool = False) -> dict[str, Any]:
     """guest_init.py's plan: plain data (dict, list, str, int, bool, bytes, None).
     `reserved`: the paths no input may be mounted at or under (the guest checks its input
     table again). `seccomp`: the container tier's BPF program (`seccomp_bpf.py`), loaded in
     the guest right before setpriv; the guest refuses to start the command without one.
     `session_modules` ((name, source) of vmchannel and guest_agent): a session guest, whose
-    init serves execs through its agent instead of running `argv`. `fresh`: the identity
+    init serves execs through its agent instead of running `argv`; with `probe_first` it
+    serves them only until the launcher closes the agent's port (the fence self-test's
+    probes run through it), then runs `argv` as any guest does. `fresh`: the identity
     of a guest restored from a snapshot (`fresh_identity`), set before its network is."""
     if not argv and session_modules is None:
         raise ValueError("empty command")
@@ -225,7 +227,9 @@ def guest_plan(*, argv: list[str], env: dict[str, str], uid: int, gid: int,
         "congestion_control": congestion_control, "seccomp": seccomp,
         "reserved": [r.rstrip("/") for r in reserved if r.rstrip("/")],
         "net": {"ip": guest_ip, "prefixlen": prefixlen, "gateway": host_ip},
-        "session": session_modules is not None, "modules": list(session_modules or ()),
+        "session": session_modules is not None and not probe_first,
+        "probe_first": probe_first and session_modules is not None,
+        "modules": list(session_modules or ()),
         "fresh": fresh,
     }
 

@@ -24,6 +24,7 @@ import dns.exception
 import dns.message
 import dns.rcode
 
+from .guest_probes import http_verdict
 from .netns import NETNS_DIR
 from .selftest import Observation, Probe
 
@@ -125,15 +126,7 @@ def _http(p: Probe, s: socket.socket) -> tuple[str, str]:
         if not chunk:
             break
         data += chunk
-    if not data:
-        return "closed", ""
-    head = data.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
-    if head[0].split(" ")[1:2] == ["403"]:
-        for line in head[1:]:
-            k, _, v = line.partition(":")
-            if k.strip().lower() == "x-stockade-deny":
-                return f"denied:{v.strip()}", ""
-    return "connected", f"answered {head[0][:80]!r}"
+    return http_verdict(data)
 
 
 def _udp(p: Probe, s: socket.socket) -> tuple[str, str]:

@@ -114,14 +114,15 @@ class Report:
 
     results: list[ProbeResult] = field(default_factory=list)
     duration_s: float = 0.0
-    skipped: str | None = None  # why it did not run (sampled out, the tier cannot)
+    skipped: str | None = None  # why it did not run (sampled out)
+    pending: bool = False  # a microVM's, until its guest has booted and run the probes
     # the time (events' @timestamp format) once every probe's event was in: the task has
     # no process before then, so each of its events up to it is a probe's
     until: str = ""
 
     @property
     def passed(self) -> bool:
-        return all(r.passed for r in self.results)
+        return not self.pending and all(r.passed for r in self.results)
 
     def failed(self) -> list[ProbeResult]:
         return [r for r in self.results if not r.passed]

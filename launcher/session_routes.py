@@ -259,25 +259,28 @@ class SessionRoutes:
             return error(409, "busy", f"session {row.session_id} is suspended")
         if len(row.execs) >= MAX_EXECS:
             return error(429, "busy", f"at most {MAX_EXECS} execs run at once in a session")
-        sid = row.session_id
-        try:
-            proc, scrubber, before = await asyncio.to_thread(self._start_exec, row, spec)
-        except LauncherError as e:
-            return error(409, "session_ended", str(e))
         control = ExecControl()
         row.execs.add(control)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        started: asyncio.Future[None] = loop.create_future()
 
         def emit(item: dict[str, Any]) -> None:
             with contextlib.suppress(RuntimeError):  # the loop is gone at shutdown
                 loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        limits = ExecLimits(self.launcher.s.max_output_bytes, spec.timeout_s)
-        threading.Thread(target=drive, daemon=True, name="stockade-exec", args=(
-            proc, spec.stdin, limits, scrubber, control, emit,
-            lambda: self.launcher.denials(sid)[before:])).start()
+        def settle(failed: LauncherError | None) -> None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_settle, started, failed)
+
+        # one thread starts the exec and drives it: no hop through the loop between them
+        threading.Thread(target=self._run_exec, daemon=True, name="stockade-exec",
+                         args=(row, spec, control, settle, emit)).start()
         try:
+            try:
+                await started
+            except LauncherError as e:
+                return error(409, "session_ended", str(e))
             if not req.stream:
                 return await _collect(queue)
             return await _stream(request, queue)
@@ -285,11 +288,25 @@ class SessionRoutes:
             control.kill("killed")  # a client gone mid-stream: the exec goes with it
             row.execs.discard(control)
 
-    def _start_exec(self, row: SessionRow, spec: ExecSpec) -> tuple[Any, Any, int]:
-        before = len(self.launcher.denials(row.session_id))
-        if row.scrubber is None:
-            row.scrubber = self.launcher.scrubber(row.session_id, row.spec)
-        return self.launcher.exec(row.session_id, spec), row.scrubber, before
+    def _run_exec(self, row: SessionRow, spec: ExecSpec, control: ExecControl,
+                  settle: Callable[[LauncherError | None], None],
+                  emit: Callable[[dict[str, Any]], None]) -> None:
+        sid = row.session_id
+        try:
+            mark = self.launcher.denials_mark(sid)
+            if row.scrubber is None:
+                row.scrubber = self.launcher.scrubber(sid, row.spec)
+            proc = self.launcher.exec(sid, spec)
+        except LauncherError as e:
+            settle(e)
+            return
+        except BaseException as e:  # not a refusal: the handler must not wait forever
+            settle(LauncherError(f"the exec did not start: {e}"))
+            raise
+        settle(None)
+        limits = ExecLimits(self.launcher.s.max_output_bytes, spec.timeout_s)
+        drive(proc, spec.stdin, limits, row.scrubber, control, emit,
+              lambda: self.launcher.denials(sid, mark))
 
     # -- files -------------------------------------------------------------------------------
     def _file_target(self, request: web.Request) -> tuple[str, int]:
@@ -325,6 +342,15 @@ class SessionRoutes:
                          "path")
         data = await asyncio.to_thread(files.read, root, path, limit)
         return web.Response(body=data, content_type="application/octet-stream")
+
+
+def _settle(fut: asyncio.Future[None], failed: LauncherError | None) -> None:
+    if fut.done():
+        return
+    if failed is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(failed)
 
 
 async def _read_capped(request: web.Request, limit: int) -> bytes | None:

@@ -5,6 +5,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from stockade.events.probemark import ProbeWindow
 from stockade.tcp import CONGESTION_CONTROL_NAME
 
 from .initscript import check_etc_entry
@@ -124,6 +125,12 @@ class SelftestSettings(BaseModel):
     # how long the events of the probes (gateway, DNS firewall, NFLOG reader) may take to
     # reach the task's event store
     evidence_timeout_s: float = Field(3.0, gt=0, le=30)
+
+    def window(self) -> ProbeWindow:
+        """Where and when the probes go: the event throttle recognises the events that
+        cannot name a marker by it (stockade/events/summary.py)."""
+        return ProbeWindow(frozenset({self.raw_ip, self.outside_resolver, self.ipv6_address}),
+                           self.probe_timeout_s + self.evidence_timeout_s)
 
     @field_validator("raw_ip", "outside_resolver")
     @classmethod

@@ -19,13 +19,12 @@ import os
 import queue
 import signal
 import socket
-import subprocess
 import threading
 from collections.abc import Callable
 from typing import IO
 
 from . import vmchannel as ch
-from .execspec import ExecSpec
+from .execspec import EndedByReport, ExecSpec
 from .spec import LauncherError
 
 log = logging.getLogger("stockade.launcher")
@@ -77,17 +76,16 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-class VmExec:
+class VmExec(EndedByReport):
     """One exec in the guest (`ExecProc`): `pid` is its channel number; the exit status is
     the guest's (128+N when signal N ended it); `oom_kills`/`pids_hits`: the task cgroup's
     counts during it."""
 
     def __init__(self, link: AgentLink, chan: int) -> None:
         self._link, self.pid = link, chan
-        self.returncode: int | None = None
+        self._init_report()
         self.oom_kills = self.pids_hits = 0
         self.refused: str | None = None  # why the agent did not start it
-        self._done = threading.Event()
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         self._pumps = {ch.STDOUT: _Pump(out_w), ch.STDERR: _Pump(err_w)}
@@ -96,15 +94,6 @@ class VmExec:
         self.stdout: IO[bytes] | None = os.fdopen(out_r, "rb")
         self.stderr: IO[bytes] | None = os.fdopen(err_r, "rb")
         self.stdin: IO[bytes] | None = None  # ExecSpec.stdin is sent whole, then closed
-
-    def poll(self) -> int | None:
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if not self._done.wait(timeout):
-            raise subprocess.TimeoutExpired(f"exec {self.pid}", timeout or 0.0)
-        assert self.returncode is not None
-        return self.returncode
 
     def send_signal(self, sig: int) -> None:
         """`sig` to the exec's process group in the guest (nothing once it has ended)."""
@@ -130,8 +119,7 @@ class VmExec:
         self.oom_kills, self.pids_hits = ooms, pids
         for p in self._pumps.values():
             p.q.put(None)
-        self.returncode = rc
-        self._done.set()
+        self._report_end(rc)
 
 
 class AgentLink:

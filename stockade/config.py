@@ -69,7 +69,8 @@ class Config(Strict):
         """The writer every component uses: shared file, throttle, per-task store."""
         ev = self.events
         return ev.writer(self.events_file, self.task_events_dir,
-                         ev.stdout if stdout is None else stdout)
+                         ev.stdout if stdout is None else stdout,
+                         probes=self.launcher.selftest.window())
 
 
 class ConfigError(ValueError):

@@ -223,6 +223,94 @@ def _json_error_headers(h2c: Any, stream_id: int, headers: list[Any], **kw: Any)
     return type(h2c).send_headers(h2c, stream_id, status + ours, **kw)
 
 
+def _no_check(_self: Any) -> None:
+    return None
+
+
+def _patch_message_typecheck(state: PatchState) -> None:
+    """mitmproxy type-checks every field of every request and response it builds while
+    `__debug__` is on (any Python run without -O): a check of its own constructors'
+    output, not of the sandbox's bytes (the parser built the values), and ~8% of the
+    inspector's CPU per request in a py-spy profile (bench/README.md "Inspected path").
+    Python's -O would drop it too, but also every assert of ours."""
+    from mitmproxy import http
+
+    http.MessageData.__post_init__ = _no_check  # type: ignore[method-assign]
+
+
+_SHARED_AS_IS = (type(None), bool, int, float, str, bytes)
+
+
+def _patch_option_copies(state: PatchState) -> None:
+    """Every read of a mitmproxy option (several per request: `proxy_debug` per layer,
+    `body_size_limit` per message) deep-copies its value. For an immutable value the copy
+    is the value itself, so it is returned without the copy machinery; anything else is
+    still copied."""
+    from mitmproxy import optmanager
+
+    original = optmanager._Option.current
+
+    @functools.wraps(original)
+    def current(self: Any) -> Any:
+        value = self._default if self.value is optmanager.unset else self.value
+        if type(value) in _SHARED_AS_IS:
+            return value
+        return original(self)
+
+    optmanager._Option.current = current  # type: ignore[method-assign]
+
+
+_HOOKED = "_stockade_hooked"  # AddonManager attribute: hook name -> addons implementing it
+
+
+def _patch_hook_dispatch(state: PatchState) -> None:
+    """mitmproxy dispatches every hook (several per request, and an `update` hook after
+    each of a flow's) by walking every addon and its children with getattr (~7% of the
+    inspector's CPU per request). Which top-level addons implement a hook is kept per
+    hook name until the chain changes (add, remove, clear); the handlers still run in
+    chain order, each top-level addon in its own safecall, and AddonHalt still stops the
+    rest. (The inspector's addons have no children that come and go.)"""
+    from mitmproxy import addonmanager, exceptions
+
+    mgr = addonmanager.AddonManager
+
+    def hooked(self: Any, event: Any) -> list[Any]:
+        cache = self.__dict__.setdefault(_HOOKED, {})
+        chain = cache.get(event.name)
+        if chain is None:
+            chain = [a for a in self.chain if next(self._iter_hooks(a, event), None)]
+            cache[event.name] = chain
+        return chain
+
+    async def trigger_event(self: Any, event: Any) -> None:
+        try:
+            chain = hooked(self, event)
+        except exceptions.AddonManagerError:  # a non-callable handler: as mitmproxy does
+            chain = self.chain
+        for addon in chain:
+            try:
+                with addonmanager.safecall():
+                    await self.invoke_addon(addon, event)
+            except exceptions.AddonHalt:
+                return
+
+    def forgetting(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            self.__dict__.pop(_HOOKED, None)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self.__dict__.pop(_HOOKED, None)
+
+        return wrapper
+
+    functools.update_wrapper(trigger_event, mgr.trigger_event)
+    mgr.trigger_event = trigger_event  # type: ignore[method-assign]
+    for name in ("add", "remove", "clear"):
+        setattr(mgr, name, forgetting(getattr(mgr, name)))
+
+
 class Patch(NamedTuple):
     target: str  # "module:attribute.path" the patch replaces
     why: str
@@ -276,6 +364,24 @@ PATCHES: tuple[Patch, ...] = (
         "HTTP/2 error-stream headers: Stockade's denial headers",
         CHECKED_AGAINST,
         _patch_http2_error_headers,
+    ),
+    Patch(
+        "mitmproxy.http:MessageData.__post_init__",
+        "no debug-only type check of every request and response built",
+        CHECKED_AGAINST,
+        _patch_message_typecheck,
+    ),
+    Patch(
+        "mitmproxy.optmanager:_Option.current",
+        "no deep copy of an immutable option value on every read",
+        CHECKED_AGAINST,
+        _patch_option_copies,
+    ),
+    Patch(
+        "mitmproxy.addonmanager:AddonManager.trigger_event",
+        "which addons implement a hook is looked up once per chain, not per call",
+        CHECKED_AGAINST,
+        _patch_hook_dispatch,
     ),
 )
 

@@ -68,6 +68,10 @@ class StartContext:
     congestion_control: str | None
     seccomp: Callable[[], bytes]  # the profile's filter (LauncherError: none can be built)
     state_dir: Path  # the launcher's own state directory (caches)
+    # a microVM's fence self-test, run by the backend once its guest can run the probes
+    # (with the guest's runner: probe list and timeout -> observations), before the
+    # command; None: the tier was probed before its start, or the test was sampled out
+    selftest: Callable[[Callable[[list[Any], float], dict[str, Any]]], None] | None = None
 
 
 class Backend(Protocol):

@@ -11,20 +11,21 @@ import functools
 import json
 import marshal
 import os
-import secrets
 import select
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import cgroups, gvisor, netns
 from ..environment import SANDBOX_PATH
+from ..gvisor_exec import GuestExecServer
 from ..gvisor_waiter import READY
 from ..spec import LauncherError
-from ..supervise import Ended, exit_status, kill_proc, watch
+from ..supervise import Ended, exit_status, watch
 from . import CgroupControl, Live, StartContext, captures, init_plan, not_ready
 from . import gvisor_host as host
 from .gvisor_host import RUNSC_HIERARCHIES, state_root  # noqa: F401 - re-exported
@@ -35,8 +36,9 @@ if TYPE_CHECKING:  # annotations only
     from ..spec import SandboxSpec
 
 CALL_TIMEOUT_S = 15.0
-# a session's first process in the container: it only keeps the container alive
-SESSION_HOLDER = ("sleep", "infinity")
+# a session's first process in the container: it keeps the container alive and reaps
+# what is reparented to it (dash's `wait` reaps any child: an exec whose server died)
+SESSION_HOLDER = ("sh", "-c", "while :; do sleep 86400 & wait; done")
 STATS_EVERY_S = 1.0  # `runsc events --stats` costs ~150 ms under load: at most this often
 # a warm-pool sandbox's runsc start (no command yet) takes a few hundred ms, seconds under
 # load: past this it is taken for broken and the refill tears it down
@@ -118,6 +120,8 @@ class GvisorBackend(CgroupControl):
         # the settings of each launcher seen in this process, by its cgroup parent: kill,
         # suspend and resume get only the cgroups (whose parent names the launcher)
         self._settings: dict[str, LauncherSettings] = {}
+        self._servers: dict[str, GuestExecServer] = {}  # a session's exec server, by task
+        self._lock = threading.Lock()
 
     def configure(self, s: LauncherSettings) -> None:
         self._settings[s.cgroup_parent] = s
@@ -170,9 +174,9 @@ class GvisorBackend(CgroupControl):
         if spec.session:
             self._await_running(live, ctx.settings)
 
-    # a pooled sandbox's mounts are fixed when runsc starts it: a task with inputs starts
-    # cold (launcher/core.py asks before it takes a pooled sandbox)
-    claims_inputs = False
+    # its mounts are fixed when runsc starts it: the claim copies the inputs into the
+    # read-only root instead (gvisor_host.copy_inputs)
+    claims_inputs = True
 
     def start_pooled(self, live: Live, ctx: StartContext) -> None:
         """runsc runs the bundle with `gvisor_waiter.py` as its process, which reports
@@ -196,9 +200,11 @@ class GvisorBackend(CgroupControl):
                                 + not_ready(proc, POOLED_READY_TIMEOUT_S))
 
     def claim_pooled(self, live: Live, spec: SandboxSpec, ctx: StartContext) -> None:
-        """The waiter gets the task's command and environment and execs it."""
+        """The task's inputs copied into the sandbox's read-only root, then the waiter gets
+        the task's command and environment and execs it."""
         if ctx.inputs:
-            raise LauncherError("a pooled gVisor sandbox cannot take inputs")
+            host.copy_inputs(Path(live.record.scratch) / "root", ctx.inputs,
+                             tuple(ctx.settings.ro_binds))
         proc = live.proc
         assert proc is not None and proc.stdin is not None
         claim = marshal.dumps({"argv": _first_process(spec), "env": ctx.env}, 4)
@@ -282,30 +288,49 @@ class GvisorBackend(CgroupControl):
                      out, err)
 
     def exec(self, live: Live, req: ExecSpec, ctx: StartContext) -> ExecProc:
-        """`runsc exec --process`: the OCI process of the container's first command (its
-        user, rlimits, capabilities, no_new_privs, as config.json has them) with this
-        command's argv, environment and cwd; the same global flags as every call."""
-        rec = live.record
+        """Through the session's exec server (`gvisor_execd.py`), started by one `runsc
+        exec` on the first exec (and again if it died): each exec is then a spawn in the
+        Sentry, in a pid namespace of its own, with the first command's identity."""
+        with self._lock:
+            server = self._servers.get(live.record.task_id)
+            if server is None or not server.alive():
+                if server is not None:
+                    server.close()
+                server = self._servers[live.record.task_id] = self._spawn_server(live, ctx)
+        return server.start(list(req.argv), req.env, req.cwd, req.stdin is not None)
+
+    def _spawn_server(self, live: Live, ctx: StartContext) -> GuestExecServer:
+        rec, s = live.record, ctx.settings
         with open(Path(rec.scratch) / "config.json") as f:
-            process = json.load(f)["process"]
-        process.update(args=list(req.argv), cwd=req.cwd,
-                       env=[f"{k}={v}" for k, v in req.env.items()])
-        process.pop("terminal", None)
-        fd = os.memfd_create("stockade-exec-process", 0)
-        pidfile = Path(rec.scratch) / f"exec-{secrets.token_hex(6)}.pid"
+            process = gvisor.execd_process(json.load(f)["process"], ctx.init_python,
+                                           _execd_source(), SANDBOX_PATH)
+        fd = os.memfd_create("stockade-execd-process", 0)
+        pidfile = Path(rec.scratch) / "execd.pid"  # its pid in the sandbox
+        pidfile.unlink(missing_ok=True)
         try:
             os.write(fd, json.dumps(process).encode())
             os.lseek(fd, 0, os.SEEK_SET)
             proc = subprocess.Popen(
-                [*self._flags(ctx.settings), "exec", f"--process=/proc/self/fd/{fd}",
+                [*self._flags(s), "exec", f"--process=/proc/self/fd/{fd}",
                  f"--internal-pid-file={pidfile}", rec.task_id],
-                env={"PATH": SANDBOX_PATH},
-                stdin=subprocess.PIPE if req.stdin is not None else subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True,
-                pass_fds=(fd,), start_new_session=True, cwd="/")
+                env={"PATH": SANDBOX_PATH}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, close_fds=True, pass_fds=(fd,),
+                start_new_session=True, cwd="/")
         finally:
             os.close(fd)
-        return _GuestExec(proc, self, ctx.settings, rec.task_id, pidfile)
+
+        def kill_pid(pid: int) -> None:
+            p = _call([*self._flags(s), "kill", f"--pid={pid}", rec.task_id, "KILL"])
+            if p.returncode != 0:
+                raise LauncherError(f"runsc kill --pid={pid}: {p.stderr.strip()[-300:]}")
+        return GuestExecServer(proc, kill_pid, pidfile)
+
+    def teardown(self, live: Live) -> None:
+        super().teardown(live)
+        with self._lock:
+            server = self._servers.pop(live.record.task_id, None)
+        if server is not None:
+            server.close()  # its runsc exec went with the sandbox
 
     def guest_pids(self, s: LauncherSettings, task_id: str) -> int | None:
         """The Sentry's task count of a running sandbox (`runsc events --stats`)."""
@@ -374,41 +399,17 @@ def _waiter_source() -> str:
     return (Path(__file__).parent.parent / "gvisor_waiter.py").read_text()
 
 
+@functools.cache
+def _execd_source() -> str:
+    return (Path(__file__).parent.parent / "gvisor_execd.py").read_text()
+
+
 def _first_process(spec: SandboxSpec) -> list[str]:
     """The container's first process: the command, or for a session one that only holds
     the container (runsc needs one); a session's commands come through exec."""
     return list(spec.argv) if spec.argv else list(SESSION_HOLDER)
 
 
-class _GuestExec:
-    """A `runsc exec` as an ExecProc; kill() ends the command inside the Sentry too (a
-    SIGKILL of `runsc exec` alone would leave it running in the container)."""
-
-    def __init__(self, proc: subprocess.Popen[bytes], backend: GvisorBackend,
-                 s: LauncherSettings, task_id: str, pidfile: Path) -> None:
-        self.proc, self.backend, self.s, self.task_id, self.pidfile = (
-            proc, backend, s, task_id, pidfile)
-        self.pid, self.stdin, self.stdout, self.stderr = (
-            proc.pid, proc.stdin, proc.stdout, proc.stderr)
-
-    def poll(self) -> int | None:
-        rc = self.proc.poll()
-        if rc is not None:
-            self.pidfile.unlink(missing_ok=True)
-        return rc
-
-    def wait(self, timeout: float | None = None) -> int:
-        rc = self.proc.wait(timeout)
-        self.pidfile.unlink(missing_ok=True)
-        return rc
-
-    def kill(self) -> None:
-        with contextlib.suppress(OSError, ValueError, subprocess.TimeoutExpired,
-                                 LauncherError):
-            guest = int(self.pidfile.read_text().strip())
-            _call([*self.backend._flags(self.s), "kill", f"--pid={guest}", self.task_id,
-                   "KILL"])
-        kill_proc(self.proc)
 class _Ceiling:
     """The gVisor analogue of pids_fail_kill: the guest at its NPROC ceiling (the Sentry's
     task count, asked at most once a second while the host pids are high) twice in a row."""

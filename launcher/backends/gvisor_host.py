@@ -1,6 +1,7 @@
 """The host side of the gVisor tier (backends/gvisor.py): the bundle's root directory,
-the inputs staged read-only, the sandbox namespace's sysctls, and what runsc leaves on the
-host (cgroup dirs, state files, staged mounts) of containers no record keeps."""
+the inputs staged read-only (copied in at a pooled sandbox's claim), the sandbox
+namespace's sysctls, and what runsc leaves on the host (cgroup dirs, state files, staged
+mounts) of containers no record keeps."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -104,6 +106,53 @@ def copy_into(dest: str, source: str) -> None:
     shutil.copyfile(source, dest)
     os.chown(dest, st.st_uid, st.st_gid)
     os.chmod(dest, st.st_mode & 0o777)
+
+
+def copy_inputs(root: Path, inputs: list[initscript.Bind], reserved: tuple[str, ...]) -> None:
+    """A pooled sandbox's inputs at its claim: copied into the bundle's root directory
+    (read-only to the sandbox: runsc made it a read-only mount when it started, and the
+    Sentry sees host changes under `--file-access=shared`). A bind made on the host now
+    would not reach the Sentry's and the gofer's mount namespaces (private propagation),
+    so the bytes are copied: files with their owner and permission bits less every write
+    bit, directories as trees (symlinks as symlinks, FIFOs remade); a device or a socket
+    in an input, or a target the root already has, is refused by name."""
+    for b in inputs:
+        try:
+            target = initscript.check_input_target(b.target, extra=reserved)
+            dest = gvisor.confined(str(root), target)
+        except ValueError as e:
+            raise LauncherError(str(e)) from None
+        if os.path.lexists(dest):
+            raise LauncherError(f"input target {b.target!r} already exists in the sandbox")
+        os.makedirs(os.path.dirname(dest), mode=0o755, exist_ok=True)
+        gvisor.confined(str(root), target)  # the dirs just made lead nowhere else
+        try:
+            _copy_entry(b.source, dest, b.target)
+        except OSError as e:
+            raise LauncherError(f"cannot copy input {b.target}: {e.strerror or e}") from None
+
+
+def _copy_entry(source: str, dest: str, name: str) -> None:
+    st = os.lstat(source)
+    if stat.S_ISLNK(st.st_mode):
+        os.symlink(os.readlink(source), dest)
+        os.lchown(dest, st.st_uid, st.st_gid)
+        return
+    if stat.S_ISDIR(st.st_mode):
+        os.mkdir(dest, 0o700)
+        for entry in sorted(os.listdir(source)):
+            _copy_entry(os.path.join(source, entry), os.path.join(dest, entry),
+                        f"{name}/{entry}")
+    elif stat.S_ISREG(st.st_mode):
+        shutil.copyfile(source, dest, follow_symlinks=False)
+    elif stat.S_ISFIFO(st.st_mode):
+        os.mkfifo(dest)
+    else:
+        raise LauncherError(f"input {name} is a device or a socket: a pooled gVisor "
+                            "sandbox copies its inputs and copies only files, "
+                            "directories, symlinks and FIFOs")
+    os.chown(dest, st.st_uid, st.st_gid)
+    os.chmod(dest, stat.S_IMODE(st.st_mode) & 0o555)  # no write bit (nor set-id, sticky)
 
 
 def sweep_host(s: LauncherSettings, keep: set[str]) -> None:

@@ -13,11 +13,12 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from .. import cgroups, initscript, microvm, netns, rootfs, scrub, vmimage, vmsnapshot
+from .. import cgroups, initscript, microvm, netns, rootfs, scrub, vmimage, vmprobes, vmsnapshot
 from ..environment import SANDBOX_PATH
 from ..spec import LauncherError
 from ..supervise import Ended, feed_stdin, kill_marker, kill_proc, started, watch
@@ -96,8 +97,10 @@ class MicrovmBackend(CgroupControl):
             self.missed[key] = (shape, machine[0].stamp)
         _write_cfg(cfg, spec, ctx, mount_table, input_table, restored=snapshot is not None)
         _spawn(live, ctx, cfg, layout, machine, session=spec.session, snapshot=snapshot)
-        if spec.session:
+        if spec.session or ctx.selftest is not None:
             _await_agent(live)
+        if ctx.selftest is not None:
+            _selftest_in_guest(live, spec, ctx, ctx.selftest)
 
     def build_templates(self, state_dir: Path) -> list[Path]:
         """Save the snapshot templates of the shapes that were booted cold so far (their
@@ -195,7 +198,8 @@ def _write_cfg(cfg: Path, spec: SandboxSpec, ctx: StartContext, mount_table: str
         congestion_control=ctx.congestion_control, seccomp=ctx.seccomp(),
         reserved=(*initscript.RESERVED, *s.ro_binds),
         session_modules=[(m, _launcher_source(m)) for m in SESSION_MODULES]
-        if spec.session else None,
+        if spec.session or ctx.selftest is not None else None,
+        probe_first=ctx.selftest is not None and not spec.session,
         fresh=microvm.fresh_identity(a.guest_mac, os.urandom(64), time.time())
         if restored else None)
     (cfg / "plan").write_bytes(microvm.encode_plan(plan))
@@ -266,6 +270,18 @@ def _spawn(live: Live, ctx: StartContext, cfg: Path, layout: microvm.Layout,
         theirs.close()
         if state_fd is not None:
             os.close(state_fd)
+
+
+def _selftest_in_guest(live: Live, spec: SandboxSpec, ctx: StartContext,
+                       selftest: Callable[[Any], None]) -> None:
+    """The fence self-test from inside the guest, through its agent, before the command
+    (FenceUnverified: the caller tears the VM down). A one-shot guest then runs its
+    command once the agent's port is closed; a session's agent goes on serving."""
+    vm = live.pipes
+    assert isinstance(vm, VmPipes) and vm.agent is not None
+    selftest(functools.partial(vmprobes.run_in_guest, vm.agent, ctx.init_python))
+    if not spec.session:
+        vm.agent.close()
 
 
 def _await_agent(live: Live) -> None:

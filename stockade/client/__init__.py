@@ -9,23 +9,28 @@ from .errors import (
     BadRequest,
     Busy,
     LauncherFailure,
+    NoRecord,
     NotFound,
     PathRefused,
     ProfileUnknown,
+    RecordInvalid,
+    RecordPending,
     SessionEnded,
+    SessionRunning,
     StockadeError,
     TooLarge,
     TransportError,
     Unauthorized,
 )
-from .models import ExecResult, FileEntry, Output, SessionInfo, Written
+from .models import ExecResult, FileEntry, Output, SessionInfo, TaskRecord, Written
 from .sync import Client, ExecStream, Sandbox
 from .transport import Endpoint
 
 __all__ = [
     "AsyncClient", "AsyncExecStream", "AsyncSandbox", "BadRequest", "Busy", "Client",
-    "Endpoint", "ExecResult", "ExecStream", "FileEntry", "LauncherFailure", "NotFound",
-    "Output", "PathRefused", "ProfileUnknown", "Sandbox", "SessionEnded", "SessionInfo",
-    "StockadeError", "TooLarge", "TransportError", "Unauthorized", "Written",
+    "Endpoint", "ExecResult", "ExecStream", "FileEntry", "LauncherFailure", "NoRecord",
+    "NotFound", "Output", "PathRefused", "ProfileUnknown", "RecordInvalid", "RecordPending",
+    "Sandbox", "SessionEnded", "SessionInfo", "SessionRunning", "StockadeError",
+    "TaskRecord", "TooLarge", "TransportError", "Unauthorized", "Written",
     "denial_summary", "summarize_denials",
 ]

@@ -14,10 +14,12 @@ from types import TracebackType
 from typing import Any, Literal, overload
 
 import httpx
+from httpx_sse import EventSource
 
 from . import wire
 from .errors import NotFound, SessionEnded
-from .models import ExecResult, FileEntry, Output, SessionInfo, Written
+from .models import ExecResult, FileEntry, Output, SessionInfo, TaskRecord, Written
+from .records import PublicKey, task_record
 from .transport import Endpoint, mapped_errors, request_kwargs, timeout_of
 
 
@@ -78,6 +80,10 @@ class AsyncClient:
     async def extend(self, session_id: str, ttl_s: int) -> SessionInfo:
         return wire.session(*await self.send(wire.extend(session_id, ttl_s)))
 
+    async def record(self, session_id: str, public_key: PublicKey | None = None
+                     ) -> TaskRecord:
+        return task_record(*await self.send(wire.record(session_id)), public_key)
+
     # -- exec --------------------------------------------------------------------------------
     async def exec(self, session_id: str, argv: list[str], **kw: Any) -> ExecResult:
         stream = self.exec_stream(session_id, argv, keep=True, **kw)
@@ -113,9 +119,14 @@ class AsyncExecStream(wire.ExecState):
             async with self._client.open_stream(self.call) as resp:
                 if resp.status_code >= 300:
                     wire.check(resp.status_code, await resp.aread())
-                async for data in resp.aiter_bytes():
-                    for chunk in self.decoder.feed(data):
-                        yield chunk
+                if self.call.sse:
+                    async for ev in EventSource(resp).aiter_sse():
+                        if (one := self.decoder.event(ev.event, ev.data)) is not None:
+                            yield one
+                else:
+                    async for data in resp.aiter_bytes():
+                        for chunk in self.decoder.feed(data):
+                            yield chunk
         self.finish()
 
 
@@ -225,6 +236,9 @@ class AsyncSandbox(wire.Handle[AsyncClient]):
     async def extend(self, ttl_s: int) -> SessionInfo:
         self.info = await self.client.extend(self.id, ttl_s)
         return self.info
+
+    async def record(self, public_key: PublicKey | None = None) -> TaskRecord:
+        return await self.client.record(self.id, public_key)
 
     async def aclose(self) -> None:
         try:

@@ -46,6 +46,15 @@ class PathRefused(StockadeError, code="path_refused"): ...
 class ProfileUnknown(StockadeError, code="profile_unknown"): ...
 class LauncherFailure(StockadeError, code="launcher_error"): ...
 class Busy(StockadeError, code="busy"): ...
+# GET .../record: the session still runs / left no record / its teardown is not done
+class SessionRunning(StockadeError, code="session_running"): ...
+class NoRecord(StockadeError, code="no_record"): ...
+class RecordPending(StockadeError, code="record_pending"): ...
+
+
+class RecordInvalid(StockadeError, code="record_invalid"):
+    """A task record whose envelope is malformed or whose signature does not verify with
+    the key given (the SDK's own verdict, not a refusal of the launcher)."""
 
 
 class TransportError(StockadeError, code="transport"):
@@ -55,7 +64,8 @@ class TransportError(StockadeError, code="transport"):
 
 CODES: dict[str, type[StockadeError]] = {
     c.code: c for c in (BadRequest, Unauthorized, NotFound, SessionEnded, TooLarge,
-                        PathRefused, ProfileUnknown, LauncherFailure, Busy)
+                        PathRefused, ProfileUnknown, LauncherFailure, Busy, SessionRunning,
+                        NoRecord, RecordPending)
 }
 
 

@@ -61,3 +61,31 @@ class FileEntry(_Answer):
 class Written(_Answer):
     path: str
     size: int
+
+
+class TaskRecord(_Answer):
+    """An ended session's signed task record (docs/task-record.md): the DSSE `envelope`
+    as the launcher answered it and the `record` it carries. `verified` is True only when
+    a signature by the public key the caller gave verified (`key_id` names that key);
+    without a key the record is decoded but unverified."""
+
+    envelope: dict[str, Any]
+    record: dict[str, Any]
+    verified: bool = False
+    key_id: str | None = None
+
+    @property
+    def task_id(self) -> str | None:
+        return self.record.get("task_id")
+
+    @property
+    def ended_by(self) -> str | None:
+        return self.record.get("ended_by")
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.record.get("exit_code")
+
+    @property
+    def counts(self) -> dict[str, Any]:
+        return self.record.get("counts") or {}

@@ -14,10 +14,12 @@ from types import TracebackType
 from typing import Any, Literal, overload
 
 import httpx
+from httpx_sse import EventSource
 
 from . import wire
 from .errors import NotFound, SessionEnded
-from .models import ExecResult, FileEntry, Output, SessionInfo, Written
+from .models import ExecResult, FileEntry, Output, SessionInfo, TaskRecord, Written
+from .records import PublicKey, task_record
 from .transport import Endpoint, mapped_errors, request_kwargs, timeout_of
 
 
@@ -83,6 +85,11 @@ class Client:
         """A new TTL from creation; `.capped` when the profile's limit cut it."""
         return wire.session(*self.send(wire.extend(session_id, ttl_s)))
 
+    def record(self, session_id: str, public_key: PublicKey | None = None) -> TaskRecord:
+        """The ended session's signed task record, verified with `public_key` when given
+        (SessionRunning while it runs)."""
+        return task_record(*self.send(wire.record(session_id)), public_key)
+
     # -- exec --------------------------------------------------------------------------------
     def exec(self, session_id: str, argv: list[str], **kw: Any) -> ExecResult:
         """Run `argv` in the session and wait for its end (kw: env, cwd, stdin, timeout_s)."""
@@ -119,8 +126,13 @@ class ExecStream(wire.ExecState):
         with mapped_errors(self._client.endpoint), self._client.open_stream(self.call) as resp:
             if resp.status_code >= 300:
                 wire.check(resp.status_code, resp.read())
-            for data in resp.iter_bytes():
-                yield from self.decoder.feed(data)
+            if self.call.sse:
+                for ev in EventSource(resp).iter_sse():
+                    if (chunk := self.decoder.event(ev.event, ev.data)) is not None:
+                        yield chunk
+            else:
+                for data in resp.iter_bytes():
+                    yield from self.decoder.feed(data)
         self.finish()
 
 
@@ -207,6 +219,11 @@ class Sandbox(wire.Handle[Client]):
     def extend(self, ttl_s: int) -> SessionInfo:
         self.info = self.client.extend(self.id, ttl_s)
         return self.info
+
+    def record(self, public_key: PublicKey | None = None) -> TaskRecord:
+        """The signed task record, once the session has ended (after `kill()`: it waits
+        for the teardown); verified with `public_key` (the host's signing.pub) if given."""
+        return self.client.record(self.id, public_key)
 
     def close(self) -> None:
         """Kill the sandbox (if it still runs) and close a client this object opened."""

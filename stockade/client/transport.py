@@ -109,6 +109,8 @@ def timeout_of(endpoint: Endpoint, call: Call) -> httpx.Timeout:
 
 def request_kwargs(call: Call) -> dict[str, Any]:
     kw: dict[str, Any] = {"params": call.params or None}
+    if call.sse:
+        kw["headers"] = {"Accept": "text/event-stream"}
     if call.json is not None:
         kw["json"] = call.json
     if call.content is not None:

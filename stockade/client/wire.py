@@ -3,9 +3,11 @@ asyncio client only send a `Call` and hand the answer to the decoders here, so b
 speak exactly the same protocol.
 
 An exec answers in NDJSON: `{"type": "stdout"|"stderr", "data": ...}` lines, then exactly
-one `{"type": "exit", ...}` line. `ExecDecoder` turns the bytes, however they are cut
-into chunks, into `Output` values and the final `ExecResult`; a stream that ends before
-its exit line, or carries a line that is not the API's, is a `TransportError` (never a
+one `{"type": "exit", ...}` line; or, asked for with `Accept: text/event-stream`, the same
+objects as server-sent events (`event: <type>`, `data: <json>`). `ExecDecoder` turns the
+NDJSON bytes, however they are cut into chunks, or the events (parsed by httpx-sse in the
+shells) into `Output` values and the final `ExecResult`; a stream that ends before its
+exit, or carries a line or an event that is not the API's, is a `TransportError` (never a
 made-up result).
 """
 
@@ -33,6 +35,7 @@ class Call:
     content: bytes | None = None
     stream: bool = False  # an exec: read the answer line by line
     long: bool = False  # the answer takes as long as the work: no read timeout
+    sse: bool = False  # an exec streamed as server-sent events instead of NDJSON
 
 
 def _sid(session_id: str) -> str:
@@ -78,7 +81,7 @@ def extend(session_id: str, ttl_s: int) -> Call:
 
 def exec_call(session_id: str, argv: list[str], *, env: dict[str, str] | None = None,
               cwd: str | None = None, stdin: str | bytes | None = None,
-              timeout_s: float | None = None) -> Call:
+              timeout_s: float | None = None, sse: bool = False) -> Call:
     # a lone string is refused, not split: "ls -l" is one program name, never a shell line
     if isinstance(argv, str | bytes) or not argv or not all(isinstance(a, str) for a in argv):
         raise ValueError("argv must be a non-empty list of strings")
@@ -94,7 +97,12 @@ def exec_call(session_id: str, argv: list[str], *, env: dict[str, str] | None = 
     if timeout_s is not None:
         body["timeout_s"] = timeout_s
     return Call("POST", f"/v1/sessions/{_sid(session_id)}/exec", json=body, stream=True,
-                long=True)
+                long=True, sse=sse)
+
+
+def record(session_id: str) -> Call:
+    # a session just killed: the answer waits for its teardown to write the record
+    return Call("GET", f"/v1/sessions/{_sid(session_id)}/record", long=True)
 
 
 def write_file(session_id: str, path: str, data: bytes | str) -> Call:
@@ -204,15 +212,28 @@ class ExecDecoder:
             raise TransportError("exec stream ended before its exit line")
         return self.result
 
+    def event(self, name: str, data: str) -> Output | None:
+        """One server-sent event (its `event:` name and `data:`): the same object as an
+        NDJSON line, whose `type` must be the event's name."""
+        obj = self._parse(data.encode(), "event")
+        if not isinstance(obj, dict) or obj.get("type") != name:
+            raise TransportError(f"exec event {name!r} carries another type: {data[:200]!r}")
+        return self._object(obj, data.encode())
+
     def _line(self, line: bytes) -> Output | None:
         if not line.strip():
             return None
+        return self._object(self._parse(line, "line"), line)
+
+    def _parse(self, raw: bytes, what: str) -> Any:
         if self.result is not None:
-            raise TransportError("exec stream has data after its exit line")
+            raise TransportError(f"exec stream has data after its exit {what}")
         try:
-            obj = json.loads(line)
+            return json.loads(raw)
         except ValueError:
-            raise TransportError(f"exec stream line is not JSON: {line[:200]!r}") from None
+            raise TransportError(f"exec stream {what} is not JSON: {raw[:200]!r}") from None
+
+    def _object(self, obj: Any, line: bytes) -> Output | None:
         kind = obj.get("type") if isinstance(obj, dict) else None
         if kind in ("stdout", "stderr"):
             chunk: Output = _model(Output, obj, "exec output")

@@ -6,6 +6,9 @@ and no resolver answers them."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 MARKER_ZONE = "stockade-fence-probe.invalid"
 _ZONE_LABELS = tuple(MARKER_ZONE.encode().split(b"."))
 # a task's probe events (or DNS queries) kept off its budgets: one self-test makes about
@@ -25,3 +28,54 @@ def is_marker_labels(labels: tuple[bytes, ...]) -> bool:
     """A DNS question's labels (as received, any case) name a marker."""
     n = len(_ZONE_LABELS)
     return len(labels) > n and tuple(x.lower() for x in labels[-n:]) == _ZONE_LABELS
+
+
+# the probes whose events cannot name a marker, by (component, action, decision), and
+# whether their destination must be one of the self-test's target addresses: TLS without
+# SNI to the raw address (the gateway's denial), the UDP datagram (the NFLOG reader's
+# bypass attempt), the query for a name the profile allows (the DNS firewall's answer)
+UNMARKED_PROBES = {("gateway", "connection_decision", "denied"): True,
+                   ("launcher", "bypass_attempt", "denied"): True,
+                   ("dns", "dns_decision", "allowed"): False}
+Kind = tuple[str, str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeWindow:
+    """Where and when a task's unmarked probe events come: to `targets` (launcher.selftest's
+    addresses), within `window_s` of the task's first event (the probe and evidence
+    deadlines: the self-test is the first thing a task does). 0: none are recognised."""
+
+    targets: frozenset[str] = frozenset()
+    window_s: float = 0.0
+
+
+def _get(ev: dict[str, Any], a: str, b: str) -> Any:
+    part = ev.get(a)
+    return part.get(b) if isinstance(part, dict) else None
+
+
+def _destination_ip(ev: dict[str, Any]) -> Any:
+    """The address the flow was sent to: the gateway reports a refused flow's (it dialled
+    nothing) as the original destination, `ip:port`."""
+    ip = _get(ev, "destination", "ip")
+    orig = _get(ev, "stockade", "original_destination")
+    if ip or not isinstance(orig, str):
+        return ip
+    return orig.rsplit(":", 1)[0].strip("[]")
+
+
+def unmarked_probe_kind(ev: dict[str, Any], targets: frozenset[str]) -> Kind | None:
+    """The UNMARKED_PROBES kind of an event that may be such a probe's, else None."""
+    kind = (str(_get(ev, "stockade", "component")), str(_get(ev, "event", "action")),
+            str(_get(ev, "stockade", "decision")))
+    to_target = UNMARKED_PROBES.get(kind)
+    if to_target is None:
+        return None
+    if to_target and (_get(ev, "destination", "domain") or
+                      _destination_ip(ev) not in targets):
+        return None
+    return kind
+
+
+NO_WINDOW = ProbeWindow()  # no unmarked probe is recognised

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .probemark import NO_WINDOW, ProbeWindow
+
 # the chain (cryptography), the writer, the throttle and the OCSF encoder are imported
 # where they are made: every command loads the configuration, and `stockade sandbox list`
 # or `rules explain` never writes an event
@@ -53,13 +55,14 @@ class EventSettings(BaseModel):
     checkpoint_every: int = Field(1000, ge=1)  # a signed checkpoint after this many lines
     checkpoint_s: float = Field(60.0, gt=0)  # or after this many seconds, whichever is first
 
-    def throttle(self) -> ThrottleSettings:
+    def throttle(self, probes: ProbeWindow = NO_WINDOW) -> ThrottleSettings:
+        """`probes`: where and when the fence self-test's unmarked probes come (probemark.py)."""
         from .summary import ThrottleSettings
 
         return ThrottleSettings(
             verbatim_per_key=self.verbatim_per_key, window_s=self.summary_window_s,
             task_events=self.task_budget_events, task_bytes=self.task_budget_bytes,
-            keys_per_task=self.keys_per_task)
+            keys_per_task=self.keys_per_task, probes=probes)
 
     def chain_signer(self) -> ChainSigner:
         """A new stream's signer (one per writer). Without chain_dir it links lines but
@@ -78,12 +81,13 @@ class EventSettings(BaseModel):
         return encode_ocsf if self.format == "ocsf" else None
 
     def writer(self, path: str | Path | None, task_dir: str | Path | None,
-               stdout: bool) -> EventWriter:
+               stdout: bool, probes: ProbeWindow = NO_WINDOW) -> EventWriter:
         """An event writer with these settings: throttle, per-task store and chain included
         (its own stream). Raises chainkey.ChainError when the signing key is unusable."""
         from .writer import EventWriter
 
         return EventWriter(
             path, max_bytes=self.max_bytes, backups=self.backups, stdout=stdout,
-            throttle=self.throttle(), task_dir=task_dir, task_store_bytes=self.task_store_bytes,
-            chain=self.chain_signer(), encode=self.encoder())
+            throttle=self.throttle(probes), task_dir=task_dir,
+            task_store_bytes=self.task_store_bytes, chain=self.chain_signer(),
+            encode=self.encoder())

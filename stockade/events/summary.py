@@ -23,7 +23,12 @@ Events without a task id, and lifecycle, summary, totals and loss events, always
 so do the fence self-test's (their destination or question is a marker name,
 probemark.py): up to PROBE_EVENTS of a task pass verbatim and spend none of its budget
 or keys (they are in its totals), so a task's budget is the same with a self-test as
-without one; past that they are ordinary events (a sandbox naming markers itself);
+without one; past that they are ordinary events (a sandbox naming markers itself). The
+probes whose events cannot name a marker (TLS without SNI and UDP to the raw address,
+the query for an allowed name: probemark.py UNMARKED_PROBES) pass the same way once per
+task and kind, within the self-test's window of the task's first event (`probes`): one
+self-test sends each once, before the task runs any process, so a sandbox that mimics
+them later finds the window closed or the allowance spent;
 so do (charged to the task) events that carry a component's own count of refusals it did
 not log one by one (`suppressed_events`, the name budgets' summaries).
 """
@@ -37,7 +42,7 @@ from typing import Any
 from stockade.net.addresses import is_ip_literal
 
 from .build import make_event, timestamp
-from .probemark import PROBES_PER_TASK, is_marker
+from .probemark import NO_WINDOW, PROBES_PER_TASK, Kind, ProbeWindow, is_marker, unmarked_probe_kind
 
 Event = dict[str, Any]
 # (component, action, decision, reason, destination)
@@ -62,6 +67,7 @@ class ThrottleSettings:
     task_bytes: int = 2 * 2**20
     keys_per_task: int = 64
     tasks: int = 4096
+    probes: ProbeWindow = NO_WINDOW  # the unmarked probe events' targets and window
 
 
 @dataclass(slots=True)
@@ -84,6 +90,8 @@ class _TaskState:
     events: int = 0
     bytes: int = 0
     probes: int = 0  # self-test events passed off the budget
+    first: float = 0.0  # when the task's first event came
+    unmarked: set[Kind] = field(default_factory=set)  # UNMARKED_PROBES kinds passed
     keys: dict[Key, _KeyState] = field(default_factory=dict)
     # (component, decision, reason) -> [written, summarised]
     totals: dict[tuple[str, str, str], list[int]] = field(default_factory=dict)
@@ -147,7 +155,7 @@ class EventThrottle:
             while len(self._tasks) >= self.s.tasks:
                 oldest = next(iter(self._tasks))
                 self._evicted += self.end_task(oldest, now)
-            t = self._tasks[task_id] = _TaskState(profile=profile)
+            t = self._tasks[task_id] = _TaskState(profile=profile, first=now)
         return t
 
     def _key(self, t: _TaskState, ev: Event) -> _KeyState:
@@ -173,7 +181,7 @@ class EventThrottle:
         if task_id is None or _get(ev, "event", "action") in EXEMPT_ACTIONS:
             return True
         t = self._task(task_id, _get(ev, "labels", "profile"), now)
-        if t.probes < PROBE_EVENTS and is_probe(ev):
+        if t.probes < PROBE_EVENTS and self._probe(t, ev, now):
             t.probes += 1
             self._charge(t, ev, size, written=True, spend=False)
             return True
@@ -199,6 +207,20 @@ class EventThrottle:
         t = self._task(task_id, _get(ev, "labels", "profile"), now)
         ks = self._key(t, ev)
         self._count(t, ks, ev, now, budget=False)
+
+    def _probe(self, t: _TaskState, ev: Event, now: float) -> bool:
+        """`ev` is one of the task's self-test events: it names a marker, or it is the
+        first of an unmarked probe's kind within the window."""
+        if is_probe(ev):
+            return True
+        w = self.s.probes
+        if now - t.first > w.window_s:
+            return False
+        kind = unmarked_probe_kind(ev, w.targets)
+        if kind is None or kind in t.unmarked:
+            return False
+        t.unmarked.add(kind)
+        return True
 
     def _charge(self, t: _TaskState, ev: Event, size: int, *, written: bool,
                 spend: bool = True) -> None:

@@ -101,6 +101,7 @@ class EventWriter:
             self.encode = encode
         # task id -> [bytes stored, events not stored]; bounded like the throttle's tasks
         self._stored: dict[str, list[int]] = {}
+        self._stores = taskstore.OpenStores()
         self._lost = 0  # events lost since the last `events_lost` event
         self._lost_component = "gateway"
         self.recent: deque[Event] = deque(maxlen=keep_recent)  # 0 keeps nothing
@@ -242,6 +243,9 @@ class EventWriter:
                     ev["stockade"]["totals"]["store_truncated"] = stored[1]
                 self._write_locked(ev, None, done)
             self._labels.pop(task_id, None)
+            path = taskstore.task_file(self.task_dir, task_id) if self.task_dir else None
+            if path is not None:
+                self._stores.close(path)  # its last lines are in: no descriptor kept
         self._notify(done)
         return [e for e in events if e["event"]["action"] == "event_totals"]
 
@@ -365,7 +369,7 @@ class EventWriter:
             row[1] += 1
             return
         try:
-            taskstore.append(path, data)
+            self._stores.append(path, data)
             row[0] += len(data)
         except OSError:
             row[1] += 1
@@ -380,6 +384,7 @@ class EventWriter:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+            self._stores.close()
         self._notify(done)
 
 

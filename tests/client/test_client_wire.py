@@ -154,3 +154,66 @@ def test_denial_summary_counts_by_reason_and_destination():
     assert lines[1] == "  3x dns_denied  evil.example:53"
     assert lines[-1] == "  … 2 more in 2 other groups"
     assert denial_summary([]) == []
+
+
+def test_server_sent_events_decode_as_the_ndjson_lines():
+    dec = wire.ExecDecoder()
+    got = [dec.event(x["type"], json.dumps(x)) for x in LINES]
+    assert [c.data for c in got if c is not None] == ["a\n", "é", "b"]
+    assert dec.close().stdout == "a\nb" and dec.close().exit_code == 3
+    with pytest.raises(TransportError, match="after its exit"):
+        dec.event("stdout", json.dumps(LINES[0]))
+    for name, data in (("stdout", "not json"), ("stderr", json.dumps(LINES[0])),
+                       ("exit", "[1]")):
+        with pytest.raises(TransportError):
+            wire.ExecDecoder().event(name, data)
+    assert wire.exec_call("s", ["true"], sse=True).sse
+    assert not wire.exec_call("s", ["true"]).sse
+
+
+def _signed(record: dict[str, object]) -> tuple[dict[str, object], object]:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from stockade.events.record import sign
+
+    key = Ed25519PrivateKey.generate()
+    return sign(record, key), key.public_key()
+
+
+def test_task_record_verified_unverified_and_tampered(tmp_path):
+    import base64
+
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from stockade.client import RecordInvalid
+    from stockade.client.records import task_record
+
+    envelope, pub = _signed({"task_id": "0123456789", "ended_by": "killed", "exit_code": None})
+    body = json.dumps(envelope).encode()
+    plain = task_record(200, body)
+    assert not plain.verified and plain.task_id == "0123456789" and plain.ended_by == "killed"
+    pem = pub.public_bytes(serialization.Encoding.PEM,  # type: ignore[attr-defined]
+                           serialization.PublicFormat.SubjectPublicKeyInfo)
+    (tmp_path / "signing.pub").write_bytes(pem)
+    for key in (pub, pem, str(tmp_path / "signing.pub"), tmp_path / "signing.pub"):
+        rec = task_record(200, body, key)  # type: ignore[arg-type]
+        assert rec.verified and rec.key_id and rec.record == plain.record
+    other = Ed25519PrivateKey.generate().public_key()
+    with pytest.raises(RecordInvalid, match="no signature by key"):
+        task_record(200, body, other)
+    changed = dict(envelope, payload=base64.b64encode(
+        b'{"ended_by":"exit","exit_code":0,"task_id":"0123456789"}').decode())
+    with pytest.raises(RecordInvalid, match="does not verify"):
+        task_record(200, json.dumps(changed).encode(), pub)
+    for bad in ({"payloadType": "x", "payload": "", "signatures": []},
+                dict(envelope, payload="%%%")):
+        with pytest.raises(RecordInvalid):
+            task_record(200, json.dumps(bad).encode())
+    for key in (tmp_path / "missing.pub", b"not pem"):
+        with pytest.raises(BadRequest) as e:
+            task_record(200, body, key)
+        assert e.value.field == "public_key"
+    with pytest.raises(StockadeError) as refused:
+        task_record(409, b'{"error": "session_running", "detail": "runs"}')
+    assert refused.value.code == "session_running"

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from stockade.events import make_event
-from stockade.events.probemark import marker
+from stockade.events.probemark import ProbeWindow, marker
 from stockade.events.summary import PROBE_EVENTS, EventThrottle, ThrottleSettings
 
 BUDGET = ThrottleSettings(verbatim_per_key=3, task_events=40, keys_per_task=8)
@@ -73,3 +73,58 @@ def test_a_sandbox_naming_markers_gets_only_a_few_off_the_budget() -> None:
     verdicts = _verdicts(th, flood)
     assert verdicts == [True] * PROBE_EVENTS + [False] * 10  # then the spent budget holds
     assert th.offer(_conn("c3", dst="tls.c3.example.invalid"), 300, 1001.0) is False
+
+
+WINDOW = ProbeWindow(frozenset({"192.0.2.1"}), 5.0)
+
+
+def _raw(task: str, ip: str = "192.0.2.1") -> dict[str, Any]:
+    """The raw-IP TLS probe's denial: no name, the self-test's raw address as the
+    original destination (the gateway dialled nothing)."""
+    ev = _conn(task, ip=None)
+    ev["stockade"]["original_destination"] = f"{ip}:443"
+    return ev
+
+
+def _udp(task: str) -> dict[str, Any]:
+    return make_event(component="launcher", action="bypass_attempt", decision="denied",
+                      reason="bypass_attempt", task_id=task, profile="p",
+                      destination_ip="192.0.2.1", destination_port=443, transport="udp")
+
+
+def _allowed_dns(task: str) -> dict[str, Any]:
+    return make_event(component="dns", action="dns_decision", decision="allowed",
+                      task_id=task, profile="p", dns_question={"name": "ok.test.", "type": "A"})
+
+
+def _spent(th: EventThrottle, task: str) -> int:
+    """The bytes of the task's budget spent (every component's totals carry the task's)."""
+    return max(t["bytes"] for t in _totals(th, task).values())
+
+
+def test_unmarked_probes_pass_once_per_kind_within_the_window() -> None:
+    th = EventThrottle(ThrottleSettings(task_events=3, probes=WINDOW))
+    probes = [_raw("d4"), _udp("d4"), _allowed_dns("d4")]
+    assert [th.offer(ev, 300, 1000.0 + i) for i, ev in enumerate(probes)] == [True] * 3
+    # the budget of three events is untouched: the workload's first three pass, not four
+    work = [_conn("d4", ip=f"10.2.0.{i}") for i in range(4)]
+    assert [th.offer(ev, 300, 1003.0) for ev in work] == [True, True, True, False]
+    assert _spent(th, "d4") == 900
+
+
+def test_a_sandbox_mimicking_the_unmarked_probes_gains_nothing() -> None:
+    th = EventThrottle(ThrottleSettings(task_events=1000, probes=WINDOW))
+    # the self-test's own (the first of each kind) pass off the budget ...
+    assert th.offer(_raw("e5"), 300, 1000.0) and th.offer(_udp("e5"), 300, 1000.1)
+    # ... a second of a kind in the window (past the allowance), one to another address,
+    # and one after the window all spend the budget
+    for ev, now in ((_raw("e5"), 1000.2), (_udp("e5"), 1000.3), (_raw("e5", "10.2.0.9"), 1000.4),
+                    (_allowed_dns("e5"), 1006.0)):
+        assert th.offer(ev, 100, now)
+    assert _spent(th, "e5") == 400
+    # a task whose first such flow comes after the window (its self-test was off and it
+    # waited) gets nothing off its budget either
+    late = EventThrottle(ThrottleSettings(task_events=1000, probes=WINDOW))
+    late.offer(_conn("f6", ip="10.2.0.1"), 100, 1000.0)
+    late.offer(_raw("f6"), 100, 1006.0)
+    assert _spent(late, "f6") == 200

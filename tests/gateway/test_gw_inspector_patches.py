@@ -55,3 +55,41 @@ def test_a_refusal_without_a_handed_over_flow_emits_nothing() -> None:
     Addon.flows["c1"] = "meta"
     state.refused(Conn(), "known")
     assert events == [("meta", Reason.PROTOCOL_UNRECOGNISED, "known")]
+
+
+async def test_hooks_dispatched_from_the_kept_lookup_as_mitmproxy_would() -> None:
+    """The hook dispatch patch: handlers run in chain order, an addon added or removed
+    later is seen at the next hook, AddonHalt stops the rest, other hooks are unaffected."""
+    from mitmproxy import exceptions
+    from mitmproxy.proxy.layers.http import HttpRequestHeadersHook, HttpResponseHook
+    from mitmproxy.test import taddons, tflow
+
+    patches.install()
+    calls: list[str] = []
+
+    class Recorder:
+        def __init__(self, name: str, halt: bool = False) -> None:
+            self.name, self.halt = name, halt
+
+        def requestheaders(self, flow: object) -> None:
+            calls.append(self.name)
+            if self.halt:
+                raise exceptions.AddonHalt
+
+    class Quiet:  # implements no request hook: never called for one
+        name = "quiet"
+
+    with taddons.context() as tctx:
+        mgr = tctx.master.addons
+        a, b, c = Recorder("a"), Recorder("b"), Recorder("c", halt=True)
+        mgr.add(a, Quiet(), b)
+        flow = tflow.tflow()
+        await mgr.trigger_event(HttpRequestHeadersHook(flow))
+        assert calls == ["a", "b"]
+        await mgr.trigger_event(HttpResponseHook(flow))  # nobody: nothing called
+        assert calls == ["a", "b"]
+        mgr.remove(a)
+        mgr.add(c, Recorder("d"))
+        calls.clear()
+        await mgr.trigger_event(HttpRequestHeadersHook(flow))
+        assert calls == ["b", "c"]  # a is gone, c halts before d

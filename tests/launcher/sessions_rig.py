@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import secrets
 import threading
 from collections.abc import Iterator
@@ -16,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from stockade.launcher.cgroups import remove_parent
+from stockade.launcher import netns, nft
+from stockade.launcher.cgroups import leftover_names, remove_parent
 from stockade.launcher.service import LauncherService
 
 from stockade.config import Config
@@ -35,6 +37,24 @@ egress:
   mode: enforce
 exports: {{max_file: 1KiB, max_total: 4KiB, types: [text]}}
 """
+
+
+def host_leftovers(s: Any) -> dict[str, Any]:
+    """What a launcher with settings `s` left on the host: its network namespaces and
+    links, per-sandbox nft set elements, cgroups, scratch entries and mounts (all empty:
+    nothing)."""
+    elements = {k: v for k, v in nft.list_elements(s.nft_table).items()
+                if v and k in nft.PER_SANDBOX_SETS}
+    mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
+              if line.split()[1].startswith(s.scratch_dir)]
+    return {
+        "netns": netns.list_netns(s.name_prefix),
+        "links": netns.list_links(s.name_prefix),
+        "elements": elements,
+        "cgroups": sorted(leftover_names(s.cgroup_root, s.cgroup_parent)),
+        "scratch": sorted(os.listdir(s.scratch_dir)) if os.path.isdir(s.scratch_dir) else [],
+        "mounts": mounts,
+    }
 
 
 @dataclass

@@ -238,3 +238,76 @@ def test_state_left_needs_more_than_the_lock() -> None:
     assert gvisor.state_left([lock, state], "0123456789")
     assert gvisor.state_left(["runsc-0123456789.sock"], "0123456789")
     assert not gvisor.state_left([], "0123456789")
+
+
+def test_execd_frames_round_trip_and_split_anywhere() -> None:
+    from stockade.launcher import gvisor_execd as wire
+
+    frames = [(1, b"S", b"x" * 70000), (2, b"E", b""), (3, b"O", b"out")]
+    data = b"".join(wire.frame(*f) for f in frames)
+    for cut in (0, 1, 8, 9, 70008, 70009, len(data) - 1):
+        first, rest = wire.unframe(data[:cut])
+        second, rest = wire.unframe(rest + data[cut:])
+        assert first + second == frames and rest == b""
+
+
+def test_execd_refuses_an_oversized_frame() -> None:
+    from stockade.launcher import gvisor_execd as wire
+
+    with pytest.raises(ValueError, match="frame of"):
+        wire.unframe(wire.HEADER.pack(1, ord("O"), wire.MAX_FRAME + 1))
+    assert wire.status_of(-9) == 137 and wire.status_of(3) == 3
+
+
+def test_execd_process_keeps_limits_and_names_the_uid_it_drops_to() -> None:
+    first = {"user": {"uid": 65534, "gid": 65534, "additionalGids": []},
+             "rlimits": [{"type": "RLIMIT_NPROC", "hard": 64, "soft": 64}],
+             "noNewPrivileges": True, "args": ["sleep", "1"], "env": ["SECRET=x"]}
+    p = gvisor.execd_process(first, "/usr/bin/python3", "src", "/usr/bin:/bin")
+    assert p["user"] == {"uid": 0, "gid": 0, "additionalGids": []}
+    assert p["args"] == ["/usr/bin/python3", "-I", "-S", "-c", "src"]
+    assert p["env"] == ["PATH=/usr/bin:/bin", "STOCKADE_UID=65534", "STOCKADE_GID=65534"]
+    assert p["rlimits"] == first["rlimits"] and p["noNewPrivileges"] is True
+    caps = p["capabilities"]
+    assert caps["ambient"] == caps["inheritable"] == []
+    assert caps["bounding"] == caps["permitted"] == caps["effective"] == gvisor.EXECD_CAPS
+
+
+def test_copy_inputs_into_a_pooled_root(tmp_path: Path) -> None:
+    """The claim's copy (no runsc needed): files and trees without write bits, owners
+    kept, symlinks as symlinks, FIFOs remade; refusals name what they refuse."""
+    import socket
+    import stat
+
+    from stockade.launcher.backends import gvisor_host
+    from stockade.launcher.spec import LauncherError
+
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "sub" / "f").write_text("x")
+    (src / "sub" / "f").chmod(0o4777)
+    (src / "link").symlink_to("sub/f")
+    os.mkfifo(src / "pipe")
+    one = tmp_path / "one.txt"
+    one.write_text("1")
+    root = tmp_path / "root"
+    (root / "usr").mkdir(parents=True)
+    (root / "out").symlink_to("/")  # a symlink in the root: nothing may go through it
+    gvisor_host.copy_inputs(root, [Bind(str(src), "/data/in", is_dir=True),
+                                   Bind(str(one), "/inputs/one.txt")], ())
+    assert (root / "data/in/sub/f").read_text() == "x" and (root / "inputs/one.txt").exists()
+    assert stat.S_IMODE((root / "data/in/sub/f").stat().st_mode) == 0o555
+    assert stat.S_IMODE((root / "data/in").stat().st_mode) & 0o222 == 0
+    assert os.readlink(root / "data/in/link") == "sub/f"
+    assert stat.S_ISFIFO(os.lstat(root / "data/in/pipe").st_mode)
+    for bind, why in [(Bind(str(one), "/inputs/one.txt"), "already exists"),
+                      (Bind(str(one), "/usr/x"), "reserved"),
+                      (Bind(str(one), "/out/etc/x"), "outside the sandbox root")]:
+        with pytest.raises(LauncherError, match=why):
+            gvisor_host.copy_inputs(root, [bind], ())
+    sock_dir = tmp_path / "s"
+    sock_dir.mkdir()
+    with socket.socket(socket.AF_UNIX) as sk:
+        sk.bind(str(sock_dir / "sock"))
+        with pytest.raises(LauncherError, match="device or a socket"):
+            gvisor_host.copy_inputs(root, [Bind(str(sock_dir), "/data/s", is_dir=True)], ())

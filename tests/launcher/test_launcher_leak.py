@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 from polling import eventually, wait_until
 from stockade.launcher import SandboxSpec, netns, nft
-from stockade.launcher.cgroups import CgroupSet, Limits, leftover_names
+from stockade.launcher.cgroups import CgroupSet, Limits
 
 from .conftest import Lab, runsc_ids
+from .sessions_rig import host_leftovers
 
 pytestmark = pytest.mark.netns
 
@@ -27,18 +28,8 @@ CYCLES = int(os.environ.get("STOCKADE_LEAK_CYCLES", "200"))
 
 
 def leftovers(lab: Lab) -> dict[str, Any]:
-    s = lab.config.launcher
-    elements = {k: v for k, v in nft.list_elements(s.nft_table).items()
-                if v and k in nft.PER_SANDBOX_SETS}
-    mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
-              if line.split()[1].startswith(s.scratch_dir)]
     return {
-        "netns": netns.list_netns(s.name_prefix),
-        "links": netns.list_links(s.name_prefix),
-        "elements": elements,
-        "cgroups": sorted(leftover_names(s.cgroup_root, s.cgroup_parent)),
-        "scratch": sorted(os.listdir(s.scratch_dir)) if os.path.isdir(s.scratch_dir) else [],
-        "mounts": mounts,
+        **host_leftovers(lab.config.launcher),
         "state": lab.launcher.list(),
         "gateway": [t.task_id for t in lab.gateway_registry.tasks()],
         "broker": [t.task_id for t in lab.broker_registry.tasks()],

@@ -518,6 +518,7 @@ from stockade.launcher import Launcher, SandboxSpec
 from stockade.policy.model import Limits, Profile
 cfg = Config.model_validate(json.loads(sys.argv[1]))
 rs = types.SimpleNamespace(profiles={"vm": Profile("vm", "t", isolation="microvm",
+                                                   selftest="sampled",
                                                    limits=Limits(ttl=60))}, version="x")
 Launcher(cfg, nflog=False).run(SandboxSpec("vm", ["sleep", "60"]), rs)
 """

@@ -1,11 +1,12 @@
 """Warm pools kept by the launcher service (`stockade launcher serve`, as `stockade up`
 runs it): its health and `stockade sandbox list` show them, `stockade run` against a
-running stack with pools claims from the service's pool, and stopping the service leaves
-no pooled sandbox behind."""
+running stack with pools claims from the service's pool, so does a session
+(POST /v1/sessions), and stopping the service leaves no pooled sandbox behind."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from polling import eventually
 from stockade.tasks.client import _UnixHTTPConnection
 
 from .conftest import Lab
+from .sessions_rig import Api
 from .test_launcher_service import Served, _serve
 
 pytestmark = pytest.mark.netns
@@ -81,3 +83,39 @@ def test_stopping_the_service_removes_its_pool(pooled_service: Served) -> None:
     assert not list(Path("/run/netns").glob(f"{s.name_prefix}-*"))
     tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
     assert s.nft_table not in tables
+
+
+def _netns_of(served: Served, task_id: str) -> str | None:
+    """The sandbox's network namespace name in the service's state file."""
+    state = Path(served.config.state_dir) / "launcher" / f"{served.config.launcher.nft_table}.json"
+    for rec in json.loads(state.read_text())["sandboxes"] if state.exists() else []:
+        if rec["task_id"] == task_id:
+            return str(rec["netns"])
+    return None
+
+
+def test_a_session_claims_a_pooled_sandbox(pooled_service: Served) -> None:
+    """POST /v1/sessions takes a warm sandbox of the service's pool; its execs run in that
+    sandbox (its network namespace, as the sandbox user); DELETE destroys it and the pool
+    is refilled with a new one."""
+    served = pooled_service
+    api = Api(served.config.launcher.control_socket)
+    assert eventually(lambda: _ready(served) == SIZE, 120), served.err.read_text()
+    pooled = {r["task_id"] for r in served.client.list() if r["state"] == "pooled"}
+    sid = api.create("svc")["session_id"]
+    assert sid in pooled, "the session claimed a sandbox of the service's pool"
+    assert served.client.health()["pools"][0]["claims"] == 1
+    ns = _netns_of(served, sid)
+    assert ns is not None
+    r = api.exec(sid, ["sh", "-c", "id -u; readlink /proc/self/ns/net; echo kept > f"])
+    assert r["exit_code"] == 0, r
+    uid, net = r["stdout"].split()
+    assert uid == "65534"
+    assert net == f"net:[{os.stat(f'/run/netns/{ns}').st_ino}]", "the exec ran in the claim"
+    assert api.exec(sid, ["cat", "f"])["stdout"] == "kept\n"
+    killed = api.call("DELETE", f"/v1/sessions/{sid}")
+    assert (killed.status, killed.json()) == (200, {"killed": True})
+    assert eventually(lambda: sid not in {r["task_id"] for r in served.client.list()}, 60)
+    assert not os.path.exists(f"/run/netns/{ns}")
+    assert eventually(lambda: _ready(served) == SIZE, 120), "the pool was refilled"
+    assert sid not in {r["task_id"] for r in served.client.list()}

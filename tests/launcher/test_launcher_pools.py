@@ -6,6 +6,7 @@ each get their own sandbox."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -215,7 +216,9 @@ def test_refill_after_a_launcher_crash_reconciles_leftovers(stack: Stack) -> Non
         launcher.close()
 
 
-def test_gvisor_pool_claim_and_unclaimed(stack: Stack) -> None:  # noqa: F811
+@contextlib.contextmanager
+def _gvisor_pool(stack: Stack) -> Iterator[Launcher]:  # noqa: F811
+    """A launcher of its own with a full pool of two gVisor sandboxes of AGENT_SHAPE."""
     from stockade.launcher.backends.gvisor import BACKEND
 
     why = BACKEND.problem(stack.launcher.s)
@@ -228,6 +231,13 @@ def test_gvisor_pool_claim_and_unclaimed(stack: Stack) -> None:  # noqa: F811
     launcher.start()
     try:
         assert launcher.pools is not None and launcher.pools.wait_full(180)
+        yield launcher
+    finally:
+        launcher.close()
+
+
+def test_gvisor_pool_claim_and_unclaimed(stack: Stack) -> None:  # noqa: F811
+    with _gvisor_pool(stack) as launcher:
         pooled_ids = {r["task_id"] for r in _pooled_records(launcher)}
         assert {r["isolation"] for r in _pooled_records(launcher)} == {"gvisor"}
         # unclaimed: the broker refuses the pooled address (DNS and TCP as in the
@@ -241,18 +251,46 @@ def test_gvisor_pool_claim_and_unclaimed(stack: Stack) -> None:  # noqa: F811
         res = launcher.run(SandboxSpec("agent-gv", [
             "sh", "-c", "curl -sS -k --max-time 10 https://allowed.test/ >/dev/null && "
             "echo allowed; curl -sS -k --max-time 5 https://denied.test/ >/dev/null || "
-            "echo denied; id -u; echo $STOCKADE_BROKER | cut -c1-7"]), stack.ruleset)
+            "echo denied; id -u; echo $STOCKADE_BROKER | cut -c1-7; "
+            "ls /inputs 2>/dev/null || echo no-inputs"]), stack.ruleset)
         assert res.task_id in pooled_ids, "the task ran in a pooled gVisor sandbox"
-        assert res.stdout.split() == ["allowed", "denied", "65534", "http://"], (
+        assert res.stdout.split() == ["allowed", "denied", "65534", "http://", "no-inputs"], (
             res.stdout, res.stderr)
         assert res.task_id not in launcher.state.read()
-        # a task with inputs cannot use a pooled gVisor sandbox: a cold start, not a miss
-        cold = launcher.run(SandboxSpec("agent-gv", ["cat", "/inputs/ca.pem"],
-                                        inputs=[(stack.ca, "/inputs/ca.pem")]), stack.ruleset)
-        assert cold.exit_code == 0 and cold.task_id not in pooled_ids, cold.stderr
         assert launcher.pools.rows()[0]["claims"] == 1
-    finally:
-        launcher.close()
+
+
+def test_gvisor_pool_claim_takes_inputs_read_only(stack: Stack,  # noqa: F811
+                                                  tmp_path: Path) -> None:
+    """A pooled gVisor sandbox's mounts are fixed when runsc starts it: the claim copies
+    the inputs into its read-only root. The task reads them (a file, a tree with a
+    symlink) and can write none of them; the next pooled task sees none of them."""
+    tree = tmp_path / "tree"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "sub" / "f.txt").write_text("deep\n")
+    (tree / "sub" / "f.txt").chmod(0o666)  # writable on the host: still not in the sandbox
+    (tree / "link").symlink_to("sub/f.txt")
+    with _gvisor_pool(stack) as launcher:
+        pooled_ids = {r["task_id"] for r in _pooled_records(launcher)}
+        write = ("import errno, sys\nfor p in sys.argv[1:]:\n    try:\n"
+                 "        open(p, 'a').write('x'); print('wrote', p)\n"
+                 "    except OSError as e:\n        print(errno.errorcode[e.errno])")
+        res = launcher.run(SandboxSpec("agent-gv", [
+            "sh", "-c", "head -1 /inputs/ca.pem; cat /data/tree/link; "
+            "python3 -c \"$0\" /inputs/ca.pem /data/tree/sub/f.txt /data/tree/new; "
+            "rm -f /data/tree/link 2>/dev/null || echo rm-refused", write],
+            inputs=[(stack.ca, "/inputs/ca.pem"), (str(tree), "/data/tree")]), stack.ruleset)
+        assert res.task_id in pooled_ids, "the task with inputs ran in a pooled sandbox"
+        lines = res.stdout.splitlines()
+        assert lines[:2] == ["-----BEGIN CERTIFICATE-----", "deep"], (res.stdout, res.stderr)
+        assert all(w in ("EROFS", "EACCES") for w in lines[2:5]), lines
+        assert lines[5:] == ["rm-refused"], lines
+        assert (tree / "sub" / "f.txt").read_text() == "deep\n"
+        after = launcher.run(SandboxSpec("agent-gv", [
+            "sh", "-c", "ls /inputs /data 2>/dev/null || echo none"]), stack.ruleset)
+        assert after.task_id in pooled_ids and after.stdout.split() == ["none"], (
+            after.stdout, after.stderr)
+        assert launcher.pools.rows()[0]["claims"] == 2
 
 
 def test_killing_a_pooled_sandbox_removes_it_and_the_pool_refills(

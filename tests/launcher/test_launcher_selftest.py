@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from polling import eventually
 from stockade.launcher import LauncherError, SandboxSpec, fence, nft, probes
 from stockade.launcher.selftest import FENCE_UNVERIFIED
 
 from stockade.events import read_events, validate
 from stockade.events.summary import is_probe
+from stockade.events.taskstore import read_task_events
 
 # the stack fixture, imported (F401, and F811 for every test taking it): module-scoped,
 # so this module gets a stack of its own, whose gateway a test may stop
@@ -71,6 +73,66 @@ def test_the_probes_events_name_markers(stack: Stack) -> None:
     assert len(decided) >= 7, decided
     unmarked = [e for e in decided if not is_probe(e)]
     assert [e["event"]["reason"] for e in unmarked] == ["sni_missing"], unmarked
+
+
+def _spent(stack: Stack, task_id: str,
+           wait: tuple[str, ...] = ("gateway", "launcher")) -> dict[str, int]:
+    """The bytes of the task's event budget each component process spent (its
+    `event_totals`; a process the task left no event in writes none and spent nothing),
+    once the totals of `wait` are in the task's store."""
+    def totals() -> dict[str, Any] | None:
+        evs = read_task_events(stack.config.task_events_dir, task_id)
+        out = {e["stockade"]["component"]: e["stockade"]["totals"] for e in evs
+               if e["event"]["action"] == "event_totals"}
+        return out if set(wait) <= set(out) else None
+
+    found = eventually(totals, timeout=15)
+    assert found is not None
+    return {c: found[c]["bytes"] for c in ("gateway", "dns", "launcher") if c in found}
+
+
+def test_the_probes_spend_none_of_the_tasks_budgets(stack: Stack,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every probe's event, the unmarked ones too (TLS without SNI and UDP to the raw
+    address), is written and in the totals, but the task's
+    budgets after the self-test are those of a task whose self-test was off."""
+    probed = stack.run(["sh", "-c", "sleep 0.5"])  # the NFLOG reader's event is in by then
+    kinds = {(e["stockade"]["component"], e["event"]["action"], e["stockade"].get("decision"))
+             for e in read_task_events(stack.config.task_events_dir, probed.task_id)
+             if not is_probe(e)}
+    # (the allowed name's query is logged only with dns.log_allowed)
+    assert {("gateway", "connection_decision", "denied"),
+            ("launcher", "bypass_attempt", "denied")} <= kinds, kinds
+    monkeypatch.setattr(fence, "should_run", lambda mode, rate: False)
+    plain = stack.run(["sh", "-c", "sleep 0.5"])
+    with_test, without = _spent(stack, probed.task_id), _spent(stack, plain.task_id, ())
+    assert set(with_test.values()) == {0}, with_test
+    assert set(without.values()) <= {0}, without
+
+
+# after the self-test, the command sends what the unmarked probes send
+MIMIC = """
+import socket, ssl, sys
+raw = sys.argv[1]
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+for _ in range(2):
+    try:
+        ctx.wrap_socket(socket.create_connection((raw, 443), timeout=5)).do_handshake()
+    except OSError:
+        pass
+    socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", (raw, 443))
+"""
+
+
+def test_a_command_mimicking_the_probes_spends_its_budget(stack: Stack) -> None:
+    raw = stack.config.launcher.selftest.raw_ip
+    res = stack.run(["python3", "-c", MIMIC, raw])
+    assert res.exit_code == 0, res.stderr
+    spent = _spent(stack, res.task_id)
+    assert spent["gateway"] > 0 and spent["launcher"] > 0, spent
+    mine = [(e["stockade"]["component"], e["event"]["reason"]) for e in res.denials]
+    assert mine.count(("gateway", "sni_missing")) == 2, mine
 
 
 def _verify(stack: Stack, record: Path, *extra: str) -> tuple[int, dict[str, Any]]:
@@ -163,10 +225,10 @@ def _sabotage(monkeypatch: pytest.MonkeyPatch, stack: Stack,
     monkeypatch.setattr(probes, "run_probes", broken)
 
 
-def _refused(stack: Stack, *probes: str) -> None:
+def _refused(stack: Stack, *probes: str, profile: str = "agent") -> None:
     before = {r["task_id"] for r in stack.launcher.list()}
     with pytest.raises(LauncherError, match=FENCE_UNVERIFIED) as e:
-        stack.run(["sh", "-c", "echo must-not-run"])
+        stack.run(["sh", "-c", "echo must-not-run"], profile=profile)
     for p in probes:
         assert p in str(e.value), e.value
     assert {r["task_id"] for r in stack.launcher.list()} == before  # torn down
@@ -248,6 +310,79 @@ def test_a_widened_set_element_is_detected(stack: Stack,
 
     _sabotage(monkeypatch, stack, breaks)
     _refused(stack, "exempt_port_elsewhere")
+
+
+def test_a_microvm_is_probed_from_inside_its_guest(stack: Stack, tmp_path: Path) -> None:
+    """The same probes and verdicts as the other tiers, run through the guest's agent
+    before the one-shot command; the record carries them."""
+    out = tmp_path / "out"
+    out.mkdir()
+    res = stack.launcher.run(SandboxSpec("agent-vm", ["sh", "-c", "echo ran"],
+                                         export_dir=str(out)), stack.ruleset)
+    assert res.exit_code == 0 and res.stdout.strip() == "ran", res.stdout + res.stderr
+    assert res.denials == []  # the probes' denials are not the command's
+    start = next(e for e in read_events(stack.config.events_file)
+                 if e.get("labels", {}).get("task_id") == res.task_id
+                 and e["stockade"].get("lifecycle") == "start")
+    st = start["stockade"]["selftest"]
+    assert st["passed"] is True, st
+    names = {p["probe"] for p in st["probes"]}
+    assert {"dns_denied_name", "tls_denied_name", "outside_resolver", "raw_ip", "udp",
+            "host_service", "exempt_port_elsewhere", "ipv6", "allowed_name"} <= names, names
+    import base64
+
+    env = json.loads((out / "stockade-record.json").read_text())
+    record = json.loads(base64.b64decode(env["payload"]))
+    assert record["selftest"]["passed"] is True and "skipped" not in record["selftest"]
+    assert record["isolation"]["isolation"] == "microvm"
+
+
+def test_a_microvm_session_is_probed_before_its_agent_serves_it(stack: Stack) -> None:
+    """A session guest's agent runs the probes first, then serves the session's execs."""
+    import threading
+
+    from stockade.launcher.execspec import ExecSpec
+
+    box: dict[str, Any] = {}
+    known = {r["task_id"] for r in stack.launcher.list()}
+    t = threading.Thread(target=lambda: box.update(res=stack.launcher.run(
+        SandboxSpec("agent-vm", ["true"], session=True), stack.ruleset)), daemon=True)
+    t.start()
+    new = eventually(lambda: [r["task_id"] for r in stack.launcher.list()
+                              if r["task_id"] not in known and r["state"] == "running"],
+                     timeout=240)
+    assert new, "the session did not start"
+    try:
+        proc = stack.launcher.exec(new[0], ExecSpec(("sh", "-c", "echo served")))
+        assert proc.stdout is not None
+        assert proc.stdout.read() == b"served\n" and proc.wait(timeout=120) == 0
+        start = next(e for e in read_events(stack.config.events_file)
+                     if e.get("labels", {}).get("task_id") == new[0]
+                     and e["stockade"].get("lifecycle") == "start")
+        assert start["stockade"]["selftest"]["passed"] is True, start["stockade"]["selftest"]
+    finally:
+        stack.launcher.kill(new[0])
+        t.join(timeout=60)
+
+
+def test_a_broken_microvm_fence_is_detected(stack: Stack,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from stockade.launcher import vmprobes
+
+    table = stack.config.launcher.nft_table
+    real = vmprobes.run_in_guest
+
+    def probes(link: Any, python: str, plan: Any, timeout: float) -> Any:
+        rec = next(r for r in stack.launcher.state.read().values()
+                   if r.profile == "agent-vm")
+        _nft_element("delete", table, nft.SET_IFS, rec.ifname)  # the tap's redirect
+        try:
+            return real(link, python, plan, timeout)
+        finally:
+            _nft_element("add", table, nft.SET_IFS, rec.ifname)
+
+    monkeypatch.setattr(vmprobes, "run_in_guest", probes)
+    _refused(stack, "tls_denied_name", "raw_ip", profile="agent-vm")
 
 
 @pytest.fixture(autouse=True)

@@ -384,9 +384,12 @@ def test_microvm_guest_through_the_real_gateway(stack: Stack, fake_internet: Any
     assert [e["event"]["action"] for e in res.denials
             if e["stockade"]["component"] == "gateway"] == ["connection_decision",
                                                               "request_decision"], res.denials
+    # (the fence self-test's probes, from inside the guest, came before the start event)
     start = next(e for e in read_events(stack.config.events_file)
-                 if e.get("labels", {}).get("task_id") == res.task_id)
+                 if e.get("labels", {}).get("task_id") == res.task_id
+                 and e["stockade"].get("lifecycle") == "start")
     assert start["stockade"]["isolation"] == "microvm"
+    assert start["stockade"]["selftest"]["passed"] is True, start["stockade"]["selftest"]
     # every denial names the guest's address: the gateway identified the VM as the task
     assert {e["source"]["ip"] for e in res.denials} == {start["source"]["ip"]}
 

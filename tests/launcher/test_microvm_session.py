@@ -25,7 +25,8 @@ from .test_launcher_leak import EMPTY, leftovers
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 PATH = "/usr/local/bin:/usr/bin:/bin"
-VMS = Profile("vms", "a session microVM", isolation="microvm",
+# `selftest: sampled`, as the lab's profiles (it samples none: it has no real gateway)
+VMS = Profile("vms", "a session microVM", isolation="microvm", selftest="sampled",
               limits=Limits(cpus=1.0, memory=64 * 2**20, disk=8 * 2**20, pids=64, ttl=600))
 # what an exec sees of itself: the same facts test_launcher_microvm checks of a first command
 SELF = r"""

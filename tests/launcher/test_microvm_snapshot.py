@@ -51,7 +51,7 @@ def snap_lab(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab
 
 # a TTL that outlasts a cold boot on a loaded host (the lab's "vm" profile has 30 s)
 RULES = types.SimpleNamespace(version="lab-1", profiles={"vms": Profile(
-    "vms", "snapshot starts", isolation="microvm",
+    "vms", "snapshot starts", isolation="microvm", selftest="sampled",  # as the lab's
     limits=Limits(cpus=1.0, memory=64 * 2**20, disk=8 * 2**20, pids=64, ttl=300))})
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import pytest
@@ -96,11 +97,12 @@ def test_racing_symlink_swap(rig: Rig, session: str, stier: str, tmp_path: Path)
     target = tmp_path / "target"
     target.mkdir()
     (target / "x").write_text("host")
-    swap = ("mkdir -p real; end=$(($(date +%s)+6)); while [ $(date +%s) -lt $end ]; do "
-            f"rm -rf d; mkdir d; rm -rf d; ln -s {target} d; done")
+    swap = ("mkdir -p real; end=$(($(date +%s)+6)); n=0; while [ $(date +%s) -lt $end ]; "
+            f"do rm -rf d; mkdir d; rm -rf d; ln -s {target} d; n=$((n+1)); done; echo $n")
     done = threading.Event()
-    swapper = threading.Thread(target=lambda: (rig.api.exec(session, ["sh", "-c", swap]),
-                                               done.set()))
+    swapped: dict[str, Any] = {}
+    swapper = threading.Thread(target=lambda: (swapped.update(rig.api.exec(
+        session, ["sh", "-c", swap])), done.set()))
     swapper.start()
     seen = set()
     try:
@@ -114,8 +116,13 @@ def test_racing_symlink_swap(rig: Rig, session: str, stier: str, tmp_path: Path)
         swapper.join(60)
     assert (target / "x").read_text() == "host" and [p.name for p in target.iterdir()] == ["x"]
     assert seen <= {(200, "ok"), (400, "path_refused"), (404, "not_found")}, seen
-    if stier != "svc" and (400, "path_refused") not in seen:
-        # the checks above held, but the gVisor and microVM sandboxes' swaps were never
-        # caught mid-race as a symlink here: unexplained yet, so it is recorded, not hidden
+    # the race ran: the swapper looped in the sandbox while the requests went on
+    assert swapped.get("exit_code") == 0 and int(swapped["stdout"]) > 0, swapped
+    if stier == "vm" and (400, "path_refused") not in seen:
+        # the checks above held, but the microVM sandbox's swaps were never caught
+        # mid-race as a symlink here: unexplained yet, so it is recorded, not hidden.
+        # (gVisor writes through to the host scratch under --file-access=shared: a 2 ms
+        # host poll sees the sandbox's `d` as a symlink ~45% of the loop, and the race is
+        # met; the runs that once missed it showed only 200s, i.e. no swap at all)
         pytest.xfail(f"{stier}: the host side never met the sandbox's symlink ({seen})")
     assert (400, "path_refused") in seen
