@@ -74,10 +74,15 @@ def _concurrent(launcher: Launcher, rs: Any, n: int) -> dict[str, Any]:
             "wall": time.monotonic() - t0}
 
 
-def _cli(launcher: Launcher, runs: int) -> dict[str, list[float]]:
+def cli_times(launcher: Launcher, runs: int, python: str = sys.executable,
+              env: dict[str, str] | None = None) -> dict[str, list[float]]:
+    """`stockade sandbox list` and `sandbox kill ID` of a `sleep 60` sandbox of `launcher`,
+    `runs` times, with the interpreter `python` (another checkout's, bench/cli_bench.py)."""
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as fh:
-        yaml.safe_dump(launcher.config.model_dump(mode="json"), fh)
-    stockade = [sys.executable, "-m", "stockade"]
+        # what differs from the defaults only: another checkout's schema may not know
+        # a newer key (its models forbid unknown ones)
+        yaml.safe_dump(launcher.config.model_dump(mode="json", exclude_defaults=True), fh)
+    stockade = [python, "-m", "stockade"]
     kills, lists = [], []
     rs = _ruleset("container")
     try:
@@ -85,11 +90,11 @@ def _cli(launcher: Launcher, runs: int) -> dict[str, list[float]]:
             th, _box, tid = sleeping_sandbox(launcher, rs)
             t0 = time.monotonic()
             subprocess.run([*stockade, "sandbox", "list", "--config", fh.name], check=True,
-                           capture_output=True)
+                           capture_output=True, env=env)
             lists.append(time.monotonic() - t0)
             t0 = time.monotonic()
             subprocess.run([*stockade, "sandbox", "kill", tid, "--config", fh.name],
-                           check=True, capture_output=True)
+                           check=True, capture_output=True, env=env)
             kills.append(time.monotonic() - t0)
             th.join()
     finally:
@@ -108,7 +113,8 @@ exports: {max_file: 1MiB, max_total: 2MiB, types: [text]}
 """
 
 
-def embedded_run(runs: int) -> list[float]:
+def embedded_run(runs: int, python: str = sys.executable,
+                 env: dict[str, str] | None = None) -> list[float]:
     """`stockade run --profile box -- true` on embedded defaults with no stack running
     (its own run_dir, base_port and launcher names): the whole command's wall time."""
     from stockade.instance import PORT_SPAN
@@ -130,9 +136,9 @@ def embedded_run(runs: int) -> list[float]:
                              "cgroup_parent": "stockade_emb", "scratch_dir": str(tmp / "sbx"),
                              "address_pool": "10.213.220.0/24", "nflog_group": 7389}}))
             t0 = time.monotonic()
-            subprocess.run([sys.executable, "-m", "stockade", "run", "--profile", "box",
+            subprocess.run([python, "-m", "stockade", "run", "--profile", "box",
                             "--config", str(cfg), "--", "true"], check=True,
-                           capture_output=True, timeout=300)
+                           capture_output=True, timeout=300, env=env)
             out.append(time.monotonic() - t0)
     return out
 
@@ -169,7 +175,7 @@ def run_pools(tiers: list[str], runs: int, concurrent: int) -> None:
             rows.append((f"{tier}: cold start", _first_instruction(cold, rs, runs, False),
                          "(same run)"))
             if tier == "container":
-                cli = _cli(cold, max(5, runs // 3))
+                cli = cli_times(cold, max(5, runs // 3))
                 rows.append(("stockade sandbox kill ID (wall)", cli["kill"], "<= 250"))
                 rows.append(("stockade sandbox list (wall)", cli["list"], ""))
     rows.append(("stockade run embedded -- true (wall)", embedded_run(3), "<= 2500"))

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from stockade.events import EventWriter
 
-from .settings import BrokerSettings, VaultSettings
+from .settings import BrokerSettings, DevVaultSettings, VaultSettings
 
 
 class BrokerConfig(Protocol):
@@ -25,6 +25,8 @@ class BrokerConfig(Protocol):
     def broker(self) -> BrokerSettings: ...
     @property
     def vault(self) -> VaultSettings: ...
+    @property
+    def dev_vault(self) -> DevVaultSettings: ...  # enabled: false -> no Vault at all
     @property
     def gateway(self) -> Any: ...  # resolvers, allow_addresses
     @property

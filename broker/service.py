@@ -28,7 +28,7 @@ from .metrics import BrokerMetrics
 from .rules_watch import RulesWatch
 from .server import Broker
 from .settings import VaultSettings
-from .vault import VaultClient
+from .vault import NoVault, VaultClient
 
 log = logging.getLogger("stockade.broker")
 
@@ -39,7 +39,7 @@ class BrokerService:
         self.dev_vault = dev_vault
         self.devbao: DevOpenBao | None = None
         self.broker: Broker | None = None
-        self.vault: VaultClient | None = None
+        self.vault: VaultClient | NoVault | None = None
         self.events: EventWriter | None = None
         self.registry: TaskRegistry | None = None
         self.metrics = BrokerMetrics()
@@ -82,10 +82,12 @@ class BrokerService:
         self._tasks.append(asyncio.create_task(
             every(s.rules_poll_interval_s, watch.poll, "broker: rule file polling", log)))
 
-    def _vault_client(self) -> VaultClient:
+    def _vault_client(self) -> VaultClient | NoVault:
         """The configured Vault, or a dev OpenBao started here when none is configured."""
         s, vs = self.config.broker, self.config.vault
         token: str | None = None
+        if vs.address is None and not self.dev_vault and not self.config.dev_vault.enabled:
+            return NoVault()  # the stack left the Vault out: no grant needs one
         if vs.address is None:
             if not self.dev_vault:
                 raise ValueError("vault.address is not set (or start with a dev OpenBao)")

@@ -135,6 +135,10 @@ class DevVaultSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    # false: no dev OpenBao and, without vault.address, no Vault at all: the broker serves
+    # no credential (a call that needs one is refused vault_unavailable). `stockade run`
+    # sets it for a stack of its own when no profile of its rules has a broker grant
+    enabled: bool = True
     port: int | None = Field(None, ge=1, le=65535)  # loopback port; default base_port+6, else free
     # secrets put at start ({path, field, file}), e.g. the keys the profiles' broker grants use
     secrets: list[DevSecret] = []

@@ -58,6 +58,24 @@ class SecretValue:
         return f"SecretValue(version={self.version}, value=<redacted>)"
 
 
+class NoVault:
+    """The credential source of a broker that has no Vault (`dev_vault.enabled: false`
+    without `vault.address`): nothing to log in to, every read refused. Fail closed: a
+    grant added to the rules later is refused `vault_unavailable`, never served."""
+
+    async def ensure_login(self) -> bool:
+        return False
+
+    async def get(self, cred: Any) -> SecretValue:
+        raise VaultUnavailable("no_vault")
+
+    def status(self) -> dict[str, Any]:
+        return {"vault_up": False, "vault": "none"}
+
+    async def close(self) -> None:
+        return None
+
+
 CacheKey = tuple[str, str, str]
 StatusFn = Callable[[str, str], None]  # (state "up"/"down", cause)
 

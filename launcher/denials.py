@@ -60,6 +60,10 @@ class BypassCollector:
 
     def stop(self) -> None:
         self._stop.set()
+        # wake the reader from its select (else every close waited up to its 0.5 s
+        # timeout); what the kernel queued before is still handled on the way out
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
         if self._thread is not None:
             self._thread.join(timeout=3)
 

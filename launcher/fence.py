@@ -24,7 +24,6 @@ from stockade.events.taskstore import read_task_events
 
 from . import nft
 from .addresses import SlotAddresses
-from .probes import ProbeSetupError, run_probes
 from .selftest import (
     FENCE_UNVERIFIED,
     SELFTEST,
@@ -108,6 +107,11 @@ class Fence:
         elif tap:
             report = Report(pending=True)
         else:
+            # imported here, not at the top: the probes load dnspython and ssl, which
+            # `stockade sandbox kill|suspend|resume` (a Launcher that starts nothing) must
+            # not pay for
+            from .probes import run_probes
+
             report = self._measured(rec, profile, a, functools.partial(run_probes, rec.netns))
         self._conclude(rec, report, policy_version)
         return report
@@ -145,6 +149,8 @@ class Fence:
 
     def _probe(self, rec: SandboxRecord, profile: Any, a: SlotAddresses,
                runner: Runner) -> Report:
+        from .probes import ProbeSetupError  # on use, as run_probes in check()
+
         probes = plan(profile, rec.task_id, a.host_ip, self.ports, self.s)
         self.publish(rec)  # another launcher's NFLOG reader reports the UDP probe
         counter = None if self.reading() else nft.bypass_count(self.table, rec.ifname)

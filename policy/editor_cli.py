@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from .schemawalk import KIND_MODELS
+from .kinds import KINDS
 
 SCHEMA_SUMMARY = "write the JSON Schema of the rule files (for editors)"
 SCHEMA_DESCRIPTION = (
@@ -35,7 +35,7 @@ FMT_DESCRIPTION = (
 
 
 def add_schema_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kind", choices=sorted(KIND_MODELS),
+    p.add_argument("--kind", choices=sorted(KINDS),
                    help="the schema of one kind of file (its folder's name)")  # fmt: skip
     p.add_argument("--output", "-o", metavar="FILE", help="write the schema to FILE")
 
@@ -66,12 +66,13 @@ def add_fmt_options(p: argparse.ArgumentParser) -> None:
 
 def cmd_fmt(args: argparse.Namespace) -> int:
     from .fmt import FmtError, format_text
+    from .schemawalk import KIND_MODELS
 
     failed = changed = 0
     for path, kind in _rule_files(args.paths or ["rules"]):
         if kind is None:
             print(f"{path}:1:1: not a rule file (expected a .yaml file in one of "
-                  f"{', '.join(sorted(KIND_MODELS))}/)", file=sys.stderr)  # fmt: skip
+                  f"{', '.join(sorted(KINDS))}/)", file=sys.stderr)  # fmt: skip
             failed += 1
             continue
         try:
@@ -116,7 +117,9 @@ def _report_or_write(args: argparse.Namespace, path: Path, text: str, canonical:
 
 def _rule_files(paths: list[str]) -> Iterator[tuple[Path, str | None]]:
     """(file, its kind or None) for each PATH: a file, or every rule file of a directory
-    (a rules directory, or one of its kind folders)."""
+    (a rules directory, or one of its kind folders), in the models' order."""
+    from .schemawalk import KIND_MODELS
+
     for raw in paths:
         path = Path(raw)
         if not path.is_dir():

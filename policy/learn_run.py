@@ -3,9 +3,11 @@ profile with `stockade run`, and hand the task ids to the learning core.
 
 `stockade run` composes the components (top floor); the rule model must not import it,
 so it runs as a child process (`python -m stockade run --json`), as a user would run it.
-Report mode is a profile's setting in the rules the gateway holds, so the profile must
-be one of the configured rules and in report mode: an enforcing profile would deny what
-the task needs and learn would propose too little.
+Report mode is a profile's setting in the rules the gateway holds: a profile that
+enforces them runs against a temporary copy of the rules with it switched to report mode
+(policy/learn_copy.py; `stockade run --rules COPY` starts its stack on the copy), else
+its denials would hide what the task needs. Only when that copy cannot be made is the
+profile refused.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 PREFIX = "stockade rules learn"
@@ -48,20 +51,34 @@ def command(args: argparse.Namespace) -> list[str] | None:
 
 def run_tasks(args: argparse.Namespace, cmd: list[str]) -> list[str] | None:
     """The task ids of `args.runs` runs of `cmd` in `args.profile`, or None once the reason
-    is said on stderr (exit 2): no or an enforcing profile, a run that did not start."""
+    is said on stderr (exit 2): no profile, an enforcing one whose report-mode copy could
+    not be made, a run that did not start."""
     if not args.profile or args.task:
-        print(f"{PREFIX}: -- CMD needs --profile (a report-mode profile to run it in) and "
-              "no --task", file=sys.stderr)  # fmt: skip
+        print(f"{PREFIX}: -- CMD needs --profile (the profile to run it in) and no --task",
+              file=sys.stderr)  # fmt: skip
         return None
     runs = 1 if args.runs is None else args.runs
     if runs < 1:
         print(f"{PREFIX}: --runs must be at least 1", file=sys.stderr)
         return None
-    if not _report_mode(args):
+    found = _rules_in_report_mode(args)
+    if found is None:
         return None
+    rules, copied = found
+    try:
+        return _run_all(args, cmd, runs, rules if copied else None)
+    finally:
+        if copied:
+            from .learn_copy import remove_copy
+
+            remove_copy(rules)
+
+
+def _run_all(args: argparse.Namespace, cmd: list[str], runs: int,
+             rules: Path | None) -> list[str] | None:
     tasks = []
     for i in range(runs):
-        result = _run_once(args, cmd)
+        result = _run_once(args, cmd, rules)
         if result is None:
             return None
         tasks.append(result["task_id"])
@@ -71,32 +88,45 @@ def run_tasks(args: argparse.Namespace, cmd: list[str]) -> list[str] | None:
     return tasks
 
 
-def _report_mode(args: argparse.Namespace) -> bool:
-    """Is --profile a report-mode profile of the configured rules? (said on stderr if not)"""
+def _rules_in_report_mode(args: argparse.Namespace) -> tuple[Path, bool] | None:
+    """The rules to run --profile with: the configured ones when the profile is in report
+    mode there, else a temporary copy with it switched to report mode (True: a copy, the
+    caller removes it); None once the reason is said on stderr."""
     from .cli import _load_or_report
+    from .learn_copy import CopyError, report_mode_copy
     from .suggest import did_you_mean
 
     rules_dir = args.config_loader(args.config, "rules learn").rules_dir
     rs = _load_or_report(rules_dir)
     if rs is None:
-        return False
+        return None
     profile = rs.profiles.get(args.profile)
     if profile is None:
         print(f"{PREFIX}: unknown profile {args.profile!r} in {rules_dir}"
               f"{did_you_mean(args.profile, rs.profiles)}", file=sys.stderr)  # fmt: skip
-        return False
-    if profile.mode != "report":
-        print(f"{PREFIX}: profile {args.profile!r} enforces its rules, so what the task needs "
-              "beyond them would be denied, not learnt; run it in a profile with "
-              "'egress: {mode: report}' (docs/review.md)", file=sys.stderr)  # fmt: skip
-        return False
-    return True
+        return None
+    if profile.mode == "report":
+        return Path(rules_dir), False
+    try:
+        copy = report_mode_copy(rules_dir, profile)
+    except (CopyError, OSError) as e:
+        print(f"{PREFIX}: profile {args.profile!r} enforces its rules, and a report-mode "
+              f"copy of them could not be made ({e}): what the task needs beyond them "
+              "would be denied, not learnt", file=sys.stderr)  # fmt: skip
+        return None
+    print(f"{PREFIX}: profile {args.profile!r} enforces its rules: the task runs in report "
+          f"mode against a temporary copy of {rules_dir} (your files are not changed)",
+          file=sys.stderr)  # fmt: skip
+    return copy, True
 
 
-def _run_once(args: argparse.Namespace, cmd: list[str]) -> dict[str, Any] | None:
+def _run_once(args: argparse.Namespace, cmd: list[str],
+              rules: Path | None) -> dict[str, Any] | None:
     argv = [sys.executable, "-m", "stockade", "run", "--profile", args.profile, "--json"]
     if args.config:
         argv += ["--config", args.config]
+    if rules is not None:
+        argv += ["--rules", str(rules)]
     for spec in args.input or ():
         argv += ["--input", spec]
     proc = subprocess.run([*argv, "--", *cmd], capture_output=True, text=True, check=False)

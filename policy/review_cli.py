@@ -43,7 +43,8 @@ LEARN_SUMMARY = "propose the smallest profile that allows what recorded tasks di
 LEARN_DESCRIPTION = (
     "Read recorded events (the events file and its rotations) of the tasks named by "
     "--task (or every task of --profile; or of the tasks it runs itself: --profile P "
-    "[--runs N] -- CMD runs CMD with stockade run in P, which must be in report mode) "
+    "[--runs N] -- CMD runs CMD with stockade run in P; an enforcing P runs in report "
+    "mode against a temporary copy of the rules, the rule files are never changed) "
     "and print a profile that would have allowed what "
     "they did: exact names and ports, methods and path globs of inspected requests, broker "
     "operations, each with 'reason: TODO' and its evidence. Across several tasks only what "

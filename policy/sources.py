@@ -11,13 +11,13 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from .kinds import KINDS
 from .model import SourceLocation
 from .problems import Problem
 from .schemawalk import keys_at
 from .suggest import did_you_mean
 from .yamlsrc import Document, Path_, YamlProblem, dotted, read_yaml
 
-KINDS = ("apis", "presets", "profiles", "tests", "catalogues")
 M = TypeVar("M", bound=BaseModel)
 
 

@@ -16,18 +16,33 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from stockade.config import Config
 
-# module -> adds its subcommands; order is the order in --help
-COMMAND_MODULES = (
-    "stockade.policy.cli",  # rules lint|explain|test|diff
-    "stockade.gateway.cli",  # gateway serve
-    "stockade.broker.cli",  # broker serve
-    "stockade.stack.run",  # run (the stack plus a launcher; before the launcher's own)
-    "stockade.launcher.cli",  # sandbox list|kill|suspend|resume, launcher serve
-    "stockade.stack",  # up, demo
-    "stockade.events.cli",  # events
-    "stockade.mcp.cli",  # mcp (the session API for MCP clients)
-    "stockade.stack.taskcli",  # task verify
-)
+# module -> the top-level commands it adds; order is the order in --help. The parser of
+# one command imports only its module (`stockade sandbox kill` does not pay for the rule
+# schema, pydantic or aiohttp); `--help` and an unknown command import them all.
+COMMAND_MODULES: dict[str, tuple[str, ...]] = {
+    "stockade.policy.cli": ("rules",),  # rules lint|explain|test|diff|...
+    "stockade.gateway.cli": ("gateway",),  # gateway serve
+    "stockade.broker.cli": ("broker",),  # broker serve
+    "stockade.stack.run": ("run",),  # run (the stack plus a launcher of its own)
+    "stockade.launcher.cli": ("sandbox", "launcher"),  # sandbox list|kill|..., launcher serve
+    "stockade.stack": ("up", "demo"),
+    "stockade.events.cli": ("events",),
+    "stockade.mcp.cli": ("mcp",),  # mcp (the session API for MCP clients)
+    "stockade.stack.taskcli": ("task",),  # task verify
+}
+
+
+def modules_for(argv: Sequence[str] | None) -> list[str]:
+    """The modules whose commands the parser of `argv` needs: the one that owns its
+    command word, or all of them (no command, `--help`, an unknown or misspelt word: the
+    error lists every command)."""
+    word = next((a for a in argv if not a.startswith("-")), None) if argv else None
+    if word is None and argv and "--version" in argv and not {"-h", "--help"} & set(argv):
+        return []  # argparse prints the version and exits before any command matters
+    for module, commands in COMMAND_MODULES.items():
+        if word in commands:
+            return [module]
+    return list(COMMAND_MODULES)
 
 
 class CommandFailed(Exception):
@@ -64,7 +79,8 @@ def config_or_fail(
     return cfg.model_copy(update=updates) if updates else cfg
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser for `argv` (None: every command, as `--help` and the docs need)."""
     parser = argparse.ArgumentParser(
         prog="stockade",
         description="Contain code written by AI agents: egress gateway, credential broker, "
@@ -75,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     # not import this module (the top floor) to refuse an unusable file the same way
     parser.set_defaults(config_loader=config_or_fail)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    for name in modules_for(argv):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as e:
@@ -87,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    if argv is None:
+        argv = sys.argv[1:]
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
     if func is None:

@@ -8,19 +8,21 @@ for a single-host install. Every key and default is documented in the README.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from stockade.broker.settings import BrokerSettings, DevVaultSettings, VaultSettings
-from stockade.events import EventWriter
 from stockade.events.settings import EventSettings
 from stockade.gateway.dns.settings import DnsSettings
 from stockade.gateway.settings import GatewaySettings
 from stockade.instance import PORT_SPAN, derive
 from stockade.launcher.settings import LauncherSettings
 from stockade.stack.settings import StackSettings
+
+if TYPE_CHECKING:
+    from stockade.events import EventWriter
 
 
 class Strict(BaseModel):

@@ -8,16 +8,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .chain import ChainSigner
-from .chainkey import load_or_create_key
-from .ocsf import encode_ocsf
 from .probemark import NO_WINDOW, ProbeWindow
-from .summary import ThrottleSettings
-from .writer import EventWriter
+
+# the chain (cryptography), the writer, the throttle and the OCSF encoder are imported
+# where they are made: every command loads the configuration, and `stockade sandbox list`
+# or `rules explain` never writes an event
+if TYPE_CHECKING:
+    from .chain import ChainSigner
+    from .summary import ThrottleSettings
+    from .writer import EventWriter
 
 
 class EventSettings(BaseModel):
@@ -54,6 +57,8 @@ class EventSettings(BaseModel):
 
     def throttle(self, probes: ProbeWindow = NO_WINDOW) -> ThrottleSettings:
         """`probes`: where and when the fence self-test's unmarked probes come (probemark.py)."""
+        from .summary import ThrottleSettings
+
         return ThrottleSettings(
             verbatim_per_key=self.verbatim_per_key, window_s=self.summary_window_s,
             task_events=self.task_budget_events, task_bytes=self.task_budget_bytes,
@@ -62,18 +67,25 @@ class EventSettings(BaseModel):
     def chain_signer(self) -> ChainSigner:
         """A new stream's signer (one per writer). Without chain_dir it links lines but
         signs nothing; raises chainkey.ChainError when the key cannot be read or made."""
+        from .chain import ChainSigner
+        from .chainkey import load_or_create_key
+
         key = load_or_create_key(self.chain_dir) if self.chain and self.chain_dir else None
         return ChainSigner(key, self.chain_dir if key is not None else None, link=self.chain,
                            every=self.checkpoint_every, interval_s=self.checkpoint_s)
 
     def encoder(self) -> Callable[[dict[str, Any]], bytes] | None:
         """The writer's line encoder for `format`; None: the writer's own (ECS)."""
+        from .ocsf import encode_ocsf
+
         return encode_ocsf if self.format == "ocsf" else None
 
     def writer(self, path: str | Path | None, task_dir: str | Path | None,
                stdout: bool, probes: ProbeWindow = NO_WINDOW) -> EventWriter:
         """An event writer with these settings: throttle, per-task store and chain included
         (its own stream). Raises chainkey.ChainError when the signing key is unusable."""
+        from .writer import EventWriter
+
         return EventWriter(
             path, max_bytes=self.max_bytes, backups=self.backups, stdout=stdout,
             throttle=self.throttle(probes), task_dir=task_dir,

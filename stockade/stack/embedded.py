@@ -3,9 +3,10 @@ run_dir's stack or start its keeper, hold a lease, and stop the stack when last 
 
 from __future__ import annotations
 
+import os
+import select
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,28 +104,41 @@ def write_request(config: Config, run_dir: Path) -> Path:
 
 
 def _spawn_keeper(config: Config, run_dir: Path, timeout: float) -> StackState:
-    """Start the keeper (under the lock) and wait until its stack is ready."""
+    """Start the keeper (under the lock) and wait until its stack is ready: the keeper
+    writes one byte on a pipe then (no polling); EOF first means it ended."""
     request = write_request(config, run_dir)
     log_path = Path(config.log_dir) / KEEPER_LOG
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = log_path.stat().st_size if log_path.exists() else 0
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "stockade.stack.keeper", str(request)],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,  # outlives this run; a Ctrl-C here does not reach it
-        )
-    deadline = time.monotonic() + timeout
-    while True:
-        state = current_state(run_dir)
-        if state is not None and state.owner_pid == proc.pid:
-            return state
-        if proc.poll() is not None or time.monotonic() > deadline:
-            if proc.poll() is None:
-                proc.terminate()  # the keeper stops what it started
-                proc.wait(timeout=60)
-            with open(log_path, "rb") as fh:
-                fh.seek(start)
-                tail = fh.read().decode(errors="replace")[-2000:]
-            raise StackError(f"the embedded stack did not start:\n{tail}")
-        time.sleep(0.05)
+    ready_r, ready_w = os.pipe()
+    try:
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "stockade.stack.keeper", str(request), str(ready_w)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                pass_fds=(ready_w,),
+                start_new_session=True,  # outlives this run; a Ctrl-C here does not reach it
+            )
+        os.close(ready_w)  # only the keeper holds the write end: its exit is our EOF
+        ready_w = -1
+        said = _read_ready(ready_r, timeout)
+    finally:
+        os.close(ready_r)
+        if ready_w >= 0:
+            os.close(ready_w)
+    state = current_state(run_dir) if said else None
+    if state is not None and state.owner_pid == proc.pid:
+        return state
+    if proc.poll() is None:
+        proc.terminate()  # the keeper stops what it started
+        proc.wait(timeout=60)
+    with open(log_path, "rb") as fh:
+        fh.seek(start)
+        tail = fh.read().decode(errors="replace")[-2000:]
+    raise StackError(f"the embedded stack did not start:\n{tail}")
+
+
+def _read_ready(fd: int, timeout: float) -> bool:
+    """True when the ready byte came within `timeout`; False on EOF or the timeout."""
+    readable, _, _ = select.select([fd], [], [], timeout)
+    return bool(readable) and os.read(fd, 1) == b"R"

@@ -9,6 +9,7 @@ restarted as under `stockade up` (stack.up.Supervisor); one that keeps dying end
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -66,14 +67,26 @@ def _watch(stack: Stack, run_dir: Path, shutdown: _Shutdown, sup: Supervisor) ->
                 return
 
 
+def _say_ready(fd: int | None) -> None:
+    """One byte on the starting run's pipe: it waits on it instead of polling stack.json
+    (EOF without the byte: the keeper ended before its stack was ready)."""
+    if fd is None:
+        return
+    with contextlib.suppress(OSError):  # that run may have given up and gone
+        os.write(fd, b"R")
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the starting run's terminal may close
-    if len(argv) != 1:
-        print("usage: python -m stockade.stack.keeper REQUEST.yaml", file=sys.stderr)
+    if len(argv) not in (1, 2) or (len(argv) == 2 and not argv[1].isdigit()):
+        print("usage: python -m stockade.stack.keeper REQUEST.yaml [READY_FD]", file=sys.stderr)
         return 2
     request = Path(argv[0])
+    ready_fd = int(argv[1]) if len(argv) == 2 else None
     try:
         cfg = load_config(request)
     except ConfigError as e:
@@ -89,6 +102,7 @@ def main(argv: list[str]) -> int:
             owner_pid=os.getpid(), kind="shared", config_file=str(stack.config_file),
             request_file=str(request), dev_vault=stack.dev_vault is not None))
         log.info("embedded stack ready (pid %d)", os.getpid())
+        _say_ready(ready_fd)
         events = EventWriter(cfg.events_file, max_bytes=cfg.events.max_bytes,
                              backups=cfg.events.backups, chain=cfg.events.chain_signer(),
                              encode=cfg.events.encoder())

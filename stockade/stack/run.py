@@ -55,11 +55,15 @@ def _run(args: argparse.Namespace) -> int:
     if not cmd:
         print("stockade run: missing command after --", file=sys.stderr)
         return 2
-    config = args.config_loader(args.config, "run")
+    file_config = args.config_loader(args.config, "run")
+    # the stack this run starts loads --rules too: the gateway and the broker must decide
+    # with the rules the sandbox was checked against, not the file's rules_dir
+    config = (file_config.model_copy(update={"rules_dir": args.rules}) if args.rules
+              else file_config)
     try:
         from stockade.policy import load_rules  # type: ignore[attr-defined]
 
-        ruleset = load_rules(args.rules or config.rules_dir)
+        ruleset = load_rules(config.rules_dir)
     except Exception as e:
         print(f"stockade run: {e}", file=sys.stderr)
         return 2
@@ -81,21 +85,24 @@ def _run(args: argparse.Namespace) -> int:
     from .progress import Progress
     from .services import StackError, ensure_stack, stack_running
 
+    # a running stack's launcher service decides with the file's rules: only when this
+    # run reads the same ones may it claim a sandbox there
     same_rules = not args.rules or (
-        os.path.realpath(args.rules) == os.path.realpath(config.rules_dir))
-    if same_rules and not stack_running(config):
+        os.path.realpath(args.rules) == os.path.realpath(file_config.rules_dir))
+    if not stack_running(config):
         # a stack this run starts (or shares with runs like it) leaves out what the rules
         # never use; a running one (`stockade up`) is used as it is
-        from .lean import without_unneeded_inspector
+        from .lean import without_unneeded_inspector, without_unneeded_vault
 
-        config = without_unneeded_inspector(config, ruleset)
+        config = without_unneeded_vault(without_unneeded_inspector(config, ruleset), ruleset,
+                                        bool(secrets))
     progress = Progress(None if args.json or args.quiet else sys.stderr)
     try:
         # a running stack (`stockade up`) is used as it is; otherwise gateway, broker and
         # (without vault.address) a dev OpenBao run for this command only
         with contextlib.ExitStack() as stack:
-            with progress.phase("joining or starting the stack (gateway, broker, OpenBao)",
-                                "stack ready"):
+            parts = "gateway, broker" + (", OpenBao" if config.dev_vault.enabled else "")
+            with progress.phase(f"joining or starting the stack ({parts})", "stack ready"):
                 effective = stack.enter_context(ensure_stack(config, secrets))
             progress.begin_sandbox()
             result = _run_sandbox(effective, spec, ruleset, progress, same_rules)
@@ -128,9 +135,14 @@ def _run_sandbox(effective: Any, spec: Any, ruleset: Any, progress: Any,
 def _pooled_service(effective: Any) -> Any | None:
     """The running stack's launcher service when it keeps warm pools (`stockade up` with
     `launcher.pools`), else None: this command then runs its own launcher."""
+    sock = effective.launcher.control_socket
+    if not os.path.exists(sock):
+        # no service (an embedded stack runs none): spare the import of its client's
+        # module, which loads aiohttp (a good part of a short run's wall time)
+        return None
     from stockade.launcher.service import LauncherClient
 
-    client = LauncherClient(effective.launcher.control_socket, timeout=2.0)
+    client = LauncherClient(sock, timeout=2.0)
     try:
         health = client.health()
     except (OSError, ValueError, RuntimeError):  # no service, or one that does not answer

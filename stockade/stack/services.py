@@ -13,9 +13,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import yaml
 
@@ -128,6 +129,7 @@ class Stack:
         self.run_dir = Path(config.run_dir)
         self.config_file: Path | None = None  # the effective config the children read
         self._files: list[Path] = []
+        self._dev_secrets: list[SecretValue] = []
 
     def own_file(self, path: Path) -> None:
         """Remove `path` at stop() too."""
@@ -146,54 +148,64 @@ class Stack:
         return self.config
 
     def _start(self) -> None:
-        cfg = self.base
-        if cfg.vault.address is None:
-            from stockade.testing.devvault import DevOpenBao
-
-            from .devsecrets import SecretSpecError, from_settings, put_secrets
-
-            try:
-                values = from_settings(cfg.dev_vault.secrets)  # before anything starts
-            except SecretSpecError as e:
-                raise StackError(str(e)) from None
-            bao = DevOpenBao(port=cfg.dev_vault.port).start()
-            self.dev_vault = bao
-            put_secrets(bao.address, bao.root_token, values)
-            token_file = self._write_private(self.run_dir / "dev-vault-token", bao.root_token)
-            vault = cfg.vault.model_copy(
-                update={"address": bao.address, "token_file": str(token_file)}
-            )
-            cfg = cfg.model_copy(update={"vault": vault})
+        cfg, bao = self._launch_dev_vault(self.base)
         self.config = cfg
         self.config_file = cfg_path = self._write_private(
             self.run_dir / "stack-config.yaml",
             yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False),
         )
         deadline = time.monotonic() + self.startup_timeout
-        self._start_and_wait(
-            [("gateway", cfg.gateway.control_socket), ("broker", cfg.broker.control_socket)],
-            cfg_path,
-            deadline,
-        )
+        # the gateway needs no Vault: it boots while the dev OpenBao does; the broker
+        # logs in at its start, so it starts once the OpenBao answers with its secrets
+        gateway = self._launch("gateway", cfg.gateway.control_socket, cfg_path)
+        if bao is not None:
+            self._dev_vault_ready(bao)
+        broker = self._launch("broker", cfg.broker.control_socket, cfg_path)
+        self._wait_ready([gateway, broker], deadline)
         if self.launcher_service:
             # after gateway and broker answer: the launcher registers every sandbox with both
-            self._start_and_wait([("launcher", cfg.launcher.control_socket)], cfg_path, deadline)
+            launcher = self._launch("launcher", cfg.launcher.control_socket, cfg_path)
+            self._wait_ready([launcher], deadline)
 
-    def _start_and_wait(
-        self, names: list[tuple[str, str]], cfg_path: Path, deadline: float
-    ) -> None:
-        logs = Path(self.config.log_dir)
-        pending = []
-        for name, sock in names:
-            svc = Service(
-                name=name,
-                argv=[sys.executable, "-m", "stockade", name, "serve", "--config", str(cfg_path)],
-                control_socket=sock,
-                log_path=None if self.foreground else logs / f"{name}.log",
-            )
-            svc.start()
-            self.services.append(svc)
-            pending.append(svc)
+    def _launch_dev_vault(self, cfg: Config) -> tuple[Config, Any]:
+        """Without vault.address (and the dev OpenBao not left out): a dev OpenBao launched
+        (not yet ready) and `cfg` with its address and root token file; else `cfg` as it
+        is and None."""
+        if cfg.vault.address is not None or not cfg.dev_vault.enabled:
+            return cfg, None
+        from stockade.testing.devvault import DevOpenBao
+
+        from .devsecrets import SecretSpecError, from_settings
+
+        try:
+            self._dev_secrets = from_settings(cfg.dev_vault.secrets)  # before anything starts
+        except SecretSpecError as e:
+            raise StackError(str(e)) from None
+        bao = DevOpenBao(port=cfg.dev_vault.port).launch()
+        self.dev_vault = bao
+        token_file = self._write_private(self.run_dir / "dev-vault-token", bao.root_token)
+        vault = cfg.vault.model_copy(update={"address": bao.address, "token_file": str(token_file)})
+        return cfg.model_copy(update={"vault": vault}), bao
+
+    def _dev_vault_ready(self, bao: Any) -> None:
+        from .devsecrets import put_secrets
+
+        bao.wait_ready()
+        put_secrets(bao.address, bao.root_token, self._dev_secrets)
+
+    def _launch(self, name: str, sock: str, cfg_path: Path) -> Service:
+        svc = Service(
+            name=name,
+            argv=[sys.executable, "-m", "stockade", name, "serve", "--config", str(cfg_path)],
+            control_socket=sock,
+            log_path=None if self.foreground else Path(self.config.log_dir) / f"{name}.log",
+        )
+        svc.start()
+        self.services.append(svc)
+        return svc
+
+    def _wait_ready(self, services: list[Service], deadline: float) -> None:
+        pending = list(services)
         while pending:
             for svc in list(pending):
                 if not svc.alive():
@@ -228,14 +240,21 @@ class Stack:
         return rows
 
     def stop(self) -> None:
-        for svc in reversed(self.services):
-            # the launcher first, with more time: it kills and tears down its sandboxes
-            # (deregistering them from the gateway and broker that are still up)
-            svc.stop(timeout=30.0 if svc.name == "launcher" else 10.0)
-        self.services.clear()
+        for svc in self.services:
+            if svc.name == "launcher":
+                # first, with more time: it kills and tears down its sandboxes
+                # (deregistering them from the gateway and broker that are still up)
+                svc.stop(timeout=30.0)
         bao, self.dev_vault = self.dev_vault, None
+        stops = [svc.stop for svc in self.services if svc.name != "launcher"]
         if bao is not None:
-            bao.stop()  # type: ignore[attr-defined]
+            stops.append(bao.stop)  # type: ignore[attr-defined]
+        # the rest depend on nothing of each other: stopped at once, not one after the
+        # other (each takes a process exit; in turn they were most of a run's last second)
+        with ThreadPoolExecutor(max_workers=max(1, len(stops))) as pool:
+            for done in [pool.submit(stop) for stop in stops]:
+                done.result()
+        self.services.clear()
         for f in self._files:
             f.unlink(missing_ok=True)
         self._files.clear()

@@ -24,6 +24,7 @@ import fcntl
 import json
 import os
 import secrets
+import select
 import signal
 import time
 from collections.abc import Iterator
@@ -147,15 +148,28 @@ def owner_alive(pid: int) -> bool:
 
 def stop_owner(run_dir: Path, state: StackState, timeout: float) -> bool:
     """SIGTERM the keeper and wait until it has removed its state (its stack is down)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(state.owner_pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        current = _state_or_none(run_dir)
-        if not owner_alive(state.owner_pid) or current is None or current != state:
-            return True
-        time.sleep(0.05)
-    return False
+    try:
+        # a pidfd turns readable when the keeper exits (after it removed its state): a
+        # wait without polling sleeps; opened before the signal, so no pid reuse between
+        pidfd = os.pidfd_open(state.owner_pid)
+    except ProcessLookupError:
+        return True
+    try:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(state.owner_pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while True:
+            current = _state_or_none(run_dir)
+            if not owner_alive(state.owner_pid) or current is None or current != state:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            # readable: the keeper exited (a zombie too), its state went before
+            if select.select([pidfd], [], [], left)[0]:
+                return True
+    finally:
+        os.close(pidfd)
 
 
 def _state_or_none(run_dir: Path) -> StackState | None:

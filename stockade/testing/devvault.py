@@ -57,6 +57,14 @@ class DevOpenBao(StartStop):
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self) -> DevOpenBao:
+        self.launch()
+        with stop_on_failure(self.stop):
+            self.wait_ready()
+        return self
+
+    def launch(self) -> DevOpenBao:
+        """Start the server without waiting for it: `address` and `root_token` are known
+        now, so a caller can start what does not need it yet (`wait_ready` before use)."""
         if self.proc is not None:
             return self
         port = self.port or free_port()
@@ -85,11 +93,11 @@ class DevOpenBao(StartStop):
             )
         finally:
             log.close()
-        with stop_on_failure(self.stop):
-            self._wait_healthy()
         return self
 
-    def _wait_healthy(self) -> None:
+    def wait_ready(self) -> None:
+        """Until the server answers, unsealed, with its KV mount (DevVaultError when it
+        exits or the start-up timeout passes)."""
         deadline = time.monotonic() + self.startup_timeout
         client = hvac.Client(url=self.address, token=self.root_token, timeout=2)
         last = ""

@@ -145,3 +145,38 @@ async def test_sandbox_connections_use_the_configured_congestion_control(
         await svc.stop()
     default = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
     assert algo == (cc or default)
+
+
+async def test_without_a_vault_a_granted_call_is_refused(
+    upstream: Upstream, tmp_path: Path
+) -> None:
+    """`dev_vault.enabled: false` and no vault.address (an embedded stack whose rules had
+    no grant): the broker starts without logging in anywhere, and a call that a grant
+    (added since) would need is refused `vault_unavailable`."""
+    rules = tmp_path / "rules"
+    write_rules(rules, upstream.url, "stockade/none")
+    cfg = tmp_path / "stockade.yaml"
+    cfg.write_text(json.dumps({
+        "rules_dir": str(rules), "state_dir": str(tmp_path / "state"),
+        "log_dir": str(tmp_path / "log"), "run_dir": str(tmp_path / "run"),
+        "events": {"file": str(tmp_path / "events.jsonl")},
+        "broker": {"listen": "127.0.0.1:0", "control_socket": str(tmp_path / "run" / "b.sock")},
+        "dev_vault": {"enabled": False},
+    }))
+    svc = BrokerService(load_config(cfg))
+    await svc.start()
+    try:
+        assert svc.registry is not None and svc.listen_address is not None
+        assert svc.broker is not None and svc.broker.status()["vault"] == "none"
+        svc.registry.register(Task("s1", "127.0.0.1", "agent"))
+        base = "http://{}:{}".format(*svc.listen_address)
+        async with aiohttp.ClientSession() as s, s.get(f"{base}/echo/json") as r:
+            status, doc = r.status, json.loads(await r.read())
+        assert (status, doc["reason"]) == (503, "vault_unavailable")
+    finally:
+        await svc.stop()
+    evs = read_events(tmp_path / "events.jsonl")
+    for ev in evs:
+        validate(ev)
+    # no login was tried: no vault_status transition to report
+    assert not [e for e in evs if e["event"]["action"] == "vault_status"]

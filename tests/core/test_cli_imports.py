@@ -3,11 +3,14 @@ fresh interpreter has loaded, never on a timing."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 
 import pytest
+
+from stockade.cli import COMMAND_MODULES, build_parser, modules_for
 
 
 def _loaded(code: str) -> set[str]:
@@ -59,3 +62,61 @@ print("BAD", bad)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     assert "BAD []" in out, out
+
+
+HEAVY = ("pydantic", "aiohttp", "mitmproxy", "hvac", "prometheus_client")
+
+
+@pytest.mark.parametrize("argv", [
+    ["sandbox", "kill", "t1"], ["sandbox", "list"], ["sandbox", "suspend", "t1"],
+    ["sandbox", "resume", "t1"], ["events", "--since", "1h"], ["task", "verify", "x.json"],
+    ["rules", "explain", "https://a.test/", "--profile", "p"],
+])
+def test_parsing_a_short_command_loads_only_its_module(argv: list[str]) -> None:
+    """The parser of one command imports that command's module alone: no rule schema,
+    no config models, no server library before the handler runs."""
+    mods = _loaded(f"import stockade.cli as c; a = {argv!r}; c.build_parser(a).parse_args(a)")
+    assert not _heavy(mods, HEAVY), argv
+    assert not {"stockade.policy.schema", "stockade.config", "stockade.launcher.core"} & mods
+    (mine,) = modules_for(argv)
+    # a module's packages are imported with it (stockade.stack for stockade.stack.taskcli)
+    others = {m for m in COMMAND_MODULES if m != mine and not mine.startswith(m + ".")}
+    assert not others & mods, argv
+
+
+def test_every_command_is_found_by_its_word() -> None:
+    """The table the parser picks modules by names exactly what each module adds."""
+    for module, words in COMMAND_MODULES.items():
+        parser = build_parser([words[0]])
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        assert sorted(sub.choices) == sorted(words), module
+    full = build_parser()
+    sub = next(a for a in full._actions if isinstance(a, argparse._SubParsersAction))
+    assert sorted(sub.choices) == sorted(w for ws in COMMAND_MODULES.values() for w in ws)
+
+
+@pytest.mark.parametrize("argv", [[], ["--help"], ["sandbx", "list"], ["-h", "--version"]])
+def test_no_command_word_builds_every_command(argv: list[str]) -> None:
+    assert modules_for(argv) == list(COMMAND_MODULES)
+
+
+def test_the_version_needs_no_command() -> None:
+    assert modules_for(["--version"]) == []
+    out = subprocess.run([sys.executable, "-m", "stockade", "--version"], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    assert out.strip() == "stockade 0.1.0"
+
+
+def test_the_kind_names_are_the_models_kinds() -> None:
+    from stockade.policy.kinds import KINDS
+    from stockade.policy.schemawalk import KIND_MODELS
+
+    assert sorted(KINDS) == sorted(KIND_MODELS)
+
+
+def test_loading_the_config_loads_no_event_writer() -> None:
+    """`sandbox list` and `rules explain` load stockade.yaml but write no event: neither
+    the writer nor the chain's cryptography is imported for it."""
+    mods = _loaded("from stockade.config import load_config; load_config(None)")
+    assert not _heavy(mods, ("cryptography",))
+    assert not {"stockade.events.writer", "stockade.events.chain"} & mods

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,53 @@ def test_run_json_reports_denials_with_task_and_reasons(run_config, fake_interne
     assert "bypass_attempt" in by_action.get("bypass_attempt", set())  # UDP
     after = snapshot(("ske", "stockade_e2e_run"), "stockade_e2e_run", str(run_config.parent))
     assert new_since(before, after) == {}
+
+
+ONLY_IN_DIR = PROFILE + """\
+    - host: other.test
+      ports: [443]
+      id: e2e-other
+      reason: allowed only by the rules directory given with --rules
+"""
+
+
+@pytest.mark.timeout(300)
+def test_rules_dir_given_with_rules_is_the_gateways(run_config, fake_internet, tmp_path):
+    """`--rules DIR` on an embedded stack: the gateway it starts decides with DIR (a rule
+    only there lets the flow through), not with the config's rules_dir."""
+    rules = write_profiles(tmp_path / "other-rules", {"e2e": ONLY_IN_DIR})
+    script = ("curl -s -o /dev/null -w 'code=%{http_code}' --max-time 10 "
+              "--cacert /input/ca.pem https://other.test/")
+    proc = subprocess.run(
+        [sys.executable, "-m", "stockade", "run", "--config", str(run_config),
+         "--rules", str(rules), "--profile", "e2e", "--json",
+         "--input", f"{fake_internet.ca_pem}:/input/ca.pem", "--", "sh", "-c", script],
+        capture_output=True, text=True, timeout=240, check=False)
+    assert proc.stdout, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["stdout"] == "code=200", result
+    assert not [d for d in result["denials"] if "other.test" in json.dumps(d)], result
+
+
+@pytest.mark.timeout(300)
+def test_rules_without_broker_grants_start_no_openbao(run_config, tmp_path):
+    """The run's rules grant no broker API: its stack is gateway and broker only (the
+    keeper's state says no dev Vault while the command runs)."""
+    cfg = yaml.safe_load(run_config.read_text())
+    cfg.pop("dev_vault")  # left to the defaults (the fixture writes every key out)
+    config = tmp_path / "defaults-vault.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    state = Path(cfg["run_dir"]) / "stack.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stockade", "run", "--config", str(config), "--profile",
+         "e2e", "--", "sleep", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = None
+    while proc.poll() is None and seen is None:
+        try:
+            seen = json.loads(state.read_text())
+        except (OSError, ValueError):
+            time.sleep(0.05)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err
+    assert seen is not None and seen["dev_vault"] is False, seen
+    assert "starting the stack (gateway, broker)" in err, err

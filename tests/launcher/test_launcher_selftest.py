@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from polling import eventually
-from stockade.launcher import LauncherError, SandboxSpec, fence, nft
+from stockade.launcher import LauncherError, SandboxSpec, fence, nft, probes
 from stockade.launcher.selftest import FENCE_UNVERIFIED
 
 from stockade.events import read_events, validate
@@ -212,9 +212,9 @@ def _sabotage(monkeypatch: pytest.MonkeyPatch, stack: Stack,
     """Break the next sandbox's fence once it is wired, right before its probes run
     (`breaks(record)` breaks it and returns the repair, run after the probes so the
     teardown finds what it removes)."""
-    real = fence.run_probes
+    real = probes.run_probes  # the fence imports it when it probes
 
-    def probes(netns: str, plan: Any, timeout: float) -> Any:
+    def broken(netns: str, plan: Any, timeout: float) -> Any:
         rec = next(r for r in stack.launcher.state.read().values() if r.netns == netns)
         repair = breaks(rec)
         try:
@@ -222,7 +222,7 @@ def _sabotage(monkeypatch: pytest.MonkeyPatch, stack: Stack,
         finally:
             repair()
 
-    monkeypatch.setattr(fence, "run_probes", probes)
+    monkeypatch.setattr(probes, "run_probes", broken)
 
 
 def _refused(stack: Stack, *probes: str, profile: str = "agent") -> None:

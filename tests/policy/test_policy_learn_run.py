@@ -8,9 +8,11 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+import yaml
 from gw_config import write_profiles
 from stockade.policy import load_rules
 
@@ -163,10 +165,31 @@ def test_learn_runs_the_task_itself(run_config, fake_internet, tmp_path):
         ("allowed.test", [443]), ("echo.test", [443])]
 
 
-def test_learn_refuses_to_run_in_an_enforcing_profile(run_config):
-    proc = _rules("learn", "--config", str(run_config), "--profile", "e2e", "--", "true")
-    assert proc.returncode == 2
-    assert "profile 'e2e' enforces its rules" in proc.stderr and proc.stdout == ""
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.mark.timeout(600)
+def test_learn_runs_an_enforcing_profile_in_report_mode_on_a_copy(run_config, fake_internet):
+    """`--profile e2e` enforces (other.test is not allowed): the task runs against a
+    report-mode copy, so other.test is learnt, not denied; the user's rules are as they
+    were and the copy is gone."""
+    rules_dir = Path(yaml.safe_load(run_config.read_text())["rules_dir"])
+    before = _tree(rules_dir)
+    copies = set(Path(tempfile.gettempdir()).glob("stockade-learn-rules-*"))
+    script = ("curl -s --max-time 10 --cacert /input/ca.pem https://allowed.test/ ; "
+              "curl -s --max-time 10 --cacert /input/ca.pem https://other.test/")  # fmt: skip
+    proc = _rules("learn", "--config", str(run_config), "--profile", "e2e", "--name", "got",
+                  "--input", f"{fake_internet.ca_pem}:/input/ca.pem", "--", "sh", "-c", script)
+    assert proc.returncode == 0, proc.stderr
+    assert "runs in report mode against a temporary copy" in proc.stderr
+    assert '- host: "other.test"' in proc.stdout and '- host: "allowed.test"' in proc.stdout
+    assert _tree(rules_dir) == before
+    assert set(Path(tempfile.gettempdir()).glob("stockade-learn-rules-*")) == copies
+
+
+def test_learn_refuses_a_profile_it_cannot_run(run_config):
     proc = _rules("learn", "--config", str(run_config), "--profile", "rek", "--", "true")
     assert proc.returncode == 2 and "unknown profile 'rek'" in proc.stderr
     assert "did you mean 'rec'?" in proc.stderr
