@@ -71,7 +71,9 @@ def _op(args: argparse.Namespace) -> int:
     from .operator import freeze, kill
     from .state import StateFile, state_path
 
-    cfg = args.config_loader(args.config, f"sandbox {args.op}")
+    command = f"sandbox {args.op}"
+    # the launcher's and the events' sections are all this reads (a Launcher reads more)
+    cfg = args.config_loader(args.config, command, launcher_only=True)
     state = StateFile(state_path(cfg.state_dir, cfg.launcher.nft_table))
     events = cfg.event_writer(stdout=False)
     if args.op == "kill":
@@ -79,7 +81,8 @@ def _op(args: argparse.Namespace) -> int:
         if ok is None:  # its owner is gone or did not answer: this process tears it down
             from .core import Launcher
 
-            Launcher(cfg, events=events).end_orphan(args.task_id, "killed")
+            full = args.config_loader(args.config, command)
+            Launcher(full, events=events).end_orphan(args.task_id, "killed")
             ok = True
     else:
         ok = freeze(state, cfg.launcher, args.task_id, args.op == "suspend", events.write)

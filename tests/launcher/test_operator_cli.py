@@ -22,11 +22,13 @@ from .conftest import Lab
 from .sessions_rig import host_leftovers
 
 # what a kill of a sandbox whose owner runs must not import: the launcher, its backends
-# (their start path), pools, claims, sessions, the isolation probes
+# (their start path), pools, claims, sessions, the isolation probes, the models of the
+# configuration's other sections
 NOT_LOADED = {"stockade.launcher.core", "stockade.launcher.backends",
               "stockade.launcher.claim", "stockade.launcher.pools",
               "stockade.launcher.sessions", "stockade.launcher.isolation",
-              "stockade.launcher.fence", "stockade.launcher.cleanup"}
+              "stockade.launcher.fence", "stockade.launcher.cleanup", "stockade.config",
+              "stockade.gateway.settings", "stockade.broker.settings"}
 
 
 def test_every_backend_kills_through_its_cgroups() -> None:
