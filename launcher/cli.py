@@ -48,7 +48,7 @@ def _list(args: argparse.Namespace) -> int:
     # the state file is the whole answer: no launcher (event writer, backends) is needed
     from .state import StateFile, state_path
 
-    cfg = args.config_loader(args.config, "sandbox list")
+    cfg = args.config_loader(args.config, "sandbox list", launcher_only=True)
     records = StateFile(state_path(cfg.state_dir, cfg.launcher.nft_table)).read()
     rows = [r.summary() for r in records.values()]
     if args.json:

@@ -38,6 +38,12 @@ def test_every_backend_kills_through_its_cgroups() -> None:
         assert type(backend_for(name)).kill is CgroupControl.kill, name
 
 
+# `sandbox list`, then the modules it loaded
+LIST_CODE = ("import json, sys\nfrom stockade.cli import main\n"
+             "assert main(['sandbox', 'list', *sys.argv[1:]]) == 0\n"
+             "print(json.dumps(sorted(sys.modules)))")
+
+
 def _cli(*argv: str) -> tuple[int, str, set[str]]:
     """`stockade ARGV` in a fresh interpreter: exit code, stderr, the modules it loaded."""
     code = ("import json, sys\nfrom stockade.cli import main\nrc = main(sys.argv[1:])\n"
@@ -69,6 +75,11 @@ def test_kill_of_a_running_sandbox_loads_no_launcher(lab: Lab, tmp_path: Path) -
     before = host_leftovers(lab.config.launcher)
     t, box = lab.background(["sleep", "60"])
     tid = box["task_id"]
+    p = subprocess.run([sys.executable, "-c", LIST_CODE, "--config", cfg],
+                       capture_output=True, text=True, timeout=60, check=True)
+    *table, mods_line = p.stdout.splitlines()
+    assert tid in "\n".join(table)
+    assert not NOT_LOADED & set(json.loads(mods_line))
     for op in ("suspend", "resume"):
         rc, err, mods = _cli("sandbox", op, tid, "--config", cfg)
         assert rc == 0, err
