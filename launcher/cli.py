@@ -77,7 +77,7 @@ def _op(args: argparse.Namespace) -> int:
     state = StateFile(state_path(cfg.state_dir, cfg.launcher.nft_table))
     events = cfg.event_writer(stdout=False)
     if args.op == "kill":
-        ok = kill(state, cfg.launcher, args.task_id, events.write)
+        ok = kill(state, cfg.launcher, args.task_id, events.write, cfg.task_events_dir)
         if ok is None:  # its owner is gone or did not answer: this process tears it down
             from .core import Launcher
 

@@ -20,11 +20,14 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stockade.events import make_event
+from stockade.events.taskstore import read_task_events
 
 from .cgroups import CgroupSet
+from .ending import end_due
 from .state import SandboxRecord, StateFile
 from .supervise import kill_marker
 
@@ -49,31 +52,45 @@ def cgroup_of(s: LauncherSettings, task_id: str) -> CgroupSet:
     return CgroupSet(s.cgroup_root, s.cgroup_parent, task_id)
 
 
-def kill_elsewhere(rec: SandboxRecord, s: LauncherSettings, state: StateFile) -> bool:
+def kill_elsewhere(rec: SandboxRecord, s: LauncherSettings, state: StateFile,
+                   task_dir: Path | None = None) -> bool:
     """Kill another launcher process's sandbox (or a dead one's); True when its owner
-    tore it down meanwhile (else the caller does)."""
+    tore it down meanwhile (else the caller does). With `task_dir` (the per-task event
+    store) a sandbox that owes an end also waits for the owner's signed task record,
+    which its run writes after the end event."""
     with contextlib.suppress(OSError):
         kill_marker(rec.scratch).touch()
     cgroup_of(s, rec.task_id).kill_all()
-    if rec.owner_alive() and rec.owner_pid != os.getpid():
-        # the owner notices its command died and tears down; wait for that
-        deadline = time.monotonic() + OWNER_WAIT_S
-        while time.monotonic() < deadline:
-            if rec.task_id not in state.read():
-                return True
-            time.sleep(_POLL_S)
-    return False
+    if not rec.owner_alive() or rec.owner_pid == os.getpid():
+        return False
+    # the owner notices its command died and tears down; wait for that
+    deadline = time.monotonic() + OWNER_WAIT_S
+    while rec.task_id in state.read():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_POLL_S)
+    if task_dir is not None and end_due(rec):
+        while not _recorded(task_dir, rec.task_id) and time.monotonic() < deadline:
+            time.sleep(_POLL_S)  # past it: gone all the same, its end is the owner's
+    return True
 
 
-def kill(state: StateFile, s: LauncherSettings, task_id: str, emit: Emit) -> bool | None:
+def _recorded(task_dir: Path, task_id: str) -> bool:
+    return any(e.get("stockade", {}).get("lifecycle") == "record"
+               for e in read_task_events(task_dir, task_id))
+
+
+def kill(state: StateFile, s: LauncherSettings, task_id: str, emit: Emit,
+         task_dir: Path | None = None) -> bool | None:
     """A kill from outside the owner: False when there is no such sandbox, True when it
-    is gone (its owner tore it down and wrote its end), None when nobody did: the caller
-    tears it down and writes the end event (`Launcher.end_orphan`)."""
+    is gone (its owner tore it down; with `task_dir`, also wrote its end and record),
+    None when nobody did: the caller tears it down and writes the end event
+    (`Launcher.end_orphan`)."""
     rec = state.read().get(task_id)
     if rec is None:
         return False
     emit(operator_event(rec, task_id, "kill"))
-    return True if kill_elsewhere(rec, s, state) else None
+    return True if kill_elsewhere(rec, s, state, task_dir) else None
 
 
 def freeze(state: StateFile, s: LauncherSettings, task_id: str, frozen: bool,

@@ -89,8 +89,10 @@ def test_kill_of_a_running_sandbox_loads_no_launcher(lab: Lab, tmp_path: Path) -
     rc, err, mods = _cli("sandbox", "kill", tid, "--config", cfg)
     assert rc == 0, err
     assert not NOT_LOADED & mods
-    # the kill returned once the owner had torn it down: its row is gone already
+    # the kill returned once the owner had torn it down and written its end and its
+    # signed record: the row is gone, both events are there, before its run returned
     assert tid not in lab.launcher.state.read()
+    assert [e["stockade"]["lifecycle"] for e in lab.events(tid)][-2:] == ["end", "record"]
     t.join(timeout=20)
     assert box["result"].ended_by == "killed"
     assert _ends(lab, tid) == ["killed"]
