@@ -120,3 +120,14 @@ def test_loading_the_config_loads_no_event_writer() -> None:
     mods = _loaded("from stockade.config import load_config; load_config(None)")
     assert not _heavy(mods, ("cryptography",))
     assert not {"stockade.events.writer", "stockade.events.chain"} & mods
+
+
+@pytest.mark.parametrize("what", ["import stockade.broker.service",
+                                  "import stockade.gateway.service"])
+def test_component_services_load_vault_and_inspector_libraries_on_use(what: str) -> None:
+    """An embedded stack's broker without a Vault (NoVault) never needs hvac (nor requests
+    under it) or the dev OpenBao rig, and a gateway without inspection never needs
+    mitmproxy: their service modules import them where they are used (issue 17)."""
+    mods = _loaded(what)
+    assert not _heavy(mods, ("hvac", "requests", "mitmproxy")), what
+    assert "stockade.testing.devvault" not in mods, what
