@@ -12,6 +12,7 @@ running (it starts and stops gateway, broker and the dev OpenBao itself).
 
 from __future__ import annotations
 
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -126,15 +127,20 @@ def embedded_run(runs: int, python: str = sys.executable,
         for sub in ("profiles", "apis", "presets", "tests"):
             (tmp / "rules" / sub).mkdir(parents=True)
         (tmp / "rules" / "profiles" / "box.yaml").write_text(BOX)
-        for i in range(runs):
+        for _ in range(runs):
+            # host-wide names of this run alone: another checkout's bench running at the
+            # same time (the machine is shared) removed a table of the same name mid-run
+            sfx = secrets.token_hex(3)
             cfg = tmp / "stockade.yaml"
             cfg.write_text(yaml.safe_dump({
                 "rules_dir": str(tmp / "rules"), "run_dir": str(tmp / "run"),
                 "state_dir": str(tmp / "state"), "log_dir": str(tmp / "log"),
                 "base_port": free_port_block(PORT_SPAN),
-                "launcher": {"nft_table": f"stockade_emb{i}", "name_prefix": "bem",
-                             "cgroup_parent": "stockade_emb", "scratch_dir": str(tmp / "sbx"),
-                             "address_pool": "10.213.220.0/24", "nflog_group": 7389}}))
+                "launcher": {"nft_table": f"stockade_emb{sfx}", "name_prefix": f"b{sfx[:3]}",
+                             "cgroup_parent": f"stockade_emb{sfx}",
+                             "scratch_dir": str(tmp / "sbx"),
+                             "address_pool": f"10.212.{secrets.randbelow(250)}.0/24",
+                             "nflog_group": 7100 + secrets.randbelow(99)}}))
             t0 = time.monotonic()
             subprocess.run([python, "-m", "stockade", "run", "--profile", "box",
                             "--config", str(cfg), "--", "true"], check=True,

@@ -16,7 +16,7 @@ from .denials import Denied
 from .inject import inject
 from .request import RequestError, encode_query
 from .scrub import Patterns
-from .vault import SecretValue, VaultUnavailable
+from .secretvalue import SecretValue, VaultUnavailable
 
 MAX_CACHED = 256
 

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -21,14 +21,18 @@ from stockade.listen import parse_listen
 from stockade.loops import every
 from stockade.tasks import TaskRegistry, make_control_app, start_control_server
 from stockade.tcp import set_congestion_control
-from stockade.testing.devvault import DevOpenBao
 
 from .configview import BrokerConfig
 from .metrics import BrokerMetrics
 from .rules_watch import RulesWatch
+from .secretvalue import NoVault
 from .server import Broker
 from .settings import VaultSettings
-from .vault import NoVault, VaultClient
+
+if TYPE_CHECKING:
+    from stockade.testing.devvault import DevOpenBao
+
+    from .vault import VaultClient
 
 log = logging.getLogger("stockade.broker")
 
@@ -88,11 +92,16 @@ class BrokerService:
         token: str | None = None
         if vs.address is None and not self.dev_vault and not self.config.dev_vault.enabled:
             return NoVault()  # the stack left the Vault out: no grant needs one
+        # here, not at the top: hvac (with requests) is for a broker that has a Vault
+        from .vault import VaultClient
+
         if vs.address is None:
             if not self.dev_vault:
                 raise ValueError("vault.address is not set (or start with a dev OpenBao)")
             # on this (main) thread, not an executor thread: the dev server is tied to the
             # life of the thread that starts it (PDEATHSIG); start-up blocks ~1 s, once
+            from stockade.testing.devvault import DevOpenBao
+
             self.devbao = DevOpenBao().start()
             vs = VaultSettings(address=self.devbao.address, timeout_s=vs.timeout_s)
             token = self.devbao.root_token

@@ -16,7 +16,6 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,6 +23,7 @@ import hvac
 import hvac.exceptions
 from stockade.policy.model import CredentialSource
 
+from .secretvalue import SecretValue, VaultUnavailable
 from .settings import VaultSettings
 from .vault_k8s import KubernetesLoginError, kubernetes_login
 
@@ -31,49 +31,8 @@ log = logging.getLogger("stockade.broker.vault")
 T = TypeVar("T")
 
 
-class VaultUnavailable(Exception):
-    """No usable credential: Vault unreachable/failing past serve-stale, or secret missing.
-
-    `str()` is a fixed phrase; the underlying cause is only its class name in `cause`.
-    """
-
-    code = "vault_unavailable"
-
-    def __init__(self, cause: str = "") -> None:
-        super().__init__("credential store unavailable")
-        self.cause = cause
-
-
 class _Missing(Exception):
     """The secret, its field, or its latest version does not exist (never served stale)."""
-
-
-@dataclass(frozen=True, slots=True)
-class SecretValue:
-    value: str
-    version: int
-    fetched_at: float  # monotonic
-
-    def __repr__(self) -> str:  # a stray log line must not print the value
-        return f"SecretValue(version={self.version}, value=<redacted>)"
-
-
-class NoVault:
-    """The credential source of a broker that has no Vault (`dev_vault.enabled: false`
-    without `vault.address`): nothing to log in to, every read refused. Fail closed: a
-    grant added to the rules later is refused `vault_unavailable`, never served."""
-
-    async def ensure_login(self) -> bool:
-        return False
-
-    async def get(self, cred: Any) -> SecretValue:
-        raise VaultUnavailable("no_vault")
-
-    def status(self) -> dict[str, Any]:
-        return {"vault_up": False, "vault": "none"}
-
-    async def close(self) -> None:
-        return None
 
 
 CacheKey = tuple[str, str, str]

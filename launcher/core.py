@@ -15,7 +15,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +31,7 @@ from .backends import (
     Live,
     StartContext,
     backend_for,
+    launch,
     pooled,
     seccomp_program,
 )
@@ -326,8 +327,10 @@ class Launcher:
         rec, task_id = live.record, live.record.task_id
         if spec.labels:
             self._labels[task_id] = dict(spec.labels)
-        with self._undone_on_error(task_id):
-            a, etc = self._wire(live, limits, profile.name, proxy_env)
+        with self._undone_on_error(task_id):  # a gated tier boots before the fence: launch
+            a, etc = self._wire(live, limits, profile.name, proxy_env, lambda a, etc: launch(
+                backend, live, spec, self._context(a, etc, inputs, limits, profile, self._env(
+                    spec, a.host_ip, proxy=proxy_env, trust=etc.trust_vars))))
             if self.register_tasks:
                 register_task(Task(task_id, a.guest_ip, profile.name,
                               expires_at=rec.started_at + ttl + 5,
@@ -421,15 +424,18 @@ class Launcher:
                                fence.as_dict()))
         return live
 
-    def _wire(self, live: Live, limits: Any, profile: str,
-              proxy: bool) -> tuple[SlotAddresses, rootfs.Etc]:
-        """Cgroups, scratch and /etc, netns and veth (or tap), nft elements."""
+    def _wire(self, live: Live, limits: Any, profile: str, proxy: bool,
+              early: Callable[[SlotAddresses, rootfs.Etc], None] | None = None,
+              ) -> tuple[SlotAddresses, rootfs.Etc]:
+        """Cgroups, scratch and /etc, netns and veth (or tap), `early(a, etc)`, nft elements."""
         rec = live.record
         a = slot_addresses(self.s.address_pool, rec.slot)
         live.backend.create(live, limits, self.s)
         etc = rootfs.prepare(Path(rec.scratch), limits.disk, a.host_ip, self.s, self.config)
         rec.ifindex = netns.create(rec.netns, rec.ifname, a, tap=live.backend.tap)
         self.bypass.ifindex[rec.ifindex] = (rec.task_id, profile)
+        if early is not None:
+            early(a, etc)
         nft.run(nft.element_commands(self.s.nft_table, "add", [wiring(rec, proxy=proxy)]))
         return a, etc
 

@@ -237,6 +237,22 @@ def cpu_limit_hooks(limit_file: str, value: str, shell: str = "/bin/sh") -> dict
                           "env": list(HOOK_ENV), "timeout": HOOK_TIMEOUT_S}]}
 
 
+# The start gate (backends/gvisor.py launch): runsc is started before the launcher has
+# added the sandbox's nft set elements, registered it and proven its fence, so that its
+# Sentry boots meanwhile; this hook, first of the prestart hooks, holds the command until
+# the launcher writes "go" into the FIFO `$1`. Anything else, an EOF (the launcher closed
+# it, or died) or the timeout fails runsc's start: the command never runs unfenced.
+GATE_HOOK_SCRIPT = ('go=; { read -r go || :; } < "$1"; [ "$go" = go ] || '
+                    '{ echo "stockade: the sandbox\'s start was not released" >&2; exit 1; }')
+GATE_TIMEOUT_S = 120  # past the fence self-test's own timeouts under load
+
+
+def start_gate_hook(fifo: str, shell: str = "/bin/sh") -> dict[str, Any]:
+    """The prestart hook that waits for the launcher's "go" on `fifo` (GATE_HOOK_SCRIPT)."""
+    return {"path": shell, "args": ["sh", "-c", GATE_HOOK_SCRIPT, "stockade-start-gate", fifo],
+            "env": list(HOOK_ENV), "timeout": GATE_TIMEOUT_S}
+
+
 def hook_probe_config(stamp: str, shell: str = "/bin/sh") -> dict[str, Any]:
     """probe_config with a prestart hook that creates `stamp`: the installed runsc runs
     prestart hooks (else the CPU limit is put in force when the cgroup is made)."""

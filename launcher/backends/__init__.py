@@ -229,6 +229,14 @@ def pooled(backend: Backend) -> TypeGuard[PooledBackend]:
         getattr(backend, "claim_pooled", None))
 
 
+def launch(backend: Backend, live: Live, spec: SandboxSpec, ctx: StartContext) -> None:
+    """Before the sandbox's fence and registration: a tier whose start can be held at a
+    gate (`launch(live, spec, ctx)` True) starts booting now; `start` releases it."""
+    early = getattr(backend, "launch", None)
+    if callable(early):
+        early(live, spec, ctx)
+
+
 def seccomp_program(python: str, profile: Any) -> bytes:
     """The profile's seccomp program; without one no sandbox starts (fail closed)."""
     try:

@@ -121,6 +121,7 @@ class GvisorBackend(CgroupControl):
         # suspend and resume get only the cgroups (whose parent names the launcher)
         self._settings: dict[str, LauncherSettings] = {}
         self._servers: dict[str, GuestExecServer] = {}  # a session's exec server, by task
+        self._gates: dict[str, int] = {}  # a launched start's gate fd, by task, until teardown
         self._lock = threading.Lock()
 
     def configure(self, s: LauncherSettings) -> None:
@@ -168,9 +169,29 @@ class GvisorBackend(CgroupControl):
         self.configure(s)
         live.cg.create(gvisor.host_limits(limits, s.gvisor), cpu_later=self.cpu_at_hook(s))
 
-    def start(self, live: Live, spec: SandboxSpec, ctx: StartContext) -> None:
-        self._bundle(live, ctx, _first_process(spec), ctx.env)
+    def launch(self, live: Live, spec: SandboxSpec, ctx: StartContext) -> bool:
+        """runsc started before the sandbox is fenced and registered, its command held by
+        the start gate (a prestart hook) until `start` releases it: the Sentry and the
+        gofer boot (~150 ms) while the launcher adds the nft elements, registers the task
+        and runs the fence self-test. False: this runsc runs no prestart hooks, so there is
+        no gate and `start` starts it whole, after those steps."""
+        if not self.cpu_at_hook(ctx.settings):
+            return False
+        fifo, fd = host.open_gate(Path(live.record.scratch))
+        with self._lock:
+            self._gates[live.record.task_id] = fd
+        self._bundle(live, ctx, _first_process(spec), ctx.env, gate=fifo)
         self._run(live, ctx, stdin=spec.stdin is not None)
+        return True
+
+    def start(self, live: Live, spec: SandboxSpec, ctx: StartContext) -> None:
+        with self._lock:
+            gate = self._gates.get(live.record.task_id)
+        if gate is None:
+            self._bundle(live, ctx, _first_process(spec), ctx.env)
+            self._run(live, ctx, stdin=spec.stdin is not None)
+        else:  # launched: the fence holds now, the command may start
+            host.release_gate(gate)
         if spec.session:
             self._await_running(live, ctx.settings)
 
@@ -217,8 +238,9 @@ class GvisorBackend(CgroupControl):
             self._await_running(live, ctx.settings)
 
     def _bundle(self, live: Live, ctx: StartContext, argv: list[str],
-                env: dict[str, str]) -> None:
-        """The OCI bundle of the container tier's plan (`ctx.inputs` staged read-only)."""
+                env: dict[str, str], gate: str | None = None) -> None:
+        """The OCI bundle of the container tier's plan (`ctx.inputs` staged read-only);
+        `gate`: the start gate's FIFO, whose hook runs before the CPU limit's."""
         s, rec = ctx.settings, live.record
         host.netns_sysctls(rec.netns, ctx.congestion_control)
         base = Path(rec.scratch)
@@ -232,6 +254,8 @@ class GvisorBackend(CgroupControl):
                                    ctx.limits.pids, f"/{s.cgroup_parent}/{rec.task_id}")
         if self.cpu_at_hook(s):
             config["hooks"] = gvisor.cpu_limit_hooks(*live.cg.cpu_limit(ctx.limits.cpus))
+            if gate is not None:
+                config["hooks"]["prestart"].insert(0, gvisor.start_gate_hook(gate))
         fd = os.open(base / "config.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(config, f)
@@ -326,6 +350,10 @@ class GvisorBackend(CgroupControl):
         return GuestExecServer(proc, kill_pid, pidfile)
 
     def teardown(self, live: Live) -> None:
+        with self._lock:
+            gate = self._gates.pop(live.record.task_id, None)
+        if gate is not None:  # unreleased, its hook reads EOF and fails the start
+            os.close(gate)
         super().teardown(live)
         with self._lock:
             server = self._servers.pop(live.record.task_id, None)

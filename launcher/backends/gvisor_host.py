@@ -62,6 +62,29 @@ def unstage(base: Path) -> None:
                     break
 
 
+GATE = "start-gate"  # <base>/start-gate: the start gate's FIFO (gvisor.start_gate_hook)
+
+
+def open_gate(base: Path) -> tuple[str, int]:
+    """The start gate's FIFO, root's only, beside the bundle (no mount shows it to the
+    sandbox), and the fd that holds it open read-write: the hook's open never blocks on
+    it, a "go" written before the hook reads stays in the pipe, and closing the fd without
+    one (teardown, or the launcher's death) gives the hook EOF: the start fails."""
+    path = base / GATE
+    try:
+        os.mkfifo(path, 0o600)
+        return str(path), os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as e:
+        raise LauncherError(f"cannot make the gVisor start gate: {e.strerror}") from None
+
+
+def release_gate(fd: int) -> None:
+    try:
+        os.write(fd, b"go\n")
+    except OSError as e:
+        raise LauncherError(f"cannot release the gVisor start gate: {e.strerror}") from None
+
+
 def netns_sysctls(ns: str, congestion_control: str | None) -> None:
     """What sandbox_init.py sets in the container tier, from the host: IPv6 off, ICMP
     sockets for everyone (nft still rejects them), the TCP default. Written in-process:

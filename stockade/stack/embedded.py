@@ -7,6 +7,7 @@ import os
 import select
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,14 +52,16 @@ def current_state(run_dir: Path) -> StackState | None:
     return state
 
 
-def join(config: Config, *, start_timeout: float = 180.0) -> Joined:
+def join(config: Config, *, start_timeout: float = 180.0,
+         while_starting: Callable[[], None] | None = None) -> Joined:
+    """`while_starting`: work of the caller's done while a keeper started here boots."""
     run_dir = Path(config.run_dir)
     with stack_lock(run_dir):
         state = current_state(run_dir)
         if state is None:
             if stack_running(config):
                 return Joined(config, run_dir, None, None)  # started by other means
-            state = _spawn_keeper(config, run_dir, start_timeout)
+            state = _spawn_keeper(config, run_dir, start_timeout, while_starting)
         else:
             _check_same_config(config, state)
         try:
@@ -103,9 +106,11 @@ def write_request(config: Config, run_dir: Path) -> Path:
     return write_private(run_dir / REQUEST_FILE, dump)
 
 
-def _spawn_keeper(config: Config, run_dir: Path, timeout: float) -> StackState:
+def _spawn_keeper(config: Config, run_dir: Path, timeout: float,
+                  while_starting: Callable[[], None] | None) -> StackState:
     """Start the keeper (under the lock) and wait until its stack is ready: the keeper
-    writes one byte on a pipe then (no polling); EOF first means it ended."""
+    writes one byte on a pipe then (no polling); EOF first means it ended. In between,
+    `while_starting` (its time overlaps the keeper's; its errors end the start)."""
     request = write_request(config, run_dir)
     log_path = Path(config.log_dir) / KEEPER_LOG
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -121,6 +126,12 @@ def _spawn_keeper(config: Config, run_dir: Path, timeout: float) -> StackState:
             )
         os.close(ready_w)  # only the keeper holds the write end: its exit is our EOF
         ready_w = -1
+        if while_starting is not None:
+            try:
+                while_starting()
+            except BaseException:
+                _end_keeper(proc)
+                raise
         said = _read_ready(ready_r, timeout)
     finally:
         os.close(ready_r)
@@ -129,13 +140,17 @@ def _spawn_keeper(config: Config, run_dir: Path, timeout: float) -> StackState:
     state = current_state(run_dir) if said else None
     if state is not None and state.owner_pid == proc.pid:
         return state
-    if proc.poll() is None:
-        proc.terminate()  # the keeper stops what it started
-        proc.wait(timeout=60)
+    _end_keeper(proc)
     with open(log_path, "rb") as fh:
         fh.seek(start)
         tail = fh.read().decode(errors="replace")[-2000:]
     raise StackError(f"the embedded stack did not start:\n{tail}")
+
+
+def _end_keeper(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()  # the keeper stops what it started
+        proc.wait(timeout=60)
 
 
 def _read_ready(fd: int, timeout: float) -> bool:

@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -266,14 +266,16 @@ class Stack:
 
 
 @contextlib.contextmanager
-def ensure_stack(config: Config, secrets: Sequence[SecretValue] = ()) -> Iterator[Config]:
+def ensure_stack(config: Config, secrets: Sequence[SecretValue] = (), *,
+                 while_starting: Callable[[], None] | None = None) -> Iterator[Config]:
     """Join the run_dir's stack (shared by concurrent runs, or `stockade up`'s), starting
     one when there is none; the last run out stops a shared one (see stack.shared).
-    `secrets` go into its dev OpenBao (an error when it has none)."""
+    `secrets` go into its dev OpenBao (an error when it has none). `while_starting` runs
+    once the keeper of a stack started here is on its way, before waiting for it."""
     from .embedded import join, leave
 
     try:
-        joined = join(config)
+        joined = join(config, while_starting=while_starting)
     except OSError as e:  # run_dir or log_dir unusable (permissions, a full disk)
         raise StackError(f"cannot start or join the stack in {config.run_dir}: {e}") from None
     try:

@@ -139,3 +139,14 @@ def test_the_sandbox_commands_load_no_launcher_and_no_other_section(
                 "stockade.gateway.settings", "stockade.broker.settings",
                 "stockade.launcher.pools", "stockade.launcher.claim"} & mods
     assert not _heavy(mods, ("aiohttp", "prometheus_client", "mitmproxy", "hvac"))
+
+
+@pytest.mark.parametrize("what", ["import stockade.broker.service",
+                                  "import stockade.gateway.service"])
+def test_component_services_load_vault_and_inspector_libraries_on_use(what: str) -> None:
+    """An embedded stack's broker without a Vault (NoVault) never needs hvac (nor requests
+    under it) or the dev OpenBao rig, and a gateway without inspection never needs
+    mitmproxy: their service modules import them where they are used (issue 17)."""
+    mods = _loaded(what)
+    assert not _heavy(mods, ("hvac", "requests", "mitmproxy")), what
+    assert "stockade.testing.devvault" not in mods, what

@@ -20,7 +20,7 @@ from e2e_leftovers import new_since, snapshot
 from polling import eventually
 
 from stockade.config import load_config
-from stockade.stack.services import stack_running
+from stockade.stack.services import ensure_stack, stack_running
 
 pytestmark = [pytest.mark.netns, pytest.mark.vault, pytest.mark.slow]
 
@@ -173,3 +173,32 @@ def test_a_gateway_that_dies_under_a_shared_stack_is_restarted(
     restarted = [json.loads(line) for line in cfg.events_file.read_text().splitlines()
                  if '"component_restarted"' in line]
     assert [e["stockade"]["service"] for e in restarted] == ["gateway"]
+
+
+@pytest.mark.timeout(300)
+def test_work_while_a_stack_starts_runs_once_and_its_failure_stops_the_keeper(
+        tmp_path: Path, fake_internet) -> None:
+    """`ensure_stack(while_starting=...)` (the run imports its launcher meanwhile): called
+    once by the run that starts the keeper, never by one that joins; when it raises, the
+    error is the caller's and the keeper and its stack are gone."""
+    cfg_path = write_config(tmp_path, instance_config(
+        tmp_path, fake_internet, dev_vault={"enabled": False}))
+    cfg = load_config(cfg_path)
+    calls: list[str] = []
+    with ensure_stack(cfg, while_starting=lambda: calls.append("starter")) as effective:
+        assert stack_running(effective)
+        with ensure_stack(cfg, while_starting=lambda: calls.append("joiner")):
+            pass
+    assert calls == ["starter"]
+    assert not stack_running(cfg)
+
+    def fails() -> None:
+        raise RuntimeError("the launcher's import failed")
+
+    with pytest.raises(RuntimeError, match="import failed"), ensure_stack(
+            cfg, while_starting=fails):
+        raise AssertionError("joined a stack whose start failed")
+    assert not (Path(cfg.run_dir) / "stack.json").exists()
+    eventually(lambda: not stockade_procs(str(tmp_path)), 10, 0.2)
+    assert stockade_procs(str(tmp_path)) == {}
+    assert not stack_running(cfg)

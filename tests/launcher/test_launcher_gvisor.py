@@ -144,7 +144,9 @@ def test_cpu_limit_in_force_once_the_command_runs(lab: Lab) -> None:
         path, value = CgroupSet(s.cgroup_root, s.cgroup_parent, tid).cpu_limit(1.0)
         assert Path(path).read_text().strip() == value  # the gv profile's 1.0 CPU
         config = json.loads(Path(s.scratch_dir, tid, "config.json").read_text())
-        assert config["hooks"] == gvisor.cpu_limit_hooks(path, value)
+        gate, *cpu = config["hooks"]["prestart"]  # the start gate first, then the limit
+        assert gate == gvisor.start_gate_hook(str(Path(s.scratch_dir, tid, "start-gate")))
+        assert cpu == gvisor.cpu_limit_hooks(path, value)["prestart"]
     finally:
         lab.launcher.kill(tid)
         thread.join(30)
@@ -161,6 +163,49 @@ def test_cpu_limit_that_does_not_land_fails_the_start(lab: Lab,
     assert res.exit_code != 0
     assert "the CPU limit 100000 did not land in /dev/null" in res.stderr, res.stderr
     assert_gone(lab, res)
+
+
+def test_start_gate_holds_the_command_until_the_fence_holds(
+        lab: Lab, monkeypatch: pytest.MonkeyPatch) -> None:
+    """runsc boots while the launcher fences and registers the sandbox, but its command
+    waits at the start gate: a start that fails before the release (here: in the fence
+    self-test, seconds after runsc began) never runs the command, and leaves nothing."""
+    held: dict[str, Any] = {}
+    check = lab.launcher.fence.check
+
+    def failing_check(rec: Any, *args: Any, **kw: Any) -> Any:
+        held["task_id"] = rec.task_id
+        # runsc is at its prestart hooks within a second or two (longer under load); it
+        # holds the container's lock meanwhile, so `runsc state`/`ps` would wait: the gate
+        # hook is seen on the host, and the command's witness file in the scratch is not
+        held["waiting"] = eventually(lambda: _gate_hook_waiting(
+            str(Path(lab.launcher.s.scratch_dir, rec.task_id, "start-gate"))), timeout=30)
+        held["ran"] = Path(lab.launcher.s.scratch_dir, rec.task_id, "scratch", "ran").exists()
+        raise gvisor_backend.LauncherError("the fence did not hold (test)")
+
+    monkeypatch.setattr(lab.launcher.fence, "check", failing_check)
+    with pytest.raises(gvisor_backend.LauncherError, match="fence did not hold"):
+        lab.launcher.run(SandboxSpec("gv", ["sh", "-c", "echo ran > /scratch/ran; sleep 30"]),
+                         lab.ruleset)
+    monkeypatch.setattr(lab.launcher.fence, "check", check)
+    tid = held["task_id"]
+    assert held["waiting"] and not held["ran"]
+    s = lab.launcher.s
+    assert not Path(s.scratch_dir, tid).exists()
+    assert tid not in containers(lab) and tid not in runsc_cgroups(lab)
+    assert tid not in leftover_names(s.cgroup_root, s.cgroup_parent)
+    assert lab.launcher.list() == []
+
+
+def _gate_hook_waiting(fifo: str) -> bool:
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path("/proc", pid, "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"stockade-start-gate" in argv and fifo.encode() in argv:
+            return True
+    return False
 
 
 def test_memory_bomb(lab: Lab) -> None:

@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from polling import eventually
 from stockade.launcher import gvisor
 from stockade.launcher.initscript import Bind, InitPlan
 from stockade.launcher.settings import GvisorSettings
@@ -206,6 +207,41 @@ def test_cpu_limit_hook_fails_when_the_limit_does_not_land(tmp_path: Path) -> No
         p = _run_hook(gvisor.cpu_limit_hooks(str(where), value)["prestart"][0])
         assert p.returncode != 0
         assert f"the CPU limit {value} did not land in {where}" in p.stderr
+
+
+def _gate(tmp_path: Path) -> tuple[Path, int]:
+    fifo = tmp_path / "start-gate"
+    os.mkfifo(fifo, 0o600)
+    return fifo, os.open(fifo, os.O_RDWR)  # as the launcher holds it
+
+
+@pytest.mark.parametrize(("written", "ok"), [(b"go\n", True), (b"nope\n", False)])
+def test_start_gate_hook_runs_only_on_go(tmp_path: Path, written: bytes, ok: bool) -> None:
+    fifo, fd = _gate(tmp_path)
+    hook = gvisor.start_gate_hook(str(fifo))
+    assert hook["timeout"] == gvisor.GATE_TIMEOUT_S
+    try:
+        os.write(fd, written)  # before the hook reads: it stays in the pipe
+        p = _run_hook(hook)
+    finally:
+        os.close(fd)
+    assert (p.returncode == 0) is ok, p.stderr
+    assert ok or "start was not released" in p.stderr
+
+
+def test_start_gate_hook_fails_when_the_launcher_closes_it(tmp_path: Path) -> None:
+    """Teardown (or the launcher's death) closes the gate unreleased: the hook waiting on
+    it reads EOF and fails runsc's start."""
+    fifo, fd = _gate(tmp_path)
+    args = list(gvisor.start_gate_hook(str(fifo))["args"])
+    hook = subprocess.Popen(["/bin/sh", *args[1:]], stderr=subprocess.PIPE, text=True)
+    try:
+        assert eventually(lambda: any(os.path.realpath(f"/proc/{hook.pid}/fd/{n}") == str(fifo)
+                                      for n in os.listdir(f"/proc/{hook.pid}/fd")), timeout=10)
+    finally:
+        os.close(fd)
+    _, err = hook.communicate(timeout=10)
+    assert hook.returncode != 0 and "start was not released" in err
 
 
 def test_hook_probe_config_creates_its_stamp(tmp_path: Path) -> None:

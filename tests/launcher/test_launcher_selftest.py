@@ -312,6 +312,36 @@ def test_a_widened_set_element_is_detected(stack: Stack,
     _refused(stack, "exempt_port_elsewhere")
 
 
+def _gvisor_or_skip(stack: Stack) -> None:
+    from stockade.launcher.backends.gvisor import BACKEND
+
+    why = BACKEND.problem(stack.config.launcher)
+    if why is not None:
+        pytest.skip(f"gVisor unavailable: {why}")
+
+
+def test_a_gvisor_fence_is_probed_while_runsc_waits_at_its_gate(
+        stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gVisor's runsc boots behind its start gate while the probes run: a holding fence
+    passes and the command then runs; a broken one (the redirect deleted) refuses the
+    start, its gate never opened, and nothing of the sandbox is left."""
+    _gvisor_or_skip(stack)
+    res = stack.run(["sh", "-c", "echo ran"], profile="agent-gv")
+    assert (res.exit_code, res.stdout.strip()) == (0, "ran"), res.stderr
+    start = next(e for e in read_events(stack.config.events_file)
+                 if e.get("labels", {}).get("task_id") == res.task_id
+                 and e["stockade"].get("lifecycle") == "start")
+    assert start["stockade"]["selftest"]["passed"] is True, start["stockade"]["selftest"]
+    table = stack.config.launcher.nft_table
+
+    def breaks(rec: Any) -> Callable[[], None]:
+        _nft_element("delete", table, nft.SET_IFS, rec.ifname)
+        return lambda: _nft_element("add", table, nft.SET_IFS, rec.ifname)
+
+    _sabotage(monkeypatch, stack, breaks)
+    _refused(stack, "tls_denied_name", "raw_ip", profile="agent-gv")
+
+
 def test_a_microvm_is_probed_from_inside_its_guest(stack: Stack, tmp_path: Path) -> None:
     """The same probes and verdicts as the other tiers, run through the guest's agent
     before the one-shot command; the record carries them."""
