@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,9 +17,9 @@ from . import cgroups, netns, nft, rootfs
 from .backends import NAMES, backend_for, backend_of
 from .deregistration import DEREGISTERING, settle
 from .ending import end_due
+from .operator import cgroup_of
 from .spec import TASK_ID_RE
 from .state import SandboxRecord, StateFile
-from .supervise import kill_marker
 
 if TYPE_CHECKING:  # annotations only
     from .backends import Live
@@ -52,7 +51,7 @@ class Cleaner:
         self.bypass, self.deregister, self.control_sockets = bypass, deregister, control_sockets
 
     def cgroup(self, task_id: str) -> cgroups.CgroupSet:
-        return cgroups.CgroupSet(self.s.cgroup_root, self.s.cgroup_parent, task_id)
+        return cgroup_of(self.s, task_id)
 
     def teardown(self, task_id: str) -> SandboxRecord | None:
         """Idempotent. Returns the record if this call removed it from the state file
@@ -112,20 +111,6 @@ class Cleaner:
                 stored = records[rec.task_id]
                 stored.bypass = count = max(stored.bypass, count)
         return count
-
-    def kill_elsewhere(self, rec: SandboxRecord) -> bool:
-        """Kill another launcher process's sandbox (or a dead one's); True when its owner
-        tore it down meanwhile (else the caller does)."""
-        with contextlib.suppress(OSError):
-            kill_marker(rec.scratch).touch()
-        backend_of(rec, self.s).kill(self.cgroup(rec.task_id), None)
-        if rec.owner_alive() and rec.owner_pid != os.getpid():
-            # the owner notices its command died and tears down; wait for that
-            for _ in range(200):
-                if rec.task_id not in self.state.read():
-                    return True
-                time.sleep(0.01)
-        return False
 
     def remove_table_if_last(self) -> None:
         """The last launcher out removes the table: a one-shot `stockade run` leaves

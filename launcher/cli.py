@@ -44,17 +44,11 @@ def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
     serve.set_defaults(func=_serve)
 
 
-def _launcher(args: argparse.Namespace, command: str) -> Any:
-    from .core import Launcher
-
-    return Launcher(args.config_loader(args.config, command))
-
-
 def _list(args: argparse.Namespace) -> int:
     # the state file is the whole answer: no launcher (event writer, backends) is needed
     from .state import StateFile, state_path
 
-    cfg = args.config_loader(args.config, "sandbox list")
+    cfg = args.config_loader(args.config, "sandbox list", launcher_only=True)
     records = StateFile(state_path(cfg.state_dir, cfg.launcher.nft_table)).read()
     rows = [r.summary() for r in records.values()]
     if args.json:
@@ -72,8 +66,26 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _op(args: argparse.Namespace) -> int:
-    launcher = _launcher(args, f"sandbox {args.op}")
-    ok = getattr(launcher, args.op)(args.task_id)
+    # no Launcher unless the kill must tear down itself: the operator's event and the
+    # sandbox's cgroups are the whole work while its owner runs (launcher/operator.py)
+    from .operator import freeze, kill
+    from .state import StateFile, state_path
+
+    command = f"sandbox {args.op}"
+    # the launcher's and the events' sections are all this reads (a Launcher reads more)
+    cfg = args.config_loader(args.config, command, launcher_only=True)
+    state = StateFile(state_path(cfg.state_dir, cfg.launcher.nft_table))
+    events = cfg.event_writer(stdout=False)
+    if args.op == "kill":
+        ok = kill(state, cfg.launcher, args.task_id, events.write, cfg.task_events_dir)
+        if ok is None:  # its owner is gone or did not answer: this process tears it down
+            from .core import Launcher
+
+            full = args.config_loader(args.config, command)
+            Launcher(full, events=events).end_orphan(args.task_id, "killed")
+            ok = True
+    else:
+        ok = freeze(state, cfg.launcher, args.task_id, args.op == "suspend", events.write)
     if not ok:
         print(f"stockade sandbox {args.op}: no sandbox {args.task_id}", file=sys.stderr)
         return 1

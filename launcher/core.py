@@ -31,7 +31,6 @@ from .backends import (
     Live,
     StartContext,
     backend_for,
-    backend_of,
     launch,
     pooled,
     seccomp_program,
@@ -44,8 +43,9 @@ from .ending import end_due, end_event
 from .environment import exec_env, permitted_congestion_control, port, sandbox_env
 from .fence import Fence
 from .isolation import PROVIDED_ISOLATION, choose_backend, preflight, profile_of
-from .lifecycle import operator_event, start_event
+from .lifecycle import start_event
 from .nflog import LogRecord
+from .operator import freeze, kill_elsewhere, operator_event
 from .poolplan import Shape, shape_of
 from .registration import register as register_task
 from .spec import (
@@ -267,11 +267,8 @@ class Launcher:
             live.backend.kill(live.cg, live.proc)
             return True
         assert rec is not None
-        if self.cleaner.kill_elsewhere(rec):
-            return True
-        gone = self._teardown(task_id)
-        if end_due(gone):  # the owner is gone (or slow): this kill writes the end event
-            self._emit(end_event(gone, ended_by, accounting=self.bypass.end_accounting(gone)))
+        if not kill_elsewhere(rec, self.s, self.state):
+            self.end_orphan(task_id, ended_by)  # the owner is gone (or slow)
         return True
 
     def suspend(self, task_id: str) -> bool:
@@ -281,21 +278,12 @@ class Launcher:
         return self._freeze(task_id, False)
 
     def _freeze(self, task_id: str, frozen: bool) -> bool:
-        rec = self.state.read().get(task_id)
-        if rec is None:
-            return False
-        self._emit(operator_event(rec, task_id, "suspend" if frozen else "resume"))
-        backend, cg = backend_of(rec, self.s), self.cleaner.cgroup(task_id)
-        backend.suspend(cg) if frozen else backend.resume(cg)
-        with self.state.locked() as records:
-            if task_id in records:
-                records[task_id].state = "frozen" if frozen else "running"
-        return True
+        return freeze(self.state, self.s, task_id, frozen, self._emit)
 
     def reconcile(self) -> dict[str, list[str]]:
         """Remove everything of this launcher's naming that no live launcher owns."""
         self._retry_deregistrations()
-        return self.cleaner.reconcile(self._reconcile_orphan)
+        return self.cleaner.reconcile(self.end_orphan)
 
     def _retry_deregistrations(self) -> None:
         retry_pending(self.state, self._deregister)
@@ -305,10 +293,12 @@ class Launcher:
         self.deregister_failures += len(failed)
         return failed
 
-    def _reconcile_orphan(self, task_id: str) -> None:
+    def end_orphan(self, task_id: str, ended_by: EndedBy = "orphaned") -> None:
+        """Tear down a sandbox whose run is gone (reconcile) or did not answer a kill
+        from outside; if this removed its record, nobody else will say it ended."""
         gone = self._teardown(task_id)
-        if end_due(gone):  # its run is gone: nobody else will say it ended
-            self._emit(end_event(gone, "orphaned",
+        if end_due(gone):
+            self._emit(end_event(gone, ended_by,
                                  accounting=self.bypass.end_accounting(gone)))
 
     def denials(self, task_id: str, since: int = 0) -> list[dict[str, Any]]:

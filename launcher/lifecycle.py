@@ -25,15 +25,6 @@ def start_event(rec: SandboxRecord, policy_version: str | None, ttl: float,
     )
 
 
-def operator_event(rec: SandboxRecord | None, task_id: str, what: str) -> dict[str, Any]:
-    """An operator asked to kill, suspend or resume the sandbox."""
-    return make_event(
-        component="launcher", action="sandbox_lifecycle", task_id=task_id,
-        profile=rec.profile if rec else None, source_ip=rec.guest_ip if rec else None,
-        message=f"sandbox {what} requested", extra={"lifecycle": what},
-    )
-
-
 def snapshot_fallback_event(rec: SandboxRecord, why: str) -> dict[str, Any]:
     """A microVM booted cold because its shape's snapshot template could not be used."""
     return make_event(

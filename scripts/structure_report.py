@@ -14,8 +14,8 @@ PACKAGES = {"stockade": "stockade", "policy": "stockade.policy", "gateway": "sto
             "broker": "stockade.broker", "launcher": "stockade.launcher"}  # pyproject package-dir
 COMPONENTS = ("stockade.gateway", "stockade.broker", "stockade.launcher")
 LIBRARY = ("stockade.policy",)  # the rule model: over the ground floor, under the components
-TOP = ("stockade.cli", "stockade.config", "stockade.stack", "stockade.cli_doc",
-       "stockade.config_doc", "stockade.readme_sync", "stockade.__main__")
+TOP = ("stockade.cli", "stockade.config", "stockade.configfile", "stockade.stack",
+       "stockade.cli_doc", "stockade.config_doc", "stockade.readme_sync", "stockade.__main__")
 TESTING = ("stockade.testing",)  # the rigs: the fake internet, the dev OpenBao
 DATA_PATHS = ("stockade.gateway", "stockade.broker", "stockade.launcher", "stockade.net",
               "stockade.events.build", "stockade.policy.decide", "stockade.policy.hosts")

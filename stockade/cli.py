@@ -56,17 +56,25 @@ class CommandFailed(Exception):
 
 
 def config_or_fail(
-    path: str | None, command: str, *, rules_dir: str | None = None, **sections: dict[str, Any]
+    path: str | None, command: str, *, rules_dir: str | None = None,
+    launcher_only: bool = False, **sections: dict[str, Any]
 ) -> Config:
     """`load_config(path)`; an unusable file ends the command: `stockade COMMAND: <error>`,
     exit 2 (the same for every command, so scripts and systemd can rely on it).
 
     Command-line overrides win over the file where given: `rules_dir`, and per section
-    (`broker={"listen": args.listen}`); an unset flag (None, empty) keeps the file's value."""
-    from stockade.config import ConfigError, load_config
+    (`broker={"listen": args.listen}`); an unset flag (None, empty) keeps the file's value.
+    `launcher_only`: a `configfile.LauncherFile` instead (top-level keys, `events` and
+    `launcher` checked, the other sections unread), for commands that read nothing else."""
+    from stockade.configfile import ConfigError, LauncherFile, load_as
 
     try:
-        cfg = load_config(path)
+        if launcher_only:
+            cfg: Any = load_as(LauncherFile, path)
+        else:
+            from stockade.config import load_config
+
+            cfg = load_config(path)
     except ConfigError as e:
         raise CommandFailed(f"stockade {command}: {e}", 2) from None
     updates: dict[str, Any] = {}

@@ -2,47 +2,27 @@
 
 Each component owns the model of its own section (`gateway/settings.py`, ...); this module
 composes them, loads the YAML strictly (unknown keys are errors) and supplies defaults
-for a single-host install. Every key and default is documented in the README.
+for a single-host install. Every key and default is documented in the README. The loading
+itself and the top-level keys are configfile.py's (shared with the launcher's short
+commands, which validate only their own sections).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from stockade.broker.settings import BrokerSettings, DevVaultSettings, VaultSettings
+from stockade.configfile import ConfigError, Shared, load_as
 from stockade.events.settings import EventSettings
 from stockade.gateway.dns.settings import DnsSettings
 from stockade.gateway.settings import GatewaySettings
-from stockade.instance import PORT_SPAN, derive
 from stockade.launcher.settings import LauncherSettings
 from stockade.stack.settings import StackSettings
 
-if TYPE_CHECKING:
-    from stockade.events import EventWriter
+__all__ = ["Config", "ConfigError", "load_config"]
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Config(Strict):
-    rules_dir: str = "rules"  # profiles/, apis/, presets/, tests/ (relative to the cwd)
-    state_dir: str = "/var/lib/stockade"  # task registries, launcher state (survive restarts)
-    log_dir: str = "/var/log/stockade"  # events file and service logs
-    # sockets and per-run files (dev Vault token, the shared stack's lock and leases); the
-    # control sockets default to <run_dir>/gateway.sock, broker.sock, launcher.sock
-    run_dir: str = "/run/stockade"
-    # one base port for a self-contained instance: gateway transparent = base, explicit proxy
-    # = +1, DNS = +2, broker = +3, gateway metrics = +4, broker metrics = +5, dev OpenBao =
-    # +6 (each still overridable); unset: the listeners' own defaults
-    base_port: int | None = Field(None, ge=1, le=65536 - PORT_SPAN)
-    # CA bundle (PEM) trusted for upstream TLS by the gateway's inspection and the broker,
-    # where gateway.inspection.upstream_ca_file / broker.ca_file are unset
-    upstream_ca_file: str | None = None
+class Config(Shared):
     events: EventSettings = EventSettings()
     gateway: GatewaySettings = GatewaySettings()
     dns: DnsSettings = DnsSettings()
@@ -52,77 +32,7 @@ class Config(Strict):
     dev_vault: DevVaultSettings = DevVaultSettings()
     stack: StackSettings = StackSettings()
 
-    @model_validator(mode="before")
-    @classmethod
-    def _derived_defaults(cls, data: Any) -> Any:
-        return derive(data)
-
-    @property
-    def events_file(self) -> Path:
-        return Path(self.events.file) if self.events.file else Path(self.log_dir) / "events.jsonl"
-
-    @property
-    def task_events_dir(self) -> Path:
-        return Path(self.events.task_dir) if self.events.task_dir else Path(self.log_dir) / "tasks"
-
-    def event_writer(self, *, stdout: bool | None = None) -> EventWriter:
-        """The writer every component uses: shared file, throttle, per-task store."""
-        ev = self.events
-        return ev.writer(self.events_file, self.task_events_dir,
-                         ev.stdout if stdout is None else stdout,
-                         probes=self.launcher.selftest.window())
-
-
-class ConfigError(ValueError):
-    pass
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys instead of silently keeping the last."""
-
-
-def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node)
-        if key in seen:
-            m = key_node.start_mark
-            raise ConfigError(f"{m.line + 1}:{m.column + 1}: duplicate key {key!r}")
-        seen.add(key)
-    return loader.construct_mapping(node)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
 
 def load_config(path: str | Path | None) -> Config:
     """Load `stockade.yaml`; None gives the embedded defaults."""
-    if path is None:
-        return Config()
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError(f"{p}: cannot read: {e.strerror}") from None
-    try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # noqa: S506 - SafeLoader subclass
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: invalid YAML: {e}") from None
-    except ConfigError as e:
-        raise ConfigError(f"{p}:{e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: top level must be a mapping")
-    try:
-        return Config.model_validate(data)
-    except ValidationError as e:
-        lines = [
-            f"{p}: {'.'.join(str(x) for x in err['loc'])}: {_message(err)}" for err in e.errors()
-        ]
-        raise ConfigError("\n".join(lines)) from None
-
-
-def _message(err: Any) -> str:
-    # a validator's own ValueError already says what is wrong; drop pydantic's "Value error, "
-    if err["type"] == "value_error" and "error" in err.get("ctx", {}):
-        return str(err["ctx"]["error"])
-    return str(err["msg"])
+    return load_as(Config, path)

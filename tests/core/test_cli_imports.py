@@ -7,6 +7,7 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -120,6 +121,24 @@ def test_loading_the_config_loads_no_event_writer() -> None:
     mods = _loaded("from stockade.config import load_config; load_config(None)")
     assert not _heavy(mods, ("cryptography",))
     assert not {"stockade.events.writer", "stockade.events.chain"} & mods
+
+
+@pytest.mark.parametrize("op", ["kill", "suspend", "list"])
+def test_the_sandbox_commands_load_no_launcher_and_no_other_section(
+        tmp_path: Path, op: str) -> None:
+    """`sandbox kill|suspend|list` (here of an unknown sandbox: the same imports up to
+    the state row) build no Launcher, import no backend and validate only the config's
+    top-level keys, `events` and `launcher` (launcher/operator.py, stockade/configfile.py);
+    tests/launcher/test_operator_cli.py checks a real kill."""
+    cfg = tmp_path / "stockade.yaml"
+    cfg.write_text(f"state_dir: {tmp_path}/state\nlog_dir: {tmp_path}/log\n")
+    argv = ["sandbox", op, *([] if op == "list" else ["0000000000"]), "--config", str(cfg)]
+    mods = _loaded(f"import stockade.cli as c\nrc = c.main({argv!r})\n"
+                   f"assert rc == {0 if op == 'list' else 1}, rc")
+    assert not {"stockade.launcher.core", "stockade.launcher.backends", "stockade.config",
+                "stockade.gateway.settings", "stockade.broker.settings",
+                "stockade.launcher.pools", "stockade.launcher.claim"} & mods
+    assert not _heavy(mods, ("aiohttp", "prometheus_client", "mitmproxy", "hvac"))
 
 
 @pytest.mark.parametrize("what", ["import stockade.broker.service",
