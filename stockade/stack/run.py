@@ -47,11 +47,14 @@ def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
     run.set_defaults(func=_run)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _prepare(args: argparse.Namespace) -> int | tuple[list[str], Any, Any, Any, Any]:
+    """The command, the file's and the effective config, the rules and the secrets, each
+    checked before any service starts; an exit code (2) with the reason on stderr when one
+    is bad."""
     # the modules that define these, not launcher.core: the launcher itself is imported
     # while a stack this run starts boots (ensure_stack's `while_starting`)
     from stockade.launcher.isolation import preflight
-    from stockade.launcher.spec import LauncherError, SandboxSpec
+    from stockade.launcher.spec import LauncherError
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
@@ -72,17 +75,27 @@ def _run(args: argparse.Namespace) -> int:
         print(f"stockade run: {e}", file=sys.stderr)
         return 2
     try:
-        preflight(config.launcher, ruleset, args.profile)  # before any service starts
+        preflight(config.launcher, ruleset, args.profile)
     except LauncherError as e:
         print(f"stockade run: {e}", file=sys.stderr)
         return 2
     from .devsecrets import SecretSpecError, parse_secret_args
 
     try:
-        secrets = parse_secret_args(args.secret)  # before any service starts
+        secrets = parse_secret_args(args.secret)
     except SecretSpecError as e:
         print(f"stockade run: {e}", file=sys.stderr)
         return 2
+    return cmd, file_config, config, ruleset, secrets
+
+
+def _run(args: argparse.Namespace) -> int:
+    prepared = _prepare(args)
+    if isinstance(prepared, int):
+        return prepared
+    cmd, file_config, config, ruleset, secrets = prepared
+    from stockade.launcher.spec import LauncherError, SandboxSpec
+
     spec = SandboxSpec(profile=args.profile, argv=cmd,
                        inputs=[_parse_input(i) for i in args.input],
                        export_dir=args.export, ttl=args.ttl)
