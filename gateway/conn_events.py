@@ -174,6 +174,7 @@ class ConnEvents:
         extra: dict[str, Any] | None = None,
         emit: Emit | None = None,
     ) -> None:
+        conn.decided = True
         profile = conn.task.profile if conn.task else None
         self.counter.count("allowed" if d.allowed else "denied", str(d.reason), profile or "")
         (emit or self.emit)(decision_event(conn, d, dialled, now, extra))
@@ -190,3 +191,16 @@ class ConnEvents:
         self.metrics.bytes_up.inc(relay.bytes_up)
         self.metrics.bytes_down.inc(relay.bytes_down)
         self.emit(close_event(conn, relay, d, dialled, now, ended))
+
+    def cut_short(self, conn: Conn, policy_version: str) -> None:
+        """A task's connection closed before its flow was decided (the task ended while
+        its first bytes were awaited): still one denied decision, so the task's evidence
+        counts every connection it made."""
+        if conn.decided or conn.task is None or conn.close_reason != Reason.TASK_ENDED:
+            return
+        orig = conn.meta.get("orig")
+        port = orig[1] if orig is not None else 0
+        self.decision(conn, FlowDecision(False, Reason.TASK_ENDED, "tcp", port,
+                                         policy_version=policy_version,
+                                         detail="the task ended before the flow was decided"),
+                      None)

@@ -215,6 +215,8 @@ class Gateway:
             log.exception("connection %s: unexpected error", conn.id)
             conn.close_reason = conn.close_reason or "internal_error"
         finally:
+            if started is None:
+                self.events.cut_short(conn, self.rules.current.version)
             self.table.forget(conn)
             with contextlib.suppress(OSError):
                 conn.client.close()

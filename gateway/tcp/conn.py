@@ -37,6 +37,7 @@ class Conn:
     last_activity: float = 0.0
     relaying: bool = False
     close_reason: str | None = None  # a Reason code, or "idle_timeout"
+    decided: bool = False  # its connection_decision was made (written or tallied)
     meta: dict[str, Any] = field(default_factory=dict)
 
     def close(self, reason: str) -> None:

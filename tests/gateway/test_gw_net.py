@@ -605,6 +605,37 @@ def test_deregistration_closes_live_connections(
     assert closes and closes[-1]["event"]["reason"] == "task_ended"
 
 
+MUTE = """
+import json, socket, sys
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
+print(json.dumps({"ready": True}), flush=True)
+print(json.dumps({"closed": s.recv(1) == b""}), flush=True)
+"""
+
+
+def test_a_flow_cut_short_by_its_tasks_end_is_still_decided(
+    gw: GatewayHarness, fresh_ns: ClientNamespace, fake_internet: FakeInternet
+) -> None:
+    # the connection sends nothing: its flow is undecided (awaiting its first bytes, up
+    # to sniff_timeout_s) when the task ends, and must still count as one decision
+    gw.register("t-mute", fresh_ns.address, "web")
+    p = fresh_ns.popen([sys.executable, "-c", MUTE, ip(fake_internet, "allowed.test"), "443"],
+                       stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    assert json.loads(p.stdout.readline())["ready"]
+    time.sleep(0.2)  # accepted and admitted by the gateway (far inside the sniff timeout)
+    gw.control.deregister("t-mute")
+    assert json.loads(p.stdout.readline())["closed"] is True
+    p.wait(timeout=30)
+    ev = newest_event(gw, "connection_decision", 5, labels__task_id="t-mute")
+    assert ev["event"]["reason"] == "task_ended"
+    assert ev["stockade"]["decision"] == "denied"
+    assert ev["destination"]["port"] == 443
+    decisions = [e for e in gw.events() if e["event"]["action"] == "connection_decision"
+                 and e.get("labels", {}).get("task_id") == "t-mute"]
+    assert len(decisions) == 1, decisions
+
+
 def test_expiry_closes_live_connections(
     gw: GatewayHarness, fresh_ns: ClientNamespace, fake_internet: FakeInternet
 ) -> None:
