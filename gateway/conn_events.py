@@ -193,14 +193,17 @@ class ConnEvents:
         self.emit(close_event(conn, relay, d, dialled, now, ended))
 
     def cut_short(self, conn: Conn, policy_version: str) -> None:
-        """A task's connection closed before its flow was decided (the task ended while
-        its first bytes were awaited): still one denied decision, so the task's evidence
-        counts every connection it made."""
-        if conn.decided or conn.task is None or conn.close_reason != Reason.TASK_ENDED:
+        """A task's connection that ended before its flow was decided (the task ended
+        while its first bytes were awaited, or the socket failed first): still one denied
+        decision, so the task's evidence counts every connection it made."""
+        if conn.decided or conn.task is None or conn.close_reason not in (
+                None, Reason.TASK_ENDED):
             return
+        ended = conn.close_reason == Reason.TASK_ENDED
         orig = conn.meta.get("orig")
         port = orig[1] if orig is not None else 0
-        self.decision(conn, FlowDecision(False, Reason.TASK_ENDED, "tcp", port,
-                                         policy_version=policy_version,
-                                         detail="the task ended before the flow was decided"),
-                      None)
+        self.decision(conn, FlowDecision(
+            False, Reason.TASK_ENDED if ended else Reason.PROTOCOL_UNRECOGNISED, "tcp", port,
+            policy_version=policy_version,
+            detail="the task ended before the flow was decided" if ended
+            else "the connection failed before its flow was decided"), None)

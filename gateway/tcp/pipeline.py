@@ -125,6 +125,8 @@ class Pipeline:
         return self._start(conn, task, decision, upstream, dialled, inner)
 
     def _locate(self, conn: Conn) -> None:
+        # the task first: a socket reset before its address is read still has one
+        conn.task = self.registry.by_address(conn.peer[0])
         orig: tuple[str, int] | None = None
         if conn.listener == "transparent":
             orig = original_destination(conn.client)
@@ -133,7 +135,6 @@ class Pipeline:
                 orig = (unmap_ip(local[0]), local[1])
             orig = (unmap_ip(orig[0]), orig[1])
         conn.meta["orig"] = orig
-        conn.task = self.registry.by_address(conn.peer[0])
 
     async def _proxy_head(self, conn: Conn, deadline: float) -> ProxyHead | None:
         sniffed = await self._flight(conn, deadline, http_only=True)
