@@ -199,11 +199,10 @@ class ConnEvents:
         if conn.decided or conn.task is None or conn.close_reason not in (
                 None, Reason.TASK_ENDED):
             return
-        ended = conn.close_reason == Reason.TASK_ENDED
+        reason, detail = ((Reason.TASK_ENDED, "the task ended before the flow was decided")
+                          if conn.close_reason == Reason.TASK_ENDED else
+                          (Reason.PROTOCOL_UNRECOGNISED,
+                           "the connection failed before its flow was decided"))
         orig = conn.meta.get("orig")
-        port = orig[1] if orig is not None else 0
-        self.decision(conn, FlowDecision(
-            False, Reason.TASK_ENDED if ended else Reason.PROTOCOL_UNRECOGNISED, "tcp", port,
-            policy_version=policy_version,
-            detail="the task ended before the flow was decided" if ended
-            else "the connection failed before its flow was decided"), None)
+        self.decision(conn, FlowDecision(False, reason, "tcp", orig[1] if orig else 0,
+                                         policy_version=policy_version, detail=detail), None)
