@@ -76,8 +76,8 @@ class OpenStores:
     the gateway's per-connection path). At most `keep` stay open (the oldest is closed
     first: a gateway's descriptors are its tunnels' budget), a task's is closed at its
     end, and every descriptor is checked at most every `check_s` (one fstat): a file
-    that `sweep` (or anyone) unlinked meanwhile is reopened, so its lines never go to a
-    file nobody can read."""
+    that `sweep` (or anyone) unlinked meanwhile is reopened, so at most `check_s` of its
+    lines go to a file nobody can read (sweep unlinks only stores idle for its retention)."""
 
     def __init__(self, keep: int = 64, check_s: float = 0.5) -> None:
         self.keep = keep
