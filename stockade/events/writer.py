@@ -14,6 +14,8 @@ signed checkpoints follow at intervals.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -171,18 +173,33 @@ class EventWriter:
         return self._fd
 
     def _rotate(self) -> None:
-        assert self.path is not None
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        for i in range(self.backups - 1, 0, -1):
-            src = self.path.with_name(f"{self.path.name}.{i}")
-            if src.exists():
-                src.replace(self.path.with_name(f"{self.path.name}.{i + 1}"))
-        if self.backups > 0:
-            self.path.replace(self.path.with_name(f"{self.path.name}.1"))
-        else:
-            self.path.unlink(missing_ok=True)
+        """Shift the backups and move the full file to `.1`, under the file's own flock:
+        several processes share it, and one that finds another has just rotated it (the
+        path names another file now) leaves it, instead of renaming a backup that moved
+        under it (an event lost) or rotating twice."""
+        assert self.path is not None and self._fd is not None
+        fd, self._fd = self._fd, None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # writers hold it per line (append_line)
+            try:
+                if os.stat(self.path).st_ino != os.fstat(fd).st_ino:
+                    return
+            except FileNotFoundError:
+                return
+            path = self.path
+
+            def backup(i: int) -> Path:
+                return path.with_name(f"{path.name}.{i}")
+
+            for i in range(self.backups - 1, 0, -1):
+                with contextlib.suppress(FileNotFoundError):  # not there (yet): nothing to shift
+                    backup(i).replace(backup(i + 1))
+            if self.backups > 0:
+                self.path.replace(backup(1))
+            else:
+                self.path.unlink(missing_ok=True)
+        finally:
+            os.close(fd)  # the lock goes with it
 
     def write(self, event: Event) -> bool:
         """Write (or, under a throttle, maybe only count) one event; False when lost."""

@@ -1,11 +1,15 @@
 import json
+import multiprocessing
 import os
+from collections import Counter
+from typing import Any
 
 import jsonschema
 import pytest
 from sample_events import broker_call, bypass_attempt, denial, dns_decision
 
 from stockade.events import EventWriter, make_event, read_events, validate
+from stockade.events.taskstore import read_task_events
 
 _denial = denial
 
@@ -129,3 +133,34 @@ def test_two_writers_share_one_file_across_rotation(tmp_path):
     assert len(files) > 2
     seen = [e["labels"]["task_id"] for f in files for e in read_events(f)]
     assert sorted(seen) == sorted(f"t-{i}" for i in range(40))
+
+
+def _race_writer(path: str, task_dir: str, who: int, n: int, start: Any) -> None:
+    w = EventWriter(path, max_bytes=1500, backups=1000, task_dir=task_dir)
+    start.wait()
+    for i in range(n):
+        w.write(_denial(task_id=f"t{who}", rule_id=f"{who}-{i}"))
+    w.close()
+    os._exit(min(w.dropped, 100))  # the parent reads what this writer lost
+
+
+def test_writers_in_processes_rotating_at_once_lose_nothing(tmp_path):
+    """Gateway, DNS firewall, broker and launcher rotate one file from four processes: a
+    rename another one did first is not a lost event, in the file or the task's store."""
+    ctx = multiprocessing.get_context("fork")
+    path, tasks = tmp_path / "events.jsonl", tmp_path / "tasks"
+    start = ctx.Event()
+    procs = [ctx.Process(target=_race_writer, args=(str(path), str(tasks), k, 150, start))
+             for k in range(4)]
+    for p in procs:
+        p.start()
+    start.set()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0, 0]  # no writer dropped an event
+    seen = Counter(e["rule"]["id"] for f in tmp_path.glob("events.jsonl*") for e in read_events(f))
+    want = {f"{k}-{i}" for k in range(4) for i in range(150)}
+    assert set(seen) == want and set(seen.values()) == {1}
+    for k in range(4):
+        stored = [e["rule"]["id"] for e in read_task_events(tasks, f"t{k}")]
+        assert stored == [f"{k}-{i}" for i in range(150)]
