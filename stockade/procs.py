@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 
@@ -16,6 +17,24 @@ def death_guard() -> list[str]:
     PDEATHSIG, then exec); empty where setpriv is missing."""
     setpriv = shutil.which("setpriv")
     return [setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []
+
+
+def wait_guarded(proc: subprocess.Popen[bytes], argv: list[str], timeout: float = 5.0) -> None:
+    """Return once the death guard of `proc` (started as `[*death_guard(), *rest]` in
+    `argv`) holds: setpriv execs the program right after its prctl, so its executable
+    being another one means PDEATHSIG is set. Before that an owner killed at once would
+    orphan the child for good (setpriv never checks that its parent is still there)."""
+    if not argv or Path(argv[0]).name != "setpriv":
+        return
+    guard = os.path.realpath(argv[0])
+    end = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < end:
+        try:
+            if os.readlink(f"/proc/{proc.pid}/exe") != guard:
+                return
+        except OSError:  # gone meanwhile (poll says so next)
+            pass
+        time.sleep(0.0005)  # setpriv's start: a few hundred microseconds
 
 
 def pid_alive(pid: int) -> bool:

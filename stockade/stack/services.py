@@ -21,7 +21,7 @@ from typing import IO, Any
 import yaml
 
 from stockade.config import Config
-from stockade.procs import death_guard, stop_group
+from stockade.procs import death_guard, stop_group, wait_guarded
 from stockade.tasks import ControlClient
 
 from .devsecrets import SecretValue
@@ -46,15 +46,17 @@ class Service:
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = out = open(self.log_path, "ab")  # noqa: SIM115 - child owns it
+        # dies with its owner (up, the keeper, the demo) even when that one is SIGKILLed:
+        # an orphaned gateway would hold the ports and sockets of the next stack
+        argv = [*death_guard(), *self.argv]
         self.proc = subprocess.Popen(
-            # dies with its owner (up, the keeper, the demo) even when that one is SIGKILLed:
-            # an orphaned gateway would hold the ports and sockets of the next stack
-            [*death_guard(), *self.argv],
+            argv,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
             start_new_session=True,  # Ctrl-C reaches us; we stop the children in order
         )
+        wait_guarded(self.proc, argv)
 
     def restart(self) -> None:
         """Start again after the process died (the log file is reopened, appended to)."""

@@ -4,12 +4,15 @@ an orphaned gateway would keep the ports and sockets the next stack needs."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 from polling import eventually
 
+from stockade.stack.services import Service
 from stockade.stack.shared import owner_alive
 
 OWNER = """
@@ -39,3 +42,16 @@ def test_a_service_dies_with_its_sigkilled_owner() -> None:
             owner.wait()
         if child and owner_alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+def test_start_returns_once_the_death_guard_holds() -> None:
+    """setpriv sets PDEATHSIG and then execs the program: a start that returned before
+    would leave a window in which a SIGKILLed owner orphans its child for good."""
+    svc = Service("gateway", ["sleep", "300"], Path("/nonexistent.sock"), None)
+    svc.start()
+    try:
+        assert svc.proc is not None
+        assert os.readlink(f"/proc/{svc.proc.pid}/exe") == os.path.realpath(
+            shutil.which("sleep") or "sleep")
+    finally:
+        svc.stop(timeout=1.0)
