@@ -123,66 +123,18 @@ def table_commands(p: TableParams, existing_sets: frozenset[str] = frozenset()) 
     missing: the kernel marks it dynamic once a rule updates it, and re-adding it with
     the flags JSON can express would then fail.
     """
-    src = {"concat": [_iif(), _payload("ip", "saddr"), _payload("ether", "saddr")]}
-    host_dst = {"concat": [_iif(), _payload("ip", "daddr")]}
-    l4 = {"meta": {"key": "l4proto"}}
-    th_dport = _payload("th", "dport")
-
-    def proxy_rule(chain: str) -> list[Json]:
-        # a member's own host-side address on the explicit proxy port: no redirect (the
-        # listener sees the sandbox's real source and destination), accepted by the guard
-        if p.proxy_port is None:
-            return []
-        return [_rule(p, chain, _match(host_dst, "@" + SET_PROXY),
-                      _match(_payload("tcp", "dport"), p.proxy_port), {"accept": None})]
-
     cmds: list[Json] = [
         {"add": {"table": {"family": "inet", "name": p.table}}},
         # flush only *this* table's rules (sets keep their elements: sandboxes survive reload)
         {"flush": {"table": {"family": "inet", "name": p.table}}},
-        _set(p, SET_IFS, "ifname"),
-        _set(p, SET_SRC, ["ifname", "ipv4_addr", "ether_addr"]),
-        _set(p, SET_HOST, ["ifname", "ipv4_addr"]),
-        _set(p, SET_PROXY, ["ifname", "ipv4_addr"]),
-        *([] if SET_LOG_BUDGET in existing_sets else [
-            {"add": {"set": {"family": "inet", "table": p.table, "name": SET_LOG_BUDGET,
-                             "type": "ifname", "flags": ["timeout"],
-                             "timeout": LOG_BUDGET_TIMEOUT_S, "size": 65536}}}]),
-        *([] if SET_BYPASS_COUNT in existing_sets else [
-            {"add": {"set": {"family": "inet", "table": p.table, "name": SET_BYPASS_COUNT,
-                             "type": "ifname", "flags": ["timeout"],
-                             "timeout": BYPASS_COUNT_TIMEOUT_S, "size": 65536}}}]),
+        *_sets(p, existing_sets),
         _chain(p, "redirect_in", type="nat", hook="prerouting", prio=-100, policy="accept"),
         _chain(p, "guard_in", type="filter", hook="prerouting", prio=-90, policy="accept"),
         _chain(p, "from_sandbox"),
         _chain(p, "forward_guard", type="filter", hook="forward", prio=0, policy="accept"),
-        # -- redirect_in
-        _rule(p, "redirect_in", _match(_iif(), "@" + SET_IFS, "!="), {"return": None}),
-        _rule(p, "redirect_in", _match(host_dst, "@" + SET_HOST),
-              _match(_payload("tcp", "dport"), p.broker_port), {"accept": None}),
-        *proxy_rule("redirect_in"),
-        _rule(p, "redirect_in", _match(l4, {"set": ["tcp", "udp"]}), _match(th_dport, 53),
-              {"redirect": {"port": p.dns_port}}),
-        _rule(p, "redirect_in", _match(l4, "tcp"), {"redirect": {"port": p.transparent_port}}),
-        # -- guard_in
+        *_redirect_rules(p),
         _rule(p, "guard_in", _match(_iif(), "@" + SET_IFS), {"jump": {"target": "from_sandbox"}}),
-        # -- from_sandbox
-        _rule(p, "from_sandbox", _match({"meta": {"key": "nfproto"}}, "ipv6"),
-              *_log(p, PREFIX_IPV6)),
-        _rule(p, "from_sandbox", _match({"meta": {"key": "nfproto"}}, "ipv6"), {"drop": None}),
-        # spoofed: dropped without an answer (the answer would go to the forged address)
-        _rule(p, "from_sandbox", _match(src, "@" + SET_SRC, "!="), *_log(p, PREFIX_SPOOF)),
-        _rule(p, "from_sandbox", _match(src, "@" + SET_SRC, "!="), {"drop": None}),
-        _rule(p, "from_sandbox", _match(host_dst, "@" + SET_HOST),
-              _match(_payload("tcp", "dport"),
-                     {"set": sorted({p.transparent_port, p.dns_port, p.broker_port})}),
-              {"accept": None}),
-        _rule(p, "from_sandbox", _match(host_dst, "@" + SET_HOST),
-              _match(_payload("udp", "dport"), p.dns_port), {"accept": None}),
-        *proxy_rule("from_sandbox"),
-        _rule(p, "from_sandbox", *_log(p, PREFIX_BLOCKED)),
-        _rule(p, "from_sandbox", _match(l4, "tcp"), {"reject": {"type": "tcp reset"}}),
-        _rule(p, "from_sandbox", {"reject": {"type": "icmpx", "expr": "admin-prohibited"}}),
+        *_from_sandbox_rules(p),
         # -- forward_guard: a backstop; guard_in already rejected all of it
         _rule(p, "forward_guard", _match(_iif(), "@" + SET_IFS), *_log(p, PREFIX_FORWARD)),
         _rule(p, "forward_guard", _match(_iif(), "@" + SET_IFS), {"drop": None}),
@@ -190,6 +142,70 @@ def table_commands(p: TableParams, existing_sets: frozenset[str] = frozenset()) 
               {"drop": None}),
     ]
     return {"nftables": cmds}
+
+
+def _sets(p: TableParams, existing_sets: frozenset[str]) -> list[Json]:
+    timed = [(SET_LOG_BUDGET, LOG_BUDGET_TIMEOUT_S), (SET_BYPASS_COUNT, BYPASS_COUNT_TIMEOUT_S)]
+    return [
+        _set(p, SET_IFS, "ifname"),
+        _set(p, SET_SRC, ["ifname", "ipv4_addr", "ether_addr"]),
+        _set(p, SET_HOST, ["ifname", "ipv4_addr"]),
+        _set(p, SET_PROXY, ["ifname", "ipv4_addr"]),
+        *({"add": {"set": {"family": "inet", "table": p.table, "name": name, "type": "ifname",
+                           "flags": ["timeout"], "timeout": timeout, "size": 65536}}}
+          for name, timeout in timed if name not in existing_sets),
+    ]
+
+
+def _host_dst() -> Json:
+    return {"concat": [_iif(), _payload("ip", "daddr")]}
+
+
+def _l4() -> Json:
+    return {"meta": {"key": "l4proto"}}
+
+
+def _proxy_rule(p: TableParams, chain: str) -> list[Json]:
+    # a member's own host-side address on the explicit proxy port: no redirect (the
+    # listener sees the sandbox's real source and destination), accepted by the guard
+    if p.proxy_port is None:
+        return []
+    return [_rule(p, chain, _match(_host_dst(), "@" + SET_PROXY),
+                  _match(_payload("tcp", "dport"), p.proxy_port), {"accept": None})]
+
+
+def _redirect_rules(p: TableParams) -> list[Json]:
+    return [
+        _rule(p, "redirect_in", _match(_iif(), "@" + SET_IFS, "!="), {"return": None}),
+        _rule(p, "redirect_in", _match(_host_dst(), "@" + SET_HOST),
+              _match(_payload("tcp", "dport"), p.broker_port), {"accept": None}),
+        *_proxy_rule(p, "redirect_in"),
+        _rule(p, "redirect_in", _match(_l4(), {"set": ["tcp", "udp"]}),
+              _match(_payload("th", "dport"), 53), {"redirect": {"port": p.dns_port}}),
+        _rule(p, "redirect_in", _match(_l4(), "tcp"), {"redirect": {"port": p.transparent_port}}),
+    ]
+
+
+def _from_sandbox_rules(p: TableParams) -> list[Json]:
+    src = {"concat": [_iif(), _payload("ip", "saddr"), _payload("ether", "saddr")]}
+    v6 = _match({"meta": {"key": "nfproto"}}, "ipv6")
+    return [
+        _rule(p, "from_sandbox", v6, *_log(p, PREFIX_IPV6)),
+        _rule(p, "from_sandbox", v6, {"drop": None}),
+        # spoofed: dropped without an answer (the answer would go to the forged address)
+        _rule(p, "from_sandbox", _match(src, "@" + SET_SRC, "!="), *_log(p, PREFIX_SPOOF)),
+        _rule(p, "from_sandbox", _match(src, "@" + SET_SRC, "!="), {"drop": None}),
+        _rule(p, "from_sandbox", _match(_host_dst(), "@" + SET_HOST),
+              _match(_payload("tcp", "dport"),
+                     {"set": sorted({p.transparent_port, p.dns_port, p.broker_port})}),
+              {"accept": None}),
+        _rule(p, "from_sandbox", _match(_host_dst(), "@" + SET_HOST),
+              _match(_payload("udp", "dport"), p.dns_port), {"accept": None}),
+        *_proxy_rule(p, "from_sandbox"),
+        _rule(p, "from_sandbox", *_log(p, PREFIX_BLOCKED)),
+        _rule(p, "from_sandbox", _match(_l4(), "tcp"), {"reject": {"type": "tcp reset"}}),
+        _rule(p, "from_sandbox", {"reject": {"type": "icmpx", "expr": "admin-prohibited"}}),
+    ]
 
 
 def _elements(table: str, w: Wiring) -> list[tuple[str, list[Any]]]:

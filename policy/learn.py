@@ -65,21 +65,28 @@ def observe(events: Iterable[Event], tasks: set[str] | None, profile: str | None
         if act not in ("connection_decision", "request_decision", "broker_call"):
             continue
         out.tasks.add(task)
-        name = ev.destination(e)
         if not ev.allowed(e):
-            out.denied[name or "?"].add(task)
+            out.denied[ev.destination(e) or "?"].add(task)
         elif act == "connection_decision":
-            target = name or ev.get(e, "destination.ip")
-            port = ev.port(e)
-            if target and port:
-                out.hosts[(target, port)].add(task)
+            _host(out, e, task)
         elif act == "request_decision":
-            method, path = ev.get(e, "http.request.method"), ev.get(e, "url.path")
-            if name and isinstance(method, str) and isinstance(path, str):
-                out.requests[(name, method.upper(), path_glob(path))].add(task)
+            _request(out, e, task)
         else:
             _broker(out, e, task)
     return out
+
+
+def _host(out: Observed, e: Event, task: str) -> None:
+    target, port = ev.destination(e) or ev.get(e, "destination.ip"), ev.port(e)
+    if target and port:
+        out.hosts[(target, port)].add(task)
+
+
+def _request(out: Observed, e: Event, task: str) -> None:
+    name = ev.destination(e)
+    method, path = ev.get(e, "http.request.method"), ev.get(e, "url.path")
+    if name and isinstance(method, str) and isinstance(path, str):
+        out.requests[(name, method.upper(), path_glob(path))].add(task)
 
 
 def _broker(out: Observed, e: Event, task: str) -> None:

@@ -234,14 +234,12 @@ def say(*parts: object) -> None:
 
 
 def run_demo(*, json_out: bool = False, keep_logs: str | None = None) -> int:
-    from stockade.events.view import format_line
-    from stockade.launcher import Launcher, SandboxSpec
+    from stockade.launcher import Launcher
     from stockade.policy import load_rules
     from stockade.testing.testnet import FakeInternet
 
     from .services import Stack
 
-    colour = sys.stdout.isatty() and not json_out
     secret = "demo-key-" + secrets.token_hex(16)
     with _terminate_as_interrupt(), tempfile.TemporaryDirectory(prefix="stockade-demo-") as tmp:
         root = Path(tmp)
@@ -260,64 +258,53 @@ def run_demo(*, json_out: bool = False, keep_logs: str | None = None) -> int:
                 stack.dev_vault.put_secret("stockade/demo-api", "token", secret)  # type: ignore[attr-defined]
                 say("stockade demo: running the agent in a sandbox (profile 'demo')...")
                 with Launcher(cfg) as launcher:
-                    result = launcher.run(
-                        SandboxSpec(
-                            profile="demo",
-                            argv=["/usr/bin/python3", "/input/agent.py"],
-                            inputs=[
-                                (str(AGENT), "/input/agent.py"),
-                                (str(inet.ca_pem), "/input/ca.pem"),
-                            ],
-                            env={
-                                "DEMO_CA": "/input/ca.pem",
-                                "DEMO_DENIED_IP": subst["denied_ip"],
-                                "DEMO_UDP_IP": subst["udp_ip"],
-                                "DEMO_UDP_PORT": str(inet.udp_echo[1]),
-                            },
-                        ),
-                        ruleset=ruleset,
-                    )
+                    result = launcher.run(_agent_spec(inet, subst), ruleset=ruleset)
             finally:
                 stack.stop()
                 if keep_logs:
                     _copy_logs(Path(cfg.log_dir), Path(keep_logs))
-    observations = parse_observations(result.stdout)
-    rows = evaluate(observations, result.denials, secret, result.stdout + result.stderr, subst)
+    rows = evaluate(parse_observations(result.stdout), result.denials, secret,
+                    result.stdout + result.stderr, subst)
     passed = all(r["ok"] for r in rows)
     if json_out:
-        print(
-            json.dumps(
-                {
-                    "ok": passed,
-                    "task_id": result.task_id,
-                    "steps": rows,
-                    "denials": result.denials,
-                    "exit_code": result.exit_code,
-                }
-            )
-        )
+        print(json.dumps({"ok": passed, "task_id": result.task_id, "steps": rows,
+                          "denials": result.denials, "exit_code": result.exit_code}))
     else:
-        print(
-            f"\nStockade demo - task {result.task_id} (profile demo, isolation "
-            f"{ruleset.profiles['demo'].isolation}), "
-            f"sandbox ended by {result.ended_by} in {result.duration_s:.1f}s\n"
-        )
-        print(render(rows, colour))
-        print(f"\nDenial events for this task ({len(result.denials)}):")
-        for ev in result.denials:
-            print("  " + format_line(ev, colour))
-        verdict = "every step behaved as expected" if passed else "SOME STEPS FAILED"
-        print(
-            f"\n{sum(r['ok'] for r in rows)} passed, {sum(not r['ok'] for r in rows)} failed"
-            f" - {verdict}"
-        )
-        if not passed:
-            print(
-                "\nagent stdout/stderr (scrubbed):\n"
-                + result.stdout[-3000:]
-                + result.stderr[-3000:]
-            )
+        _print_report(result, rows, str(ruleset.profiles["demo"].isolation),
+                      sys.stdout.isatty())
     return 0 if passed else 1
+
+
+def _agent_spec(inet: Any, subst: dict[str, str]) -> Any:
+    """The demo agent's sandbox: its script and the fake internet's CA as inputs."""
+    from stockade.launcher import SandboxSpec
+
+    return SandboxSpec(
+        profile="demo",
+        argv=["/usr/bin/python3", "/input/agent.py"],
+        inputs=[(str(AGENT), "/input/agent.py"), (str(inet.ca_pem), "/input/ca.pem")],
+        env={"DEMO_CA": "/input/ca.pem", "DEMO_DENIED_IP": subst["denied_ip"],
+             "DEMO_UDP_IP": subst["udp_ip"], "DEMO_UDP_PORT": str(inet.udp_echo[1])},
+    )
+
+
+def _print_report(result: Any, rows: list[dict[str, Any]], isolation: str,
+                  colour: bool) -> None:
+    from stockade.events.view import format_line
+
+    print(f"\nStockade demo - task {result.task_id} (profile demo, isolation {isolation}), "
+          f"sandbox ended by {result.ended_by} in {result.duration_s:.1f}s\n")
+    print(render(rows, colour))
+    print(f"\nDenial events for this task ({len(result.denials)}):")
+    for ev in result.denials:
+        print("  " + format_line(ev, colour))
+    passed = all(r["ok"] for r in rows)
+    verdict = "every step behaved as expected" if passed else "SOME STEPS FAILED"
+    print(f"\n{sum(r['ok'] for r in rows)} passed, {sum(not r['ok'] for r in rows)} failed"
+          f" - {verdict}")
+    if not passed:
+        print("\nagent stdout/stderr (scrubbed):\n" + result.stdout[-3000:]
+              + result.stderr[-3000:])
 
 
 def _copy_logs(src: Path, dst: Path) -> None:
