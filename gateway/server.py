@@ -95,6 +95,8 @@ class Gateway:
         self._sweeper: asyncio.Task[None] | None = None
         registry.on_removed(self._task_removed)
         self.metrics.track_registry(lambda: len(self.registry))
+        # read when scraped: no gauge update (a lock each) per relayed connection
+        self.metrics.track_live(lambda: self.table.relaying)
 
     @property
     def inspector(self) -> Any:
@@ -198,12 +200,8 @@ class Gateway:
         try:
             started = await self.pipeline.run(conn)
             if started is not None:
-                conn.relaying = True
-                self.metrics.live.inc()
-                try:
-                    await started.relay.run()
-                finally:
-                    self.metrics.live.dec()
+                self.table.relay_started(conn)
+                await started.relay.run()
         except asyncio.CancelledError:
             pass  # closed by deregistration, expiry, idle timeout or shutdown
         except UploadLimit:
