@@ -93,6 +93,7 @@ class Gateway:
         self.bound: dict[Listener, list[tuple[str, int]]] = {"transparent": [], "proxy": []}
         self._servers: list[Listening] = []
         self._sweeper: asyncio.Task[None] | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the one start() runs on
         registry.on_removed(self._task_removed)
         self.metrics.track_registry(lambda: len(self.registry))
         # read when scraped: no gauge update (a lock each) per relayed connection
@@ -115,6 +116,8 @@ class Gateway:
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.pipeline.bind(self.loop)
         for kind, addrs in (
             ("transparent", self.settings.transparent_listen),
             ("proxy", self.settings.proxy_listen),
@@ -137,7 +140,7 @@ class Gateway:
         conn = self.table.open(kind, client, peer)
         # started here, not queued: its head is read, decided and answered in this
         # callback instead of after the rest of the loop iteration (see stockade.eager)
-        conn.handler = start_eagerly(self._handle(conn))
+        conn.handler = start_eagerly(self._handle(conn), self.loop)
 
     async def stop(self) -> None:
         for srv in self._servers:
