@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import resource
 import shutil
@@ -298,16 +299,23 @@ class Bench:
 # -- proxies ------------------------------------------------------------------------------
 
 
-def baseline_tree(tmp: Path, rev: str) -> Path:
+def baseline_tree(tmp: Path, rev: str, n: int = 0) -> Path:
     """Another commit's code as an importable `stockade` package (the repo maps its
-    top-level folders to `stockade.*`; git archive + symlinks rebuild that mapping)."""
-    src = tmp / "baseline-src"
+    top-level folders to `stockade.*`; git archive + symlinks rebuild that mapping);
+    `n` numbers the trees of one run."""
+    suffix = f"-{n}" if n else ""
+    src = tmp / f"baseline-src{suffix}"
     src.mkdir()
     archive = subprocess.run(
         ["git", "-C", str(REPO), "archive", rev], check=True, capture_output=True
     ).stdout
     subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
-    pkg = tmp / "baseline-pkg" / "stockade"
+    # byte-compiled now, as this checkout's installed tree already is: a module first
+    # imported during the samples (on a first event, a first relay) would otherwise be
+    # compiled inside them and charged to the baseline's CPU per connection
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(src)], check=True,
+                   stdout=subprocess.DEVNULL)
+    pkg = tmp / f"baseline-pkg{suffix}" / "stockade"
     pkg.mkdir(parents=True)
     for entry in (src / "stockade").iterdir():
         (pkg / entry.name).symlink_to(entry)
@@ -359,6 +367,12 @@ def spawn_gateway(
         stdout=subprocess.DEVNULL,
         env=env,
         cwd=d if code is not None else None,
+    )
+
+
+def start_baseline(tmp: Path, rev: str, n: int, upstream_port: int) -> Proxy:
+    return start_gateway(
+        tmp, f"gateway @ {rev} (splice)", upstream_port, True, baseline_tree(tmp, rev, n)
     )
 
 
@@ -571,7 +585,10 @@ def main() -> int:
         "--baseline",
         metavar="REV",
         help="also run the gateway as of git revision REV, interleaved with this tree's "
-        "(A/B of a change on a noisy host)",
+        "(A/B of a change on a noisy host); REV,REV2,...: one gateway per revision. "
+        "A baseline runs from an extracted tree, which costs it CPU per connection this "
+        "tree's gateway does not pay: compare revisions as baselines of one run "
+        "(e.g. main,HEAD), not a baseline with this tree's row",
     )
     ap.add_argument(
         "--upstream-cc",
@@ -607,7 +624,7 @@ def main() -> int:
     only = set(args.only.split(",")) if args.only else None
 
     def wanted(key: str) -> bool:
-        return only is None or key in only or (key == "baseline" and bool(args.baseline))
+        return only is None or key in only or key.startswith("baseline")
 
     hello = client_hello("localhost")
     rows: list[dict[str, object]] = []
@@ -624,19 +641,9 @@ def main() -> int:
                     "gateway-copy",
                     lambda: start_gateway(tmp, "stockade gateway (copy loop)", up_port, False),
                 ),
-                (
-                    "baseline",
-                    lambda: (
-                        start_gateway(
-                            tmp,
-                            f"gateway @ {args.baseline} (splice)",
-                            up_port,
-                            True,
-                            baseline_tree(tmp, args.baseline),
-                        )
-                        if args.baseline
-                        else None
-                    ),
+                *(
+                    (f"baseline:{rev}", functools.partial(start_baseline, tmp, rev, i, up_port))
+                    for i, rev in enumerate(args.baseline.split(",") if args.baseline else ())
                 ),
                 ("floor", lambda: start_floor(up_port)),
                 ("mitmproxy", lambda: start_mitmproxy(tmp)),
@@ -654,7 +661,7 @@ def main() -> int:
                         print(f"# {key}: could not start: {e}", file=sys.stderr)
                         continue
                     if proxy is None:
-                        if key != "baseline":
+                        if not key.startswith("baseline"):
                             print(f"# {key}: not installed", file=sys.stderr)
                         continue
                     proxies.append((key, proxy))  # before the warm-up: stopped if it fails

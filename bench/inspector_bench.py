@@ -7,6 +7,12 @@ plus bulk download throughput of each; one run, interleaved rounds.
     .venv/bin/python bench/inspector_bench.py [--requests 300] [--runs 3] [--bytes 128MiB]
         [--baseline REV] [--pyspy PREFIX] [--hog]
 
+`--runs N` rounds, each path once per round in a rotated order; besides the medians the
+table gives each path's requests/s over mitmproxy's *in the same round* (median and
+range over the N rounds) and the median of its per-round p50 minus mitmproxy's: on a
+shared host those paired figures are what a ratio can be read from. `--bytes 0` skips
+the bulk rounds.
+
 Wiring (needs root; `inspect_cost_bench.start_rig`): the fake internet's HTTPS sites
 (aiohttp, HTTP/1.1 only, certificates from its own CA) are the one upstream of every
 path; a sandbox namespace's TCP is redirected to the gateway's transparent listener.
@@ -73,6 +79,7 @@ class Route:
     pid: int | None
     rates: dict[str, list[float]] = field(default_factory=dict)
     lat: dict[str, list[float]] = field(default_factory=dict)
+    p50s: dict[str, list[float]] = field(default_factory=dict)  # each round's p50
     proto: dict[str, str] = field(default_factory=dict)
     cpu: dict[str, float] = field(default_factory=dict)
     bulk: list[float] = field(default_factory=list)
@@ -106,6 +113,7 @@ def requests_round(path: Route, proto: str, n: int) -> None:
     times = [t for _, t, _, _ in reused]
     path.rates.setdefault(proto, []).append(len(times) / sum(times))
     path.lat.setdefault(proto, []).extend(times)
+    path.p50s.setdefault(proto, []).append(statistics.median(times))
     path.proto[proto] = rows[0][0]
 
 
@@ -223,7 +231,7 @@ def main() -> int:
         print("--pyspy needs py-spy: .venv/bin/pip install py-spy", file=sys.stderr)
         return 2
     try:
-        nbytes = parse_size(args.bytes)
+        nbytes = parse_size(args.bytes)  # 0: no bulk rounds
     except ValueError as e:
         print(f"--bytes: {e}", file=sys.stderr)
         return 2
@@ -235,14 +243,28 @@ def main() -> int:
             sample(stack, inspector_pid(paths[2].pid or 0), f"{args.pyspy}-inspector.txt")
             sample(stack, paths[-1].pid or 0, f"{args.pyspy}-mitm.txt")
         stack.enter_context(cpuhog.running(cpuhog.other_core() if args.hog else None))
-        for _ in range(args.runs):  # interleaved: drift on a shared host hits all alike
+        for i in range(args.runs):  # interleaved: drift on a shared host hits all alike
+            order = rotated(paths, i)  # and no path always runs first or last
             for proto in ("http1.1", "http2"):
-                for path in paths:
+                for path in order:
                     requests_round(path, proto, args.requests)
-            for path in paths:
+            for path in order if nbytes else ():
                 bulk_round(path, nbytes)
     print_table(args, nbytes, paths, load_before, time.monotonic() - started)
     return 0
+
+
+def rotated(paths: list[Route], i: int) -> list[Route]:
+    k = i % len(paths)
+    return paths[k:] + paths[:k]
+
+
+def paired(p: Route, mitm: Route, proto: str) -> tuple[list[float], list[float]]:
+    """Round by round against mitmproxy in the same round: (rate ratios, p50 excesses in
+    seconds). A pair shares the round's load, so their spread is the path's own."""
+    ratios = [a / b for a, b in zip(p.rates[proto], mitm.rates[proto], strict=True)]
+    excess = [a - b for a, b in zip(p.p50s[proto], mitm.p50s[proto], strict=True)]
+    return ratios, excess
 
 
 def print_table(
@@ -258,8 +280,9 @@ def print_table(
         f"{args.runs} interleaved rounds, {os.cpu_count()} CPUs"
     )
     head = f"{'path':<26}{'proto':>6}{'req/s':>8}{'p50 ms':>8}{'+p50 ms':>9}{'CPU us/req':>11}"
-    print(head + f"{'vs mitm':>9}")
-    print("-" * (len(head) + 9))
+    tail = f"{'vs mitm':>9}{'rounds vs mitm':>20}{'p50-mitm ms':>12}"
+    print(head + tail)
+    print("-" * (len(head) + len(tail)))
     direct = paths[0]
     mitm = paths[-1]
     for proto in ("http1.1", "http2"):
@@ -269,13 +292,23 @@ def print_table(
             rate = statistics.median(p.rates[proto])
             p50 = statistics.median(p.lat[proto])
             per_req = f"{p.cpu[proto] / (args.requests * args.runs) * 1e6:.0f}" if p.pid else "-"
+            ratios, excess = paired(p, mitm, proto)
+            rounds = f"{statistics.median(ratios):.2f}x {min(ratios):.2f}-{max(ratios):.2f}"
             print(
                 f"{p.label:<26}{p.proto[proto]:>6}{rate:>8.0f}{p50 * 1e3:>8.3f}"
                 f"{(p50 - base) * 1e3:>+9.3f}{per_req:>11}{rate / mitm_rate:>8.2f}x"
+                f"{rounds:>20}{statistics.median(excess) * 1e3:>+12.3f}"
             )
-    print(f"\n{'bulk download':<26}{'MiB/s':>8}{'min-max':>12}{'vs spliced':>11}")
-    bulk_base = statistics.median(paths[1].bulk)
-    for p in paths:
+    print(
+        "(rounds vs mitm: median and range of each round's req/s over mitmproxy's in that "
+        "round; p50-mitm: median of each round's p50 minus mitmproxy's)"
+    )
+    if not nbytes:
+        print("\nbulk download: skipped (--bytes 0)")
+    bulk_base = statistics.median(paths[1].bulk) if nbytes else 0.0
+    if nbytes:
+        print(f"\n{'bulk download':<26}{'MiB/s':>8}{'min-max':>12}{'vs spliced':>11}")
+    for p in paths if nbytes else ():
         med = statistics.median(p.bulk)
         spread = f"{min(p.bulk):.0f}-{max(p.bulk):.0f}"
         print(f"{p.label:<26}{med:>8.0f}{spread:>12}{med / bulk_base:>10.0%}")

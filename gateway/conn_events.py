@@ -124,11 +124,12 @@ class EventBatch:
     def __init__(self) -> None:
         self.pending: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()
         self._handle: asyncio.TimerHandle | asyncio.Handle | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # bound by the gateway's start
 
     def defer(self, fn: Callable[..., None], *args: Any) -> None:
         self.pending.append((fn, args))
         if self._handle is None:
-            loop = asyncio.get_running_loop()
+            loop = self.loop or asyncio.get_running_loop()
             self._handle = loop.call_later(EVENT_DELAY_S, self._slice)
 
     def flush(self) -> None:
@@ -142,7 +143,7 @@ class EventBatch:
         self._handle = None
         self._write(EVENT_SLICE)
         if self.pending:
-            self._handle = asyncio.get_running_loop().call_soon(self._slice)
+            self._handle = (self.loop or asyncio.get_running_loop()).call_soon(self._slice)
 
     def _write(self, limit: int) -> None:
         batch = self.pending

@@ -44,6 +44,9 @@ class GatewayMetrics:
     def track_registry(self, size: Callable[[], int]) -> None:
         self.registry_size.set_function(lambda: float(size()))
 
+    def track_live(self, relaying: Callable[[], int]) -> None:
+        self.live.set_function(lambda: float(relaying()))
+
     def track_dropped(self, dropped: Callable[[], int]) -> None:
         self.events_dropped.set_function(lambda: float(dropped()))
 

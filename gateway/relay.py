@@ -124,7 +124,9 @@ class Relay:
         first: bytes = b"",
         first_sent: int = 0,
         up_limit: int | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
+        self.loop = loop  # the running loop, if the caller has it (else looked up in run)
         self.client = client
         self.upstream = upstream
         # already decided and counted; `first_sent` of it is sent, run() sends the rest
@@ -149,7 +151,7 @@ class Relay:
         future: done when both directions reached EOF (or the upload its limit), failed
         with the first error of either, which stops the other.
         """
-        loop = asyncio.get_running_loop()
+        loop = self.loop or asyncio.get_running_loop()
         finished: asyncio.Future[None] = loop.create_future()
         down = _Pump(self, loop, up=False, finished=finished)
         up = _Pump(self, loop, up=True, finished=finished, seed=self.first)

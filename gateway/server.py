@@ -93,8 +93,11 @@ class Gateway:
         self.bound: dict[Listener, list[tuple[str, int]]] = {"transparent": [], "proxy": []}
         self._servers: list[Listening] = []
         self._sweeper: asyncio.Task[None] | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the one start() runs on
         registry.on_removed(self._task_removed)
         self.metrics.track_registry(lambda: len(self.registry))
+        # read when scraped: no gauge update (a lock each) per relayed connection
+        self.metrics.track_live(lambda: self.table.relaying)
 
     @property
     def inspector(self) -> Any:
@@ -113,6 +116,8 @@ class Gateway:
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.pipeline.bind(self.loop)
         for kind, addrs in (
             ("transparent", self.settings.transparent_listen),
             ("proxy", self.settings.proxy_listen),
@@ -135,7 +140,7 @@ class Gateway:
         conn = self.table.open(kind, client, peer)
         # started here, not queued: its head is read, decided and answered in this
         # callback instead of after the rest of the loop iteration (see stockade.eager)
-        conn.handler = start_eagerly(self._handle(conn))
+        conn.handler = start_eagerly(self._handle(conn), self.loop)
 
     async def stop(self) -> None:
         for srv in self._servers:
@@ -198,12 +203,8 @@ class Gateway:
         try:
             started = await self.pipeline.run(conn)
             if started is not None:
-                conn.relaying = True
-                self.metrics.live.inc()
-                try:
-                    await started.relay.run()
-                finally:
-                    self.metrics.live.dec()
+                self.table.relay_started(conn)
+                await started.relay.run()
         except asyncio.CancelledError:
             pass  # closed by deregistration, expiry, idle timeout or shutdown
         except UploadLimit:

@@ -26,12 +26,16 @@ T = TypeVar("T")
 NATIVE = sys.version_info >= (3, 12)
 
 
-def start_eagerly(coro: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
+def start_eagerly(
+    coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop | None = None
+) -> asyncio.Future[T]:
     """Run `coro` until it first suspends; return a future of its result.
 
     A coroutine that finishes without suspending gets an already-done future (no task).
+    `loop`: the running loop, when the caller has it (on 3.11 asking for it is a
+    getpid(2) each time: CPython checks the loop was not inherited over a fork).
     """
-    loop = asyncio.get_running_loop()
+    loop = loop or asyncio.get_running_loop()
     if NATIVE:
         return asyncio.Task(coro, loop=loop, eager_start=True)  # type: ignore[call-arg]
     try:

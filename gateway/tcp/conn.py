@@ -56,6 +56,7 @@ class ConnTable:
         self.conns: set[Conn] = set()
         self.by_task: dict[str, set[Conn]] = {}
         self.uploaded: dict[str, int] = {}  # task id -> bytes uploaded (all connections)
+        self.relaying = 0  # connections in `conns` whose relay started (the live gauge)
 
     def open(self, kind: Listener, client: socket.socket, peer: tuple[Any, ...]) -> Conn:
         now = time.monotonic()
@@ -71,8 +72,15 @@ class ConnTable:
         group.add(conn)
         return True
 
+    def relay_started(self, conn: Conn) -> None:
+        conn.relaying = True
+        self.relaying += 1
+
     def forget(self, conn: Conn) -> None:
-        self.conns.discard(conn)
+        if conn in self.conns:
+            self.conns.remove(conn)
+            if conn.relaying:
+                self.relaying -= 1
         if conn.task is not None:
             group = self.by_task.get(conn.task.task_id)
             if group is not None:

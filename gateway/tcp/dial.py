@@ -65,6 +65,9 @@ class Dialer:
         self.address_policy = address_policy
         self.resolver = resolver
         self.names = names
+        # the running loop, bound by the gateway's start (asking asyncio for it is a
+        # getpid(2) on 3.11); None: looked up per dial
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     async def checked_dial(self, d: FlowDecision, task: Task, ruleset: RuleSet) -> DialResult:
         """Resolve (names) or check (cidr literals) and connect to a checked address."""
@@ -137,7 +140,7 @@ class Dialer:
     ) -> DialResult:
         """Connect to the first address that accepts. `started`: the socket and
         connect_ex result of a connect to `addresses[0]` already under way."""
-        loop = asyncio.get_running_loop()
+        loop = self.loop or asyncio.get_running_loop()
         for i, ip in enumerate(addresses):
             err: int | None = None
             if i == 0 and started is not None:

@@ -90,9 +90,15 @@ class FirstFlight:
         return self.out
 
 
-async def read_first_flight(sock: socket.socket, deadline: float, flight: FirstFlight) -> Sniffed:
-    """Read from `sock` into `flight` until it has a result or `deadline` passes."""
-    loop = asyncio.get_running_loop()
+async def read_first_flight(
+    sock: socket.socket,
+    deadline: float,
+    flight: FirstFlight,
+    loop: asyncio.AbstractEventLoop | None = None,
+) -> Sniffed:
+    """Read from `sock` into `flight` until it has a result or `deadline` passes
+    (`loop`: the running loop, if the caller has it)."""
+    loop = loop or asyncio.get_running_loop()
     done = flight.begin()
     while done is None:
         if deadline - loop.time() <= 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Callable
 
@@ -32,6 +33,7 @@ def make_relay(
     first: tuple[bytes, int, int | None],
     count_up: Callable[[int], bool],
     pool: PipePool | None,
+    loop: asyncio.AbstractEventLoop | None = None,
 ) -> Relay:
     """`first`: (the first bytes, how many of them are sent already, the upload cap)."""
     data, sent, up_limit = first
@@ -44,4 +46,5 @@ def make_relay(
         first=data,
         first_sent=sent,
         up_limit=up_limit,
+        loop=loop,
     )

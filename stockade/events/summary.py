@@ -109,14 +109,21 @@ def task_of(ev: Event) -> str | None:
 
 
 def key_of(ev: Event) -> Key:
-    dst = _get(ev, "destination", "domain") or _get(ev, "destination", "ip") or ""
+    # each part looked up once (not through _get): this runs for every event offered
+    e, st, d = ev.get("event"), ev.get("stockade"), ev.get("destination")
+    e = e if isinstance(e, dict) else _NONE
+    st = st if isinstance(st, dict) else _NONE
+    d = d if isinstance(d, dict) else _NONE
     return (
-        str(_get(ev, "stockade", "component") or ""),
-        str(_get(ev, "event", "action") or ""),
-        str(_get(ev, "stockade", "decision") or "none"),
-        str(_get(ev, "event", "reason") or ""),
-        str(dst),
+        str(st.get("component") or ""),
+        str(e.get("action") or ""),
+        str(st.get("decision") or "none"),
+        str(e.get("reason") or ""),
+        str(d.get("domain") or d.get("ip") or ""),
     )
+
+
+_NONE: dict[str, Any] = {}  # a missing part (never written to)
 
 
 def is_probe(ev: Event) -> bool:
@@ -158,8 +165,7 @@ class EventThrottle:
             t = self._tasks[task_id] = _TaskState(profile=profile, first=now)
         return t
 
-    def _key(self, t: _TaskState, ev: Event) -> _KeyState:
-        k = key_of(ev)
+    def _key(self, t: _TaskState, k: Key) -> _KeyState:
         ks = t.keys.get(k)
         if ks is None:
             if len(t.keys) >= self.s.keys_per_task:
@@ -178,24 +184,26 @@ class EventThrottle:
         """True: write `ev` verbatim (and its `size` bytes are charged to its task);
         False: it was counted into a summary."""
         task_id = task_of(ev)
-        if task_id is None or _get(ev, "event", "action") in EXEMPT_ACTIONS:
+        if task_id is None:
+            return True
+        k = key_of(ev)  # once: every check and count below reads it
+        if k[1] in EXEMPT_ACTIONS:
             return True
         t = self._task(task_id, _get(ev, "labels", "profile"), now)
         if t.probes < PROBE_EVENTS and self._probe(t, ev, now):
             t.probes += 1
-            self._charge(t, ev, size, written=True, spend=False)
+            self._charge(t, k, size, written=True, spend=False)
             return True
         over = t.events >= self.s.task_events or t.bytes + size > self.s.task_bytes
-        denied = _get(ev, "stockade", "decision") == "denied"
-        if (not over and not denied) or _carries_a_count(ev):
-            self._charge(t, ev, size, written=True)
+        if (not over and k[2] != "denied") or _carries_a_count(ev):
+            self._charge(t, k, size, written=True)
             return True
-        ks = self._key(t, ev)
+        ks = self._key(t, k)
         if not over and ks.verbatim < self.s.verbatim_per_key:
             ks.verbatim += 1
-            self._charge(t, ev, size, written=True)
+            self._charge(t, k, size, written=True)
             return True
-        self._count(t, ks, ev, now, budget=over)
+        self._count(t, ks, k, now, budget=over)
         return False
 
     def tally(self, ev: Event, now: float) -> None:
@@ -205,8 +213,8 @@ class EventThrottle:
         if task_id is None:
             return
         t = self._task(task_id, _get(ev, "labels", "profile"), now)
-        ks = self._key(t, ev)
-        self._count(t, ks, ev, now, budget=False)
+        k = key_of(ev)
+        self._count(t, self._key(t, k), k, now, budget=False)
 
     def _probe(self, t: _TaskState, ev: Event, now: float) -> bool:
         """`ev` is one of the task's self-test events: it names a marker, or it is the
@@ -222,19 +230,18 @@ class EventThrottle:
         t.unmarked.add(kind)
         return True
 
-    def _charge(self, t: _TaskState, ev: Event, size: int, *, written: bool,
+    def _charge(self, t: _TaskState, k: Key, size: int, *, written: bool,
                 spend: bool = True) -> None:
         if written and spend:
             t.events += 1
             t.bytes += size
-        k = key_of(ev)
         tk = (k[0], k[2], k[3])
         if tk not in t.totals and len(t.totals) >= TOTALS_ROWS:
             tk = (k[0], k[2], OVERFLOW)  # bounded even if reasons were not a small set
         row = t.totals.setdefault(tk, [0, 0])
         row[0 if written else 1] += 1
 
-    def _count(self, t: _TaskState, ks: _KeyState, ev: Event, now: float, *, budget: bool) -> None:
+    def _count(self, t: _TaskState, ks: _KeyState, k: Key, now: float, *, budget: bool) -> None:
         w = ks.window
         if w is None:
             w = ks.window = _Window(first=now)
@@ -244,7 +251,7 @@ class EventThrottle:
         w.count += 1
         w.last = now
         w.budget = w.budget or budget
-        self._charge(t, ev, 0, written=False)
+        self._charge(t, k, 0, written=False)
 
     def due(self, now: float) -> list[Event]:
         """Summaries of windows that have ended (cheap when none has)."""

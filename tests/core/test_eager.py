@@ -149,3 +149,20 @@ def test_socket_waits_work_after_an_eager_start(run: Runner) -> None:
             b.close()
 
     run(main())
+
+
+def test_start_eagerly_on_a_loop_passed_in() -> None:
+    """The caller's loop (the gateway keeps it) serves as the running one."""
+
+    async def main() -> None:
+        gate: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        async def coro() -> int:
+            return await gate + 1
+
+        fut = start_eagerly(coro(), asyncio.get_running_loop())
+        assert not fut.done()
+        gate.set_result(41)
+        assert await fut == 42
+
+    asyncio.run(main())

@@ -255,3 +255,17 @@ def test_a_components_own_summary_keeps_its_count() -> None:
     (totals,) = [e for e in th.end_task("t1", 2.0) if e["event"]["action"] == "event_totals"]
     rows = {r["reason"]: r for r in totals["stockade"]["totals"]["by"]}
     assert rows["name_budget_exceeded"]["written"] == 3
+
+
+def test_key_of_reads_each_part_once_and_tolerates_missing_or_odd_parts() -> None:
+    from stockade.events.summary import key_of
+
+    ev = {"event": {"action": "connection_decision", "reason": "no_matching_rule"},
+          "stockade": {"component": "gateway", "decision": "denied"},
+          "destination": {"ip": "192.0.2.1"}}
+    assert key_of(ev) == ("gateway", "connection_decision", "denied", "no_matching_rule",
+                          "192.0.2.1")
+    ev["destination"] = {"domain": "a.test", "ip": "192.0.2.1"}  # the name wins
+    assert key_of(ev)[4] == "a.test"
+    # parts that are missing or not objects read as empty, never raise
+    assert key_of({"event": "x", "stockade": None}) == ("", "", "none", "", "")

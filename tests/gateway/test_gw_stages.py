@@ -236,11 +236,16 @@ def test_conn_table_limit_upload_cap_and_idle() -> None:
         assert table.admit(c1, task, 1)  # type: ignore[arg-type]
         assert not table.admit(c2, task, 1)  # type: ignore[arg-type]
         assert table.count_up(task, 10) and not table.count_up(task, 1)  # type: ignore[arg-type]
-        c1.relaying, c1.last_activity = True, 0.0
+        table.relay_started(c1)
+        c1.last_activity = 0.0
+        assert c1.relaying and table.relaying == 1
         table.close_idle(1.0)
         assert c1.close_reason == IDLE_TIMEOUT and c2.close_reason is None
         table.forget(c1)
         assert "t1" not in table.by_task and table.conns == {c2}
+        table.forget(c1)  # forgotten twice (a handler's finally after a close): counted once
+        table.forget(c2)  # never relayed: not in the live count
+        assert table.relaying == 0 and not table.conns
     finally:
         a.close()
         b.close()
