@@ -192,7 +192,7 @@ def _name_attempt(form: str, ip: str, port: int, name: str) -> str:
             sock.sendall(f"GET / HTTP/1.1\r\nHost: {name}\r\nConnection: close\r\n\r\n".encode())
         else:
             sock.sendall(f"CONNECT {name}:443 HTTP/1.1\r\nHost: {name}:443\r\n\r\n".encode())
-        head = _read_head(sock)
+        head = read_head(sock)
         lines = head.split(b"\r\n")
         for line in lines:
             if line.lower().startswith(b"x-stockade-deny:"):
@@ -213,7 +213,7 @@ def _name_attempt(form: str, ip: str, port: int, name: str) -> str:
         sock.close()
 
 
-def _read_head(sock: socket.socket) -> bytes:
+def read_head(sock: socket.socket) -> bytes:
     """An HTTP response head (or what came before the peer closed: b"" for nothing)."""
     head = b""
     while b"\r\n\r\n" not in head:
@@ -257,12 +257,7 @@ def main(argv: list[str]) -> dict[str, object]:
         ip, port, authority, sni = argv[1], int(argv[2]), argv[3], argv[4]
         sock = socket.create_connection((ip, port), timeout=10)
         sock.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
-        head = b""
-        while b"\r\n\r\n" not in head:
-            chunk = sock.recv(4096)
-            if not chunk:
-                break
-            head += chunk
+        head = read_head(sock)
         status = head.split(b"\r\n", 1)[0].decode("latin-1")
         if " 200 " not in status + " ":
             return {"connect": status, "body": head.decode("latin-1")}
@@ -311,6 +306,10 @@ def main(argv: list[str]) -> dict[str, object]:
         sock = socket.create_connection((ip, port), timeout=20)
         sock.sendall(prefix)
         return {"received": _recv_all(sock).hex(), "closed": True}
+    if cmd == "mute":  # mute IP PORT -> connect, report, send nothing, wait for close
+        sock = socket.create_connection((argv[1], int(argv[2])), timeout=30)
+        print(json.dumps({"ready": True}), flush=True)
+        return {"closed": sock.recv(1) == b""}
     if cmd == "hold":  # hold IP PORT SNI -> open a TLS tunnel, report, wait for close
         ip, port, sni = argv[1], int(argv[2]), argv[3]
         sock = socket.create_connection((ip, port), timeout=10)
