@@ -195,15 +195,23 @@ class ConnEvents:
 
     def cut_short(self, conn: Conn, policy_version: str) -> None:
         """A task's connection that ended before its flow was decided (the task ended
-        while its first bytes were awaited, or the socket failed first): still one denied
-        decision, so the task's evidence counts every connection it made."""
-        if conn.decided or conn.task is None or conn.close_reason not in (
-                None, Reason.TASK_ENDED):
+        while its first bytes were awaited or its connection was still queued, the socket
+        failed first, or a bug ended it): still one denied decision, so the task's
+        evidence counts every connection it made. Shutdown closes are left undecided."""
+        if conn.decided or conn.task is None:
             return
-        reason, detail = ((Reason.TASK_ENDED, "the task ended before the flow was decided")
-                          if conn.close_reason == Reason.TASK_ENDED else
-                          (Reason.PROTOCOL_UNRECOGNISED,
-                           "the connection failed before its flow was decided"))
+        why = _CUT_SHORT.get(conn.close_reason)
+        if why is None:
+            return
         orig = conn.meta.get("orig")
-        self.decision(conn, FlowDecision(False, reason, "tcp", orig[1] if orig else 0,
-                                         policy_version=policy_version, detail=detail), None)
+        self.decision(conn, FlowDecision(False, why[0], "tcp", orig[1] if orig else 0,
+                                         policy_version=policy_version, detail=why[1]), None)
+
+
+# close reason -> (the decision's reason, its detail) for a connection cut short
+_CUT_SHORT: dict[str | None, tuple[Reason, str]] = {
+    None: (Reason.PROTOCOL_UNRECOGNISED, "the connection failed before its flow was decided"),
+    Reason.TASK_ENDED: (Reason.TASK_ENDED, "the task ended before the flow was decided"),
+    Reason.INTERNAL_ERROR: (
+        Reason.INTERNAL_ERROR, "an internal error ended the connection before its decision"),
+}

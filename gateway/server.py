@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import time
@@ -41,11 +42,11 @@ from .metrics import GatewayMetrics
 from .name_refusals import name_budget_summaries
 from .relay import PipePool, UploadLimit, splice_works
 from .settings import GatewaySettings
-from .tcp.conn import SHUTDOWN, Conn, ConnTable
+from .tcp.conn import SHUTDOWN, Conn, ConnTable, unmap_ip
 from .tcp.dial import Dialer
-from .tcp.listener import Listening, accept_burst, open_listener
+from .tcp.listener import BACKLOG, Listening, accept_burst, open_listener
 from .tcp.names import NameGate
-from .tcp.pipeline import Pipeline, Started
+from .tcp.pipeline import Pipeline, Started, locate_destination
 
 __all__ = ["Gateway", "parse_listen"]  # service.py takes parse_listen from here
 log = logging.getLogger("stockade.gateway")
@@ -129,10 +130,10 @@ class Gateway:
     def _listen(self, kind: Listener, addr: str) -> None:
         sock = open_listener(kind, addr, self.settings)
         self.bound[kind].append(sock.getsockname()[:2])
-        listening = Listening(sock, asyncio.get_running_loop())
+        listening = Listening(kind, sock, asyncio.get_running_loop())
         # accepting from a reader callback (not a task awaiting sock_accept) saves one
         # event-loop round per connection, and drains a burst of connections at once
-        listening.start(lambda: accept_burst(kind, listening, self._spawn))
+        listening.start(lambda: accept_burst(listening, self._spawn))
         self._servers.append(listening)
 
     def _spawn(self, kind: Listener, client: socket.socket, peer: tuple[Any, ...]) -> None:
@@ -174,6 +175,10 @@ class Gateway:
 
     # -- task lifecycle --------------------------------------------------------------
     def _task_removed(self, task: Task) -> None:
+        # the sandbox's connections still in a listen queue are its flows too: accepted
+        # now, while the ended task is at hand (the registry has forgotten its address)
+        for listening in self._servers:
+            accept_burst(listening, functools.partial(self._queued, task), BACKLOG)
         self.table.close_task(task.task_id, Reason.TASK_ENDED)
         for ev in name_budget_summaries(self.guards, task):
             self.emit(ev)
@@ -197,6 +202,24 @@ class Gateway:
         if await asyncio.to_thread(self.rules.changed):
             self.rules.reload("file_change")
 
+    def _queued(
+        self, ended: Task, kind: Listener, client: socket.socket, peer: tuple[Any, ...]
+    ) -> None:
+        """A connection accepted at `ended`'s end: the ended task's is decided
+        `task_ended` at once; another task's is handled as usual, from the loop (not
+        inside the registry's removal)."""
+        if unmap_ip(peer[0]) != ended.address:
+            self._servers[0].loop.call_soon(self._spawn, kind, client, peer)
+            return
+        conn = self.table.open(kind, client, peer)
+        conn.task, conn.close_reason = ended, Reason.TASK_ENDED
+        with contextlib.suppress(OSError):  # reset meanwhile: decided without its port
+            locate_destination(conn)
+        self.events.cut_short(conn, self.rules.current.version)
+        self.table.forget(conn)
+        with contextlib.suppress(OSError):
+            client.close()
+
     # -- one connection --------------------------------------------------------------
     async def _handle(self, conn: Conn) -> None:
         started: Started | None = None
@@ -214,7 +237,7 @@ class Gateway:
         except Exception:
             # a bug must not take the listener down; the connection closes (fail closed)
             log.exception("connection %s: unexpected error", conn.id)
-            conn.close_reason = conn.close_reason or "internal_error"
+            conn.close_reason = conn.close_reason or Reason.INTERNAL_ERROR
         finally:
             if started is None:
                 self.events.cut_short(conn, self.rules.current.version)

@@ -55,6 +55,8 @@ class ConnTable:
         self.rules = rules
         self.conns: set[Conn] = set()
         self.by_task: dict[str, set[Conn]] = {}
+        # refused over the limit but still the task's until decided: its end closes them
+        self.over_limit: dict[str, set[Conn]] = {}
         self.uploaded: dict[str, int] = {}  # task id -> bytes uploaded (all connections)
         self.relaying = 0  # connections in `conns` whose relay started (the live gauge)
 
@@ -68,6 +70,7 @@ class ConnTable:
         """Count `conn` against its task's connection limit; False: over it."""
         group = self.by_task.setdefault(task.task_id, set())
         if len(group) >= limit:
+            self.over_limit.setdefault(task.task_id, set()).add(conn)
             return False
         group.add(conn)
         return True
@@ -82,11 +85,12 @@ class ConnTable:
             if conn.relaying:
                 self.relaying -= 1
         if conn.task is not None:
-            group = self.by_task.get(conn.task.task_id)
-            if group is not None:
-                group.discard(conn)
-                if not group:
-                    del self.by_task[conn.task.task_id]
+            for groups in (self.by_task, self.over_limit):
+                group = groups.get(conn.task.task_id)
+                if group is not None:
+                    group.discard(conn)
+                    if not group:
+                        del groups[conn.task.task_id]
 
     def count_up(self, task: Task, n: int) -> bool:
         """Add `n` uploaded bytes to the task's total; False: past its egress cap (read
@@ -99,7 +103,7 @@ class ConnTable:
         return used <= cap
 
     def close_task(self, task_id: str, reason: str) -> None:
-        for conn in list(self.by_task.get(task_id, ())):
+        for conn in [*self.by_task.get(task_id, ()), *self.over_limit.get(task_id, ())]:
             conn.close(reason)
         self.uploaded.pop(task_id, None)
 

@@ -18,6 +18,7 @@ from ..settings import GatewaySettings
 
 log = logging.getLogger("stockade.gateway")
 ACCEPT_BATCH = 64  # connections accepted per readiness callback before yielding
+BACKLOG = 4096  # the listen queue (the kernel caps it at net.core.somaxconn)
 OnAccept = Callable[[Listener, socket.socket, tuple[Any, ...]], None]
 
 
@@ -49,28 +50,33 @@ def open_listener(kind: Listener, addr: str, settings: GatewaySettings) -> socke
     )
     # accepted sockets inherit it (Linux): one setsockopt per listener, not per connection
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.listen(4096)
+    sock.listen(BACKLOG)
     sock.setblocking(False)
     return sock
 
 
-def accept_burst(kind: Listener, listening: Listening, on_accept: OnAccept) -> None:
-    """Accept up to ACCEPT_BATCH pending connections, handing each to `on_accept`."""
-    for _ in range(ACCEPT_BATCH):
+def accept_burst(listening: Listening, on_accept: OnAccept, limit: int = ACCEPT_BATCH) -> None:
+    """Accept up to `limit` pending connections, handing each to `on_accept`."""
+    for _ in range(limit):
         try:
             client, peer = listening.sock.accept()
         except (BlockingIOError, InterruptedError):
             return
+        except ConnectionAbortedError:
+            continue  # reset before it was accepted: no socket left to decide
         except OSError:
             listening.pause(0.05)  # EMFILE and friends: back off, keep serving
             return
-        on_accept(kind, client, peer)
+        on_accept(listening.kind, client, peer)
 
 
 class Listening:
     """A listening socket and its reader callback (what `stop()` closes)."""
 
-    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, kind: Listener, sock: socket.socket, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self.kind = kind
         self.sock = sock
         self.loop = loop
         self.on_ready: Callable[[], None] | None = None
@@ -85,13 +91,16 @@ class Listening:
         """Stop accepting for a while (out of descriptors): a level-triggered reader
         would otherwise spin on the pending connection."""
         self.loop.remove_reader(self.sock.fileno())
+        if self._resume is not None:
+            self._resume.cancel()
+        self._resume = self.loop.call_later(seconds, self.resume)
 
-        def resume() -> None:
+    def resume(self) -> None:
+        if self._resume is not None:
+            self._resume.cancel()
             self._resume = None
-            if not self.closed and self.on_ready is not None:
-                self.loop.add_reader(self.sock.fileno(), self.on_ready)
-
-        self._resume = self.loop.call_later(seconds, resume)
+        if not self.closed and self.on_ready is not None:
+            self.loop.add_reader(self.sock.fileno(), self.on_ready)
 
     def close(self) -> None:
         if self.closed:

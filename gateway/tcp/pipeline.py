@@ -135,14 +135,7 @@ class Pipeline:
     def _locate(self, conn: Conn) -> None:
         # the task first: a socket reset before its address is read still has one
         conn.task = self.registry.by_address(conn.peer[0])
-        orig: tuple[str, int] | None = None
-        if conn.listener == "transparent":
-            orig = original_destination(conn.client)
-            if orig is None:
-                local = conn.client.getsockname()
-                orig = (unmap_ip(local[0]), local[1])
-            orig = (unmap_ip(orig[0]), orig[1])
-        conn.meta["orig"] = orig
+        locate_destination(conn)
 
     async def _proxy_head(self, conn: Conn, deadline: float) -> ProxyHead | None:
         sniffed = await self._flight(conn, deadline, http_only=True)
@@ -320,3 +313,16 @@ class Pipeline:
         """The one exit of a refused connection: its event, then its refusal."""
         self.events.decision(conn, d, None, extra=extra, emit=None if log else self.events.tally)
         await refuse(conn, d.reason, d.rule_id, d.protocol, status)
+
+
+def locate_destination(conn: Conn) -> None:
+    """The transparent connection's original destination (None for the proxy's) into
+    `conn.meta["orig"]`. OSError: the socket failed first."""
+    orig: tuple[str, int] | None = None
+    if conn.listener == "transparent":
+        orig = original_destination(conn.client)
+        if orig is None:
+            local = conn.client.getsockname()
+            orig = (unmap_ip(local[0]), local[1])
+        orig = (unmap_ip(orig[0]), orig[1])
+    conn.meta["orig"] = orig

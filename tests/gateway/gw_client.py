@@ -179,31 +179,55 @@ _NO_VERIFY.verify_mode = ssl.CERT_NONE
 
 def _name_attempt(form: str, ip: str, port: int, name: str) -> str:
     """One connection naming `name` (as SNI, Host or CONNECT authority): the gateway's
-    X-Stockade-Deny reason, "tls_alert" for a refused handshake, or "through"."""
+    X-Stockade-Deny reason, "tls_alert" for a refused handshake, "closed" when the gateway
+    closed without an answer, "status ..." for an answer that is neither, or "through":
+    the site itself answered. A CONNECT's 200 alone is not "through": the gateway dials
+    (and so resolves) the authority only for the bytes the tunnel carries, so a TLS request
+    for `name` goes through it."""
     sock = socket.create_connection((ip, port), timeout=10)
     try:
         if form == "sni":
-            req = f"GET / HTTP/1.1\r\nHost: {name}\r\nConnection: close\r\n\r\n".encode()
-            got = _tls_request(sock, name, None, req, ctx=_NO_VERIFY)
-            return "through" if "response" in got else "tls_alert"
+            return _through_tls(sock, name)
         if form == "host":
             sock.sendall(f"GET / HTTP/1.1\r\nHost: {name}\r\nConnection: close\r\n\r\n".encode())
         else:
             sock.sendall(f"CONNECT {name}:443 HTTP/1.1\r\nHost: {name}:443\r\n\r\n".encode())
-        head = b""
-        while b"\r\n\r\n" not in head:
-            chunk = sock.recv(4096)
-            if not chunk:
-                break
-            head += chunk
-        for line in head.split(b"\r\n"):
+        head = read_head(sock)
+        lines = head.split(b"\r\n")
+        for line in lines:
             if line.lower().startswith(b"x-stockade-deny:"):
                 return line.split(b":", 1)[1].strip().decode()
+        if not head:
+            return "closed"
+        status = lines[0].split(b" ", 2)
+        if len(status) < 2 or not status[0].startswith(b"HTTP/1."):
+            return "status " + lines[0][:40].decode("latin-1")
+        if form == "connect":
+            if status[1] != b"200":
+                return "status " + status[1].decode("latin-1")
+            return _through_tls(sock, name)
         return "through"
     except OSError as e:
         return type(e).__name__
     finally:
         sock.close()
+
+
+def read_head(sock: socket.socket) -> bytes:
+    """An HTTP response head (or what came before the peer closed: b"" for nothing)."""
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        head += chunk
+    return head
+
+
+def _through_tls(sock: socket.socket, name: str) -> str:
+    req = f"GET / HTTP/1.1\r\nHost: {name}\r\nConnection: close\r\n\r\n".encode()
+    got = _tls_request(sock, name, None, req, ctx=_NO_VERIFY)
+    return "through" if "response" in got else "tls_alert"
 
 
 def main(argv: list[str]) -> dict[str, object]:
@@ -233,12 +257,7 @@ def main(argv: list[str]) -> dict[str, object]:
         ip, port, authority, sni = argv[1], int(argv[2]), argv[3], argv[4]
         sock = socket.create_connection((ip, port), timeout=10)
         sock.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
-        head = b""
-        while b"\r\n\r\n" not in head:
-            chunk = sock.recv(4096)
-            if not chunk:
-                break
-            head += chunk
+        head = read_head(sock)
         status = head.split(b"\r\n", 1)[0].decode("latin-1")
         if " 200 " not in status + " ":
             return {"connect": status, "body": head.decode("latin-1")}
@@ -287,6 +306,10 @@ def main(argv: list[str]) -> dict[str, object]:
         sock = socket.create_connection((ip, port), timeout=20)
         sock.sendall(prefix)
         return {"received": _recv_all(sock).hex(), "closed": True}
+    if cmd == "mute":  # mute IP PORT -> connect, report, send nothing, wait for close
+        sock = socket.create_connection((argv[1], int(argv[2])), timeout=30)
+        print(json.dumps({"ready": True}), flush=True)
+        return {"closed": sock.recv(1) == b""}
     if cmd == "hold":  # hold IP PORT SNI -> open a TLS tunnel, report, wait for close
         ip, port, sni = argv[1], int(argv[2]), argv[3]
         sock = socket.create_connection((ip, port), timeout=10)

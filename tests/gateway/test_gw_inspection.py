@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gw_client import read_head
 from gw_config import UNTHROTTLED
 from gw_harness import (
     GatewayHarness,
@@ -472,13 +473,7 @@ def _inspector_port(gw: GatewayHarness) -> int:
 def _handoff(gw: GatewayHarness, request: bytes) -> tuple[socket.socket, bytes]:
     sock = socket.create_connection(("127.0.0.1", _inspector_port(gw)), timeout=10)
     sock.sendall(request)
-    head = b""
-    while b"\r\n\r\n" not in head:
-        chunk = sock.recv(4096)
-        if not chunk:
-            break
-        head += chunk
-    return sock, head
+    return sock, read_head(sock)
 
 
 def _meta(gw: GatewayHarness, fi: FakeInternet, **kw: Any) -> FlowMeta:

@@ -605,21 +605,13 @@ def test_deregistration_closes_live_connections(
     assert closes and closes[-1]["event"]["reason"] == "task_ended"
 
 
-MUTE = """
-import json, socket, sys
-s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
-print(json.dumps({"ready": True}), flush=True)
-print(json.dumps({"closed": s.recv(1) == b""}), flush=True)
-"""
-
-
 def test_a_flow_cut_short_by_its_tasks_end_is_still_decided(
     gw: GatewayHarness, fresh_ns: ClientNamespace, fake_internet: FakeInternet
 ) -> None:
     # the connection sends nothing: its flow is undecided (awaiting its first bytes, up
     # to sniff_timeout_s) when the task ends, and must still count as one decision
     gw.register("t-mute", fresh_ns.address, "web")
-    p = fresh_ns.popen([sys.executable, "-c", MUTE, ip(fake_internet, "allowed.test"), "443"],
+    p = fresh_ns.popen([sys.executable, CLIENT, "mute", ip(fake_internet, "allowed.test"), "443"],
                        stdout=subprocess.PIPE, text=True)
     assert p.stdout is not None
     assert json.loads(p.stdout.readline())["ready"]

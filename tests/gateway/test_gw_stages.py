@@ -7,11 +7,14 @@ from types import SimpleNamespace
 
 import pytest
 from gw_tlsgen import hello_with_sni
+from stockade.gateway.conn_events import ConnEvents
 from stockade.gateway.deny import TLS_ALERT_ACCESS_DENIED, http_denial
 from stockade.gateway.flow import FlowDecision
+from stockade.gateway.metrics import GatewayMetrics
 from stockade.gateway.sniff_http import HttpSniffer, RequestHead
-from stockade.gateway.tcp.conn import IDLE_TIMEOUT, ConnTable, unmap_ip
+from stockade.gateway.tcp.conn import IDLE_TIMEOUT, SHUTDOWN, ConnTable, unmap_ip
 from stockade.gateway.tcp.flight import FirstFlight, Sniffed
+from stockade.gateway.tcp.listener import accept_burst
 from stockade.gateway.tcp.refuse import denial, refusal_bytes
 from stockade.gateway.tcp.route import (
     InspectorState,
@@ -23,6 +26,8 @@ from stockade.gateway.tcp.route import (
 )
 from stockade.gateway.tcp.start import first_bytes
 from stockade.policy.reasons import Reason
+
+from stockade.tasks import Task
 
 UP = InspectorState(True, True, "")
 DOWN = InspectorState(True, False, "the inspector exited (code 1) and is being restarted")
@@ -255,3 +260,81 @@ def test_unmap_ip() -> None:
     assert unmap_ip("::ffff:192.0.2.7") == "192.0.2.7"
     assert unmap_ip("fe80::1%eth0") == "fe80::1"
     assert unmap_ip("not-an-ip") == "not-an-ip"
+
+
+def test_conn_table_task_end_closes_the_connections_over_its_limit() -> None:
+    # refused over the limit, such a connection still waits for its first bytes (to be
+    # refused in its own protocol): the task's end must cut it short too
+    table = ConnTable(SimpleNamespace())  # type: ignore[arg-type]
+    task = SimpleNamespace(task_id="t1", profile="p")
+    a, b = socket.socketpair()
+    try:
+        admitted = table.open("transparent", a, ("10.0.0.1", 1))
+        over = table.open("transparent", b, ("10.0.0.1", 2))
+        admitted.task = over.task = task  # type: ignore[assignment]
+        assert table.admit(admitted, task, 1)  # type: ignore[arg-type]
+        assert not table.admit(over, task, 1)  # type: ignore[arg-type]
+        table.close_task("t1", Reason.TASK_ENDED)
+        assert admitted.close_reason == over.close_reason == Reason.TASK_ENDED
+        table.forget(admitted)
+        table.forget(over)
+        assert not table.by_task and not table.over_limit and not table.conns
+    finally:
+        a.close()
+        b.close()
+
+
+# -- a connection that ends before its decision --------------------------------------------------
+@pytest.mark.parametrize(("close_reason", "decided_as"), [
+    (None, Reason.PROTOCOL_UNRECOGNISED),  # the socket failed first
+    (Reason.TASK_ENDED, Reason.TASK_ENDED),
+    (Reason.INTERNAL_ERROR, Reason.INTERNAL_ERROR),  # a bug must not lose the flow
+    (SHUTDOWN, None),
+])
+def test_cut_short_decides_once(close_reason: str | None, decided_as: Reason | None) -> None:
+    written: list[dict[str, object]] = []
+    events = ConnEvents(GatewayMetrics(), written.append, written.append)
+    task = Task("t-cut", "10.0.0.1", "p")
+    a, b = socket.socketpair()
+    try:
+        conn = ConnTable(SimpleNamespace()).open(  # type: ignore[arg-type]
+            "transparent", a, ("10.0.0.1", 5))
+        conn.task, conn.close_reason = task, close_reason
+        conn.meta["orig"] = ("192.0.2.1", 443)
+        events.cut_short(conn, "v1")
+        events.cut_short(conn, "v1")  # once only
+    finally:
+        a.close()
+        b.close()
+    if decided_as is None:
+        assert written == []
+        return
+    (ev,) = written
+    assert ev["event"]["reason"] == decided_as  # type: ignore[index]
+    assert ev["stockade"]["decision"] == "denied"  # type: ignore[index]
+    assert ev["labels"]["task_id"] == "t-cut"  # type: ignore[index]
+    assert ev["destination"]["port"] == 443  # type: ignore[index]
+
+
+def test_accept_burst_skips_a_connection_aborted_in_the_queue() -> None:
+    # ECONNABORTED is that one connection's end, not the listener's: no back-off
+    a, b = socket.socketpair()
+    results: list[object] = [ConnectionAbortedError(), (a, ("10.0.0.1", 1)), BlockingIOError()]
+
+    def accept() -> object:
+        r = results.pop(0)
+        if isinstance(r, BaseException):
+            raise r
+        return r
+
+    paused: list[float] = []
+    listening = SimpleNamespace(kind="transparent", sock=SimpleNamespace(accept=accept),
+                                pause=paused.append)
+    got: list[tuple[object, ...]] = []
+    try:
+        accept_burst(listening, lambda *args: got.append(args))  # type: ignore[arg-type]
+    finally:
+        a.close()
+        b.close()
+    assert got == [("transparent", a, ("10.0.0.1", 1))]
+    assert paused == [] and results == []
