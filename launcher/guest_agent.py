@@ -57,13 +57,50 @@ def check_request(req):
     return {"argv": argv, "env": env, "cwd": real, "stdin": bool(req.get("stdin"))}
 
 
-class Agent:
-    """`spawn(req) -> (pid, stdin fd, stdout fd, stderr fd)`; `seen() -> (oom kills, pids
-    limit hits)` of the task's cgroup; `kill_all()` ends every process in it."""
+def hand(fd, message):
+    """`message` (a marshal dict after its 4-byte length) to a child waiting on its pipe
+    (`receive`), then the pipe's end; False when the child is gone."""
+    blob = marshal.dumps(message, 4)
+    try:
+        view = memoryview(len(blob).to_bytes(4, "big") + blob)
+        while view:
+            view = view[os.write(fd, view):]
+        return True
+    except OSError:  # BrokenPipeError: Python ignores SIGPIPE
+        return False
+    finally:
+        os.close(fd)
 
-    def __init__(self, port, spawn, seen, kill_all, pids_fail_kill):
-        self.port, self.spawn, self.seen, self.kill_all = port, spawn, seen, kill_all
+
+def receive(fd):
+    """In a child forked ahead: what `hand` sent; at the pipe's end before anything (the
+    child was not needed) it leaves."""
+    data = b""
+    while len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "big"):
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            if not data:
+                os._exit(0)
+            raise OSError("the pipe ended inside a message")
+        data += chunk
+    return marshal.loads(data[4:])  # noqa: S302 - from this guest's root init
+
+
+class Agent:
+    """`fork() -> (pid, its pipe, (stdin fd, stdout fd, stderr fd))`: an exec's child, its
+    request still to come on its pipe (`hand`); `seen() -> (oom kills, pids limit hits)` of
+    the task's cgroup; `kill_all()` ends every process in it.
+
+    One child is forked ahead whenever no exec's process runs (before the agent waits), so
+    an exec pays no fork of the init's Python, cgroup move, privilege drop or filter load
+    (~20 ms under emulation, more under load). It is the task's (its cgroup, its uid), as
+    every exec of the session is; it goes with the task's cgroup, and an exec then forks
+    afresh."""
+
+    def __init__(self, port, fork, seen, kill_all, pids_fail_kill):
+        self.port, self.fork, self.seen, self.kill_all = port, fork, seen, kill_all
         self.pids_fail_kill = pids_fail_kill
+        self.warm = None  # the child forked ahead
         self.dec = ch.Decoder(ch.HOST_TYPES)
         self.poll = select.poll()
         self.execs = {}  # channel -> Exec
@@ -92,9 +129,12 @@ class Agent:
             busy = any(e.status is None for e in self.execs.values())
             lingering = any(e.status is not None for e in self.execs.values())
             timeout = 50 if lingering else 100 if busy else None
+            if not busy:
+                self.fork_ahead()
             for fd, ev in self.poll.poll(timeout):
                 if fd == self.port:
                     if not self.from_host():
+                        self.drop_warm()
                         return
                 elif fd == self.wake_r:
                     while True:
@@ -143,6 +183,34 @@ class Agent:
             self.poll.register(fd, READ)
         if not req["stdin"]:
             self.close_stdin(e)
+
+    def spawn(self, req):
+        """(pid, stdin, stdout, stderr) of the child forked ahead given `req`, or of a fresh
+        one when that one is gone."""
+        request = {"argv": req["argv"], "env": req["env"], "cwd": req["cwd"]}
+        if self.warm is not None:
+            (pid, ctl, fds), self.warm = self.warm, None
+            if hand(ctl, request):
+                return (pid, *fds)
+            for fd in fds:
+                os.close(fd)
+        pid, ctl, fds = self.fork()
+        hand(ctl, request)  # a child that failed before says why on its stderr and exits
+        return (pid, *fds)
+
+    def fork_ahead(self):
+        if self.warm is None:
+            try:  # noqa: SIM105 - no contextlib: an import costs a lot under emulation
+                self.warm = self.fork()
+            except OSError:  # none ahead: the exec's own fork says why
+                pass
+
+    def drop_warm(self):
+        """The child forked ahead leaves (`receive` sees its pipe's end)."""
+        if self.warm is not None:
+            (_, ctl, fds), self.warm = self.warm, None
+            for fd in (ctl, *fds):
+                os.close(fd)
 
     def to_exec(self, e, kind, payload):
         if kind == ch.SIGNAL:
@@ -223,6 +291,7 @@ class Agent:
         if self.execs and hits - self.killed_at >= self.pids_fail_kill:
             self.killed_at = hits
             self.kill_all()
+            self.drop_warm()  # killed with the rest: the next exec forks afresh
 
     def finish_ended(self):
         now = time.monotonic()

@@ -133,12 +133,19 @@ def network(net):
     ip("route", "add", "default", "via", net["gateway"], "dev", "eth0")
 
 
-def command_cgroup(plan):
-    """A cgroup with the profile's memory and pids limits (the VM's RAM has headroom for the
-    guest kernel; this is what the command itself may use)."""
+def make_cgroup():
+    """The command's cgroup, no limits yet (a pooled guest makes it before its claim)."""
     write(f"{CGROOT}/cgroup.subtree_control", "+memory +pids", best_effort=False)
     d = f"{CGROOT}/task"
     os.mkdir(d)
+    return d
+
+
+def limit_cgroup(d, plan):
+    """The profile's memory and pids limits (the VM's RAM has headroom for the guest
+    kernel; this is what the command itself may use), before the command runs; on the
+    cgroup `d` made ahead, or on a new one."""
+    d = make_cgroup() if d is None else d
     write(f"{d}/memory.max", str(plan["memory"]), best_effort=False)
     write(f"{d}/memory.swap.max", "0")
     write(f"{d}/pids.max", str(plan["pids"]), best_effort=False)
@@ -218,31 +225,53 @@ def load_filter(bpf):
         raise OSError(ctypes.get_errno(), "cannot load the seccomp filter")
 
 
-def child(plan, cg, fds):
-    """In the forked child: join the cgroup, take the ports as stdio, become the sandbox
-    user, load the filter and exec the command. (No helper binary runs as root: an exec
-    costs ~100 ms under emulation, and an input could not replace what is never run.)"""
-    in_fd, out_fd, err_fd = fds
+def child(plan, cg, fds, ctl=None):
+    """In the forked child: join the cgroup, take `fds` as stdio, become the sandbox user,
+    load the filter and exec the command. (No helper binary runs as root: an exec costs
+    ~100 ms under emulation, and an input could not replace what is never run.)
+    A child forked ahead (`fork_child`) gets on its pipe `ctl` what it lacked (guest_agent
+    `hand`): with no `plan` (a pooled guest's command), the plan once the claim has set up
+    limits and inputs, before anything but the cgroup move; with a plan (a session's next
+    exec), argv, env and cwd, read as the sandbox user under the filter, before the exec."""
     try:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
         write(f"{cg}/cgroup.procs", "0", best_effort=False)
+        if plan is None:
+            plan = wire().receive(ctl)
+            fds, ctl = (stdin_of(plan), *fds), None
         for name, value in plan["rlimits"].items():
             resource.setrlimit(getattr(resource, "RLIMIT_" + name), (value, value))
-        os.dup2(in_fd, 0)
-        os.dup2(out_fd, 1)
-        os.dup2(err_fd, 2)
-        os.closerange(3, 1024)
+        fds = fds if ctl is None else (*fds, ctl)
+        for i, fd in enumerate(fds):
+            os.dup2(fd, i)
+        os.closerange(len(fds), 1024)
         os.umask(0o022)
         become(plan)
-        os.chdir(plan["cwd"])  # as the sandbox user: its own view of its scratch
         load_filter(plan.get("seccomp"))
+        if ctl is not None:
+            plan = dict(plan, **wire().receive(3))
+            os.close(3)
+        os.chdir(plan["cwd"])  # as the sandbox user: its own view of its scratch
         # the command's environment comes with the plan: this init (root) never runs with
         # it, so the loader never applies the caller's LD_* to a root process
         os.execvpe(plan["argv"][0], plan["argv"], plan["env"])  # noqa: S606 - no shell
     except Exception as e:
-        os.write(2, f"stockade: {plan['argv'][0]}: {getattr(e, 'strerror', None) or e}\n"
-                 .encode())
+        name = plan["argv"][0] if plan else "stockade-vm-init"
+        os.write(2, f"stockade: {name}: {getattr(e, 'strerror', None) or e}\n".encode())
         os._exit(127 if isinstance(e, FileNotFoundError) else 126)
+
+
+def fork_child(plan, cg, fds, new_session=False):
+    """A child that waits on a pipe (`child`'s `ctl`): (pid, the pipe's write end)."""
+    ctl_r, ctl_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(ctl_w)
+        if new_session:
+            os.setsid()
+        child(plan, cg, fds, ctl_r)
+    os.close(ctl_r)
+    return pid, ctl_w
 
 
 def read_exact(fd, n):
@@ -255,12 +284,12 @@ def read_exact(fd, n):
     return bytes(buf)
 
 
-def claimed(pooled):
+def claimed(pooled, out_fd, err_fd):
     """A pooled guest (its config share's plan is microvm.pooled_plan): load what every
     task's guest loads, take its slot's fresh identity and network, say so on the agent
     port (root's alone), then wait there for the
     task's plan: a 4-byte big-endian length and the marshal bytes (microvm.plan_frame).
-    (The task's plan, the open agent port.)"""
+    (The task's plan, the open agent port, the command's cgroup, its child.)"""
     load_modules(pooled["modules"])
     libc()  # what the claim's start would load (become, load_filter, refresh)
     # its slot's identity and network, known before any task: a claim spawns no `ip`
@@ -268,13 +297,25 @@ def claimed(pooled):
     # unclaimed until the claim, and nothing here sends
     refresh(pooled["fresh"])
     network(pooled["net"])
+    # the command's cgroup and its process, forked and in it, waiting on a pipe for the
+    # plan: a claim forks nothing (a fork of this Python and the cgroup's controllers cost
+    # 10-50 ms under emulation); it is given the plan once limits and inputs are set
+    cg = make_cgroup()
+    command = fork_child(None, cg, (out_fd, err_fd))
 
     port = agent_port()
     os.write(port, POOLED_READY)
     n = int.from_bytes(read_exact(port, 4), "big")
     if n > MAX_PLAN_BYTES:
         raise OSError("the plan on the agent port is too large")
-    return marshal.loads(read_exact(port, n)), port  # noqa: S302 - the launcher's
+    return marshal.loads(read_exact(port, n)), port, cg, command  # noqa: S302 - the launcher's
+
+
+def sysctls(plan):
+    write("/proc/sys/kernel/hostname", plan["hostname"], best_effort=False)
+    write("/proc/sys/net/ipv4/ping_group_range", "0 2147483647")
+    if plan.get("congestion_control"):
+        write("/proc/sys/net/ipv4/tcp_congestion_control", plan["congestion_control"])
 
 
 def stdin_of(plan):
@@ -289,27 +330,25 @@ def stdin_of(plan):
     return os.open(f"{RUN}/stdin" if plan["stdin"] else "/dev/null", os.O_RDONLY)
 
 
-def setup(status_fd, err_fd):
+def setup(status_fd, out_fd, err_fd):
     """The guest's network, names and inputs from the plan; (plan, the command's cgroup,
-    its stdin, the agent port when a pooled guest's plan came on it) or the end of
-    the guest with status 125."""
-    port = None
+    its stdin, the agent port and the command's waiting child when a pooled guest's plan
+    came on it (its stdin is then the child's to open)) or the end of the guest with
+    status 125."""
+    port = cg = command = None
     try:
         with open(f"{RUN}/plan", "rb") as fh:
             plan = marshal.load(fh)  # noqa: S302 - written by the launcher; builtin, fast
         pooled = plan if plan.get("pooled") else None
         if pooled is not None:
-            plan, port = claimed(pooled)
+            plan, port, cg, command = claimed(pooled, out_fd, err_fd)
             if (plan["net"], plan["fresh"]["mac"]) != (pooled["net"], pooled["fresh"]["mac"]):
                 raise OSError("the plan is not for this pooled guest's address")
         if plan.get("fresh"):  # a pooled guest: reseeded again, its clock set again
             refresh(plan["fresh"], mac=pooled is None)
         if pooled is None:
             network(plan["net"])
-        write("/proc/sys/kernel/hostname", plan["hostname"], best_effort=False)
-        write("/proc/sys/net/ipv4/ping_group_range", "0 2147483647")
-        if plan.get("congestion_control"):
-            write("/proc/sys/net/ipv4/tcp_congestion_control", plan["congestion_control"])
+        sysctls(plan)
         if plan["uid"] == 0 or plan["gid"] == 0:
             raise OSError("the command never runs as root")
         # an image built by an older vm-images/init neither locks the kernel down nor
@@ -317,14 +356,14 @@ def setup(status_fd, err_fd):
         with open("/proc/sys/kernel/modules_disabled") as fh:
             if fh.read().strip() != "1" or not os.path.exists(f"{RUN}/inputs"):
                 raise OSError("the guest image is outdated: rebuild it with vm-images/build.sh")
-        cg = command_cgroup(plan)
-        in_fd = stdin_of(plan)
+        cg = limit_cgroup(cg, plan)
+        in_fd = stdin_of(plan) if command is None else None
         with open(f"{RUN}/inputs") as fh:
             mount_inputs(fh.read(), plan["reserved"])
     except Exception as e:
         os.write(err_fd, f"stockade-vm-init: {e}\n".encode())
         end(status_fd, "125 0 0\n")
-    return plan, cg, in_fd, port
+    return plan, cg, in_fd, port, command
 
 
 def reap(status_fd, pid, cg, limit):
@@ -369,20 +408,24 @@ def agent_port():
     return os.open(path, os.O_RDWR)
 
 
-def spawn(plan, cg, req):
-    """One exec of a session: the first command's start with the request's argv, env and
-    cwd, its stdio on fresh pipes, in a session of its own (a signal reaches its group)."""
+def exec_child(plan, cg):
+    """A session's exec child (the agent's `fork`): the first command's start, its stdio on
+    fresh pipes, in a session of its own (a signal reaches its group), waiting for its argv,
+    env and cwd (`child`) as the sandbox user under the filter: (pid, its pipe, the stdio's
+    ends)."""
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.setsid()
-        child(dict(plan, argv=req["argv"], env=req["env"], cwd=req["cwd"]), cg,
-              (in_r, out_w, err_w))
+    pid, ctl = fork_child(plan, cg, (in_r, out_w, err_w), new_session=True)
     for fd in (in_r, out_w, err_w):
         os.close(fd)
-    return pid, in_w, out_r, err_r
+    return pid, ctl, (in_w, out_r, err_r)
+
+
+def wire():
+    """guest_agent (hand, receive): loaded from the plan by every guest whose children
+    wait on a pipe (sessions, probes, pooled guests)."""
+    return sys.modules["guest_agent"]
 
 
 def session(plan, cg, status_fd, err_fd, port):
@@ -408,7 +451,7 @@ def serve_agent(plan, cg, status_fd, err_fd, port):
 
         import guest_agent
         agent = guest_agent.Agent(
-            port, lambda req: spawn(plan, cg, req),
+            port, lambda: exec_child(plan, cg),
             lambda: (counter(f"{cg}/memory.events", "oom_kill"),
                      counter(f"{cg}/pids.events", "max")),
             lambda: write(f"{cg}/cgroup.kill", "1"), plan["pids_fail_kill"])
@@ -425,16 +468,24 @@ def main():
     status_fd = os.open(PORTS["status"], os.O_WRONLY)
     out_fd = os.open(PORTS["stdout"], os.O_WRONLY)
     err_fd = os.open(PORTS["stderr"], os.O_WRONLY)
-    plan, cg, in_fd, port = setup(status_fd, err_fd)
+    plan, cg, in_fd, port, command = setup(status_fd, out_fd, err_fd)
     if plan.get("session"):
-        os.close(in_fd)
+        if in_fd is not None:
+            os.close(in_fd)
+        if command is not None:
+            os.close(command[1])  # the pooled command's child leaves (`receive`)
         session(plan, cg, status_fd, err_fd, port)
     if plan.get("probe_first"):
         probes_first(plan, cg, status_fd, err_fd, port)
-    pid = os.fork()
-    if pid == 0:
-        child(plan, cg, (in_fd, out_fd, err_fd))
-    for fd in (in_fd, out_fd, err_fd):
+    if command is not None and wire().hand(command[1], dict(plan, modules=())):
+        pid = command[0]
+    else:  # a cold start's command, or a pooled one whose child is gone
+        in_fd = stdin_of(plan) if in_fd is None else in_fd
+        pid = os.fork()
+        if pid == 0:
+            child(plan, cg, (in_fd, out_fd, err_fd))
+        os.close(in_fd)
+    for fd in (out_fd, err_fd):
         os.close(fd)
     reap(status_fd, pid, cg, plan["pids_fail_kill"])
 

@@ -61,10 +61,15 @@ def file_identity(path: str) -> list[int] | None:
     return [st.st_size, st.st_mtime_ns, st.st_ino]
 
 
+def image_files(v: microvm.VmSpec) -> dict[str, list[int] | None]:
+    """The QEMU binary, kernel and initramfs of `v`, each with its `file_identity` now."""
+    return {f: file_identity(f) for f in (v.qemu, v.kernel, v.initrd)}
+
+
 def shape_key(v: microvm.VmSpec, stamp: str) -> str:
     """What a template must have in common with the guests restored from it: the machine,
     and the QEMU binary, kernel and initramfs files as they are now."""
-    files = [file_identity(f) for f in (v.qemu, v.kernel, v.initrd)]
+    files = list(image_files(v).values())
     shape = [v.qemu, v.accel, v.kernel, v.initrd, files, stamp, v.memory_mib, v.cpus,
              v.tb_size_mib,
              [(s.tag, s.readonly) for s in _shares(v)], v.runas, v.seccomp,

@@ -7,9 +7,13 @@ kernel and initramfs files (path, size, mtime, inode: a rebuilt image or an upgr
 is another key, so its template is built anew) and the machine shape. A file is checked
 before its first restore in each process (the sidecar, QEMU's header, the digest); one that
 fails is removed, the start boots cold and says why (`Bad`), and the next build replaces
-it. Builds run one at a time per state directory (a flock: two launchers starting at once
-build it once) and, on a task's path, in the background (`build_later`): the task that
-found no template boots cold now and later ones restore.
+it. A template whose key is superseded (one of its files was rebuilt, replaced or removed:
+no start computes its key again) is removed by the next build in its directory, so a
+rebuilt image leaves no 65 MiB file behind per shape: its sidecar names the files with
+their identities when it was saved (`superseded`). Builds run one at a time per state
+directory (a flock: two launchers starting at once build it once) and, on a task's path,
+in the background (`build_later`): the task that found no template boots cold now and
+later ones restore.
 """
 
 from __future__ import annotations
@@ -77,6 +81,23 @@ def _locked(state_dir: Path) -> Iterator[Path]:
         yield d
 
 
+def superseded(snap_dir: Path) -> list[Path]:
+    """The templates in `snap_dir` whose QEMU binary, kernel or initramfs is no longer the
+    file it was saved with (sidecars of older launchers, without the files, are kept)."""
+    out = []
+    for meta in sorted(snap_dir.glob(f"*{META}")):
+        if meta.name.startswith("."):
+            continue  # a sidecar being written
+        try:
+            files = json.loads(meta.read_text())["files"]
+            stale = any(vmsnapshot.file_identity(f) != ident for f, ident in files.items())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if stale:
+            out.append(meta.with_suffix(vmsnapshot.SUFFIX))
+    return out
+
+
 def _remove(vmstate: Path) -> None:
     for p in (vmstate, meta_path(vmstate)):
         with contextlib.suppress(FileNotFoundError):
@@ -132,8 +153,11 @@ class Templates:
             vmsnapshot.save_template(shape, dest, timeout_s)
             tmp = dest.with_name(f".{dest.stem}.{os.getpid()}{META}")
             tmp.write_text(json.dumps({"size": dest.stat().st_size, "sha256": digest(dest),
-                                       "key": key}))
+                                       "key": key, "files": vmsnapshot.image_files(shape)}))
             os.replace(tmp, meta_path(dest))
+            for old in superseded(dest.parent):  # a restore in progress keeps its open fd
+                log.info("removing the superseded microVM snapshot template %s", old.name)
+                _remove(old)
         return dest
 
     def build_later(self, shape: microvm.VmSpec, stamp: str, state_dir: Path) -> bool:

@@ -84,3 +84,36 @@ def test_a_template_changed_after_its_check_is_checked_again(tmp_path: Path) -> 
     os.utime(p, ns=(1, 1))
     with pytest.raises(vmtemplates.Bad, match="SHA-256"):
         t.lookup(tmp_path, "k")
+
+
+def test_a_build_removes_the_templates_its_files_superseded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel, initrd = _image(tmp_path)
+    qemu = tmp_path / "qemu"
+    qemu.write_bytes(b"qemu")
+    state = tmp_path / "state"
+    body = vmtemplates.MAGIC + b"state" * 10
+
+    def save(shape: object, dest: Path, timeout_s: float) -> None:
+        dest.write_bytes(body)
+
+    monkeypatch.setattr(vmsnapshot, "save_template", save)
+    t = vmtemplates.Templates()
+    v = _spec(qemu=str(qemu), kernel=kernel, initrd=initrd)
+    small = _spec(qemu=str(qemu), kernel=kernel, initrd=initrd, memory_mib=64)
+    first, other = t.build_now(v, "s", state), t.build_now(small, "s", state)
+    # an older launcher's sidecar names no files: kept, it cannot be judged
+    legacy = _template(state, "legacy", body, None)
+    vmtemplates.meta_path(legacy).write_text(json.dumps(_whole(body, legacy)))
+    assert t.build_now(v, "s", state) == first and first.exists() and other.exists()
+
+    Path(initrd).write_bytes(b"initramfs, rebuilt")  # both keys superseded
+    assert sorted(vmtemplates.superseded(first.parent)) == sorted([first, other])
+    rebuilt = t.build_now(v, "s", state)
+    assert rebuilt != first and t.lookup(state, rebuilt.stem) == rebuilt
+    for gone in (first, other):
+        assert not gone.exists() and not vmtemplates.meta_path(gone).exists()
+    assert legacy.exists() and vmtemplates.superseded(first.parent) == []
+
+    qemu.unlink()  # QEMU removed (or upgraded): its templates can never be restored
+    assert vmtemplates.superseded(first.parent) == [rebuilt]
