@@ -93,7 +93,8 @@ def main(argv: list[str]) -> int:
         log.error("%s", e)
         return 2
     run_dir = Path(cfg.run_dir)
-    stack = Stack(cfg, launcher_service=False)
+    # gateway and broker forked from here once their modules are imported (stack/prefork.py)
+    stack = Stack(cfg, launcher_service=False, fork=True)
     shutdown = _Shutdown(stack, run_dir, request)
     try:
         stack.start()

@@ -21,9 +21,10 @@ from typing import IO, Any
 import yaml
 
 from stockade.config import Config
-from stockade.procs import death_guard, stop_group, wait_guarded
+from stockade.procs import ChildProcess, death_guard, stop_group, wait_guarded
 from stockade.tasks import ControlClient
 
+from . import prefork
 from .devsecrets import SecretValue
 from .shared import write_private
 
@@ -38,7 +39,10 @@ class Service:
     argv: list[str]
     control_socket: str
     log_path: Path | None  # None: inherit the terminal (stockade up)
-    proc: subprocess.Popen[bytes] | None = None
+    # `stockade ...` to fork from this process instead of exec'ing argv (stack/prefork.py;
+    # argv stays the way when this process runs other threads)
+    fork_argv: list[str] | None = None
+    proc: ChildProcess | None = None
     _log: IO[bytes] | None = field(default=None, repr=False)
 
     def start(self) -> None:
@@ -46,6 +50,9 @@ class Service:
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = out = open(self.log_path, "ab")  # noqa: SIM115 - child owns it
+        if self.fork_argv is not None and prefork.can_fork():
+            self.proc = prefork.fork_service(self.fork_argv, out.fileno() if out else None)
+            return
         # dies with its owner (up, the keeper, the demo) even when that one is SIGKILLed:
         # an orphaned gateway would hold the ports and sockets of the next stack
         argv = [*death_guard(), *self.argv]
@@ -120,8 +127,12 @@ class Stack:
         foreground: bool = False,
         startup_timeout: float = 60.0,
         launcher_service: bool = True,
+        fork: bool = False,
     ) -> None:
+        """`fork`: gateway and broker are forked from this process once it imported their
+        modules (stack/prefork.py: the embedded stack's keeper), not exec'd."""
         self.base = config
+        self.fork = fork
         self.config = config  # the effective config, with the dev Vault filled in
         self.foreground = foreground
         self.launcher_service = launcher_service
@@ -196,11 +207,16 @@ class Stack:
         put_secrets(bao.address, bao.root_token, self._dev_secrets)
 
     def _launch(self, name: str, sock: str, cfg_path: Path) -> Service:
+        command = [name, "serve", "--config", str(cfg_path)]
+        fork = self.fork and name in prefork.PRELOAD and prefork.can_fork()
+        if fork:
+            prefork.preload(name)
         svc = Service(
             name=name,
-            argv=[sys.executable, "-m", "stockade", name, "serve", "--config", str(cfg_path)],
+            argv=[sys.executable, "-m", "stockade", *command],
             control_socket=sock,
             log_path=None if self.foreground else Path(self.config.log_dir) / f"{name}.log",
+            fork_argv=command if fork else None,
         )
         svc.start()
         self.services.append(svc)

@@ -1,0 +1,148 @@
+"""Gateway and broker forked from the embedded stack's keeper, which imported their
+modules once, instead of two interpreters that each import them.
+
+Why: each exec'd component imported the same 0.4-0.5 s of CPU (aiohttp, pydantic and the
+configuration's models, the rule model, the event chain's key); on 2 busy cores that was
+the embedded `stockade run`'s wall time (bench/README.md, "The embedded run: one
+interpreter's imports"). The keeper imports a component's modules (`preload`), then
+forks it (`fork_service`). The child is set up as the exec'd `setpriv --pdeathsig TERM --
+python -m stockade NAME serve ...` was: a session of its own, SIGTERM when the keeper's
+thread ends, stdin /dev/null, stdout and stderr to its log, no other descriptor of the
+keeper, the keeper's signal handlers and logging undone; then it runs the same command
+line through `stockade.cli.main` and exits with its code. Both run as root, as the exec'd
+ones did. Forking is only done from a keeper with no other thread (a fork copies no
+thread, and a lock another thread held would stay held in the child): else the caller
+execs as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from typing import NoReturn
+
+# what `stockade NAME serve` imports before it listens: its modules, and what their
+# start-up imports where it is used (the rule model's build, uvloop, the chain key's
+# OpenSSL backend, the DNS firewall); from PYTHONPROFILEIMPORTTIME=1 in the children's logs
+_SHARED = ("stockade.serving", "stockade.policy.build", "uvloop",
+           "cryptography.hazmat.backends.openssl.backend")
+PRELOAD: dict[str, tuple[str, ...]] = {
+    "gateway": ("stockade.gateway.cli", "stockade.gateway.service",
+                "stockade.gateway.dns.firewall", *_SHARED),
+    "broker": ("stockade.broker.cli", "stockade.broker.service", *_SHARED),
+}
+_PR_SET_PDEATHSIG = 1
+
+
+def can_fork() -> bool:
+    """Only the calling thread runs (see the module's docstring)."""
+    return threading.active_count() == 1
+
+
+def preload(name: str) -> None:
+    for module in PRELOAD.get(name, ()):
+        importlib.import_module(module)
+
+
+class Forked:
+    """A forked child, with what the stack uses of `subprocess.Popen`: `pid`, `poll`,
+    `wait` (on a pidfd: no polling) and `returncode`."""
+
+    def __init__(self, pid: int, argv: list[str]) -> None:
+        self.pid, self.args = pid, argv
+        self.returncode: int | None = None
+
+    def _reaped(self, flags: int) -> int | None:
+        try:
+            pid, status = os.waitpid(self.pid, flags)
+        except ChildProcessError:  # reaped elsewhere: its code is lost
+            self.returncode = -1
+            return self.returncode
+        if pid:
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self.returncode if self.returncode is not None else self._reaped(os.WNOHANG)
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.poll() is not None:
+            return self.returncode  # type: ignore[return-value]
+        fd = os.pidfd_open(self.pid)
+        try:
+            if not select.select([fd], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        finally:
+            os.close(fd)
+        code = self._reaped(0)
+        assert code is not None
+        return code
+
+
+def fork_service(argv: list[str], log_fd: int | None,
+                 main: Callable[[list[str]], int] | None = None) -> Forked:
+    """`stockade ARGV...` in a forked child (see the module's docstring); `log_fd`: its
+    stdout and stderr (None: the keeper's own); `main`: what runs ARGV in the child
+    (`stockade.cli.main`; tests pass a probe)."""
+    parent = os.getpid()
+    for stream in (sys.stdout, sys.stderr):  # else the child writes the buffers again
+        with contextlib.suppress(Exception):
+            stream.flush()
+    pid = os.fork()
+    if pid == 0:
+        _child(argv, log_fd, parent, main)
+    return Forked(pid, ["stockade", *argv])
+
+
+def _child(argv: list[str], log_fd: int | None, parent: int,
+           main: Callable[[list[str]], int] | None) -> NoReturn:
+    code = 1
+    try:
+        _detach(log_fd, parent)
+        sys.argv = ["stockade", *argv]
+        if main is None:
+            from stockade.cli import main
+
+        code = main(argv)
+    except SystemExit as e:  # argparse and the handlers end this way
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        # the keeper's objects (its lock, its writer) are not this process's to finalise
+        os._exit(code)
+
+
+def _detach(log_fd: int | None, parent: int) -> None:
+    os.setsid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != parent:  # the keeper died before the prctl: nothing would stop us
+        os._exit(1)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    if log_fd is not None:
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # close_range(2): one call
+    # as a fresh interpreter has them (an ignored SIGHUP stays ignored, as across exec)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    root = logging.getLogger()
+    for handler in list(root.handlers):  # the keeper's: the command sets up its own
+        root.removeHandler(handler)
+    root.setLevel(logging.WARNING)
