@@ -31,6 +31,8 @@ import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
+from stockade.readiness import READY_FD_ENV
+
 # what `stockade NAME serve` imports before it listens: its modules, and what their
 # start-up imports where it is used (the rule model's build, uvloop, the chain key's
 # OpenSSL backend, the DNS firewall); from PYTHONPROFILEIMPORTTIME=1 in the children's logs
@@ -89,26 +91,27 @@ class Forked:
         return code
 
 
-def fork_service(argv: list[str], log_fd: int | None,
+def fork_service(argv: list[str], log_fd: int | None, *, ready_fd: int | None = None,
                  main: Callable[[list[str]], int] | None = None) -> Forked:
     """`stockade ARGV...` in a forked child (see the module's docstring); `log_fd`: its
-    stdout and stderr (None: the keeper's own); `main`: what runs ARGV in the child
-    (`stockade.cli.main`; tests pass a probe)."""
+    stdout and stderr (None: the keeper's own); `ready_fd`: the write end of its ready
+    pipe, the one descriptor it keeps (as 3, named by STOCKADE_READY_FD); `main`: what
+    runs ARGV in the child (`stockade.cli.main`; tests pass a probe)."""
     parent = os.getpid()
     for stream in (sys.stdout, sys.stderr):  # else the child writes the buffers again
         with contextlib.suppress(Exception):
             stream.flush()
     pid = os.fork()
     if pid == 0:
-        _child(argv, log_fd, parent, main)
+        _child(argv, (log_fd, ready_fd), parent, main)
     return Forked(pid, ["stockade", *argv])
 
 
-def _child(argv: list[str], log_fd: int | None, parent: int,
+def _child(argv: list[str], fds: tuple[int | None, int | None], parent: int,
            main: Callable[[list[str]], int] | None) -> NoReturn:
     code = 1
     try:
-        _detach(log_fd, parent)
+        _detach(*fds, parent)
         sys.argv = ["stockade", *argv]
         if main is None:
             from stockade.cli import main
@@ -126,7 +129,7 @@ def _child(argv: list[str], log_fd: int | None, parent: int,
         os._exit(code)
 
 
-def _detach(log_fd: int | None, parent: int) -> None:
+def _detach(log_fd: int | None, ready_fd: int | None, parent: int) -> None:
     os.setsid()
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
@@ -138,7 +141,12 @@ def _detach(log_fd: int | None, parent: int) -> None:
     if log_fd is not None:
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
-    os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # close_range(2): one call
+    keep = 3
+    if ready_fd is not None:
+        os.dup2(ready_fd, keep)
+        os.environ[READY_FD_ENV] = str(keep)
+        keep += 1
+    os.closerange(keep, os.sysconf("SC_OPEN_MAX"))  # close_range(2): one call
     # as a fresh interpreter has them (an ignored SIGHUP stays ignored, as across exec)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)

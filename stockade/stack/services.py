@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import yaml
 
 from stockade.config import Config
 from stockade.procs import ChildProcess, death_guard, stop_group, wait_guarded
+from stockade.readiness import READY_FD_ENV
 from stockade.tasks import ControlClient
 
 from . import prefork
@@ -43,6 +45,8 @@ class Service:
     # argv stays the way when this process runs other threads)
     fork_argv: list[str] | None = None
     proc: ChildProcess | None = None
+    # the read end of the pipe the service says it is ready on (stockade/readiness.py)
+    ready_fd: int | None = field(default=None, repr=False)
     _log: IO[bytes] | None = field(default=None, repr=False)
 
     def start(self) -> None:
@@ -50,8 +54,17 @@ class Service:
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = out = open(self.log_path, "ab")  # noqa: SIM115 - child owns it
+        self.close_ready()
+        self.ready_fd, ready_w = os.pipe()
+        try:
+            self._spawn(out, ready_w)
+        finally:
+            os.close(ready_w)  # the child's alone now: its exit is our EOF
+
+    def _spawn(self, out: IO[bytes] | None, ready_w: int) -> None:
         if self.fork_argv is not None and prefork.can_fork():
-            self.proc = prefork.fork_service(self.fork_argv, out.fileno() if out else None)
+            self.proc = prefork.fork_service(self.fork_argv, out.fileno() if out else None,
+                                             ready_fd=ready_w)
             return
         # dies with its owner (up, the keeper, the demo) even when that one is SIGKILLed:
         # an orphaned gateway would hold the ports and sockets of the next stack
@@ -62,8 +75,15 @@ class Service:
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
             start_new_session=True,  # Ctrl-C reaches us; we stop the children in order
+            pass_fds=(ready_w,),
+            env={**os.environ, READY_FD_ENV: str(ready_w)},
         )
         wait_guarded(self.proc, argv)
+
+    def close_ready(self) -> None:
+        if self.ready_fd is not None:
+            os.close(self.ready_fd)
+            self.ready_fd = None
 
     def restart(self) -> None:
         """Start again after the process died (the log file is reopened, appended to)."""
@@ -92,6 +112,7 @@ class Service:
     def stop(self, timeout: float = 10.0) -> None:
         proc, self.proc = self.proc, None
         stop_group(proc, timeout)
+        self.close_ready()
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -223,6 +244,25 @@ class Stack:
         return svc
 
     def _wait_ready(self, services: list[Service], deadline: float) -> None:
+        """Until each service said it serves on its ready pipe (no polling; EOF first: it
+        ended), and then answers its health check."""
+        pending = {svc.ready_fd: svc for svc in services if svc.ready_fd is not None}
+        while pending:
+            left = deadline - time.monotonic()
+            readable = select.select(list(pending), [], [], max(left, 0.0))[0]
+            if not readable:
+                self._not_ready(list(pending.values()))
+            for fd in readable:
+                svc = pending.pop(fd)
+                said = os.read(fd, 1) == b"R"
+                svc.close_ready()
+                if not said:
+                    raise StackError(f"{svc.name} exited during start-up:\n{svc.log_tail()}")
+        # serving is not yet ready where a gateway's L7 inspector still starts: those
+        # (and a service that had no pipe) are asked until they are
+        self._poll_ready([svc for svc in services if not svc.healthy()], deadline)
+
+    def _poll_ready(self, services: list[Service], deadline: float) -> None:
         pending = list(services)
         while pending:
             for svc in list(pending):
@@ -231,10 +271,13 @@ class Stack:
                 if svc.healthy():
                     pending.remove(svc)
             if pending and time.monotonic() > deadline:
-                names = ", ".join(s.name for s in pending)
-                raise StackError(f"not ready after {self.startup_timeout:.0f}s: {names}")
+                self._not_ready(pending)
             if pending:
                 time.sleep(0.05)
+
+    def _not_ready(self, pending: list[Service]) -> None:
+        names = ", ".join(s.name for s in pending)
+        raise StackError(f"not ready after {self.startup_timeout:.0f}s: {names}")
 
     def status(self) -> list[tuple[str, int | None, str]]:
         rows: list[tuple[str, int | None, str]] = []
