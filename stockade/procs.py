@@ -22,6 +22,8 @@ class ChildProcess(Protocol):
 
     def wait(self, timeout: float | None = None) -> int: ...
 
+    def terminate(self) -> None: ...
+
 
 def death_guard() -> list[str]:
     """argv prefix that makes a child get SIGTERM when the thread that started it ends,

@@ -29,6 +29,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NoReturn
 
 from stockade.readiness import READY_FD_ENV
@@ -43,7 +44,7 @@ PRELOAD: dict[str, tuple[str, ...]] = {
                 "stockade.gateway.dns.firewall", *_SHARED),
     "broker": ("stockade.broker.cli", "stockade.broker.service", *_SHARED),
 }
-_PR_SET_PDEATHSIG = 1
+_PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
 
 
 def can_fork() -> bool:
@@ -77,6 +78,10 @@ class Forked:
     def poll(self) -> int | None:
         return self.returncode if self.returncode is not None else self._reaped(os.WNOHANG)
 
+    def terminate(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGTERM)
+
     def wait(self, timeout: float | None = None) -> int:
         if self.poll() is not None:
             return self.returncode  # type: ignore[return-value]
@@ -97,26 +102,61 @@ def fork_service(argv: list[str], log_fd: int | None, *, ready_fd: int | None = 
     stdout and stderr (None: the keeper's own); `ready_fd`: the write end of its ready
     pipe, the one descriptor it keeps (as 3, named by STOCKADE_READY_FD); `main`: what
     runs ARGV in the child (`stockade.cli.main`; tests pass a probe)."""
+
+    def run() -> int:
+        if main is not None:
+            return main(argv)
+        from stockade.cli import main as cli_main
+
+        return cli_main(argv)
+
+    return _fork(["stockade", *argv], run,
+                 _Child(log_fd, ready_fd, READY_FD_ENV, True, f"stk-{argv[0]}"))
+
+
+def fork_keeper(request: str, log_fd: int, ready_fd: int) -> Forked:
+    """The embedded stack's keeper (`python -m stockade.stack.keeper REQUEST READY_FD`)
+    forked from the starting run, which imported the configuration's models, the rules
+    and the events already. Unlike a service it outlives its parent (no pdeathsig): it
+    belongs to every run that joins its stack."""
+
+    def run() -> int:
+        from . import keeper  # in the child: the run goes on meanwhile
+
+        return keeper.main([request, "3"])
+
+    return _fork(["stockade.stack.keeper", request], run,
+                 _Child(log_fd, ready_fd, None, False, "stk-keeper"))
+
+
+@dataclass(frozen=True)
+class _Child:
+    log_fd: int | None  # stdout and stderr (None: the parent's)
+    ready_fd: int | None  # kept as 3
+    ready_env: str | None  # the variable that names it, if any
+    dies_with_parent: bool  # SIGTERM when the forking thread ends
+    # its name in ps -o comm, top, pgrep (its command line stays its parent's)
+    name: str
+
+
+def _fork(argv: list[str], run: Callable[[], int], child: _Child) -> Forked:
     parent = os.getpid()
     for stream in (sys.stdout, sys.stderr):  # else the child writes the buffers again
         with contextlib.suppress(Exception):
             stream.flush()
     pid = os.fork()
     if pid == 0:
-        _child(argv, (log_fd, ready_fd), parent, main)
-    return Forked(pid, ["stockade", *argv])
+        _in_child(argv, run, child, parent)
+    return Forked(pid, argv)
 
 
-def _child(argv: list[str], fds: tuple[int | None, int | None], parent: int,
-           main: Callable[[list[str]], int] | None) -> NoReturn:
+def _in_child(argv: list[str], run: Callable[[], int], child: _Child,
+              parent: int) -> NoReturn:
     code = 1
     try:
-        _detach(*fds, parent)
-        sys.argv = ["stockade", *argv]
-        if main is None:
-            from stockade.cli import main
-
-        code = main(argv)
+        _detach(child, parent)
+        sys.argv = list(argv)
+        code = run()
     except SystemExit as e:  # argparse and the handlers end this way
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:
@@ -125,26 +165,31 @@ def _child(argv: list[str], fds: tuple[int | None, int | None], parent: int,
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
-        # the keeper's objects (its lock, its writer) are not this process's to finalise
+        # the parent's objects (its lock, its writer) are not this process's to finalise
         os._exit(code)
 
 
-def _detach(log_fd: int | None, ready_fd: int | None, parent: int) -> None:
+def _detach(child: _Child, parent: int) -> None:
     os.setsid()
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
-    if os.getppid() != parent:  # the keeper died before the prctl: nothing would stop us
-        os._exit(1)
+    libc.prctl(_PR_SET_NAME, child.name.encode()[:15], 0, 0, 0)
+    if child.dies_with_parent:
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+        if os.getppid() != parent:  # it died before the prctl: nothing would stop us
+            os._exit(1)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    if log_fd is not None:
-        os.dup2(log_fd, 1)
-        os.dup2(log_fd, 2)
+    if child.log_fd is not None:
+        os.dup2(child.log_fd, 1)
+        os.dup2(child.log_fd, 2)
     keep = 3
-    if ready_fd is not None:
-        os.dup2(ready_fd, keep)
-        os.environ[READY_FD_ENV] = str(keep)
+    if child.ready_env:
+        os.environ.pop(child.ready_env, None)  # the parent's is not this child's
+    if child.ready_fd is not None:
+        os.dup2(child.ready_fd, keep)
+        if child.ready_env:
+            os.environ[child.ready_env] = str(keep)
         keep += 1
     os.closerange(keep, os.sysconf("SC_OPEN_MAX"))  # close_range(2): one call
     # as a fresh interpreter has them (an ignored SIGHUP stays ignored, as across exec)

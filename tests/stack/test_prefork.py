@@ -30,7 +30,7 @@ def probe(argv):
         "term_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
         "int_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
         "root_handlers": len(logging.getLogger().handlers),
-        "parent": os.getppid(),
+        "parent": os.getppid(), "comm": open("/proc/self/comm").read().strip(),
     }), flush=True)
     if argv[0] == "sleep":
         time.sleep(120)
@@ -74,6 +74,7 @@ def test_a_forked_service_starts_as_an_execd_one(tmp_path: Path) -> None:
     # 0-2 and the one listdir reads /proc/self/fd with: not the keeper's pipe (50), nor
     # its log's descriptor
     assert set(child["fds"]) <= {0, 1, 2, 3} and 50 not in child["fds"]
+    assert child["comm"] == "stk-run"
     assert child["term_default"] and child["int_default"]
     assert child["root_handlers"] == 0
     assert child["parent"] == lines[0]["keeper"]
@@ -125,3 +126,48 @@ def test_the_preloaded_modules_are_what_the_services_import() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True, env={**os.environ, "PYTHONSAFEPATH": "1"})
     assert out.stdout.strip() == "ok"
+
+
+KEEPER_PARENT = r"""
+import json, os, sys, time
+from stockade.stack import keeper, prefork
+
+def probe(argv):
+    time.sleep(1.0)  # its parent (the run) has exited by then
+    print(json.dumps({
+        "ready": os.readlink(f"/proc/self/fd/{argv[1]}").startswith("pipe:"),
+        "argv": argv, "fds": sorted(int(f) for f in os.listdir("/proc/self/fd")),
+        "session_leader": os.getsid(0) == os.getpid(), "parent_gone": os.getppid() != PARENT,
+        "comm": open("/proc/self/comm").read().strip(),
+    }), flush=True)
+    return 0
+
+keeper.main = probe
+PARENT = os.getpid()
+r, w = os.pipe()
+os.dup2(r, 50)  # the run's own descriptors (its stack lock): not the keeper's
+log = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+child = prefork.fork_keeper("/x/stack-request.yaml", log, w)
+os.close(w)
+print(json.dumps({"child": child.pid}), flush=True)
+"""
+
+
+def test_the_keeper_forked_from_a_run_outlives_it(tmp_path: Path) -> None:
+    """The run exits right after the fork; the keeper goes on in its own session with
+    its log and its ready pipe (as fd 3, its argument) and nothing else of the run's."""
+    log = tmp_path / "stack.log"
+    out = subprocess.run([sys.executable, "-c", KEEPER_PARENT, str(log)], capture_output=True,
+                         text=True, timeout=60, check=True)
+    pid = json.loads(out.stdout)["child"]
+    deadline = time.monotonic() + 60
+    while not log.read_text().strip() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = json.loads(log.read_text().splitlines()[0])
+    assert child["argv"] == ["/x/stack-request.yaml", "3"]
+    assert child["parent_gone"] and child["session_leader"]
+    assert set(child["fds"]) <= {0, 1, 2, 3, 4} and 50 not in child["fds"]
+    assert child["comm"] == "stk-keeper" and child["ready"]
+    while not _ended(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _ended(pid)  # its probe returned: the child _exits with the code
