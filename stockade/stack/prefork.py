@@ -192,6 +192,10 @@ def _detach(child: _Child, parent: int) -> None:
             os.environ[child.ready_env] = str(keep)
         keep += 1
     os.closerange(keep, os.sysconf("SC_OPEN_MAX"))  # close_range(2): one call
+    # the parent's may not be the descriptors 0-2 (a test runner captures them in memory)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own
+    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     # as a fresh interpreter has them (an ignored SIGHUP stays ignored, as across exec)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
