@@ -19,7 +19,7 @@ from stockade.procs import pid_alive
 from stockade.stack import prefork
 
 PARENT = r"""
-import json, logging, os, signal, sys, time
+import io, json, logging, os, signal, sys, time
 from stockade.stack import prefork
 
 def probe(argv):
@@ -41,7 +41,9 @@ signal.signal(signal.SIGTERM, lambda *a: None)
 r, w = os.pipe()
 os.dup2(w, 50)  # a descriptor of the keeper's the child must not hold
 log = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+real_stdout, sys.stdout = sys.stdout, io.StringIO()  # as a test runner's capture does
 child = prefork.fork_service([sys.argv[2], "--config", "x"], log, main=probe)
+sys.stdout = real_stdout
 print(json.dumps({"child": child.pid, "keeper": os.getpid()}), flush=True)
 if sys.argv[2] == "sleep":
     try:
