@@ -132,7 +132,7 @@ SELFTEST: dict[str, tuple[Check, Any]] = {
     "outside_resolver": (Text(ip=4), "192.0.2.53"),
     "ipv6_address": (Text(ip=6), "2001:db8::1"),
     "probe_timeout_s": (Num(float, gt=0, le=30), 2.0),
-    "evidence_timeout_s": (Num(float, gt=0, le=30), 3.0),
+    "evidence_timeout_s": (Num(float, gt=0, le=30), 10.0),
 }
 # the names of every launcher key (LauncherSettings' fields): one not among them is the
 # models' to refuse; of these only LAUNCHER's and `selftest` are read here
