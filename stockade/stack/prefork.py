@@ -45,6 +45,7 @@ PRELOAD: dict[str, tuple[str, ...]] = {
     "broker": ("stockade.broker.cli", "stockade.broker.service", *_SHARED),
 }
 _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
+_RESET = {signal.SIGTERM, signal.SIGINT}  # the dispositions a child sets as its own
 
 
 def can_fork() -> bool:
@@ -144,17 +145,22 @@ def _fork(argv: list[str], run: Callable[[], int], child: _Child) -> Forked:
     for stream in (sys.stdout, sys.stderr):  # else the child writes the buffers again
         with contextlib.suppress(Exception):
             stream.flush()
+    # blocked across the fork: one that came before the child's own dispositions would
+    # run (or, the parent's Python handler gone, be dropped by) the parent's handler
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _RESET)
     pid = os.fork()
     if pid == 0:
-        _in_child(argv, run, child, parent)
+        _in_child(argv, run, child, parent, mask)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     return Forked(pid, argv)
 
 
 def _in_child(argv: list[str], run: Callable[[], int], child: _Child,
-              parent: int) -> NoReturn:
+              parent: int, mask: set[signal.Signals]) -> NoReturn:
     code = 1
     try:
         _detach(child, parent)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a pending SIGTERM ends it now
         sys.argv = list(argv)
         code = run()
     except SystemExit as e:  # argparse and the handlers end this way

@@ -45,7 +45,9 @@ real_stdout, sys.stdout = sys.stdout, io.StringIO()  # as a test runner's captur
 child = prefork.fork_service([sys.argv[2], "--config", "x"], log, main=probe)
 sys.stdout = real_stdout
 print(json.dumps({"child": child.pid, "keeper": os.getpid()}), flush=True)
-if sys.argv[2] == "sleep":
+if sys.argv[2] == "sleep" and sys.argv[3] == "early":
+    os.kill(child.pid, signal.SIGTERM)  # likely before the child set its own handlers
+elif sys.argv[2] == "sleep":
     try:
         child.wait(timeout=0.05)
     except Exception as e:
@@ -86,6 +88,14 @@ def test_a_forked_service_is_waited_for_and_stopped(tmp_path: Path) -> None:
     lines, _ = _parent(tmp_path, "sleep", "stop")
     assert {"timeout": "TimeoutExpired"} in lines
     assert lines[-1] == {"code": -15, "poll": -15}
+
+
+def test_a_sigterm_right_after_the_fork_ends_the_child(tmp_path: Path) -> None:
+    """Signals stay blocked from the fork until the child has its own dispositions: a
+    SIGTERM in between is neither run by the parent's (Python) handler nor dropped."""
+    for _ in range(5):
+        lines, _ = _parent(tmp_path, "sleep", "early")
+        assert lines[-1] == {"code": -15, "poll": -15}
 
 
 def test_a_forked_service_dies_with_its_keeper(tmp_path: Path) -> None:
