@@ -48,9 +48,25 @@ _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
 _RESET = {signal.SIGTERM, signal.SIGINT}  # the dispositions a child sets as its own
 
 
-def can_fork() -> bool:
-    """Only the calling thread runs (see the module's docstring)."""
-    return threading.active_count() == 1
+_holds_secrets = False  # a secret value or a Vault token is in this process's memory
+# the children that may be forked all the same: the broker reads the Vault token and the
+# secrets itself (vault.token_file, its Vault), so a copy of them gives it nothing new
+TRUSTED = frozenset({"broker"})
+
+
+def hold_secrets() -> None:
+    """A secret value (a `--secret`, `dev_vault.secrets`) or the dev OpenBao's root token
+    is now in this process's memory: a fork would copy it into the child, so from here on
+    only a child trusted with them (the broker) is forked; the gateway, which faces the
+    sandboxes' traffic, and a keeper that would fork one are exec'd as before."""
+    global _holds_secrets
+    _holds_secrets = True
+
+
+def can_fork(*, trusted: bool = False) -> bool:
+    """Only the calling thread runs (see the module's docstring), and no secret would be
+    copied into a child that must not hold it (`hold_secrets`)."""
+    return threading.active_count() == 1 and (trusted or not _holds_secrets)
 
 
 def preload(name: str) -> None:

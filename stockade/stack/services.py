@@ -62,7 +62,7 @@ class Service:
             os.close(ready_w)  # the child's alone now: its exit is our EOF
 
     def _spawn(self, out: IO[bytes] | None, ready_w: int) -> None:
-        if self.fork_argv is not None and prefork.can_fork():
+        if self.fork_argv is not None and prefork.can_fork(trusted=self.name in prefork.TRUSTED):
             self.proc = prefork.fork_service(self.fork_argv, out.fileno() if out else None,
                                              ready_fd=ready_w)
             return
@@ -164,6 +164,7 @@ class Stack:
         self.config_file: Path | None = None  # the effective config the children read
         self._files: list[Path] = []
         self._dev_secrets: list[SecretValue] = []
+        self._dev_vault_port: int | None = None  # the dev OpenBao's, once chosen
 
     def own_file(self, path: Path) -> None:
         """Remove `path` at stop() too."""
@@ -182,16 +183,18 @@ class Stack:
         return self.config
 
     def _start(self) -> None:
-        cfg, bao = self._launch_dev_vault(self.base)
-        self.config = cfg
+        # the gateway needs no Vault: it starts first, before this process holds the dev
+        # OpenBao's root token or any secret (it may be forked: stack/prefork.py), and
+        # boots while the OpenBao does; the broker logs in at its start, so it starts once
+        # the OpenBao answers with its secrets
+        self.config = cfg = self._with_dev_vault(self.base)
         self.config_file = cfg_path = self._write_private(
             self.run_dir / "stack-config.yaml",
             yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False),
         )
         deadline = time.monotonic() + self.startup_timeout
-        # the gateway needs no Vault: it boots while the dev OpenBao does; the broker
-        # logs in at its start, so it starts once the OpenBao answers with its secrets
         gateway = self._launch("gateway", cfg.gateway.control_socket, cfg_path)
+        bao = self._launch_dev_vault(cfg) if self._dev_vault_port is not None else None
         if bao is not None:
             self._dev_vault_ready(bao)
         broker = self._launch("broker", cfg.broker.control_socket, cfg_path)
@@ -201,25 +204,36 @@ class Stack:
             launcher = self._launch("launcher", cfg.launcher.control_socket, cfg_path)
             self._wait_ready([launcher], deadline)
 
-    def _launch_dev_vault(self, cfg: Config) -> tuple[Config, Any]:
-        """Without vault.address (and the dev OpenBao not left out): a dev OpenBao launched
-        (not yet ready) and `cfg` with its address and root token file; else `cfg` as it
-        is and None."""
+    def _with_dev_vault(self, cfg: Config) -> Config:
+        """Without vault.address (and the dev OpenBao not left out): `cfg` with the dev
+        OpenBao's address and root token file, chosen before it exists; else `cfg`."""
         if cfg.vault.address is not None or not cfg.dev_vault.enabled:
-            return cfg, None
+            return cfg
+        from stockade.ports import free_port
+
+        self._dev_vault_port = cfg.dev_vault.port or free_port()
+        vault = cfg.vault.model_copy(update={
+            "address": f"http://127.0.0.1:{self._dev_vault_port}",
+            "token_file": str(self.run_dir / "dev-vault-token")})
+        return cfg.model_copy(update={"vault": vault})
+
+    def _launch_dev_vault(self, cfg: Config) -> Any:
+        """The dev OpenBao of `cfg` (`_with_dev_vault`) launched, not yet ready, its root
+        token in the token file and the configured secrets read."""
         from stockade.testing.devvault import DevOpenBao
 
         from .devsecrets import SecretSpecError, from_settings
 
+        prefork.hold_secrets()  # from here: the token and the secrets' values
         try:
-            self._dev_secrets = from_settings(cfg.dev_vault.secrets)  # before anything starts
+            self._dev_secrets = from_settings(cfg.dev_vault.secrets)
         except SecretSpecError as e:
             raise StackError(str(e)) from None
-        bao = DevOpenBao(port=cfg.dev_vault.port).launch()
+        bao = DevOpenBao(port=self._dev_vault_port).launch()
         self.dev_vault = bao
-        token_file = self._write_private(self.run_dir / "dev-vault-token", bao.root_token)
-        vault = cfg.vault.model_copy(update={"address": bao.address, "token_file": str(token_file)})
-        return cfg.model_copy(update={"vault": vault}), bao
+        assert cfg.vault.token_file is not None and bao.address == cfg.vault.address
+        self._write_private(Path(cfg.vault.token_file), bao.root_token)
+        return bao
 
     def _dev_vault_ready(self, bao: Any) -> None:
         from .devsecrets import put_secrets
@@ -229,7 +243,8 @@ class Stack:
 
     def _launch(self, name: str, sock: str, cfg_path: Path) -> Service:
         command = [name, "serve", "--config", str(cfg_path)]
-        fork = self.fork and name in prefork.PRELOAD and prefork.can_fork()
+        fork = self.fork and name in prefork.PRELOAD and \
+            prefork.can_fork(trusted=name in prefork.TRUSTED)
         if fork:
             prefork.preload(name)
         svc = Service(

@@ -183,3 +183,35 @@ def test_the_keeper_forked_from_a_run_outlives_it(tmp_path: Path) -> None:
     while not _ended(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _ended(pid)  # its probe returned: the child _exits with the code
+
+
+def test_a_process_holding_secrets_forks_only_the_broker(monkeypatch) -> None:
+    """A fork copies the parent's memory: once a `--secret`, `dev_vault.secrets` or the
+    dev OpenBao's root token is in it, the gateway (which faces the sandboxes' traffic)
+    and a keeper that would fork one are exec'd; the broker reads them itself anyway."""
+    monkeypatch.setattr(prefork, "_holds_secrets", False)
+    assert prefork.can_fork() and prefork.can_fork(trusted=True)
+    prefork.hold_secrets()
+    assert not prefork.can_fork()
+    assert prefork.can_fork(trusted="broker" in prefork.TRUSTED)
+    assert "gateway" not in prefork.TRUSTED
+
+
+HOLDER = r"""
+import os, sys, time
+from stockade.stack import prefork
+from stockade.stack.services import Service
+secret = "sk-" + os.urandom(16).hex()  # a secret value in this process's memory
+prefork.hold_secrets()
+svc = Service("gateway", ["sleep", "60"], "/nonexistent.sock", None, fork_argv=["gateway"])
+svc.start()
+print(svc.proc.pid, open(f"/proc/{svc.proc.pid}/comm").read().strip(), flush=True)
+svc.proc.terminate()
+svc.proc.wait()
+"""
+
+
+def test_a_gateway_started_after_a_secret_is_execd_not_forked() -> None:
+    out = subprocess.run([sys.executable, "-c", HOLDER], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    assert out[1] == "sleep"  # exec'd argv, not a forked copy (`stk-gateway`) of the holder
