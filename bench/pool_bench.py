@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -115,9 +116,12 @@ exports: {max_file: 1MiB, max_total: 2MiB, types: [text]}
 
 
 def embedded_run(runs: int, python: str = sys.executable,
-                 env: dict[str, str] | None = None) -> list[float]:
+                 env: dict[str, str] | None = None,
+                 preexec: Callable[[], None] | None = None) -> list[float]:
     """`stockade run --profile box -- true` on embedded defaults with no stack running
-    (its own run_dir, base_port and launcher names): the whole command's wall time."""
+    (its own run_dir, base_port and launcher names): the whole command's wall time.
+    `preexec` runs in the command's process before it starts (cli_bench.py puts it in a
+    cgroup of its own there)."""
     from stockade.instance import PORT_SPAN
     from stockade.ports import free_port_block
 
@@ -144,7 +148,7 @@ def embedded_run(runs: int, python: str = sys.executable,
             t0 = time.monotonic()
             subprocess.run([python, "-m", "stockade", "run", "--profile", "box",
                             "--config", str(cfg), "--", "true"], check=True,
-                           capture_output=True, timeout=300, env=env)
+                           capture_output=True, timeout=300, env=env, preexec_fn=preexec)
             out.append(time.monotonic() - t0)
     return out
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from collections import Counter
 from typing import Any
@@ -48,7 +47,7 @@ def _list(args: argparse.Namespace) -> int:
     # the state file is the whole answer: no launcher (event writer, backends) is needed
     from .state import StateFile, state_path
 
-    cfg = args.config_loader(args.config, "sandbox list", launcher_only=True)
+    cfg = args.config_loader(args.config, "sandbox list", peek=True)
     records = StateFile(state_path(cfg.state_dir, cfg.launcher.nft_table)).read()
     rows = [r.summary() for r in records.values()]
     if args.json:
@@ -72,8 +71,10 @@ def _op(args: argparse.Namespace) -> int:
     from .state import StateFile, state_path
 
     command = f"sandbox {args.op}"
-    # the launcher's and the events' sections are all this reads (a Launcher reads more)
-    cfg = args.config_loader(args.config, command, launcher_only=True)
+    # a kill reads a few keys (configpeek, no pydantic); suspend and resume the tier's
+    # settings too (the backend pauses); a Launcher reads more
+    cfg = args.config_loader(args.config, command, peek=args.op == "kill",
+                             launcher_only=args.op != "kill")
     state = StateFile(state_path(cfg.state_dir, cfg.launcher.nft_table))
     events = cfg.event_writer(stdout=False)
     if args.op == "kill":
@@ -97,7 +98,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from .service import serve
 
-    setup_logging(logging.INFO)
+    setup_logging("INFO")
     cfg = args.config_loader(
         args.config, "launcher", rules_dir=args.rules, launcher={"control_socket": args.socket}
     )

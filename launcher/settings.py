@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from stockade.events.probemark import ProbeWindow
+from stockade.events.probemark import ProbeWindow, window_of
 from stockade.tcp import CONGESTION_CONTROL_NAME
 
 from .initscript import check_etc_entry
@@ -134,8 +134,7 @@ class SelftestSettings(BaseModel):
     def window(self) -> ProbeWindow:
         """Where and when the probes go: the event throttle recognises the events that
         cannot name a marker by it (stockade/events/summary.py)."""
-        return ProbeWindow(frozenset({self.raw_ip, self.outside_resolver, self.ipv6_address}),
-                           self.probe_timeout_s + self.evidence_timeout_s)
+        return window_of(self)
 
     @field_validator("raw_ip", "outside_resolver")
     @classmethod

@@ -57,7 +57,7 @@ class CommandFailed(Exception):
 
 def config_or_fail(
     path: str | None, command: str, *, rules_dir: str | None = None,
-    launcher_only: bool = False, **sections: dict[str, Any]
+    launcher_only: bool = False, peek: bool = False, **sections: dict[str, Any]
 ) -> Config:
     """`load_config(path)`; an unusable file ends the command: `stockade COMMAND: <error>`,
     exit 2 (the same for every command, so scripts and systemd can rely on it).
@@ -65,16 +65,12 @@ def config_or_fail(
     Command-line overrides win over the file where given: `rules_dir`, and per section
     (`broker={"listen": args.listen}`); an unset flag (None, empty) keeps the file's value.
     `launcher_only`: a `configfile.LauncherFile` instead (top-level keys, `events` and
-    `launcher` checked, the other sections unread), for commands that read nothing else."""
-    from stockade.configfile import ConfigError, LauncherFile, load_as
+    `launcher` checked, the other sections unread), for commands that read nothing else;
+    `peek`: `configpeek.load`, fewer keys still and no pydantic (`sandbox list|kill`)."""
+    from stockade.yamlfile import ConfigError
 
     try:
-        if launcher_only:
-            cfg: Any = load_as(LauncherFile, path)
-        else:
-            from stockade.config import load_config
-
-            cfg = load_config(path)
+        cfg = _load(path, peek=peek, launcher_only=launcher_only)
     except ConfigError as e:
         raise CommandFailed(f"stockade {command}: {e}", 2) from None
     updates: dict[str, Any] = {}
@@ -85,6 +81,22 @@ def config_or_fail(
         if given:
             updates[name] = getattr(cfg, name).model_copy(update=given)
     return cfg.model_copy(update=updates) if updates else cfg
+
+
+def _load(path: str | None, *, peek: bool, launcher_only: bool) -> Any:
+    if peek:
+        from stockade.configpeek import load
+
+        found = load(path)
+        if found is not None:
+            return found  # else the models decide this file, as for launcher_only
+    if peek or launcher_only:
+        from stockade.configfile import LauncherFile, load_as
+
+        return load_as(LauncherFile, path)
+    from stockade.config import load_config
+
+    return load_config(path)
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:

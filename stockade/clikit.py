@@ -6,7 +6,6 @@ the same way. Ground floor: component CLIs use it without importing `stockade.cl
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 BUILT_IN = "stockade.yaml (default: built-in)"
@@ -40,4 +39,6 @@ def add_log_level(parser: argparse.ArgumentParser) -> None:
 
 def setup_logging(level: int | str) -> None:
     """Diagnostics on stderr, one line each (the events go to the events file)."""
+    import logging  # here: the short commands (`sandbox kill`) log nothing
+
     logging.basicConfig(level=level, stream=sys.stderr, format=LOG_FORMAT)

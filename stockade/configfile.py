@@ -1,6 +1,7 @@
-"""Reading `stockade.yaml`: the strict YAML load (duplicate keys refused), the error lines
-(`file: key.path: what`), the top-level keys every command shares, and `LauncherFile`,
-the file as `stockade sandbox kill|suspend|resume` read it.
+"""The top-level keys every command shares, the error lines of the models
+(`file: key.path: what`), and `LauncherFile`, the file as `stockade sandbox suspend|resume`
+read it (the YAML itself is read by yamlfile.py; `list` and `kill` check their few keys
+without pydantic, configpeek.py).
 
 config.py composes the whole file (`Config`, every component's section). Building the
 pydantic models of the gateway, DNS, broker and stack sections costs about as much as a
@@ -14,15 +15,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from stockade.configpeek import FileViews
 from stockade.events.settings import EventSettings
 from stockade.instance import PORT_SPAN, derive
 from stockade.launcher.settings import LauncherSettings
-
-if TYPE_CHECKING:
-    from stockade.events import EventWriter
+from stockade.yamlfile import ConfigError, read_mapping
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -31,7 +30,7 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class Shared(Strict):
+class Shared(Strict, FileViews):
     """The top-level keys; each subclass declares the sections (in the file's order)."""
 
     rules_dir: str = "rules"  # profiles/, apis/, presets/, tests/ (relative to the cwd)
@@ -57,21 +56,6 @@ class Shared(Strict):
     def _derived_defaults(cls, data: Any) -> Any:
         return derive(data)
 
-    @property
-    def events_file(self) -> Path:
-        return Path(self.events.file) if self.events.file else Path(self.log_dir) / "events.jsonl"
-
-    @property
-    def task_events_dir(self) -> Path:
-        return Path(self.events.task_dir) if self.events.task_dir else Path(self.log_dir) / "tasks"
-
-    def event_writer(self, *, stdout: bool | None = None) -> EventWriter:
-        """The writer every component uses: shared file, throttle, per-task store."""
-        ev = self.events
-        return ev.writer(self.events_file, self.task_events_dir,
-                         ev.stdout if stdout is None else stdout,
-                         probes=self.launcher.selftest.window())
-
 
 class LauncherFile(Shared):
     """`stockade.yaml` with only the top-level keys, `events` and `launcher` validated;
@@ -87,45 +71,16 @@ class LauncherFile(Shared):
     stack: Any = None
 
 
-class ConfigError(ValueError):
-    pass
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys instead of silently keeping the last."""
-
-
-def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node)
-        if key in seen:
-            m = key_node.start_mark
-            raise ConfigError(f"{m.line + 1}:{m.column + 1}: duplicate key {key!r}")
-        seen.add(key)
-    return loader.construct_mapping(node)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
 def load_as(model: type[M], path: str | Path | None) -> M:
     """Load `stockade.yaml` as `model`; None gives the embedded defaults."""
     if path is None:
         return model()
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError(f"{p}: cannot read: {e.strerror}") from None
-    try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # noqa: S506 - SafeLoader subclass
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: invalid YAML: {e}") from None
-    except ConfigError as e:
-        raise ConfigError(f"{p}:{e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: top level must be a mapping")
+    return validate_as(model, read_mapping(p), p)
+
+
+def validate_as(model: type[M], data: dict[Any, Any], p: Path) -> M:
+    """`data` (the mapping read from `p`) as `model`; ConfigError lists every error."""
     try:
         return model.model_validate(data)
     except ValidationError as e:

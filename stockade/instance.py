@@ -11,8 +11,6 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 from typing import Any
 
-from pydantic import BaseModel
-
 # (section path, key) -> socket file name under run_dir
 SOCKETS: dict[tuple[tuple[str, ...], str], str] = {
     (("gateway",), "control_socket"): "gateway.sock",
@@ -39,8 +37,14 @@ DEFAULT_RUN_DIR = "/run/stockade"
 DEFAULT_STATE_DIR = "/var/lib/stockade"  # Config.state_dir's default
 
 
+def _is_model(section: Any) -> bool:
+    # a pydantic model, told by its API rather than isinstance: this module is read by
+    # stockade.configpeek too, whose commands never import pydantic
+    return hasattr(section, "model_fields_set") and hasattr(section, "model_copy")
+
+
 def _is_set(section: Any, key: str, null_unset: bool) -> bool:
-    if isinstance(section, BaseModel):
+    if _is_model(section):
         return key in section.model_fields_set and not (
             null_unset and getattr(section, key) is None)
     return isinstance(section, dict) and key in section and not (
@@ -54,7 +58,7 @@ def _fill(data: dict[str, Any], path: tuple[str, ...], key: str, value: Any,
     head, rest = path[0], path[1:]
     section = data.get(head, {})
     if rest:
-        if isinstance(section, BaseModel):
+        if _is_model(section):
             return  # a section given as a model is taken as it is
         section = dict(section) if isinstance(section, dict) else section
         if not isinstance(section, dict):
@@ -64,7 +68,7 @@ def _fill(data: dict[str, Any], path: tuple[str, ...], key: str, value: Any,
         return
     if _is_set(section, key, null_unset):
         return
-    if isinstance(section, BaseModel):
+    if _is_model(section):
         data[head] = section.model_copy(update={key: value})
     elif isinstance(section, dict):
         data[head] = {**section, key: value}

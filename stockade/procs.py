@@ -9,6 +9,20 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Protocol
+
+
+class ChildProcess(Protocol):
+    """What the stack uses of a child: `subprocess.Popen`, or stack.prefork's `Forked`."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def terminate(self) -> None: ...
 
 
 def death_guard() -> list[str]:
@@ -50,7 +64,7 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def stop_group(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:
+def stop_group(proc: ChildProcess | None, timeout: float = 10.0) -> None:
     """SIGTERM the process group `proc` leads (started with start_new_session=True), wait,
     then SIGKILL: a child never outlives its owner, grandchildren included."""
     if proc is None or proc.poll() is not None:

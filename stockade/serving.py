@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from stockade.events.chainkey import ChainError
+from stockade.readiness import say_ready, take_ready_fd
 
 T = TypeVar("T")
 
@@ -46,6 +47,7 @@ async def serve_until_signalled(
     start_errors: tuple[type[BaseException], ...] = (OSError,),
     invalid_rules: tuple[type[BaseException], ...] = (),
 ) -> int:
+    ready_fd = take_ready_fd()  # first: nothing this service starts may inherit it
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -70,6 +72,7 @@ async def serve_until_signalled(
             print(f"stockade {name}: cannot start: {e}", file=sys.stderr)
             return 2
         print(f"stockade {name}: {banner()}", file=sys.stderr, flush=True)
+        say_ready(ready_fd)  # the stack that started it waits on this, not on polls
         await stopping.wait()
         return 0
     finally:

@@ -50,6 +50,14 @@ class ProbeWindow:
     window_s: float = 0.0
 
 
+def window_of(selftest: Any) -> ProbeWindow:
+    """The window of a `launcher.selftest` section (its model or configpeek's values):
+    its three target addresses, its probe and evidence deadlines."""
+    return ProbeWindow(frozenset({selftest.raw_ip, selftest.outside_resolver,
+                                  selftest.ipv6_address}),
+                       selftest.probe_timeout_s + selftest.evidence_timeout_s)
+
+
 def _get(ev: dict[str, Any], a: str, b: str) -> Any:
     part = ev.get(a)
     return part.get(b) if isinstance(part, dict) else None

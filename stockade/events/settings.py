@@ -12,11 +12,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .fromsettings import encoder_of, signer_of, throttle_of, writer_of
 from .probemark import NO_WINDOW, ProbeWindow
 
-# the chain (cryptography), the writer, the throttle and the OCSF encoder are imported
-# where they are made: every command loads the configuration, and `stockade sandbox list`
-# or `rules explain` never writes an event
 if TYPE_CHECKING:
     from .chain import ChainSigner
     from .summary import ThrottleSettings
@@ -57,37 +55,19 @@ class EventSettings(BaseModel):
 
     def throttle(self, probes: ProbeWindow = NO_WINDOW) -> ThrottleSettings:
         """`probes`: where and when the fence self-test's unmarked probes come (probemark.py)."""
-        from .summary import ThrottleSettings
-
-        return ThrottleSettings(
-            verbatim_per_key=self.verbatim_per_key, window_s=self.summary_window_s,
-            task_events=self.task_budget_events, task_bytes=self.task_budget_bytes,
-            keys_per_task=self.keys_per_task, probes=probes)
+        return throttle_of(self, probes)
 
     def chain_signer(self) -> ChainSigner:
         """A new stream's signer (one per writer). Without chain_dir it links lines but
         signs nothing; raises chainkey.ChainError when the key cannot be read or made."""
-        from .chain import ChainSigner
-        from .chainkey import load_or_create_key
-
-        key = load_or_create_key(self.chain_dir) if self.chain and self.chain_dir else None
-        return ChainSigner(key, self.chain_dir if key is not None else None, link=self.chain,
-                           every=self.checkpoint_every, interval_s=self.checkpoint_s)
+        return signer_of(self)
 
     def encoder(self) -> Callable[[dict[str, Any]], bytes] | None:
         """The writer's line encoder for `format`; None: the writer's own (ECS)."""
-        from .ocsf import encode_ocsf
-
-        return encode_ocsf if self.format == "ocsf" else None
+        return encoder_of(self)
 
     def writer(self, path: str | Path | None, task_dir: str | Path | None,
                stdout: bool, probes: ProbeWindow = NO_WINDOW) -> EventWriter:
         """An event writer with these settings: throttle, per-task store and chain included
         (its own stream). Raises chainkey.ChainError when the signing key is unusable."""
-        from .writer import EventWriter
-
-        return EventWriter(
-            path, max_bytes=self.max_bytes, backups=self.backups, stdout=stdout,
-            throttle=self.throttle(probes), task_dir=task_dir,
-            task_store_bytes=self.task_store_bytes, chain=self.chain_signer(),
-            encode=self.encoder())
+        return writer_of(self, path, task_dir, stdout, probes)

@@ -14,7 +14,9 @@ from pathlib import Path
 import yaml
 
 from stockade.config import Config, ConfigError, load_config
+from stockade.procs import ChildProcess
 
+from . import prefork
 from .services import StackError, stack_running
 from .shared import (
     STATE_FILE,
@@ -118,12 +120,16 @@ def _spawn_keeper(config: Config, run_dir: Path, timeout: float,
     ready_r, ready_w = os.pipe()
     try:
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "stockade.stack.keeper", str(request), str(ready_w)],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                pass_fds=(ready_w,),
-                start_new_session=True,  # outlives this run; a Ctrl-C here does not reach it
-            )
+            proc: ChildProcess
+            if prefork.can_fork():  # this run's imports are most of the keeper's
+                proc = prefork.fork_keeper(str(request), log.fileno(), ready_w)
+            else:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "stockade.stack.keeper", str(request), str(ready_w)],
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    pass_fds=(ready_w,),
+                    start_new_session=True,  # outlives this run; a Ctrl-C does not reach it
+                )
         os.close(ready_w)  # only the keeper holds the write end: its exit is our EOF
         ready_w = -1
         if while_starting is not None:
@@ -147,7 +153,7 @@ def _spawn_keeper(config: Config, run_dir: Path, timeout: float,
     raise StackError(f"the embedded stack did not start:\n{tail}")
 
 
-def _end_keeper(proc: subprocess.Popen[bytes]) -> None:
+def _end_keeper(proc: ChildProcess) -> None:
     if proc.poll() is None:
         proc.terminate()  # the keeper stops what it started
         proc.wait(timeout=60)

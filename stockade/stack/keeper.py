@@ -9,7 +9,6 @@ restarted as under `stockade up` (stack.up.Supervisor); one that keeps dying end
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -20,6 +19,7 @@ from types import FrameType
 
 from stockade.config import ConfigError, load_config
 from stockade.events.writer import EventWriter
+from stockade.readiness import say_ready
 
 from .services import Stack, StackError
 from .shared import StackState, clear_state, live_leases, stack_lock, write_state
@@ -67,17 +67,6 @@ def _watch(stack: Stack, run_dir: Path, shutdown: _Shutdown, sup: Supervisor) ->
                 return
 
 
-def _say_ready(fd: int | None) -> None:
-    """One byte on the starting run's pipe: it waits on it instead of polling stack.json
-    (EOF without the byte: the keeper ended before its stack was ready)."""
-    if fd is None:
-        return
-    with contextlib.suppress(OSError):  # that run may have given up and gone
-        os.write(fd, b"R")
-    with contextlib.suppress(OSError):
-        os.close(fd)
-
-
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -93,7 +82,8 @@ def main(argv: list[str]) -> int:
         log.error("%s", e)
         return 2
     run_dir = Path(cfg.run_dir)
-    stack = Stack(cfg, launcher_service=False)
+    # gateway and broker forked from here once their modules are imported (stack/prefork.py)
+    stack = Stack(cfg, launcher_service=False, fork=True)
     shutdown = _Shutdown(stack, run_dir, request)
     try:
         stack.start()
@@ -102,7 +92,7 @@ def main(argv: list[str]) -> int:
             owner_pid=os.getpid(), kind="shared", config_file=str(stack.config_file),
             request_file=str(request), dev_vault=stack.dev_vault is not None))
         log.info("embedded stack ready (pid %d)", os.getpid())
-        _say_ready(ready_fd)
+        say_ready(ready_fd)  # the starting run waits on it (EOF: the keeper ended first)
         events = EventWriter(cfg.events_file, max_bytes=cfg.events.max_bytes,
                              backups=cfg.events.backups, chain=cfg.events.chain_signer(),
                              encode=cfg.events.encoder())

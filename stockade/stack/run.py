@@ -86,6 +86,10 @@ def _prepare(args: argparse.Namespace) -> int | tuple[list[str], Any, Any, Any, 
     except SecretSpecError as e:
         print(f"stockade run: {e}", file=sys.stderr)
         return 2
+    if secrets:  # their values are in memory now: the keeper is exec'd, not forked
+        from .prefork import hold_secrets
+
+        hold_secrets()
     return cmd, file_config, config, ruleset, secrets
 
 

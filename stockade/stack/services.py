@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -21,9 +22,11 @@ from typing import IO, Any
 import yaml
 
 from stockade.config import Config
-from stockade.procs import death_guard, stop_group, wait_guarded
+from stockade.procs import ChildProcess, death_guard, stop_group, wait_guarded
+from stockade.readiness import READY_FD_ENV
 from stockade.tasks import ControlClient
 
+from . import prefork
 from .devsecrets import SecretValue
 from .shared import write_private
 
@@ -38,7 +41,12 @@ class Service:
     argv: list[str]
     control_socket: str
     log_path: Path | None  # None: inherit the terminal (stockade up)
-    proc: subprocess.Popen[bytes] | None = None
+    # `stockade ...` to fork from this process instead of exec'ing argv (stack/prefork.py;
+    # argv stays the way when this process runs other threads)
+    fork_argv: list[str] | None = None
+    proc: ChildProcess | None = None
+    # the read end of the pipe the service says it is ready on (stockade/readiness.py)
+    ready_fd: int | None = field(default=None, repr=False)
     _log: IO[bytes] | None = field(default=None, repr=False)
 
     def start(self) -> None:
@@ -46,6 +54,18 @@ class Service:
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = out = open(self.log_path, "ab")  # noqa: SIM115 - child owns it
+        self.close_ready()
+        self.ready_fd, ready_w = os.pipe()
+        try:
+            self._spawn(out, ready_w)
+        finally:
+            os.close(ready_w)  # the child's alone now: its exit is our EOF
+
+    def _spawn(self, out: IO[bytes] | None, ready_w: int) -> None:
+        if self.fork_argv is not None and prefork.can_fork(trusted=self.name in prefork.TRUSTED):
+            self.proc = prefork.fork_service(self.fork_argv, out.fileno() if out else None,
+                                             ready_fd=ready_w)
+            return
         # dies with its owner (up, the keeper, the demo) even when that one is SIGKILLed:
         # an orphaned gateway would hold the ports and sockets of the next stack
         argv = [*death_guard(), *self.argv]
@@ -55,8 +75,15 @@ class Service:
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
             start_new_session=True,  # Ctrl-C reaches us; we stop the children in order
+            pass_fds=(ready_w,),
+            env={**os.environ, READY_FD_ENV: str(ready_w)},
         )
         wait_guarded(self.proc, argv)
+
+    def close_ready(self) -> None:
+        if self.ready_fd is not None:
+            os.close(self.ready_fd)
+            self.ready_fd = None
 
     def restart(self) -> None:
         """Start again after the process died (the log file is reopened, appended to)."""
@@ -85,6 +112,7 @@ class Service:
     def stop(self, timeout: float = 10.0) -> None:
         proc, self.proc = self.proc, None
         stop_group(proc, timeout)
+        self.close_ready()
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -120,8 +148,12 @@ class Stack:
         foreground: bool = False,
         startup_timeout: float = 60.0,
         launcher_service: bool = True,
+        fork: bool = False,
     ) -> None:
+        """`fork`: gateway and broker are forked from this process once it imported their
+        modules (stack/prefork.py: the embedded stack's keeper), not exec'd."""
         self.base = config
+        self.fork = fork
         self.config = config  # the effective config, with the dev Vault filled in
         self.foreground = foreground
         self.launcher_service = launcher_service
@@ -132,6 +164,7 @@ class Stack:
         self.config_file: Path | None = None  # the effective config the children read
         self._files: list[Path] = []
         self._dev_secrets: list[SecretValue] = []
+        self._dev_vault_port: int | None = None  # the dev OpenBao's, once chosen
 
     def own_file(self, path: Path) -> None:
         """Remove `path` at stop() too."""
@@ -150,16 +183,18 @@ class Stack:
         return self.config
 
     def _start(self) -> None:
-        cfg, bao = self._launch_dev_vault(self.base)
-        self.config = cfg
+        # the gateway needs no Vault: it starts first, before this process holds the dev
+        # OpenBao's root token or any secret (it may be forked: stack/prefork.py), and
+        # boots while the OpenBao does; the broker logs in at its start, so it starts once
+        # the OpenBao answers with its secrets
+        self.config = cfg = self._with_dev_vault(self.base)
         self.config_file = cfg_path = self._write_private(
             self.run_dir / "stack-config.yaml",
             yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False),
         )
         deadline = time.monotonic() + self.startup_timeout
-        # the gateway needs no Vault: it boots while the dev OpenBao does; the broker
-        # logs in at its start, so it starts once the OpenBao answers with its secrets
         gateway = self._launch("gateway", cfg.gateway.control_socket, cfg_path)
+        bao = self._launch_dev_vault(cfg) if self._dev_vault_port is not None else None
         if bao is not None:
             self._dev_vault_ready(bao)
         broker = self._launch("broker", cfg.broker.control_socket, cfg_path)
@@ -169,25 +204,36 @@ class Stack:
             launcher = self._launch("launcher", cfg.launcher.control_socket, cfg_path)
             self._wait_ready([launcher], deadline)
 
-    def _launch_dev_vault(self, cfg: Config) -> tuple[Config, Any]:
-        """Without vault.address (and the dev OpenBao not left out): a dev OpenBao launched
-        (not yet ready) and `cfg` with its address and root token file; else `cfg` as it
-        is and None."""
+    def _with_dev_vault(self, cfg: Config) -> Config:
+        """Without vault.address (and the dev OpenBao not left out): `cfg` with the dev
+        OpenBao's address and root token file, chosen before it exists; else `cfg`."""
         if cfg.vault.address is not None or not cfg.dev_vault.enabled:
-            return cfg, None
+            return cfg
+        from stockade.ports import free_port
+
+        self._dev_vault_port = cfg.dev_vault.port or free_port()
+        vault = cfg.vault.model_copy(update={
+            "address": f"http://127.0.0.1:{self._dev_vault_port}",
+            "token_file": str(self.run_dir / "dev-vault-token")})
+        return cfg.model_copy(update={"vault": vault})
+
+    def _launch_dev_vault(self, cfg: Config) -> Any:
+        """The dev OpenBao of `cfg` (`_with_dev_vault`) launched, not yet ready, its root
+        token in the token file and the configured secrets read."""
         from stockade.testing.devvault import DevOpenBao
 
         from .devsecrets import SecretSpecError, from_settings
 
+        prefork.hold_secrets()  # from here: the token and the secrets' values
         try:
-            self._dev_secrets = from_settings(cfg.dev_vault.secrets)  # before anything starts
+            self._dev_secrets = from_settings(cfg.dev_vault.secrets)
         except SecretSpecError as e:
             raise StackError(str(e)) from None
-        bao = DevOpenBao(port=cfg.dev_vault.port).launch()
+        bao = DevOpenBao(port=self._dev_vault_port).launch()
         self.dev_vault = bao
-        token_file = self._write_private(self.run_dir / "dev-vault-token", bao.root_token)
-        vault = cfg.vault.model_copy(update={"address": bao.address, "token_file": str(token_file)})
-        return cfg.model_copy(update={"vault": vault}), bao
+        assert cfg.vault.token_file is not None and bao.address == cfg.vault.address
+        self._write_private(Path(cfg.vault.token_file), bao.root_token)
+        return bao
 
     def _dev_vault_ready(self, bao: Any) -> None:
         from .devsecrets import put_secrets
@@ -196,17 +242,42 @@ class Stack:
         put_secrets(bao.address, bao.root_token, self._dev_secrets)
 
     def _launch(self, name: str, sock: str, cfg_path: Path) -> Service:
+        command = [name, "serve", "--config", str(cfg_path)]
+        fork = self.fork and name in prefork.PRELOAD and \
+            prefork.can_fork(trusted=name in prefork.TRUSTED)
+        if fork:
+            prefork.preload(name)
         svc = Service(
             name=name,
-            argv=[sys.executable, "-m", "stockade", name, "serve", "--config", str(cfg_path)],
+            argv=[sys.executable, "-m", "stockade", *command],
             control_socket=sock,
             log_path=None if self.foreground else Path(self.config.log_dir) / f"{name}.log",
+            fork_argv=command if fork else None,
         )
         svc.start()
         self.services.append(svc)
         return svc
 
     def _wait_ready(self, services: list[Service], deadline: float) -> None:
+        """Until each service said it serves on its ready pipe (no polling; EOF first: it
+        ended), and then answers its health check."""
+        pending = {svc.ready_fd: svc for svc in services if svc.ready_fd is not None}
+        while pending:
+            left = deadline - time.monotonic()
+            readable = select.select(list(pending), [], [], max(left, 0.0))[0]
+            if not readable:
+                self._not_ready(list(pending.values()))
+            for fd in readable:
+                svc = pending.pop(fd)
+                said = os.read(fd, 1) == b"R"
+                svc.close_ready()
+                if not said:
+                    raise StackError(f"{svc.name} exited during start-up:\n{svc.log_tail()}")
+        # serving is not yet ready where a gateway's L7 inspector still starts: those
+        # (and a service that had no pipe) are asked until they are
+        self._poll_ready([svc for svc in services if not svc.healthy()], deadline)
+
+    def _poll_ready(self, services: list[Service], deadline: float) -> None:
         pending = list(services)
         while pending:
             for svc in list(pending):
@@ -215,10 +286,13 @@ class Stack:
                 if svc.healthy():
                     pending.remove(svc)
             if pending and time.monotonic() > deadline:
-                names = ", ".join(s.name for s in pending)
-                raise StackError(f"not ready after {self.startup_timeout:.0f}s: {names}")
+                self._not_ready(pending)
             if pending:
                 time.sleep(0.05)
+
+    def _not_ready(self, pending: list[Service]) -> None:
+        names = ", ".join(s.name for s in pending)
+        raise StackError(f"not ready after {self.startup_timeout:.0f}s: {names}")
 
     def status(self) -> list[tuple[str, int | None, str]]:
         rows: list[tuple[str, int | None, str]] = []

@@ -128,7 +128,8 @@ def test_the_sandbox_commands_load_no_launcher_and_no_other_section(
         tmp_path: Path, op: str) -> None:
     """`sandbox kill|suspend|list` (here of an unknown sandbox: the same imports up to
     the state row) build no Launcher, import no backend and validate only the config's
-    top-level keys, `events` and `launcher` (launcher/operator.py, stockade/configfile.py);
+    top-level keys, `events` and `launcher` (launcher/operator.py, stockade/configfile.py;
+    `list` and `kill` fewer of them and without pydantic, stockade/configpeek.py);
     tests/launcher/test_operator_cli.py checks a real kill."""
     cfg = tmp_path / "stockade.yaml"
     cfg.write_text(f"state_dir: {tmp_path}/state\nlog_dir: {tmp_path}/log\n")
@@ -139,6 +140,10 @@ def test_the_sandbox_commands_load_no_launcher_and_no_other_section(
                 "stockade.gateway.settings", "stockade.broker.settings",
                 "stockade.launcher.pools", "stockade.launcher.claim"} & mods
     assert not _heavy(mods, ("aiohttp", "prometheus_client", "mitmproxy", "hvac"))
+    if op != "suspend":  # its backend reads the tier's settings: LauncherFile's models
+        # stockade/configpeek.py checks what they read by hand
+        assert not _heavy(mods, ("pydantic", "pydantic_core"))
+        assert "stockade.configfile" not in mods
 
 
 @pytest.mark.parametrize("what", ["import stockade.broker.service",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from stockade.cli import CommandFailed, config_or_fail
 from stockade.config import Config, ConfigError, load_config
 from stockade.configfile import LauncherFile, load_as
 
@@ -46,6 +47,12 @@ def test_the_shared_keys_are_the_same(tmp_path: Path) -> None:
     "- a list\n",
     "launcher: [unclosed\n",
     "base_port: 0\n",
+    # what configpeek (`sandbox list|kill`) reads: the models decide, with these lines
+    "launcher: {nft_tabel: t}\n",
+    "launcher: {cgroup_parent: 'a b'}\n",
+    "launcher: {selftest: {raw_ip: '::1'}}\n",
+    "events: {max_bytes: 0}\n",
+    "events: null\n",
 ])
 def test_the_errors_of_the_shared_keys_are_the_same(tmp_path: Path, text: str) -> None:
     p = tmp_path / "stockade.yaml"
@@ -56,6 +63,9 @@ def test_the_errors_of_the_shared_keys_are_the_same(tmp_path: Path, text: str) -
         load_as(LauncherFile, p)
     assert str(lean.value) == str(full.value)
     assert str(p) in str(lean.value)
+    with pytest.raises(CommandFailed) as peeked:  # configpeek's fallback to LauncherFile
+        config_or_fail(str(p), "sandbox kill", peek=True)
+    assert peeked.value.message == f"stockade sandbox kill: {full.value}"
 
 
 def test_other_sections_stay_unread(tmp_path: Path) -> None:

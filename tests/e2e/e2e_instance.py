@@ -86,13 +86,35 @@ def run_argv(cfg: Path, *cmd: str, extra: tuple[str, ...] = ()) -> list[str]:
             "--json", *extra, "--", *cmd]
 
 
+FORKED = ("stk-keeper", "stk-gateway", "stk-broker")
+
+
+def forked_stack_procs(marker: str, comms: tuple[str, ...] = FORKED) -> dict[int, str]:
+    """Processes the stack forked (stockade/stack/prefork.py: `ps -o comm` stk-keeper,
+    stk-gateway, stk-broker; their command line is the starting run's, which names this
+    instance's files): {pid: comm}."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            comm = (d / "comm").read_text().strip()
+            args = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if comm in comms and marker in args:
+            out[int(d.name)] = comm
+    return out
+
+
 def stockade_procs(marker: str) -> dict[int, str]:
     """Processes (services, keeper) whose command line names this instance's files:
     {pid: command line} (-ww: never cut at a COLUMNS width)."""
     out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True,
                          check=False).stdout
     procs = (line.strip().partition(" ") for line in out.splitlines())
-    return {int(pid): args for pid, _, args in procs if marker in args and "stockade" in args}
+    found = {int(pid): args for pid, _, args in procs if marker in args and "stockade" in args}
+    return found | forked_stack_procs(marker)
 
 
 def up_ready(up: subprocess.Popen[bytes], err: Path, timeout: float = 120) -> str:

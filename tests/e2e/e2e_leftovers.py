@@ -6,6 +6,8 @@ import json
 import subprocess
 from pathlib import Path
 
+from e2e_instance import forked_stack_procs
+
 
 def _out(argv: list[str]) -> str:
     return subprocess.run(argv, capture_output=True, text=True, check=False).stdout
@@ -39,6 +41,8 @@ def snapshot(
             "bao server -dev" in args and ppid == "1"
         ):
             procs.add(args)
+    # the stack's processes forked from its keeper carry the starting run's command line
+    procs |= {f"{comm} {pid}" for pid, comm in forked_stack_procs(proc_marker).items()}
 
     def keep(names: set[str]) -> set[str]:
         return {n for n in names if any(n.startswith(p) for p in prefixes)}

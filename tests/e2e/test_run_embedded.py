@@ -15,7 +15,13 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e_instance import instance_config, run_argv, stockade_procs, write_config
+from e2e_instance import (
+    forked_stack_procs,
+    instance_config,
+    run_argv,
+    stockade_procs,
+    write_config,
+)
 from e2e_leftovers import new_since, snapshot
 from polling import eventually
 
@@ -164,7 +170,8 @@ def test_a_gateway_that_dies_under_a_shared_stack_is_restarted(
         if rows.strip() not in ("", "[]"):
             break
         time.sleep(0.2)
-    gateways = list(stockade_procs(marker))
+    # exec'd, it names its stack-config; forked from the keeper, it is stk-gateway
+    gateways = [*stockade_procs(marker), *forked_stack_procs(str(tmp_path), ("stk-gateway",))]
     assert len(gateways) == 1
     os.kill(gateways[0], signal.SIGKILL)
     out, err = proc.communicate(timeout=240)
