@@ -55,15 +55,18 @@ def current_state(run_dir: Path) -> StackState | None:
 
 
 def join(config: Config, *, start_timeout: float = 180.0,
-         while_starting: Callable[[], None] | None = None) -> Joined:
-    """`while_starting`: work of the caller's done while a keeper started here boots."""
+         while_starting: Callable[[], None] | None = None, fork: bool = False) -> Joined:
+    """`while_starting`: work of the caller's done while a keeper started here boots;
+    `fork`: a keeper started here may be forked from this process (`stockade run`, whose
+    memory holds nothing but its own work), not exec'd: any other caller's state would be
+    copied into it and into the gateway it forks."""
     run_dir = Path(config.run_dir)
     with stack_lock(run_dir):
         state = current_state(run_dir)
         if state is None:
             if stack_running(config):
                 return Joined(config, run_dir, None, None)  # started by other means
-            state = _spawn_keeper(config, run_dir, start_timeout, while_starting)
+            state = _spawn_keeper(config, run_dir, start_timeout, while_starting, fork)
         else:
             _check_same_config(config, state)
         try:
@@ -109,7 +112,7 @@ def write_request(config: Config, run_dir: Path) -> Path:
 
 
 def _spawn_keeper(config: Config, run_dir: Path, timeout: float,
-                  while_starting: Callable[[], None] | None) -> StackState:
+                  while_starting: Callable[[], None] | None, fork: bool) -> StackState:
     """Start the keeper (under the lock) and wait until its stack is ready: the keeper
     writes one byte on a pipe then (no polling); EOF first means it ended. In between,
     `while_starting` (its time overlaps the keeper's; its errors end the start)."""
@@ -121,7 +124,7 @@ def _spawn_keeper(config: Config, run_dir: Path, timeout: float,
     try:
         with open(log_path, "ab") as log:
             proc: ChildProcess
-            if prefork.can_fork():  # this run's imports are most of the keeper's
+            if fork and prefork.can_fork():  # this run's imports are most of the keeper's
                 proc = prefork.fork_keeper(str(request), log.fileno(), ready_w)
             else:
                 proc = subprocess.Popen(

@@ -125,7 +125,7 @@ def _run(args: argparse.Namespace) -> int:
             parts = "gateway, broker" + (", OpenBao" if config.dev_vault.enabled else "")
             with progress.phase(f"joining or starting the stack ({parts})", "stack ready"):
                 effective = stack.enter_context(ensure_stack(
-                    config, secrets, while_starting=_import_launcher))
+                    config, secrets, while_starting=_import_launcher, fork=True))
             progress.begin_sandbox()
             result = _run_sandbox(effective, spec, ruleset, progress, same_rules)
     except (LauncherError, StackError, OSError) as e:  # OSError: a full or read-only disk

@@ -343,15 +343,17 @@ class Stack:
 
 @contextlib.contextmanager
 def ensure_stack(config: Config, secrets: Sequence[SecretValue] = (), *,
-                 while_starting: Callable[[], None] | None = None) -> Iterator[Config]:
+                 while_starting: Callable[[], None] | None = None,
+                 fork: bool = False) -> Iterator[Config]:
     """Join the run_dir's stack (shared by concurrent runs, or `stockade up`'s), starting
     one when there is none; the last run out stops a shared one (see stack.shared).
     `secrets` go into its dev OpenBao (an error when it has none). `while_starting` runs
-    once the keeper of a stack started here is on its way, before waiting for it."""
+    once the keeper of a stack started here is on its way, before waiting for it; `fork`:
+    see `embedded.join`."""
     from .embedded import join, leave
 
     try:
-        joined = join(config, while_starting=while_starting)
+        joined = join(config, while_starting=while_starting, fork=fork)
     except OSError as e:  # run_dir or log_dir unusable (permissions, a full disk)
         raise StackError(f"cannot start or join the stack in {config.run_dir}: {e}") from None
     try:
