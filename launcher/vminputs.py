@@ -39,7 +39,7 @@ def pack(inputs: Sequence[Bind], cap: int = MAX_INPUT_BYTES,
     order (parents first; input i's root is "i"), `targets` (input i's guest path), and
     `size`, the tmpfs that holds them. InputRefused for a device, a socket, more than
     `cap` bytes or `max_entries` entries."""
-    walk = _Walk(cap, max_entries)
+    walk = _Walk(cap, max_entries, read=True)
     for i, b in enumerate(inputs):
         walk.entry(b.source, str(i), b.target)
     # a target is the rest of an input table's line: absolute, normalised, no newline
@@ -47,17 +47,27 @@ def pack(inputs: Sequence[Bind], cap: int = MAX_INPUT_BYTES,
             "size": walk.bytes + (len(walk.entries) + 16) * _PAGE}
 
 
+def check(inputs: Sequence[Bind], cap: int = MAX_INPUT_BYTES,
+          max_entries: int = MAX_INPUT_ENTRIES) -> None:
+    """`pack`'s refusals from the inputs' metadata alone (nothing read): before a claim
+    takes a pooled guest, so a refused task uses none up (`pack` checks again)."""
+    walk = _Walk(cap, max_entries, read=False)
+    for i, b in enumerate(inputs):
+        walk.entry(b.source, str(i), b.target)
+
+
 class _Walk:
-    def __init__(self, cap: int, max_entries: int) -> None:
-        self.cap, self.max_entries = cap, max_entries
+    def __init__(self, cap: int, max_entries: int, read: bool) -> None:
+        self.cap, self.max_entries, self.read = cap, max_entries, read
         self.entries: list[tuple[str, str, int, bytes | str]] = []
         self.bytes = 0
 
-    def add(self, kind: str, rel: str, mode: int, data: bytes | str, name: str) -> None:
+    def add(self, kind: str, rel: str, mode: int, data: bytes | str, name: str,
+            size: int | None = None) -> None:
         if len(self.entries) >= self.max_entries:
             raise InputRefused(f"input {name}: over {self.max_entries} files and "
                                "directories, more than a pooled microVM takes")
-        self.bytes += len(data)
+        self.bytes += len(data) if size is None else size
         if self.bytes > self.cap:
             raise InputRefused(f"input {name}: the inputs are over {self.cap} bytes, more "
                                "than a pooled microVM takes")
@@ -71,6 +81,8 @@ class _Walk:
             self.add("dir", rel, st.st_mode, b"", name)
             for entry in sorted(os.listdir(source)):
                 self.entry(os.path.join(source, entry), f"{rel}/{entry}", f"{name}/{entry}")
+        elif stat.S_ISREG(st.st_mode) and not self.read:
+            self.add("file", rel, st.st_mode, b"", name, st.st_size)
         elif stat.S_ISREG(st.st_mode):
             self.add("file", rel, st.st_mode, self._read(source, name), name)
         elif stat.S_ISFIFO(st.st_mode):

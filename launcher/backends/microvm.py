@@ -143,6 +143,16 @@ class MicrovmBackend(CgroupControl):
     # inputs' bytes, which its init writes read-only (vminputs.py)
     claims_inputs = True
 
+    def check_claim(self, inputs: list[initscript.Bind]) -> None:
+        """What `claim_pooled` would refuse of the inputs (a device, a socket, the caps),
+        from their metadata: before a pooled guest is taken for the task."""
+        try:
+            vminputs.check(inputs)
+        except OSError as e:
+            raise LauncherError(f"cannot read the inputs: {e.strerror or e}") from None
+        except ValueError as e:
+            raise LauncherError(str(e)) from None
+
     def start_pooled(self, live: Live, ctx: StartContext) -> None:
         """A guest that waits for its plan: restored from its shape's template (built
         first when there is none: a refill is off every task's path; a cold boot when none

@@ -203,22 +203,23 @@ def test_a_refused_input_fails_the_claim_and_the_pool_refills(
     (tree / "ok.txt").write_text("ok\n")
     big = tmp_path / "big"
     big.write_bytes(b"x" * (9 * 2**20))  # over the pooled claim's 8 MiB
+    (row,) = _pooled_records(vm_pool)
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(tree / "sock"))
-        # refused on the host, then by the guest (the same target twice; a guest path
-        # in its words is scrubbed as any absolute path)
-        cases = [
-            ([(str(tree), "/data/tree")], "is a device or a socket"),
-            ([(str(big), "/inputs/big")], "over 8388608 bytes"),
-            ([(stack.ca, "/inputs/ca.pem"), (stack.ca, "/inputs/ca.pem")],
-             r"did not take the inputs: stockade-vm-init: input target '<host-path>' "
-             "already exists"),
-        ]
-        for inputs, why in cases:
-            (row,) = _pooled_records(vm_pool)
-            netns = vm_pool.state.read()[row["task_id"]].netns
+        # refused on the host before a pooled guest is taken: it stays in the pool
+        for inputs, why in [([(str(tree), "/data/tree")], "is a device or a socket"),
+                            ([(str(big), "/inputs/big")], "over 8388608 bytes")]:
             with pytest.raises(LauncherError, match=why):
                 vm_pool.run(SandboxSpec("agent-vm", ["true"], inputs=inputs), stack.ruleset)
-            _claimed_and_gone(vm_pool, row["task_id"], netns)
-            assert row["task_id"] not in _registered(stack)
-    assert vm_pool.pools is not None and vm_pool.pools.rows()[0]["claims"] == 3
+            assert [r["task_id"] for r in _pooled_records(vm_pool)] == [row["task_id"]]
+    assert vm_pool.pools is not None and vm_pool.pools.rows()[0]["claims"] == 0
+    # refused by the claimed guest (the same target twice; a guest path in its words is
+    # scrubbed as any absolute path): the guest is torn down, the pool refills
+    netns = vm_pool.state.read()[row["task_id"]].netns
+    with pytest.raises(LauncherError, match=r"did not take the inputs: stockade-vm-init: "
+                       r"input target '<host-path>' already exists"):
+        vm_pool.run(SandboxSpec("agent-vm", ["true"], inputs=[
+            (stack.ca, "/inputs/ca.pem"), (stack.ca, "/inputs/ca.pem")]), stack.ruleset)
+    _claimed_and_gone(vm_pool, row["task_id"], netns)
+    assert row["task_id"] not in _registered(stack)
+    assert vm_pool.pools.rows()[0]["claims"] == 1

@@ -61,6 +61,18 @@ def test_a_socket_or_a_device_in_an_input_is_refused_by_name(tmp_path: Path) -> 
         vminputs.pack([Bind("/dev/null", "/inputs/null")])
 
 
+def test_the_check_refuses_what_pack_refuses_without_reading(tmp_path: Path) -> None:
+    tree, big = _tree(tmp_path), tmp_path / "big"
+    big.write_bytes(b"x" * 1000)
+    vminputs.check([Bind(str(tree), "/data/tree", is_dir=True), Bind(str(big), "/i/big")])
+    with pytest.raises(vminputs.InputRefused, match="over 999 bytes"):
+        vminputs.check([Bind(str(big), "/inputs/big")], cap=999)
+    with pytest.raises(vminputs.InputRefused, match="over 3 files"):
+        vminputs.check([Bind(str(tree), "/data/tree", is_dir=True)], max_entries=3)
+    with pytest.raises(vminputs.InputRefused, match="/inputs/null is a device"):
+        vminputs.check([Bind("/dev/null", "/inputs/null")])
+
+
 def test_the_caps_refuse_before_reading_past_them(tmp_path: Path) -> None:
     big = tmp_path / "big"
     big.write_bytes(b"x" * 1000)
