@@ -41,7 +41,7 @@ def pack(inputs: Sequence[Bind], cap: int = MAX_INPUT_BYTES,
     `cap` bytes or `max_entries` entries."""
     walk = _Walk(cap, max_entries, read=True)
     for i, b in enumerate(inputs):
-        walk.entry(b.source, str(i), b.target)
+        walk.entry(b.source, str(i), b.target, top=True)
     # a target is the rest of an input table's line: absolute, normalised, no newline
     return {"entries": walk.entries, "targets": [check_guest_path(b.target) for b in inputs],
             "size": walk.bytes + (len(walk.entries) + 16) * _PAGE}
@@ -53,7 +53,7 @@ def check(inputs: Sequence[Bind], cap: int = MAX_INPUT_BYTES,
     takes a pooled guest, so a refused task uses none up (`pack` checks again)."""
     walk = _Walk(cap, max_entries, read=False)
     for i, b in enumerate(inputs):
-        walk.entry(b.source, str(i), b.target)
+        walk.entry(b.source, str(i), b.target, top=True)
 
 
 class _Walk:
@@ -73,8 +73,10 @@ class _Walk:
                                "than a pooled microVM takes")
         self.entries.append((kind, rel, stat.S_IMODE(mode) & 0o555, data))
 
-    def entry(self, source: str, rel: str, name: str) -> None:
+    def entry(self, source: str, rel: str, name: str, top: bool = False) -> None:
         st = os.lstat(source)
+        # a file input is readable by all, as a cold start's staged copy (0644 there)
+        mode = 0o444 if top and stat.S_ISREG(st.st_mode) else st.st_mode
         if stat.S_ISLNK(st.st_mode):
             self.add("link", rel, 0o777, os.readlink(source), name)
         elif stat.S_ISDIR(st.st_mode):
@@ -82,9 +84,9 @@ class _Walk:
             for entry in sorted(os.listdir(source)):
                 self.entry(os.path.join(source, entry), f"{rel}/{entry}", f"{name}/{entry}")
         elif stat.S_ISREG(st.st_mode) and not self.read:
-            self.add("file", rel, st.st_mode, b"", name, st.st_size)
+            self.add("file", rel, mode, b"", name, st.st_size)
         elif stat.S_ISREG(st.st_mode):
-            self.add("file", rel, st.st_mode, self._read(source, name), name)
+            self.add("file", rel, mode, self._read(source, name), name)
         elif stat.S_ISFIFO(st.st_mode):
             self.add("fifo", rel, st.st_mode, b"", name)
         else:

@@ -30,6 +30,7 @@ def _tree(tmp_path: Path) -> Path:
 def test_a_tree_and_a_file_are_rebuilt_root_owned_without_write_bits(tmp_path: Path) -> None:
     tree, single = _tree(tmp_path), tmp_path / "one.txt"
     single.write_bytes(b"\x00one\xff")
+    single.chmod(0o600)  # a file input: readable by all in the guest, as a cold start's
     claim = vminputs.pack([Bind(str(single), "/inputs/one.txt"),
                            Bind(str(tree), "/data/tree", is_dir=True)])
     assert claim["targets"] == ["/inputs/one.txt", "/data/tree"]
@@ -44,7 +45,7 @@ def test_a_tree_and_a_file_are_rebuilt_root_owned_without_write_bits(tmp_path: P
     assert stat.S_ISFIFO(os.lstat(out / "1" / "fifo").st_mode)
     modes = {p.relative_to(out).as_posix(): stat.S_IMODE(os.lstat(p).st_mode)
              for p in out.rglob("*") if not p.is_symlink()}
-    assert modes["1/sub/f.txt"] == 0o444 and modes["1/run.sh"] == 0o555
+    assert modes["0"] == 0o444 and modes["1/sub/f.txt"] == 0o444 and modes["1/run.sh"] == 0o555
     assert not any(m & 0o222 for m in modes.values()), modes
     assert {(os.lstat(p).st_uid, os.lstat(p).st_gid) for p in out.rglob("*")} == {(0, 0)}
     assert claim["size"] >= len(b"\x00one\xff") + len("deep\n") + len("#!/bin/sh\n")
