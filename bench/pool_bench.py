@@ -1,7 +1,8 @@
 """Warm pools next to cold starts, in one run (`launcher_bench.py --pools container`).
 
 Per tier: claim-to-first-instruction (from `Launcher.run` being called to the command's
-first output timestamp, `echo $EPOCHREALTIME`) from a full pool and from a cold start;
+first output timestamp, `echo $EPOCHREALTIME`) from a full pool, from a full pool with two
+inputs (a 64 KiB file and a tree of 16 files of 4 KiB), and from a cold start;
 the refill rate (pooled sandboxes made per second, from empty to the target with
 `refill_concurrency` 2); `concurrent` claims at once from a pool of that size (all must
 be ready and no two may share a sandbox); the wall time of the short-lived CLI commands
@@ -41,16 +42,26 @@ def _ruleset(tier: str) -> Any:
         version="bench")  # the stand-in registries answer no probe: sampled, at rate 0
 
 
-def _first_instruction(launcher: Launcher, rs: Any, runs: int, wait_full: bool) -> list[float]:
+def _first_instruction(launcher: Launcher, rs: Any, runs: int, wait_full: bool,
+                       inputs: list[tuple[str, str]] | None = None) -> list[float]:
     out = []
     for _ in range(runs):
         if wait_full:
             assert launcher.pools is not None and launcher.pools.wait_full(120)
         t0 = time.time()
-        r = launcher.run(SandboxSpec("bench", CMD), rs)
+        r = launcher.run(SandboxSpec("bench", CMD, inputs=list(inputs or [])), rs)
         assert r.exit_code == 0, r.stderr
         out.append(float(r.stdout) - t0)
     return out
+
+
+def _inputs(d: Path) -> list[tuple[str, str]]:
+    """Two inputs of a claim: a 64 KiB file and a tree of 16 files of 4 KiB."""
+    (d / "tree").mkdir()
+    (d / "one.bin").write_bytes(secrets.token_bytes(64 * 1024))
+    for n in range(16):
+        (d / "tree" / f"f{n}").write_bytes(secrets.token_bytes(4096))
+    return [(str(d / "one.bin"), "/inputs/one.bin"), (str(d / "tree"), "/inputs/tree")]
 
 
 def _concurrent(launcher: Launcher, rs: Any, n: int) -> dict[str, Any]:
@@ -180,6 +191,9 @@ def run_pools(tiers: list[str], runs: int, concurrent: int) -> None:
                          f"from the pool, wall {c['wall']:.2f} s")
             rows.append((f"{tier}: claim, pool full", _first_instruction(
                 launcher, rs, runs, True), "p50 <= 50, p99 <= 150"))
+            with tempfile.TemporaryDirectory(prefix="stockade-pool-in-") as d:
+                rows.append((f"{tier}: claim + 2 inputs, full", _first_instruction(
+                    launcher, rs, runs, True, _inputs(Path(d))), "(same run)"))
         with started_launcher(f"cold{i}", f"10.213.{224 + 4 * i}.0/22", 7390 + i,
                               selftest={"sample_rate": 0.0}) as cold:
             rows.append((f"{tier}: cold start", _first_instruction(cold, rs, runs, False),

@@ -391,6 +391,8 @@ class Launcher:
         # checked first: a refused task must not use up a warm sandbox
         proxy_env = check_spec(spec, profile, self.config.gateway.proxy_listen)
         inputs = check_inputs(spec.inputs, self.s.ro_binds)
+        if inputs and callable(check := getattr(backend, "check_claim", None)):
+            check(inputs)  # the tier's own refusals of what its claim copies
         live = self.pools.take(shape_of(backend_name, profile.limits))
         if live is None:
             return None

@@ -1,10 +1,9 @@
 """The microVM guest's init (pid 1 after vm-images/init), run by the host's Python from the
-read-only /usr share with `-I -S`. The launcher copies it onto the config share.
-
-Only builtin modules (and `resource`): every import is read over 9p and run under
-emulation when the host has no KVM, where `json`, `ctypes` or `signal` (enum, re, ...)
-cost a second. vm-images/init has already built the filesystem, copied the plan to
-/sbx/run, unmounted the config share and made the root read-only.
+read-only /usr share with `-I -S`. The launcher copies it onto the config share. Only
+builtin modules (and `resource`): every import is read over 9p and run under emulation
+when the host has no KVM, where `json`, `ctypes` or `signal` (enum, re, ...) cost a second.
+vm-images/init has already built the filesystem, copied the plan to /sbx/run, unmounted
+the config share and made the root read-only.
 
 It reads the plan (`microvm.guest_plan`, marshal: the values are data, never parsed as
 shell), sets up eth0 with the sandbox's address (busybox `ip`, argument lists), puts the
@@ -22,7 +21,7 @@ with -no-reboot: the VM ends).
 
 A pooled guest's plan on the config share is a placeholder (`pooled`): this init loads
 what every task's guest loads, says so on the agent port and reads the task's plan there
-(`claimed`) before anything of the above.
+(`claimed`) before anything of the above; its inputs come in it (guest_inputs.py).
 """
 
 import _signal as signal  # the C module: `signal` would import enum (and re) first
@@ -90,7 +89,7 @@ def mount_inputs(table, reserved):
             # before anything is created: realpath resolves the missing part lexically
             if os.path.realpath(path) != path:
                 raise OSError(f"input target {path!r} goes through a symlink")
-            if kind == "9p":
+            if kind == "9p" or os.path.isdir(a):  # (a claimed pooled guest binds trees)
                 os.makedirs(path, 0o755, exist_ok=True)
             else:
                 os.makedirs(os.path.dirname(path), 0o755, exist_ok=True)
@@ -111,8 +110,7 @@ def mount_inputs(table, reserved):
 def refresh(fresh, mac=True):
     """A guest restored from a snapshot shares its template's kernel random state, clock
     and MAC: the plan's seed is mixed in and the kernel's generator reseeded from it
-    (RNDRESEEDCRNG) before anything else draws from it, the clock set, the MAC changed
-    (`mac`: not yet set)."""
+    (RNDRESEEDCRNG) before anything draws from it, the clock set, the MAC (`mac`) too."""
     import fcntl  # a C extension: no Python-level imports behind it
 
     fd = os.open("/dev/urandom", os.O_WRONLY)
@@ -199,8 +197,7 @@ def libc():
 def become(plan):
     """The sandbox user with nothing to regain: the twin of sandbox_init.become (each init
     is a standalone script): an empty capability bounding set, no supplementary groups,
-    the uid and gid (leaving uid 0 clears the permitted, effective and ambient sets),
-    no_new_privs."""
+    the uid and gid (leaving uid 0 clears the permitted, effective, ambient sets), NNP."""
     ctypes, lib, _ = libc()
     for cap in range(64):
         if lib.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
@@ -287,8 +284,8 @@ def read_exact(fd, n):
 def claimed(pooled, out_fd, err_fd):
     """A pooled guest (its config share's plan is microvm.pooled_plan): load what every
     task's guest loads, take its slot's fresh identity and network, say so on the agent
-    port (root's alone), then wait there for the
-    task's plan: a 4-byte big-endian length and the marshal bytes (microvm.plan_frame).
+    port (root's alone), then wait there for the task's plan: a 4-byte big-endian length
+    and the marshal bytes (microvm.plan_frame; its inputs' bytes too: guest_inputs.py).
     (The task's plan, the open agent port, the command's cgroup, its child.)"""
     load_modules(pooled["modules"])
     libc()  # what the claim's start would load (become, load_filter, refresh)
@@ -330,6 +327,17 @@ def stdin_of(plan):
     return os.open(f"{RUN}/stdin" if plan["stdin"] else "/dev/null", os.O_RDONLY)
 
 
+def inputs(plan, port):
+    """The input table's, then a claimed pooled guest's (guest_inputs.py), said on `port`."""
+    with open(f"{RUN}/inputs") as fh:
+        table = fh.read()
+    claim = plan.get("claim_inputs") if port is not None else None
+    mount_inputs(table + (sys.modules["guest_inputs"].stage(claim, bb) if claim else ""),
+                 plan["reserved"])
+    if claim:
+        os.write(port, sys.modules["guest_inputs"].INPUTS_READY)
+
+
 def setup(status_fd, out_fd, err_fd):
     """The guest's network, names and inputs from the plan; (plan, the command's cgroup,
     its stdin, the agent port and the command's waiting child when a pooled guest's plan
@@ -358,8 +366,7 @@ def setup(status_fd, out_fd, err_fd):
                 raise OSError("the guest image is outdated: rebuild it with vm-images/build.sh")
         cg = limit_cgroup(cg, plan)
         in_fd = stdin_of(plan) if command is None else None
-        with open(f"{RUN}/inputs") as fh:
-            mount_inputs(fh.read(), plan["reserved"])
+        inputs(plan, port)
     except Exception as e:
         os.write(err_fd, f"stockade-vm-init: {e}\n".encode())
         end(status_fd, "125 0 0\n")

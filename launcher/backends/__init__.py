@@ -115,7 +115,9 @@ class Backend(Protocol):
 
 class PooledBackend(Backend, Protocol):
     """A tier that keeps warm pools (launcher/pools.py); pools of a tier without these
-    two are refused when the pool manager starts (`pooled`)."""
+    two are refused when the pool manager starts (`pooled`). A tier whose claim refuses
+    inputs a cold start takes may have `check_claim(inputs)`, LauncherError for them:
+    called before a pooled sandbox is taken for the task (the microVM tier)."""
 
     # False: a task with inputs never takes a pooled sandbox of this tier (it starts cold)
     claims_inputs: bool

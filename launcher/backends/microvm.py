@@ -23,6 +23,7 @@ from .. import (
     rootfs,
     scrub,
     vmimage,
+    vminputs,
     vmprobes,
     vmsnapshot,
     vmtemplates,
@@ -45,6 +46,8 @@ AGENT_READY_TIMEOUT_S = 180.0
 RESTORE_TIMEOUT_S = 60.0  # QEMU loads a template's state within this (a busy host, TCG)
 # the guest-side modules a session guest's init loads from its plan
 SESSION_MODULES = ("vmchannel", "guest_agent")
+# a pooled guest's too: its claim may bring inputs (vminputs.py)
+POOLED_MODULES = (*SESSION_MODULES, "guest_inputs")
 _ABS_PATH = re.compile(r"(?<![\w.])/[^\s,:;'\"()\[\]]+")
 
 
@@ -136,8 +139,19 @@ class MicrovmBackend(CgroupControl):
             self.missed.pop(key, None)
         return done
 
-    # a pooled guest's shares are fixed when QEMU starts: a task with inputs starts cold
-    claims_inputs = False
+    # a pooled guest's shares are fixed when QEMU starts: the claim's plan carries the
+    # inputs' bytes, which its init writes read-only (vminputs.py)
+    claims_inputs = True
+
+    def check_claim(self, inputs: list[initscript.Bind]) -> None:
+        """What `claim_pooled` would refuse of the inputs (a device, a socket, the caps),
+        from their metadata: before a pooled guest is taken for the task."""
+        try:
+            vminputs.check(inputs)
+        except OSError as e:
+            raise LauncherError(f"cannot read the inputs: {e.strerror or e}") from None
+        except ValueError as e:
+            raise LauncherError(str(e)) from None
 
     def start_pooled(self, live: Live, ctx: StartContext) -> None:
         """A guest that waits for its plan: restored from its shape's template (built
@@ -149,7 +163,7 @@ class MicrovmBackend(CgroupControl):
         cfg, layout, tables = _prepare(live, ctx)
         a = ctx.addresses
         _write_files(cfg, ctx, microvm.pooled_plan(
-            _session_modules(), a.guest_ip, a.host_ip, a.prefixlen,
+            _session_modules(POOLED_MODULES), a.guest_ip, a.host_ip, a.prefixlen,
             microvm.fresh_identity(a.guest_mac, os.urandom(64), time.time())), *tables)
         shape = vm_spec(ctx, cfg, layout, machine, [0, 0, 0, 0], 0)
         snapshot = self._pool_template(live, ctx, shape, machine[0].stamp)
@@ -175,9 +189,10 @@ class MicrovmBackend(CgroupControl):
         return self._template(live, ctx, shape, stamp)
 
     def claim_pooled(self, live: Live, spec: SandboxSpec, ctx: StartContext) -> None:
-        """The task's plan (with a fresh identity: MAC, entropy, clock; its stdin) on the
-        waiting guest's agent port: its init sets up the network and limits and runs the
-        command (or serves the session's execs)."""
+        """The task's plan (with a fresh identity: MAC, entropy, clock; its stdin; its
+        inputs' bytes) on the waiting guest's agent port: its init sets up the network,
+        limits and inputs (said on the port: LauncherError with the guest's reason when it
+        ends instead) and runs the command (or serves the session's execs)."""
         vm, proc = live.pipes, live.proc
         if not isinstance(vm, VmPipes) or vm.agent is None or proc is None or (
                 proc.poll() is not None):
@@ -185,7 +200,11 @@ class MicrovmBackend(CgroupControl):
         plan = _plan(spec, ctx, restored=True)
         plan["stdin_data"] = spec.stdin
         try:
+            if ctx.inputs:
+                plan["claim_inputs"] = vminputs.pack(ctx.inputs)
             frame = microvm.plan_frame(plan)
+        except OSError as e:
+            raise LauncherError(f"cannot read the inputs: {e.strerror or e}") from None
         except ValueError as e:
             raise LauncherError(str(e)) from None
         vm.session = spec.session
@@ -193,6 +212,8 @@ class MicrovmBackend(CgroupControl):
             vm.agent.sock.sendall(frame)
         except OSError as e:
             raise LauncherError(f"the pooled microVM is unreachable: {e}") from None
+        if ctx.inputs:
+            _await_inputs(live)
         # the fence self-test from inside the guest, as a cold start's (`start`)
         if spec.session or ctx.selftest is not None:
             _await_agent(live)
@@ -328,8 +349,8 @@ def _plan(spec: SandboxSpec, ctx: StartContext, restored: bool) -> dict[str, Any
         if restored else None)
 
 
-def _session_modules() -> list[tuple[str, str]]:
-    return [(m, _launcher_source(m)) for m in SESSION_MODULES]
+def _session_modules(names: tuple[str, ...] = SESSION_MODULES) -> list[tuple[str, str]]:
+    return [(m, _launcher_source(m)) for m in names]
 
 
 def _selftest_in_guest(live: Live, spec: SandboxSpec, ctx: StartContext,
@@ -354,13 +375,40 @@ def _await_agent(live: Live) -> None:
         vm.agent.wait_ready(AGENT_READY_TIMEOUT_S,
                             lambda: proc.poll() is None and not live.killed.is_set())
     except LauncherError as e:
-        kill_proc(proc)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=5)
-        # the guest's init says why on its stderr port (QEMU has ended: the pipe ends)
-        said = vm.stderr.read(4096).decode("utf-8", "replace").strip().splitlines()
-        why = _ABS_PATH.sub("<host-path>", said[-1])[:300] if said else ""
-        raise LauncherError(f"{e}: {why}" if why else str(e)) from None
+        raise _guest_ended(live, str(e)) from None
+
+
+def _await_inputs(live: Live) -> None:
+    """Until the claimed guest's init says its inputs are mounted (exactly those bytes:
+    what follows on the port is the agent's); LauncherError with the guest's reason when
+    it ended first (the caller tears down, the pool refills)."""
+    vm = live.pipes
+    assert isinstance(vm, VmPipes) and vm.agent is not None
+    sock, want, got = vm.agent.sock, vminputs.INPUTS_READY, b""
+    sock.settimeout(AGENT_READY_TIMEOUT_S)
+    try:
+        while len(got) < len(want) and (chunk := sock.recv(len(want) - len(got))):
+            got += chunk
+    except OSError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            sock.settimeout(None)
+    if got != want:
+        raise _guest_ended(live, "the pooled microVM did not take the inputs")
+
+
+def _guest_ended(live: Live, what: str) -> LauncherError:
+    """`what`, with the guest's own last words: QEMU ended (killed when it had not)."""
+    vm, proc = live.pipes, live.proc
+    assert isinstance(vm, VmPipes) and proc is not None
+    kill_proc(proc)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
+    # the guest's init says why on its stderr port (QEMU has ended: the pipe ends)
+    said = vm.stderr.read(4096).decode("utf-8", "replace").strip().splitlines()
+    why = _ABS_PATH.sub("<host-path>", said[-1])[:300] if said else ""
+    return LauncherError(f"{what}: {why}" if why else what)
 
 
 def vm_outcome(vm: VmPipes, qemu_rc: int, console: bytes, qemu_err: bytes, ended_by: str,

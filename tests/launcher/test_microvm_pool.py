@@ -2,11 +2,14 @@
 test_launcher_stack.py) and real QEMU (TCG): a pooled guest restored from its shape's
 snapshot template waits for its plan, registered as pooled (denied as `unclaimed`) and
 sending nothing; a claim runs the task's command in it with the task's rules; it is used
-once, the pool refills, and a launcher that dies leaves guests the next one reconciles."""
+once, the pool refills, and a launcher that dies leaves guests the next one reconciles.
+A claim delivers the task's inputs read-only through the agent port; a refused input
+fails the claim, the guest is torn down and the pool refills."""
 
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -15,7 +18,7 @@ from typing import Any
 
 import pytest
 from polling import eventually
-from stockade.launcher import Launcher, SandboxSpec, vmsnapshot
+from stockade.launcher import Launcher, LauncherError, SandboxSpec, vmsnapshot
 from stockade.launcher.netns import NETNS_DIR
 
 from stockade.config import Config
@@ -104,11 +107,6 @@ def test_a_pooled_microvm_waits_unclaimed_then_runs_one_task(
     (again,) = _pooled_records(vm_pool)
     assert again["task_id"] != task_id
     assert vm_pool.pools.rows()[0]["claims"] == 1
-    # a task with inputs cannot take a pooled guest (its shares are fixed): a cold start
-    cold = vm_pool.run(SandboxSpec("agent-vm", ["cat", "/inputs/ca.pem"],
-                                   inputs=[(stack.ca, "/inputs/ca.pem")]), stack.ruleset)
-    assert cold.exit_code == 0 and cold.task_id != again["task_id"], cold.stderr
-    assert vm_pool.pools.rows()[0]["claims"] == 1
 
 
 def _qemu_of(task_id: str) -> bool:
@@ -156,3 +154,72 @@ def test_a_session_claims_a_pooled_microvm(stack: Stack, vm_pool: Launcher) -> N
         t.join(60)
     assert box["result"].task_id == task_id
     assert task_id not in vm_pool.state.read()
+
+
+# a task's writes to its inputs: each one's outcome (EROFS or EACCES expected)
+_WRITE = ("import errno, sys\nfor p in sys.argv[1:]:\n    try:\n"
+          "        open(p, 'a').write('x'); print('wrote', p)\n"
+          "    except OSError as e:\n        print(errno.errorcode[e.errno])")
+
+
+def _claimed_and_gone(launcher: Launcher, task_id: str, netns: str) -> None:
+    """The claimed guest left nothing: no record, registration, netns or QEMU; the pool
+    refilled with another guest."""
+    assert task_id not in launcher.state.read()
+    assert not Path(NETNS_DIR, netns).exists() and not _qemu_of(task_id)
+    assert launcher.pools is not None and launcher.pools.wait_full(FILL_TIMEOUT_S)
+    assert {r["task_id"] for r in _pooled_records(launcher)} - {task_id}
+
+
+def test_a_pooled_microvm_claim_takes_inputs_read_only(
+        stack: Stack, vm_pool: Launcher, tmp_path: Path) -> None:  # noqa: F811
+    tree = tmp_path / "tree"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "sub" / "f.txt").write_text("deep\n")
+    (tree / "sub" / "f.txt").chmod(0o666)  # writable on the host: still not in the guest
+    (tree / "link").symlink_to("sub/f.txt")
+    (row,) = _pooled_records(vm_pool)
+    res = vm_pool.run(SandboxSpec("agent-vm", [
+        "sh", "-c", "head -1 /inputs/ca.pem; cat /data/tree/link; "
+        "stat -c %u /inputs/ca.pem /data/tree/sub/f.txt; "
+        "python3 -c \"$0\" /inputs/ca.pem /data/tree/sub/f.txt /data/tree/new; "
+        "rm -f /data/tree/link 2>/dev/null || echo rm-refused", _WRITE],
+        inputs=[(stack.ca, "/inputs/ca.pem"), (str(tree), "/data/tree")]), stack.ruleset)
+    assert res.task_id == row["task_id"], "the task with inputs ran in the pooled guest"
+    lines = res.stdout.splitlines()
+    assert lines[:4] == ["-----BEGIN CERTIFICATE-----", "deep", "0", "0"], (
+        res.stdout, res.stderr)
+    assert all(w in ("EROFS", "EACCES") for w in lines[4:7]), lines
+    assert lines[7:] == ["rm-refused"], lines
+    assert (tree / "sub" / "f.txt").read_text() == "deep\n"
+    assert vm_pool.pools is not None and vm_pool.pools.wait_full(FILL_TIMEOUT_S)
+    assert vm_pool.pools.rows()[0]["claims"] == 1
+
+
+def test_a_refused_input_fails_the_claim_and_the_pool_refills(
+        stack: Stack, vm_pool: Launcher, tmp_path: Path) -> None:  # noqa: F811
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "ok.txt").write_text("ok\n")
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * (9 * 2**20))  # over the pooled claim's 8 MiB
+    (row,) = _pooled_records(vm_pool)
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(tree / "sock"))
+        # refused on the host before a pooled guest is taken: it stays in the pool
+        for inputs, why in [([(str(tree), "/data/tree")], "is a device or a socket"),
+                            ([(str(big), "/inputs/big")], "over 8388608 bytes")]:
+            with pytest.raises(LauncherError, match=why):
+                vm_pool.run(SandboxSpec("agent-vm", ["true"], inputs=inputs), stack.ruleset)
+            assert [r["task_id"] for r in _pooled_records(vm_pool)] == [row["task_id"]]
+    assert vm_pool.pools is not None and vm_pool.pools.rows()[0]["claims"] == 0
+    # refused by the claimed guest (the same target twice; a guest path in its words is
+    # scrubbed as any absolute path): the guest is torn down, the pool refills
+    netns = vm_pool.state.read()[row["task_id"]].netns
+    with pytest.raises(LauncherError, match=r"did not take the inputs: stockade-vm-init: "
+                       r"input target '<host-path>' already exists"):
+        vm_pool.run(SandboxSpec("agent-vm", ["true"], inputs=[
+            (stack.ca, "/inputs/ca.pem"), (stack.ca, "/inputs/ca.pem")]), stack.ruleset)
+    _claimed_and_gone(vm_pool, row["task_id"], netns)
+    assert row["task_id"] not in _registered(stack)
+    assert vm_pool.pools.rows()[0]["claims"] == 1
