@@ -13,6 +13,7 @@ from typing import Any
 from stockade.policy.reasons import Reason
 
 from stockade.events import make_event
+from stockade.events.summary import EventHead
 
 from .flow import FlowDecision
 from .metrics import GatewayMetrics
@@ -21,6 +22,8 @@ from .tcp.conn import Conn
 
 log = logging.getLogger("stockade.gateway")
 Emit = Callable[[dict[str, Any]], None]
+# the event writer's `counts`: True when its throttle only counted the event (not built)
+Counted = Callable[[EventHead], bool]
 EVENT_DELAY_S = 0.01  # how long an allowed flow's events may wait to be written in a batch
 EVENT_SLICE = 4  # deferred events written per event-loop round
 COUNTERS_MAX = 4096
@@ -59,6 +62,31 @@ def decision_event(
         extra=extra,
         now=now,
     )
+
+
+def decision_head(conn: Conn, d: FlowDecision, dialled: str | None) -> EventHead:
+    """What the throttle reads of `decision_event(conn, d, dialled)` (no `extra`)."""
+    task = conn.task
+    orig = conn.meta.get("orig")
+    # a refused flow's address is its original destination's (probemark.destination_address)
+    address = dialled or (str(orig[0]).strip("[]") if orig is not None else "")
+    return EventHead(
+        (task.task_id or None) if task else None, task.profile if task else None,
+        ("gateway", "connection_decision", "allowed" if d.allowed else "denied",
+         str(d.reason), d.host or dialled or ""),
+        d.host or "", address)
+
+
+def close_head(conn: Conn, d: FlowDecision, dialled: str) -> EventHead:
+    """What the throttle reads of `close_event(conn, ..., d, dialled, ...)`."""
+    reason = conn.close_reason
+    task = conn.task
+    return EventHead(
+        (task.task_id or None) if task else None, task.profile if task else None,
+        ("gateway", "connection_close",
+         "denied" if reason in (Reason.UPLOAD_LIMIT, Reason.TASK_ENDED) else "none",
+         str(reason or "closed"), d.host or dialled or ""),
+        d.host or "", dialled or "")
 
 
 def close_event(
@@ -157,12 +185,16 @@ class EventBatch:
 
 class ConnEvents:
     """Counts and writes the TCP path's events (`tally`: a refusal counted into the
-    task's event summaries and totals instead of written)."""
+    task's event summaries and totals instead of written). With `counted` (the writer's
+    `counts`) an event its throttle would only count is counted without being built:
+    past a task's event budget that is every event of the task."""
 
-    def __init__(self, metrics: GatewayMetrics, emit: Emit, tally: Emit) -> None:
+    def __init__(self, metrics: GatewayMetrics, emit: Emit, tally: Emit,
+                 counted: Counted | None = None) -> None:
         self.metrics = metrics
         self.emit = emit
         self.tally = tally
+        self.counted = counted
         self.counter = DecisionCounter(metrics)
         self.batch = EventBatch()
 
@@ -178,6 +210,10 @@ class ConnEvents:
         conn.decided = True
         profile = conn.task.profile if conn.task else None
         self.counter.count("allowed" if d.allowed else "denied", str(d.reason), profile or "")
+        # a caller's `extra` may carry its own count or override the key: built in full
+        if emit is None and extra is None and self.counted is not None and \
+                self.counted(decision_head(conn, d, dialled)):
+            return
         (emit or self.emit)(decision_event(conn, d, dialled, now, extra))
 
     def allowed(
@@ -191,6 +227,8 @@ class ConnEvents:
     ) -> None:
         self.metrics.bytes_up.inc(relay.bytes_up)
         self.metrics.bytes_down.inc(relay.bytes_down)
+        if self.counted is not None and self.counted(close_head(conn, d, dialled)):
+            return
         self.emit(close_event(conn, relay, d, dialled, now, ended))
 
     def cut_short(self, conn: Conn, policy_version: str) -> None:

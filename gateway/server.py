@@ -34,7 +34,7 @@ from stockade.net.addresses import AddressPolicy
 from stockade.net.resolver import Resolver
 from stockade.tasks import Task, TaskRegistry
 
-from .conn_events import ConnEvents, Emit
+from .conn_events import ConnEvents, Counted, Emit
 from .dns.guards import GuardState, NameLimits
 from .dns.settings import DnsSettings
 from .flow import Listener
@@ -66,6 +66,7 @@ class Gateway:
         guards: GuardState | None = None,
         name_limits: NameLimits | None = None,
         tally: Emit | None = None,
+        counted: Counted | None = None,
     ) -> None:
         self.settings = settings
         self.rules = rules
@@ -85,7 +86,8 @@ class Gateway:
         self.pool: PipePool | None = PipePool() if settings.splice and splice_works() else None
         self.table = ConnTable(rules)
         self.conns: set[Conn] = self.table.conns
-        self.events = ConnEvents(self.metrics, emit, self.tally)
+        # `counted`: the writer's EventWriter.counts, so events only counted are not built
+        self.events = ConnEvents(self.metrics, emit, self.tally, counted)
         names = NameGate(self.guards, self.name_limits, resolver)
         dialer = Dialer(settings, address_policy, resolver, names)
         self.pipeline = Pipeline(

@@ -106,6 +106,7 @@ class GatewayService:
             guards=self.guards,
             name_limits=NameLimits.from_settings(dns),
             tally=self.writer.tally,
+            counted=self.writer.counts,
         )
         # after every other listener (the DNS firewall's is added later, at start): the
         # task's name-budget summaries are written and counted before its totals

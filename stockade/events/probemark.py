@@ -63,7 +63,7 @@ def _get(ev: dict[str, Any], a: str, b: str) -> Any:
     return part.get(b) if isinstance(part, dict) else None
 
 
-def _destination_ip(ev: dict[str, Any]) -> Any:
+def destination_address(ev: dict[str, Any]) -> Any:
     """The address the flow was sent to: the gateway reports a refused flow's (it dialled
     nothing) as the original destination, `ip:port`."""
     ip = _get(ev, "destination", "ip")
@@ -77,11 +77,19 @@ def unmarked_probe_kind(ev: dict[str, Any], targets: frozenset[str]) -> Kind | N
     """The UNMARKED_PROBES kind of an event that may be such a probe's, else None."""
     kind = (str(_get(ev, "stockade", "component")), str(_get(ev, "event", "action")),
             str(_get(ev, "stockade", "decision")))
+    return probe_kind(kind, _get(ev, "destination", "domain"), destination_address(ev),
+                      targets)
+
+
+def probe_kind(kind: Kind, domain: object, address: object,
+               targets: frozenset[str]) -> Kind | None:
+    """`kind` if an event of that kind, destination domain and address may be an
+    unmarked probe's, else None (the parts of unmarked_probe_kind, for a caller that
+    has not built the event)."""
     to_target = UNMARKED_PROBES.get(kind)
     if to_target is None:
         return None
-    if to_target and (_get(ev, "destination", "domain") or
-                      _destination_ip(ev) not in targets):
+    if to_target and (domain or address not in targets):
         return None
     return kind
 

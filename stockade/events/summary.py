@@ -37,12 +37,21 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from stockade.net.addresses import is_ip_literal
 
 from .build import make_event, timestamp
-from .probemark import NO_WINDOW, PROBES_PER_TASK, Kind, ProbeWindow, is_marker, unmarked_probe_kind
+from .probemark import (
+    NO_WINDOW,
+    PROBES_PER_TASK,
+    Kind,
+    ProbeWindow,
+    destination_address,
+    is_marker,
+    probe_kind,
+    unmarked_probe_kind,
+)
 
 Event = dict[str, Any]
 # (component, action, decision, reason, destination)
@@ -126,6 +135,28 @@ def key_of(ev: Event) -> Key:
 _NONE: dict[str, Any] = {}  # a missing part (never written to)
 
 
+class EventHead(NamedTuple):
+    """What the throttle reads of an event (`head_of`), which a component knows before
+    it builds the event: `EventThrottle.counts` decides on it alone."""
+
+    task_id: str | None
+    profile: str | None
+    key: Key
+    domain: str  # destination.domain ("" if none)
+    address: str  # probemark.destination_address ("" if none)
+    question: str = ""  # dns.question.name
+
+
+def head_of(ev: Event) -> EventHead:
+    question = _get(ev, "dns", "question")
+    name = question.get("name") if isinstance(question, dict) else None
+    profile = _get(ev, "labels", "profile")
+    return EventHead(
+        task_of(ev), profile if isinstance(profile, str) else None, key_of(ev),
+        str(_get(ev, "destination", "domain") or ""), str(destination_address(ev) or ""),
+        name if isinstance(name, str) else "")
+
+
 def is_probe(ev: Event) -> bool:
     """An event of a fence self-test's probe: it names a marker."""
     question = _get(ev, "dns", "question")
@@ -165,19 +196,21 @@ class EventThrottle:
             t = self._tasks[task_id] = _TaskState(profile=profile, first=now)
         return t
 
+    def _slot(self, t: _TaskState, k: Key) -> Key:
+        """The key `k` is counted under (looked up, not created)."""
+        if k in t.keys or len(t.keys) < self.s.keys_per_task:
+            return k
+        # past the cap, destinations share a key (reason codes are a small set); past
+        # OVERFLOW_KEYS more, everything of the component does
+        if len(t.keys) < self.s.keys_per_task + OVERFLOW_KEYS:
+            return (*k[:4], OVERFLOW)
+        return (k[0], OVERFLOW, OVERFLOW, OVERFLOW, OVERFLOW)
+
     def _key(self, t: _TaskState, k: Key) -> _KeyState:
-        ks = t.keys.get(k)
+        slot = self._slot(t, k)
+        ks = t.keys.get(slot)
         if ks is None:
-            if len(t.keys) >= self.s.keys_per_task:
-                # past the cap, destinations share a key (reason codes are a small
-                # set); past OVERFLOW_KEYS more, everything of the component does
-                if len(t.keys) < self.s.keys_per_task + OVERFLOW_KEYS:
-                    k = (*k[:4], OVERFLOW)
-                else:
-                    k = (k[0], OVERFLOW, OVERFLOW, OVERFLOW, OVERFLOW)
-                ks = t.keys.get(k)
-            if ks is None:
-                ks = t.keys[k] = _KeyState()
+            ks = t.keys[slot] = _KeyState()
         return ks
 
     def offer(self, ev: Event, size: int, now: float) -> bool:
@@ -206,6 +239,34 @@ class EventThrottle:
         self._count(t, ks, k, now, budget=over)
         return False
 
+    def counts(self, head: EventHead, now: float) -> bool:
+        """True: `offer` would only count an event with this head, whatever its size
+        (its task's budget is spent, or its key is past `verbatim_per_key` with a window
+        the budget already marked), and it has been counted as `offer` would count it:
+        the caller need not build the event. False: nothing changed; build it and
+        `offer` it. Only for events that carry no count of their own (`suppressed_events`)."""
+        k = head.key
+        t = self._tasks.get(head.task_id) if head.task_id is not None else None
+        if t is None or k[1] in EXEMPT_ACTIONS:
+            return False  # passes, or the task's first event: offer decides
+        # a line is at least its newline: with the bytes spent, any size is over
+        over = t.events >= self.s.task_events or t.bytes >= self.s.task_bytes
+        if not over and k[2] != "denied":
+            return False  # written, or over by its size: offer decides (first: cheapest)
+        if t.probes < PROBE_EVENTS and self._may_be_probe(t, head, now):
+            return False
+        if over:
+            self._count(t, self._key(t, k), k, now, budget=True)
+            return True
+        ks = t.keys.get(self._slot(t, k))
+        # past verbatim, offer counts it with budget=over, which needs the size unless
+        # the window is marked already
+        if ks is None or ks.verbatim < self.s.verbatim_per_key or ks.window is None \
+                or not ks.window.budget:
+            return False
+        self._count(t, ks, k, now, budget=True)
+        return True
+
     def tally(self, ev: Event, now: float) -> None:
         """Count an event its component decided not to write (e.g. rate-limited DNS
         queries): it shows up in the task's summaries and totals only."""
@@ -229,6 +290,17 @@ class EventThrottle:
             return False
         t.unmarked.add(kind)
         return True
+
+    def _may_be_probe(self, t: _TaskState, h: EventHead, now: float) -> bool:
+        """`_probe` of the event `h` heads would be true (nothing is marked here)."""
+        if is_marker(h.domain) or is_marker(h.question):
+            return True
+        w = self.s.probes
+        if now - t.first > w.window_s:
+            return False
+        k = h.key
+        kind = probe_kind((k[0], k[1], k[2]), h.domain, h.address, w.targets)
+        return kind is not None and kind not in t.unmarked
 
     def _charge(self, t: _TaskState, k: Key, size: int, *, written: bool,
                 spend: bool = True) -> None:

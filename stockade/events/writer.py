@@ -32,7 +32,7 @@ import orjson
 from . import taskstore
 from .build import make_event
 from .chain import ChainSigner
-from .summary import LOST_ACTION, EventThrottle, ThrottleSettings, task_of
+from .summary import LOST_ACTION, EventHead, EventThrottle, ThrottleSettings, task_of
 
 Event = dict[str, Any]
 
@@ -132,15 +132,20 @@ class EventWriter:
         tid = own.get("task_id") if isinstance(own, dict) else None
         if not isinstance(tid, str) or self._labels_of is None:
             return
+        extra = self._task_labels(tid, self._labels_of)
+        if extra:
+            event["labels"] = {**extra, **own}  # type: ignore[dict-item]
+
+    def _task_labels(self, tid: str, labels_of: Callable[[str], dict[str, str] | None]
+                     ) -> dict[str, str]:
         extra = self._labels.get(tid)
         if extra is None:
-            extra = self._labels_of(tid) or {}
+            extra = labels_of(tid) or {}
             if extra:
                 if len(self._labels) >= LABELLED_TASKS:
                     self._labels.pop(next(iter(self._labels)))
                 self._labels[tid] = extra
-        if extra:
-            event["labels"] = {**extra, **own}  # type: ignore[dict-item]
+        return extra
 
     def subscribe(self, fn: Callable[[Event], None]) -> None:
         """Call `fn` with every event written (metrics, tests, live views)."""
@@ -226,6 +231,26 @@ class EventWriter:
                 ok = True
         self._notify(done)
         return ok
+
+    def counts(self, head: EventHead) -> bool:
+        """True: the throttle only counts the event `head` heads, and has counted it
+        (EventThrottle.counts), so the caller need not build it; False: build it and
+        `write` it. For the events a component emits in great numbers (the gateway's)."""
+        if self.throttle is None:
+            return False
+        now = time.time()
+        done: list[Event] = []
+        with self._lock:
+            if not self.throttle.counts(head, now):
+                return False
+            self.summarised += 1
+            if self._labels_of is not None and head.task_id is not None:
+                # as write() would have: a task's labels are kept from its first event
+                self._task_labels(head.task_id, self._labels_of)
+            for ev in self.throttle.due(now):
+                self._write_locked(ev, None, done)
+        self._notify(done)
+        return True
 
     def tally(self, event: Event) -> None:
         """Count an event its component chose not to write (see EventThrottle.tally)."""
