@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from stockade.netstat import listen_drops
+
 
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -40,6 +42,14 @@ class GatewayMetrics:
         self.events_dropped = Gauge(
             "stockade_gateway_events_dropped", "Events that could not be written", registry=r
         )
+
+        # connections the kernel dropped at a full accept queue: never seen, never decided
+        self.listen_drops = Gauge(
+            "stockade_gateway_listen_drops",
+            "Handshakes the kernel dropped at a full listen queue (this network namespace)",
+            registry=r,
+        )
+        self.listen_drops.set_function(lambda: float(listen_drops() or 0))
 
     def track_registry(self, size: Callable[[], int]) -> None:
         self.registry_size.set_function(lambda: float(size()))

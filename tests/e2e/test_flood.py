@@ -18,6 +18,7 @@ from stockade.launcher.selftest import without_probe_events
 
 from stockade.events import read_events, validate
 from stockade.events.taskstore import read_task_events, task_file
+from stockade.netstat import listen_drops
 from stockade.stack.demo import demo_config
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
@@ -75,6 +76,7 @@ def test_flood_keeps_the_evidence_and_counts_every_attempt(
         flood_config: Path, fake_internet, tmp_path: Path) -> None:
     target = fake_internet.addresses["denied.test"]
     n_dns, n_udp = 10_000, 5_000
+    drops_before = listen_drops()  # the gateway listens in this (the host's) namespace
     proc = subprocess.run(
         [sys.executable, "-m", "stockade", "run", "--config", str(flood_config),
          "--profile", "flood", "--json", "--input", f"{PROBE}:/input/flood_probe.py", "--",
@@ -115,7 +117,12 @@ def test_flood_keeps_the_evidence_and_counts_every_attempt(
     # (but port 53, which goes to the DNS firewall's TCP listener)
     tcp = _count([e for e in stored if e["stockade"]["component"] == "gateway"],
                  "connection_decision")
-    assert tcp == sent["tcp_established"] - 1, (tcp, sent)
+    # a handshake the kernel finished while the gateway's accept queue was full (a busy
+    # host) is dropped by the kernel and never reaches it: counted there, not decided
+    # (the gateway's `stockade_gateway_listen_drops`); the suite runs one test at a time,
+    # so the namespace's count over the run bounds those of this flood
+    drops = (listen_drops() or 0) - (drops_before or 0)
+    assert 0 <= sent["tcp_established"] - 1 - tcp <= drops, (tcp, drops, sent)
     # DNS: decided for the task, or dropped by the kernel (counted per socket)
     dns = _count([e for e in stored if e["stockade"]["component"] == "dns"], "dns_decision")
     dropped = sum(e["stockade"]["summary"].get("kernel_dropped", 0) for e in shared

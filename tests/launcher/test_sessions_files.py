@@ -107,6 +107,8 @@ while time.monotonic() < end:
         os.rename("d", f"gone/{k}")
     except FileNotFoundError:
         pass
+    except PermissionError:  # a `d` the host just made, root's until its fchown: next round
+        continue
     shutil.rmtree(f"gone/{k}", ignore_errors=True)
     try:
         os.symlink(target, "d")

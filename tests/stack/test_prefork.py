@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -119,16 +118,29 @@ def _ended(pid: int) -> bool:
     return stat[stat.rfind(")") + 2:].split()[0] in ("Z", "X")
 
 
-def test_a_keeper_with_another_thread_does_not_fork() -> None:
-    assert prefork.can_fork()
-    stop = threading.Event()
-    th = threading.Thread(target=stop.wait)
-    th.start()
-    try:
-        assert not prefork.can_fork()
-    finally:
-        stop.set()
-        th.join()
+CAN_FORK = r"""
+import threading
+from stockade.stack import prefork
+alone = prefork.can_fork()
+stop = threading.Event()
+th = threading.Thread(target=stop.wait)
+th.start()
+with_thread = prefork.can_fork()
+stop.set()
+th.join()
+prefork.hold_secrets()
+print(alone, with_thread, prefork.can_fork(), prefork.can_fork(trusted=True))
+"""
+
+
+def test_a_keeper_with_another_thread_or_a_secret_does_not_fork() -> None:
+    """A fresh interpreter (the test process runs other tests' threads): it forks alone;
+    not with another thread (a lock it held would stay held in the child); once it holds
+    a secret, only a trusted child (the broker) is forked."""
+    out = subprocess.run([sys.executable, "-c", CAN_FORK], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    assert out == ["True", "False", "False", "True"]
+    assert "broker" in prefork.TRUSTED and "gateway" not in prefork.TRUSTED
 
 
 def test_the_preloaded_modules_are_what_the_services_import() -> None:
@@ -183,18 +195,6 @@ def test_the_keeper_forked_from_a_run_outlives_it(tmp_path: Path) -> None:
     while not _ended(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _ended(pid)  # its probe returned: the child _exits with the code
-
-
-def test_a_process_holding_secrets_forks_only_the_broker(monkeypatch) -> None:
-    """A fork copies the parent's memory: once a `--secret`, `dev_vault.secrets` or the
-    dev OpenBao's root token is in it, the gateway (which faces the sandboxes' traffic)
-    and a keeper that would fork one are exec'd; the broker reads them itself anyway."""
-    monkeypatch.setattr(prefork, "_holds_secrets", False)
-    assert prefork.can_fork() and prefork.can_fork(trusted=True)
-    prefork.hold_secrets()
-    assert not prefork.can_fork()
-    assert prefork.can_fork(trusted="broker" in prefork.TRUSTED)
-    assert "gateway" not in prefork.TRUSTED
 
 
 HOLDER = r"""
