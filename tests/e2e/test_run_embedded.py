@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -162,13 +161,15 @@ def test_a_gateway_that_dies_under_a_shared_stack_is_restarted(
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     marker = f"gateway serve --config {cfg.run_dir}/stack-config.yaml"
     deadline = time.monotonic() + 120
-    listing = [sys.executable, "-m", "stockade", "sandbox", "list", "--json", "--config",
-               str(cfg_path)]
-    while time.monotonic() < deadline:  # until the sandbox runs (registered with the gateway)
+
+    def started() -> bool:  # the start event: written once the fence self-test passed
+        text = cfg.events_file.read_text() if cfg.events_file.exists() else ""
+        return any('"sandbox_lifecycle"' in line and '"lifecycle":"start"' in
+                   line.replace(" ", "") for line in text.splitlines())
+
+    # until the command runs: a gateway killed during the self-test fails the start (closed)
+    while time.monotonic() < deadline and not started():
         assert proc.poll() is None, proc.communicate()
-        rows = subprocess.run(listing, capture_output=True, text=True, check=False).stdout
-        if rows.strip() not in ("", "[]"):
-            break
         time.sleep(0.2)
     # exec'd, it names its stack-config; forked from the keeper, it is stk-gateway
     gateways = [*stockade_procs(marker), *forked_stack_procs(str(tmp_path), ("stk-gateway",))]
