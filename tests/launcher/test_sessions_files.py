@@ -99,21 +99,25 @@ def test_not_found_and_not_a_file(rig: Rig, session: str) -> None:
 SWAPPER = """
 import os, shutil, sys, time
 target, end = sys.argv[1], time.monotonic() + float(sys.argv[2])
-os.mkdir("gone")
 n = k = 0
 while time.monotonic() < end:
     k += 1  # a fresh name: a write of ours may still land in the last one
     try:
-        os.rename("d", f"gone/{k}")
+        # beside itself, not into another directory: a rename to another parent needs
+        # write access to `d` itself (its `..`), which a `d` the host just made (root's
+        # until its fchown) does not give
+        os.rename("d", f"gone-{k}")
     except FileNotFoundError:
         pass
-    except PermissionError:  # a `d` the host just made, root's until its fchown: next round
+    except PermissionError:
+        time.sleep(0.001)
         continue
-    shutil.rmtree(f"gone/{k}", ignore_errors=True)
-    try:
+    try:  # at once: under TCG the host's next write would make `d` again first
         os.symlink(target, "d")
     except FileExistsError:
         continue  # the host made `d` meanwhile: renamed away next round
+    finally:
+        shutil.rmtree(f"gone-{k}", ignore_errors=True)
     n += 1
     time.sleep(0.001)
     os.unlink("d")
