@@ -9,7 +9,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class ChildProcess(Protocol):
@@ -33,14 +33,19 @@ def death_guard() -> list[str]:
     return [setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []
 
 
-def wait_guarded(proc: subprocess.Popen[bytes], argv: list[str], timeout: float = 5.0) -> None:
-    """Return once the death guard of `proc` (started as `[*death_guard(), *rest]` in
-    `argv`) holds: setpriv execs the program right after its prctl, so its executable
-    being another one means PDEATHSIG is set. Before that an owner killed at once would
-    orphan the child for good (setpriv never checks that its parent is still there)."""
-    if not argv or Path(argv[0]).name != "setpriv":
-        return
-    guard = os.path.realpath(argv[0])
+def popen_guarded(argv: list[str], **popen: Any) -> subprocess.Popen[bytes]:
+    """`subprocess.Popen(argv, **popen)` behind the death guard, returned once the guard
+    holds: setpriv execs the program right after its prctl, so its executable being
+    another one means PDEATHSIG is set. Before that an owner killed at once would orphan
+    the child for good (setpriv never checks that its parent is still there)."""
+    guard = death_guard()
+    proc: subprocess.Popen[bytes] = subprocess.Popen([*guard, *argv], **popen)
+    if guard:
+        _wait_exec(proc, os.path.realpath(guard[0]))
+    return proc
+
+
+def _wait_exec(proc: subprocess.Popen[bytes], guard: str, timeout: float = 5.0) -> None:
     end = time.monotonic() + timeout
     while proc.poll() is None and time.monotonic() < end:
         try:

@@ -22,7 +22,7 @@ from typing import IO, Any
 import yaml
 
 from stockade.config import Config
-from stockade.procs import ChildProcess, death_guard, stop_group, wait_guarded
+from stockade.procs import ChildProcess, popen_guarded, stop_group
 from stockade.readiness import READY_FD_ENV
 from stockade.tasks import ControlClient
 
@@ -68,9 +68,8 @@ class Service:
             return
         # dies with its owner (up, the keeper, the demo) even when that one is SIGKILLed:
         # an orphaned gateway would hold the ports and sockets of the next stack
-        argv = [*death_guard(), *self.argv]
-        self.proc = subprocess.Popen(
-            argv,
+        self.proc = popen_guarded(
+            self.argv,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
@@ -78,7 +77,6 @@ class Service:
             pass_fds=(ready_w,),
             env={**os.environ, READY_FD_ENV: str(ready_w)},
         )
-        wait_guarded(self.proc, argv)
 
     def close_ready(self) -> None:
         if self.ready_fd is not None:

@@ -23,7 +23,7 @@ import hvac
 
 from stockade.lifecycle import StartStop
 from stockade.ports import free_port
-from stockade.procs import death_guard, stop_group, wait_guarded
+from stockade.procs import popen_guarded, stop_group
 from stockade.testing._startup import stop_on_failure
 
 __all__ = ["DevOpenBao", "DevVaultError", "find_bao", "free_port", "merge_secret"]
@@ -80,11 +80,10 @@ class DevOpenBao(StartStop):
         env["BAO_DEV_ROOT_TOKEN_ID"] = self.root_token
         # the server dies with the thread that started it, even when that process is
         # SIGKILLed and never runs stop()
-        argv = [*death_guard(), find_bao(), "server", "-dev", "-dev-no-store-token",
-                f"-dev-listen-address=127.0.0.1:{port}"]
         try:
-            self.proc = subprocess.Popen(
-                argv,
+            self.proc = popen_guarded(
+                [find_bao(), "server", "-dev", "-dev-no-store-token",
+                 f"-dev-listen-address=127.0.0.1:{port}"],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -93,7 +92,6 @@ class DevOpenBao(StartStop):
             )
         finally:
             log.close()
-        wait_guarded(self.proc, argv)
         return self
 
     def wait_ready(self) -> None:
