@@ -237,6 +237,7 @@ class Launcher:
         """The host path of a running sandbox's /scratch (None: not one of ours)."""
         live = self._live.get(task_id)
         return None if live is None else str(Path(live.record.scratch) / "scratch")
+
     def _record(self, rec: SandboxRecord, spec: SandboxSpec, profile: Any,
                 isolation: dict[str, Any], policy_version: str | None, ended_by: str,
                 exit_code: int | None) -> dict[str, Any]:
@@ -244,6 +245,7 @@ class Launcher:
         ttl = rec.expires_at - rec.started_at if rec.expires_at else self.s.default_ttl_s
         return self.recorder.write(
             rec, export_dir=spec.export_dir, policy_version=policy_version,
+            labels=dict(spec.labels),
             isolation=backend_details(isolation, self.s), selftest=self.fence.pop(rec.task_id),
             limits=limits_of(profile.limits, ttl), ended_by=ended_by, exit_code=exit_code)
 

@@ -57,6 +57,8 @@ def test_a_killed_session_has_a_verifiable_record(rig: Rig, tmp_path: Path) -> N
     record = _payload(envelope)
     assert record["task_id"] == sid and record["ended_by"] == "killed", record
     assert record["profile"] == "svc" and record["rules"]["version"] is not None
+    # the caller's labels, beside the task's own two, as its events carry them
+    assert record["labels"] == {"agent": "tester", "task_id": sid, "profile": "svc"}, record
     assert envelope["signatures"], envelope
     events = _lifecycle(rig, sid)
     assert events["end"]["stockade"]["ended_by"] == "killed"
