@@ -109,13 +109,12 @@ def limits_of(limits: Any, ttl: float) -> dict[str, Any]:
 def build(rec: SandboxRecord, *, policy_version: str | None, isolation: dict[str, Any],
           limits: dict[str, Any], selftest: Report | None, ended_by: str,
           exit_code: int | None, ended_at: float, events: list[Event],
-          chains: dict[str, dict[str, Any]], labels: dict[str, str] | None = None
-          ) -> dict[str, Any]:
+          chains: dict[str, dict[str, Any]], labels: dict[str, str]) -> dict[str, Any]:
     """The record's fields; `labels` are the caller's, kept under the task's own two as
     its events carry them (stockade/events/writer.py:label_with)."""
     return {
         "version": 1, "task_id": rec.task_id,
-        "labels": {**(labels or {}), "task_id": rec.task_id, "profile": rec.profile},
+        "labels": {**labels, "task_id": rec.task_id, "profile": rec.profile},
         "profile": rec.profile, "rules": {"version": policy_version},
         "isolation": isolation, "limits": limits,
         "selftest": selftest.as_dict() if selftest is not None else {"skipped": "not run"},
