@@ -24,7 +24,7 @@ from stockade.tasks import Task
 
 from .audit import Auditor, CallLog
 from .credentials import CredentialCache
-from .decode import BodyDecoder, DecodeLimit, EncodingRefused
+from .decode import BodyDecoder, DecodeLimit, EncodingRefused, check_transfer_coding
 from .denials import Denied
 from .hosts import PinnedResolver
 from .inject import strip_injected_query
@@ -158,6 +158,7 @@ class Forwarder:
                       passthrough: BaseRequest | None) -> dict[str, Any]:
         cl.status = resp.status
         try:
+            check_transfer_coding(resp.headers.get("Transfer-Encoding"))
             decoder = BodyDecoder(resp.headers.get("Content-Encoding"),
                                   self.settings.max_decoded_bytes)
         except EncodingRefused:
