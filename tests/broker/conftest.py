@@ -106,6 +106,14 @@ async def upstream(tls: tuple[ssl.SSLContext, str]) -> AsyncIterator[Upstream]:
             return web.Response(body=base64.b64encode(raw))
         if kind == "hex":
             return web.Response(body=raw.hex().encode())
+        if kind == "reason":  # the key echoed in the status line's reason phrase
+            if not request.query.get("stream"):
+                return web.Response(status=401, reason=f"bad credential {auth}", text="no")
+            resp = web.StreamResponse(status=401, reason=f"bad credential {auth}")
+            await resp.prepare(request)  # no Content-Length: the broker streams it
+            await resp.write(b"no")
+            await resp.write_eof()
+            return resp
         if kind == "header":
             return web.Response(text="ok", headers={"X-Echo": auth, "Location": f"/x?{auth}"})
         if kind == "split":
