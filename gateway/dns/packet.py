@@ -33,7 +33,8 @@ from dnslib import (
     DNSRecord,
 )
 from dnslib.buffer import Buffer
-from dnslib.label import DNSBuffer
+
+from .wirenames import parse_message
 
 OPCODE_QUERY = 0
 CLASS_IN = 1
@@ -179,10 +180,10 @@ def parse_query_fast(data: bytes) -> Query | None:
     )
 
 
-# records a query may carry past its one question (OPT, cookies, TSIG): dnslib decodes
-# each name by following pointers back through the message, so a message of many names
-# chained by pointers costs the square of its size (seconds for 64 KiB); past this many
-# records, or past one question, only the header and the first question are decoded
+# records a query may carry past its one question (OPT, TSIG, ...): each costs a name's
+# decoding, bounded in wirenames.py; past this many the message is not a query we answer,
+# and past one question only the first is decoded (a message of thousands of names, each
+# behind a pointer chain, took dnslib seconds)
 MAX_QUERY_RECORDS = 8
 
 
@@ -190,9 +191,7 @@ def parse_query_dnslib(data: bytes) -> Query:
     if len(data) < 12:
         raise Malformed("shorter than a DNS header")
     try:
-        rec, qdcount = _parse_bounded(data)
-    except Malformed:
-        raise
+        rec, qdcount = parse_message(data, MAX_QUERY_RECORDS)
     except Exception as e:  # dnslib raises many types on hostile input; all mean the same
         raise Malformed("unparseable message") from e
     h = rec.header
@@ -225,21 +224,6 @@ def parse_query_dnslib(data: bytes) -> Query:
         udp_size=udp_size,
         do=do,
     )
-
-
-def _parse_bounded(data: bytes) -> tuple[DNSRecord, int]:
-    """(message, question count): the whole message when its shape is a query's (one
-    question, a few records), else its header and first question only (enough for the
-    FORMERR a second question gets), in work linear in the message size."""
-    buf = DNSBuffer(data)
-    h = DNSHeader.parse(buf)
-    qdcount = int(h.q)  # DNSRecord() below resets the header's counts to what it holds
-    if qdcount == 1 and h.a + h.auth + h.ar <= MAX_QUERY_RECORDS:
-        return DNSRecord.parse(data), 1
-    if qdcount == 1:
-        raise Malformed("too many records for a query")
-    questions = [DNSQuestion.parse(buf)] if qdcount else []
-    return DNSRecord(h, questions), qdcount
 
 
 @dataclass(frozen=True, slots=True)
