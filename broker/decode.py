@@ -19,6 +19,17 @@ class DecodeLimit(ValueError):
     """Decoded output exceeded the cap."""
 
 
+def check_transfer_coding(transfer_encoding: str | None) -> None:
+    """Refuse an answer framed with a transfer coding other than chunked: aiohttp removes
+    the chunking but never decodes gzip/deflate/compress there, so a `Transfer-Encoding:
+    gzip, chunked` echo of the key would reach the caller compressed, past the scrubber."""
+    if not transfer_encoding:
+        return
+    codings = {c.strip(" \t").lower() for c in transfer_encoding.split(",")}
+    if not codings <= {"chunked", "identity"}:
+        raise EncodingRefused("transfer coding other than chunked")
+
+
 class BodyDecoder:
     def __init__(self, content_encoding: str | None, max_output: int) -> None:
         self.max_output = max_output

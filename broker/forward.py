@@ -24,7 +24,7 @@ from stockade.tasks import Task
 
 from .audit import Auditor, CallLog
 from .credentials import CredentialCache
-from .decode import BodyDecoder, DecodeLimit, EncodingRefused
+from .decode import BodyDecoder, DecodeLimit, EncodingRefused, check_transfer_coding
 from .denials import Denied
 from .hosts import PinnedResolver
 from .inject import strip_injected_query
@@ -33,7 +33,7 @@ from .request import LINK_HEADERS, CallRequest, build_url, filter_response_heade
 from .routes import ApiRoute, RouteTable
 from .scrub import Patterns, StreamScrubber
 from .settings import BrokerSettings
-from .stream import CHUNK, stream_back
+from .stream import CHUNK, AnswerHead, stream_back
 
 SMALL_BODY = 256 * 1024  # pass-through answers up to this size are buffered, not streamed
 # an upstream that failed mid-call: the caller sees a cut connection or one of these
@@ -158,6 +158,7 @@ class Forwarder:
                       passthrough: BaseRequest | None) -> dict[str, Any]:
         cl.status = resp.status
         try:
+            check_transfer_coding(resp.headers.get("Transfer-Encoding"))
             decoder = BodyDecoder(resp.headers.get("Content-Encoding"),
                                   self.settings.max_decoded_bytes)
         except EncodingRefused:
@@ -167,21 +168,23 @@ class Forwarder:
         if passthrough is not None and any(n.lower() in LINK_HEADERS for n, _ in out_headers):
             prefix = f"{passthrough.scheme}://{passthrough.host}/{api.name}"
             out_headers = rewrite_links(out_headers, api.base_url, prefix)
+        # the reason phrase is upstream text the caller sees too (`401 bad key sk-...`)
+        reason, n_r = prep.patterns.scrub_text(resp.reason) if resp.reason else (resp.reason, 0)
+        head = AnswerHead(reason, out_headers)
         scrubber = StreamScrubber(prep.patterns)
         small = (resp.content_length is not None and resp.content_length <= SMALL_BODY
                  and decoder.coding == "identity")
         result: dict[str, Any] = {}
         if passthrough is not None and not small:
-            await stream_back(cl, passthrough, resp, out_headers, decoder, scrubber,
-                              left, budget)
+            await stream_back(cl, passthrough, resp, head, decoder, scrubber, left, budget)
         else:
-            result = await self._buffered(cl, resp, decoder, scrubber, out_headers, budget,
+            result = await self._buffered(cl, resp, decoder, scrubber, head, budget,
                                           left, passthrough, small)
-        cl.scrubs = n_h + scrubber.count
+        cl.scrubs = n_h + n_r + scrubber.count
         return result
 
     async def _buffered(self, cl: CallLog, resp: aiohttp.ClientResponse, decoder: BodyDecoder,
-                        scrubber: StreamScrubber, out_headers: list[tuple[str, str]],
+                        scrubber: StreamScrubber, head: AnswerHead,
                         budget: Budget, left: int | None,
                         passthrough: BaseRequest | None, small: bool) -> dict[str, Any]:
         """The whole answer read first: the `/v1/call` result, or a small known-length
@@ -195,10 +198,10 @@ class Forwarder:
             raise
         result: dict[str, Any] = {}
         if passthrough is not None:
-            cl.response = web.Response(status=resp.status, reason=resp.reason,
-                                       body=body, headers=out_headers)
+            cl.response = web.Response(status=resp.status, reason=head.reason,
+                                       body=body, headers=head.headers)
         else:
-            result = _call_result(resp.status, out_headers, body)
+            result = _call_result(resp.status, head.headers, body)
         budget.charge_bytes(len(body))
         cl.bytes_down = len(body)
         return result

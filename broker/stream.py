@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import NamedTuple
 
 import aiohttp
 from aiohttp import web
@@ -36,18 +37,25 @@ async def read_body(request: BaseRequest, limit: int, res: Reservation,
         raise Denied(408, Reason.REQUEST_TIMEOUT, BODY_TIMEOUT_MESSAGE) from None
 
 
+class AnswerHead(NamedTuple):
+    """The upstream answer's reason phrase and headers, filtered and scrubbed."""
+
+    reason: str | None
+    headers: list[tuple[str, str]]
+
+
 async def stream_back(
     cl: CallLog,
     request: BaseRequest,
     resp: aiohttp.ClientResponse,
-    headers: list[tuple[str, str]],
+    head: AnswerHead,
     decoder: BodyDecoder,
     scrubber: StreamScrubber,
     budget_left: int | None,
     budget: Budget,
 ) -> None:
-    out = web.StreamResponse(status=resp.status, reason=resp.reason)
-    for n, v in headers:
+    out = web.StreamResponse(status=resp.status, reason=head.reason)
+    for n, v in head.headers:
         out.headers.add(n, v)
     await out.prepare(request)
     cl.response = out

@@ -26,6 +26,10 @@ CLIENT_HELLO = 0x01
 EXT_SERVER_NAME = 0x0000
 EXT_ALPN = 0x0010
 EXT_ECH = 0xFE0D  # encrypted_client_hello (draft-ietf-tls-esni)
+# every codepoint that has carried an encrypted server name: ECH as deployed, its earlier
+# drafts (-07: 0xff02, -08..-12: 0xfe08..0xfe0c) and ESNI (0xffce); a server still
+# speaking one would route by the hidden name, not by the SNI the gateway decided on
+ENCRYPTED_NAME_EXTS = frozenset({EXT_ECH, 0xFF02, 0xFFCE, *range(0xFE08, 0xFE0D)})
 _DIGITS_DOTS = re.compile(r"[0-9.]+")
 _HOST_NAME_BYTES = re.compile(rb"[\x21-\x7e]+")  # printable ASCII, no space, not empty
 MAX_RECORD = 2**14 + 256  # a TLSPlaintext fragment may not exceed 2^14; slack for old stacks
@@ -35,7 +39,7 @@ MAX_RECORD = 2**14 + 256  # a TLSPlaintext fragment may not exceed 2^14; slack f
 class ClientHello:
     sni: str | None  # the single host_name, ASCII as sent (not yet normalised)
     sni_is_ip: bool  # the host_name is an IP literal (RFC 6066 forbids it; we flag it)
-    ech: bool  # an encrypted_client_hello extension is present
+    ech: bool  # an encrypted_client_hello (or legacy ESNI / ECH draft) extension is present
     alpn: tuple[str, ...]
     size: int  # bytes of the handshake message (header included)
 
@@ -139,7 +143,7 @@ def _parse_extensions(msg: bytes, pos: int, ext_end: int) -> ClientHello | Sniff
             if isinstance(result, SniffError):
                 return result
             sni = result
-        elif etype == EXT_ECH:
+        elif etype in ENCRYPTED_NAME_EXTS:
             ech = True
         elif etype == EXT_ALPN:
             alpn = _parse_alpn(msg, start, pos)

@@ -34,6 +34,8 @@ from dnslib import (
 )
 from dnslib.buffer import Buffer
 
+from .wirenames import parse_message
+
 OPCODE_QUERY = 0
 CLASS_IN = 1
 TYPE_OPT = 41
@@ -178,11 +180,18 @@ def parse_query_fast(data: bytes) -> Query | None:
     )
 
 
+# records a query may carry past its one question (OPT, TSIG, ...): each costs a name's
+# decoding, bounded in wirenames.py; past this many the message is not a query we answer,
+# and past one question only the first is decoded (a message of thousands of names, each
+# behind a pointer chain, took dnslib seconds)
+MAX_QUERY_RECORDS = 8
+
+
 def parse_query_dnslib(data: bytes) -> Query:
     if len(data) < 12:
         raise Malformed("shorter than a DNS header")
     try:
-        rec = DNSRecord.parse(data)
+        rec, qdcount = parse_message(data, MAX_QUERY_RECORDS)
     except Exception as e:  # dnslib raises many types on hostile input; all mean the same
         raise Malformed("unparseable message") from e
     h = rec.header
@@ -209,7 +218,7 @@ def parse_query_dnslib(data: bytes) -> Query:
         qclass=int(q.qclass),
         rd=bool(h.rd),
         opcode=int(h.opcode),
-        qdcount=len(rec.questions),
+        qdcount=qdcount,
         edns=edns,
         edns_version=version,
         udp_size=udp_size,

@@ -93,10 +93,27 @@ async def upstream(tls: tuple[ssl.SSLContext, str]) -> AsyncIterator[Upstream]:
                                          "Content-Type": "application/json"})
         if kind == "br":
             return web.Response(body=b"\x8b\x00\x80garbage", headers={"Content-Encoding": "br"})
+        if kind == "tegzip":
+            # gzip as a transfer coding (aiohttp's server never sends one: raw bytes)
+            payload = gzip.compress(raw)
+            assert request.transport is not None
+            request.transport.write(
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n"
+                b"Connection: close\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload))
+            request.transport.close()
+            return web.Response()
         if kind == "b64":
             return web.Response(body=base64.b64encode(raw))
         if kind == "hex":
             return web.Response(body=raw.hex().encode())
+        if kind == "reason":  # the key echoed in the status line's reason phrase
+            if not request.query.get("stream"):
+                return web.Response(status=401, reason=f"bad credential {auth}", text="no")
+            resp = web.StreamResponse(status=401, reason=f"bad credential {auth}")
+            await resp.prepare(request)  # no Content-Length: the broker streams it
+            await resp.write(b"no")
+            await resp.write_eof()
+            return resp
         if kind == "header":
             return web.Response(text="ok", headers={"X-Echo": auth, "Location": f"/x?{auth}"})
         if kind == "split":

@@ -9,7 +9,12 @@ import zlib
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from stockade.broker.decode import BodyDecoder, DecodeLimit, EncodingRefused
+from stockade.broker.decode import (
+    BodyDecoder,
+    DecodeLimit,
+    EncodingRefused,
+    check_transfer_coding,
+)
 from stockade.broker.inject import inject, strip_injected_query
 from stockade.broker.limits import Budget, Limiter, TokenBucket
 from stockade.broker.request import RequestError
@@ -92,6 +97,18 @@ def test_decoder_refuses_and_caps() -> None:
     d = BodyDecoder("gzip", 1000)
     with pytest.raises(EncodingRefused):
         d.feed(b"not gzip at all")
+
+
+@pytest.mark.parametrize("te", [None, "", "chunked", "Chunked", "identity, chunked"])
+def test_transfer_coding_chunked_only_passes(te: str | None) -> None:
+    check_transfer_coding(te)
+
+
+@pytest.mark.parametrize("te", ["gzip, chunked", "chunked, gzip", "deflate", "x-gzip",
+                                "compress,chunked", "GZIP , chunked", "br"])
+def test_transfer_coding_that_would_hide_the_key_refused(te: str) -> None:
+    with pytest.raises(EncodingRefused):
+        check_transfer_coding(te)
 
 
 @settings(max_examples=300, deadline=None)

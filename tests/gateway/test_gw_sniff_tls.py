@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 from gw_tlsgen import (
+    _ext,
     hello_with_sni,
     long_alpn,
     real_client_hello,
@@ -93,6 +94,16 @@ def test_ip_literal_sni_is_flagged(name: str) -> None:
 def test_ech_is_flagged() -> None:
     r = sniff_all(hello_with_sni("allowed.test", ech=True))
     assert isinstance(r, ClientHello) and r.ech
+
+
+@pytest.mark.parametrize("etype", [0xFFCE, 0xFF02, 0xFE08, 0xFE0A, 0xFE0C])
+def test_legacy_esni_and_ech_drafts_are_flagged(etype: int) -> None:
+    # a cover SNI plus the hidden name in ESNI or a draft ECH extension: a server
+    # speaking that draft routes by the hidden name
+    r = sniff_all(synthetic_hello([sni_ext([(0, b"allowed.test")]), _ext(etype, b"\x00" * 40)]))
+    assert isinstance(r, ClientHello) and r.ech and r.sni == "allowed.test"
+    other = sniff_all(synthetic_hello([sni_ext([(0, b"allowed.test")]), _ext(0xFE0E, b"")]))
+    assert isinstance(other, ClientHello) and not other.ech  # an unassigned codepoint
 
 
 def test_duplicate_extension_is_refused() -> None:
@@ -192,7 +203,7 @@ def test_offset_parser_agrees_with_the_reader_oracle(
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from([0x0000, 0x0010, 0xFE0D, 0x002B, 0x000A]),
+            st.sampled_from([0x0000, 0x0010, 0xFE0D, 0xFFCE, 0xFE0A, 0x002B, 0x000A]),
             st.binary(max_size=40),
         ),
         max_size=6,
@@ -202,7 +213,6 @@ def test_offset_parser_agrees_with_the_reader_oracle(
 def test_offset_parser_agrees_on_synthetic_extensions(
     exts: list[tuple[int, bytes]], names: list[tuple[int, bytes]]
 ) -> None:
-    from gw_tlsgen import _ext
     from stockade.gateway.sniff_tls import parse_client_hello_body
     from tls_oracle import parse_client_hello_body as oracle
 

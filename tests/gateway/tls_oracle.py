@@ -7,8 +7,8 @@ from stockade.gateway.sniff_common import SniffError
 from stockade.gateway.sniff_tls import (
     _HOST_NAME_BYTES,
     CLIENT_HELLO,
+    ENCRYPTED_NAME_EXTS,
     EXT_ALPN,
-    EXT_ECH,
     EXT_SERVER_NAME,
     ClientHello,
     _looks_like_ip,
@@ -99,7 +99,7 @@ def parse_client_hello_body(msg: bytes) -> ClientHello | SniffError:
                 if isinstance(result, SniffError):
                     return result
                 sni = result
-            elif etype == EXT_ECH:
+            elif etype in ENCRYPTED_NAME_EXTS:
                 ech = True
             elif etype == EXT_ALPN:
                 alpn = _parse_alpn(_Reader(buf, start, pos))
