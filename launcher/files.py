@@ -27,6 +27,7 @@ from typing import Any
 SYS_OPENAT2 = 437  # x86_64 and aarch64 alike
 RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, RESOLVE_BENEATH = 0x02, 0x04, 0x08
 RESOLVE = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
+RENAME_NOREPLACE = 1
 MAX_PATH = 4096
 MAX_ENTRIES = 10000  # a listing longer than this is cut (a directory of millions)
 TMP_PREFIX = ".stockade-upload-"
@@ -144,16 +145,44 @@ def _parent(rootfd: int, parts: list[str], owner: Owner) -> int:
             except FileError as e:
                 if e.code != "not_found":
                     raise
-                with contextlib.suppress(FileExistsError):  # a racing mkdir: open it
-                    os.mkdir(p, 0o755, dir_fd=fd)
+                _mkdir_owned(fd, p, owner)
                 nxt = open_beneath(fd, [p], os.O_RDONLY | os.O_DIRECTORY)
-                os.fchown(nxt, owner.uid, owner.gid)
             os.close(fd)
             fd = nxt
         return fd
     except BaseException:
         os.close(fd)
         raise
+
+
+def _mkdir_owned(dirfd: int, name: str, owner: Owner) -> None:
+    """`name` appears already the sandbox's: made and chowned under a hidden temporary
+    name, then renamed into place (a root-owned moment would make a sandbox writer's
+    mkdir or create there fail with EACCES)."""
+    tmp = TMP_PREFIX + secrets.token_hex(8)
+    try:
+        os.mkdir(tmp, 0o755, dir_fd=dirfd)
+    except OSError as e:
+        raise _refusal(e, name) from None
+    try:
+        with _fd(open_beneath(dirfd, [tmp], os.O_RDONLY | os.O_DIRECTORY)) as fd:
+            os.fchown(fd, owner.uid, owner.gid)
+        _rename_noreplace(dirfd, tmp, name)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.rmdir(tmp, dir_fd=dirfd)
+        if isinstance(e, FileExistsError):  # the sandbox made `name` meanwhile: keep it
+            return
+        if isinstance(e, OSError):
+            raise _refusal(e, name) from None
+        raise
+
+
+def _rename_noreplace(dirfd: int, src: str, dst: str) -> None:
+    """renameat2(RENAME_NOREPLACE): never over a directory a racing sandbox just made."""
+    if _libc.renameat2(dirfd, src.encode(), dirfd, dst.encode(), RENAME_NOREPLACE) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e), dst)
 
 
 def write(root: str, path: str, chunks: Iterator[bytes], limit: int, owner: Owner) -> int:

@@ -1,0 +1,80 @@
+"""The files API's host side against a hostile sandbox that shares the scratch: what it
+plants (a FIFO) and what it races (a mkdir beside ours). Pure: a temporary tree, as root."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from stockade.launcher import files
+
+SANDBOX = files.Owner(23456, 23457)  # not the test's own uid: ownership is observable
+
+
+@pytest.fixture(autouse=True)
+def _as_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("chowning to the sandbox user needs root")
+
+
+def _visible_dirs(root: Path) -> list[Path]:
+    out = []
+    for dirpath, dirnames, _ in os.walk(root):
+        out += [Path(dirpath) / d for d in dirnames if not d.startswith(files.TMP_PREFIX)]
+    return out
+
+
+@pytest.mark.parametrize("walk", [False, True])
+def test_created_directories_are_never_visible_root_owned(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, walk: bool) -> None:
+    """Every time the API chowns something, no directory a sandbox could see under its
+    real name is still root's: a sandbox writer racing the upload never meets EACCES."""
+    if walk:
+        monkeypatch.setattr(files, "_openat2_works", False)
+    root = tmp_path / "scratch"
+    root.mkdir()
+    os.chown(root, SANDBOX.uid, SANDBOX.gid)
+    seen: list[tuple[Path, int]] = []
+    real_fchown = os.fchown
+
+    def spy(fd: int, uid: int, gid: int) -> None:
+        seen.extend((d, d.lstat().st_uid) for d in _visible_dirs(root))
+        real_fchown(fd, uid, gid)
+
+    monkeypatch.setattr(os, "fchown", spy)
+    assert files.write(str(root), "a/b/c/f.txt", iter([b"data"]), 10, SANDBOX) == 4
+    monkeypatch.undo()
+    assert seen, "the spy saw no chown"
+    assert [d for d, uid in seen if uid != SANDBOX.uid] == []
+    for d in ("a", "a/b", "a/b/c"):
+        st = (root / d).lstat()
+        assert stat.S_ISDIR(st.st_mode) and (st.st_uid, st.st_gid) == (SANDBOX.uid,
+                                                                          SANDBOX.gid)
+    assert sorted(p.name for p in (root / "a").iterdir()) == ["b"]  # no temporary left
+
+
+def test_a_racing_sandbox_mkdir_is_kept(tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sandbox makes the same directory between our lookup and our rename: its
+    directory stays (not replaced by ours), the upload lands in it, nothing is left."""
+    root = tmp_path / "scratch"
+    root.mkdir()
+    real_mkdir = os.mkdir
+    racer: list[int] = []
+
+    def racing_mkdir(path: str, mode: int = 0o777, *, dir_fd: int | None = None) -> None:
+        real_mkdir(path, mode, dir_fd=dir_fd)
+        if not racer:  # the sandbox's own mkdir of the real name, right after ours
+            real_mkdir(root / "d", 0o700)
+            os.chown(root / "d", SANDBOX.uid, SANDBOX.gid)
+            racer.append((root / "d").lstat().st_ino)
+
+    monkeypatch.setattr(os, "mkdir", racing_mkdir)
+    assert files.write(str(root), "d/f", iter([b"x"]), 10, SANDBOX) == 1
+    monkeypatch.undo()
+    st = (root / "d").lstat()
+    assert racer and st.st_ino == racer[0] and stat.S_IMODE(st.st_mode) == 0o700
+    assert (root / "d" / "f").read_bytes() == b"x"
+    assert sorted(p.name for p in root.iterdir()) == ["d"]
