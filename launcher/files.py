@@ -240,7 +240,10 @@ def _unlink(dirfd: int, name: str) -> None:
 def read(root: str, path: str, limit: int) -> bytes:
     """The regular file `path` under `root` (FileError: not one, or over `limit`)."""
     parts = check_rel(path)
-    with _fd(_root(root)) as rootfd, _fd(open_beneath(rootfd, parts, os.O_RDONLY)) as fd:
+    # O_NONBLOCK: a FIFO the sandbox planted would block the open until a writer came;
+    # it is refused below like any non-file (a regular file ignores the flag)
+    flags = os.O_RDONLY | os.O_NONBLOCK
+    with _fd(_root(root)) as rootfd, _fd(open_beneath(rootfd, parts, flags)) as fd:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise FileError("path_refused", 400, f"not a regular file: {path}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,33 @@ def test_a_racing_sandbox_mkdir_is_kept(tmp_path: Path,
     assert racer and st.st_ino == racer[0] and stat.S_IMODE(st.st_mode) == 0o700
     assert (root / "d" / "f").read_bytes() == b"x"
     assert sorted(p.name for p in root.iterdir()) == ["d"]
+
+
+@pytest.mark.parametrize("walk", [False, True])
+def test_a_planted_fifo_is_refused_not_waited_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, walk: bool) -> None:
+    """A FIFO at the read's path used to block the API's open (a thread of the service
+    per request, for ever, no writer ever coming): it is refused like a directory."""
+    if walk:
+        monkeypatch.setattr(files, "_openat2_works", False)
+    root = tmp_path / "scratch"
+    root.mkdir()
+    fifo = root / "pipe"
+    os.mkfifo(fifo)
+    result: list[BaseException | bytes] = []
+
+    def read() -> None:
+        try:
+            result.append(files.read(str(root), "pipe", 10))
+        except BaseException as e:
+            result.append(e)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(30)
+    if t.is_alive():  # the open blocked: unblock it so the thread ends, then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(30)
+        pytest.fail("files.read blocked on a FIFO the sandbox planted")
+    assert isinstance(result[0], files.FileError) and result[0].code == "path_refused"
+    assert "not a regular file" in result[0].detail
