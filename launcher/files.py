@@ -185,7 +185,8 @@ def _rename_noreplace(dirfd: int, src: str, dst: str) -> None:
         raise OSError(e, os.strerror(e), dst)
 
 
-def write(root: str, path: str, chunks: Iterator[bytes], limit: int, owner: Owner) -> int:
+def write(root: str, path: str, chunks: Iterator[bytes | bytearray], limit: int,
+          owner: Owner) -> int:
     """Write the file `path` under `root` from `chunks`; its size. At most `limit` bytes
     (FileError too_large, the old file untouched)."""
     parts = check_rel(path)
@@ -250,12 +251,12 @@ def read(root: str, path: str, limit: int) -> bytes:
         if st.st_size > limit:
             raise FileError("too_large", 413, f"{path} holds {st.st_size} bytes, more than "
                                               f"the {limit} a read may return")
-        data = b""
+        data = bytearray()  # appended in place: `bytes +=` copied it all on every read
         while len(data) <= limit and (chunk := os.read(fd, 1 << 20)):
             data += chunk
         if len(data) > limit:  # grew while we read
             raise FileError("too_large", 413, f"{path} is larger than {limit} bytes")
-        return data
+        return bytes(data)
 
 
 def listing(root: str, path: str) -> list[dict[str, Any]]:

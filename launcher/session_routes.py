@@ -37,6 +37,9 @@ log = logging.getLogger("stockade.launcher.sessions")
 
 MAX_EXECS = 64  # running execs per session
 FILE_MAX = 64 * 2**20  # one file read or written (the profile's disk caps it further)
+# file bodies moved at once across the service: each is held whole in memory (up to
+# FILE_MAX), so without a cap concurrent uploads could take the host's memory
+FILE_TRANSFERS = 4
 EXPIRY_EVERY_S = 0.5
 RECORD_WAIT_S = 60.0  # a killed session's teardown, on a loaded host
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -84,6 +87,7 @@ class SessionRoutes:
         self.launcher = svc.launcher
         self.table = SessionTable()
         self._expiry: asyncio.Task[None] | None = None
+        self._transfers = asyncio.Semaphore(FILE_TRANSFERS)
 
     def add_to(self, app: web.Application) -> None:
         r = app.router
@@ -324,11 +328,14 @@ class SessionRoutes:
         files.check_rel(path)
         if request.content_length is not None and request.content_length > limit:
             return error(413, "too_large", f"a file may hold at most {limit} bytes", "body")
-        data = await _read_capped(request, limit)
-        if data is None:
-            return error(413, "too_large", f"a file may hold at most {limit} bytes", "body")
         owner = files.Owner(self.launcher.s.sandbox_uid, self.launcher.s.sandbox_gid)
-        size = await asyncio.to_thread(files.write, root, path, iter([data]), limit, owner)
+        async with self._transfers:
+            data = await _read_capped(request, limit)
+            if data is None:
+                return error(413, "too_large", f"a file may hold at most {limit} bytes",
+                             "body")
+            size = await asyncio.to_thread(files.write, root, path, iter([data]), limit,
+                                           owner)
         return web.json_response({"path": path, "size": size})
 
     async def get_file(self, request: web.Request) -> web.StreamResponse:
@@ -340,7 +347,8 @@ class SessionRoutes:
         if path is None:
             return error(400, "bad_request", "path or list query parameter is required",
                          "path")
-        data = await asyncio.to_thread(files.read, root, path, limit)
+        async with self._transfers:
+            data = await asyncio.to_thread(files.read, root, path, limit)
         return web.Response(body=data, content_type="application/octet-stream")
 
 
@@ -353,13 +361,13 @@ def _settle(fut: asyncio.Future[None], failed: LauncherError | None) -> None:
         fut.set_exception(failed)
 
 
-async def _read_capped(request: web.Request, limit: int) -> bytes | None:
-    buf = bytearray()
+async def _read_capped(request: web.Request, limit: int) -> bytearray | None:
+    buf = bytearray()  # handed on as it is: a bytes() copy would double the peak
     async for chunk in request.content.iter_chunked(1 << 16):
         buf += chunk
         if len(buf) > limit:
             return None
-    return bytes(buf)
+    return buf
 
 
 async def _collect(queue: asyncio.Queue[dict[str, Any]]) -> web.Response:

@@ -1,0 +1,85 @@
+"""The files routes' memory bound: each upload is held whole in memory before it is
+written, so the service moves at most `FILE_TRANSFERS` bodies at once. The routes run
+on aiohttp's test server over a fake launcher whose scratch is a temporary directory."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from stockade.launcher import session_routes
+from stockade.launcher.sessions import new_row
+
+SID = "ab" * 5
+UPLOADS = 2 * session_routes.FILE_TRANSFERS
+
+
+def _routes(scratch: Path) -> session_routes.SessionRoutes:
+    launcher = SimpleNamespace(
+        scratch_root=lambda sid: str(scratch) if sid == SID else None,
+        s=SimpleNamespace(sandbox_uid=os.getuid(), sandbox_gid=os.getgid()))
+    routes = session_routes.SessionRoutes(SimpleNamespace(launcher=launcher))  # type: ignore[arg-type]
+    row = new_row(SID, "p", "container", 0.0, 600, 600, {})
+    row.file_limit = 1 << 20
+    routes.table.add(row)
+    return routes
+
+
+async def _until(cond: Any) -> None:
+    while not cond():
+        await asyncio.sleep(0.01)
+
+
+async def test_concurrent_uploads_are_buffered_a_few_at_a_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """UPLOADS clients each send half a body and hold the rest: every request reached its
+    handler, yet at most FILE_TRANSFERS bodies are being buffered; once the clients
+    finish, every upload lands whole. (Before the cap all of them buffered at once: a few
+    hundred 64 MiB uploads were the host's memory.)"""
+    routes = _routes(tmp_path)
+    entered, reading = [0], [0]
+    most = [0]
+    real_target, real_read = routes._file_target, session_routes._read_capped
+
+    def target(request: web.Request) -> tuple[str, int]:
+        entered[0] += 1
+        return real_target(request)
+
+    async def read(request: web.Request, limit: int) -> bytearray | None:
+        reading[0] += 1
+        most[0] = max(most[0], reading[0])
+        try:
+            return await real_read(request, limit)
+        finally:
+            reading[0] -= 1
+
+    monkeypatch.setattr(routes, "_file_target", target)
+    monkeypatch.setattr(session_routes, "_read_capped", read)
+    app = web.Application()
+    routes.add_to(app)
+    go = asyncio.Event()
+
+    async def body(i: int) -> AsyncIterator[bytes]:
+        yield b"a" * 1000
+        await go.wait()
+        yield f"-{i}".encode()
+
+    async with TestClient(TestServer(app)) as client:
+        posts = [asyncio.create_task(client.put(
+            f"/v1/sessions/{SID}/files", params={"path": f"d/f{i}"}, data=body(i)))
+            for i in range(UPLOADS)]
+        await asyncio.wait_for(_until(lambda: entered[0] == UPLOADS), 60)
+        assert most[0] == session_routes.FILE_TRANSFERS
+        go.set()
+        answers = await asyncio.wait_for(asyncio.gather(*posts), 60)
+        assert [r.status for r in answers] == [200] * UPLOADS
+    assert most[0] == session_routes.FILE_TRANSFERS and reading[0] == 0
+    for i in range(UPLOADS):
+        assert (tmp_path / "d" / f"f{i}").read_bytes() == b"a" * 1000 + f"-{i}".encode()
