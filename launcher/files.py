@@ -132,7 +132,27 @@ def _fd(fd: int) -> Iterator[int]:
 
 
 def _root(root: str) -> int:
-    return os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    """The fd of the scratch tmpfs's root. Refused (session_ended) once the session's
+    teardown unmounted or removed it: a write would then land on the host's disk under
+    it, beyond the tmpfs's size, and be left behind. (An fd taken while it was mounted
+    keeps the lazily unmounted tmpfs alive until it is closed.)"""
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        raise _ended() from None
+    try:
+        parent = os.stat(os.path.dirname(os.path.normpath(root)))
+        mounted = os.fstat(fd).st_dev != parent.st_dev
+    except OSError:
+        mounted = False
+    if not mounted:
+        os.close(fd)
+        raise _ended()
+    return fd
+
+
+def _ended() -> FileError:
+    return FileError("session_ended", 409, "the session's scratch is no longer mounted")
 
 
 def _parent(rootfd: int, parts: list[str], owner: Owner) -> int:

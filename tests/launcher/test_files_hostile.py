@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from stockade.launcher import files
+from stockade.launcher import files, mounts
 
 SANDBOX = files.Owner(23456, 23457)  # not the test's own uid: ownership is observable
 
@@ -29,13 +29,12 @@ def _visible_dirs(root: Path) -> list[Path]:
 
 @pytest.mark.parametrize("walk", [False, True])
 def test_created_directories_are_never_visible_root_owned(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, walk: bool) -> None:
+        scratch_tmpfs: Path, monkeypatch: pytest.MonkeyPatch, walk: bool) -> None:
     """Every time the API chowns something, no directory a sandbox could see under its
     real name is still root's: a sandbox writer racing the upload never meets EACCES."""
     if walk:
         monkeypatch.setattr(files, "_openat2_works", False)
-    root = tmp_path / "scratch"
-    root.mkdir()
+    root = scratch_tmpfs
     os.chown(root, SANDBOX.uid, SANDBOX.gid)
     seen: list[tuple[Path, int]] = []
     real_fchown = os.fchown
@@ -56,12 +55,11 @@ def test_created_directories_are_never_visible_root_owned(
     assert sorted(p.name for p in (root / "a").iterdir()) == ["b"]  # no temporary left
 
 
-def test_a_racing_sandbox_mkdir_is_kept(tmp_path: Path,
+def test_a_racing_sandbox_mkdir_is_kept(scratch_tmpfs: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The sandbox makes the same directory between our lookup and our rename: its
     directory stays (not replaced by ours), the upload lands in it, nothing is left."""
-    root = tmp_path / "scratch"
-    root.mkdir()
+    root = scratch_tmpfs
     real_mkdir = os.mkdir
     racer: list[int] = []
 
@@ -83,13 +81,12 @@ def test_a_racing_sandbox_mkdir_is_kept(tmp_path: Path,
 
 @pytest.mark.parametrize("walk", [False, True])
 def test_a_planted_fifo_is_refused_not_waited_on(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, walk: bool) -> None:
+        scratch_tmpfs: Path, monkeypatch: pytest.MonkeyPatch, walk: bool) -> None:
     """A FIFO at the read's path used to block the API's open (a thread of the service
     per request, for ever, no writer ever coming): it is refused like a directory."""
     if walk:
         monkeypatch.setattr(files, "_openat2_works", False)
-    root = tmp_path / "scratch"
-    root.mkdir()
+    root = scratch_tmpfs
     fifo = root / "pipe"
     os.mkfifo(fifo)
     result: list[BaseException | bytes] = []
@@ -109,3 +106,28 @@ def test_a_planted_fifo_is_refused_not_waited_on(
         pytest.fail("files.read blocked on a FIFO the sandbox planted")
     assert isinstance(result[0], files.FileError) and result[0].code == "path_refused"
     assert "not a regular file" in result[0].detail
+
+
+def test_an_unmounted_scratch_is_refused(scratch_tmpfs: Path, tmp_path: Path) -> None:
+    """A request that reaches files after the session's teardown unmounted its scratch
+    (a PUT whose body arrived late): refused as session_ended, and nothing is written to
+    the host's disk under the mount point; a scratch already removed is refused alike
+    (it was an OSError, a 500)."""
+    root = scratch_tmpfs
+    assert files.write(str(root), "f", iter([b"x"]), 10, SANDBOX) == 1
+    mounts.umount(str(root))  # as rootfs.remove_scratch does (lazily)
+    me = files.Owner(os.getuid(), os.getgid())
+    calls = [lambda: files.write(str(root), "d/g", iter([b"y"]), 10, me),
+             lambda: files.read(str(root), "f", 10),
+             lambda: files.listing(str(root), "")]
+    for call in calls:
+        with pytest.raises(files.FileError) as e:
+            call()
+        assert (e.value.code, e.value.status) == ("session_ended", 409)
+    assert list(root.iterdir()) == []  # the host's directory under the mount: untouched
+    root.rmdir()
+    for call in calls:
+        with pytest.raises(files.FileError) as e:
+            call()
+        assert e.value.code == "session_ended"
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -1,6 +1,6 @@
 """The files routes' memory bound: each upload is held whole in memory before it is
 written, so the service moves at most `FILE_TRANSFERS` bodies at once. The routes run
-on aiohttp's test server over a fake launcher whose scratch is a temporary directory."""
+on aiohttp's test server over a fake launcher whose scratch is a tmpfs of the test."""
 
 from __future__ import annotations
 
@@ -38,12 +38,12 @@ async def _until(cond: Any) -> None:
 
 
 async def test_concurrent_uploads_are_buffered_a_few_at_a_time(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        scratch_tmpfs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """UPLOADS clients each send half a body and hold the rest: every request reached its
     handler, yet at most FILE_TRANSFERS bodies are being buffered; once the clients
     finish, every upload lands whole. (Before the cap all of them buffered at once: a few
     hundred 64 MiB uploads were the host's memory.)"""
-    routes = _routes(tmp_path)
+    routes = _routes(scratch_tmpfs)
     entered, reading = [0], [0]
     most = [0]
     real_target, real_read = routes._file_target, session_routes._read_capped
@@ -82,4 +82,4 @@ async def test_concurrent_uploads_are_buffered_a_few_at_a_time(
         assert [r.status for r in answers] == [200] * UPLOADS
     assert most[0] == session_routes.FILE_TRANSFERS and reading[0] == 0
     for i in range(UPLOADS):
-        assert (tmp_path / "d" / f"f{i}").read_bytes() == b"a" * 1000 + f"-{i}".encode()
+        assert (scratch_tmpfs / "d" / f"f{i}").read_bytes() == b"a" * 1000 + f"-{i}".encode()
