@@ -40,6 +40,9 @@ FILE_MAX = 64 * 2**20  # one file read or written (the profile's disk caps it fu
 # file bodies moved at once across the service: each is held whole in memory (up to
 # FILE_MAX), so without a cap concurrent uploads could take the host's memory
 FILE_TRANSFERS = 4
+# a body that sends nothing for this long is refused: a stalled client would otherwise
+# hold one of the FILE_TRANSFERS places (and its buffer) for ever
+FILE_BODY_IDLE_S = 30.0
 EXPIRY_EVERY_S = 0.5
 RECORD_WAIT_S = 60.0  # a killed session's teardown, on a loaded host
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -330,7 +333,11 @@ class SessionRoutes:
             return error(413, "too_large", f"a file may hold at most {limit} bytes", "body")
         owner = files.Owner(self.launcher.s.sandbox_uid, self.launcher.s.sandbox_gid)
         async with self._transfers:
-            data = await _read_capped(request, limit)
+            try:
+                data = await _read_capped(request, limit)
+            except TimeoutError:
+                return error(408, "bad_request", f"the body sent nothing for "
+                             f"{FILE_BODY_IDLE_S:.0f} s", "body")
             if data is None:
                 return error(413, "too_large", f"a file may hold at most {limit} bytes",
                              "body")
@@ -362,8 +369,9 @@ def _settle(fut: asyncio.Future[None], failed: LauncherError | None) -> None:
 
 
 async def _read_capped(request: web.Request, limit: int) -> bytearray | None:
+    """The body, None past `limit`; TimeoutError when it stalls FILE_BODY_IDLE_S."""
     buf = bytearray()  # handed on as it is: a bytes() copy would double the peak
-    async for chunk in request.content.iter_chunked(1 << 16):
+    while chunk := await asyncio.wait_for(request.content.read(1 << 16), FILE_BODY_IDLE_S):
         buf += chunk
         if len(buf) > limit:
             return None

@@ -83,3 +83,33 @@ async def test_concurrent_uploads_are_buffered_a_few_at_a_time(
     assert most[0] == session_routes.FILE_TRANSFERS and reading[0] == 0
     for i in range(UPLOADS):
         assert (scratch_tmpfs / "d" / f"f{i}").read_bytes() == b"a" * 1000 + f"-{i}".encode()
+
+
+async def test_a_stalled_body_gives_its_place_back(
+        scratch_tmpfs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FILE_TRANSFERS clients that send a little and then nothing: each is refused (408)
+    once its body has been idle FILE_BODY_IDLE_S, nothing of it is written, and the next
+    upload gets a place (before, the stalled ones held every place for ever)."""
+    monkeypatch.setattr(session_routes, "FILE_BODY_IDLE_S", 0.2)
+    app = web.Application()
+    _routes(scratch_tmpfs).add_to(app)
+    never = asyncio.Event()
+
+    async def stalled() -> AsyncIterator[bytes]:
+        yield b"a" * 1000
+        await never.wait()
+        yield b"never sent"
+
+    async with TestClient(TestServer(app)) as client:
+        url = f"/v1/sessions/{SID}/files"
+        stuck = [asyncio.create_task(client.put(url, params={"path": f"s{i}"},
+                                                data=stalled()))
+                 for i in range(session_routes.FILE_TRANSFERS)]
+        answers = await asyncio.wait_for(asyncio.gather(*stuck), 60)
+        assert [r.status for r in answers] == [408] * session_routes.FILE_TRANSFERS
+        assert {(await r.json())["field"] for r in answers} == {"body"}
+        ok = await asyncio.wait_for(client.put(url, params={"path": "after"},
+                                               data=b"fine"), 60)
+        assert ok.status == 200
+        never.set()
+    assert sorted(p.name for p in scratch_tmpfs.iterdir()) == ["after"]
