@@ -29,6 +29,7 @@ from .isolation import choose_backend, preflight
 from .session_api import ExecRequest, SessionCreate, TtlRequest, field_of
 from .sessions import SessionRow, SessionTable, extend, new_row
 from .spec import TASK_ID_RE, EndedBy, LauncherError, SandboxSpec
+from .transport import host_path_refusal
 
 if TYPE_CHECKING:  # annotations only
     from .service import LauncherService
@@ -171,6 +172,10 @@ class SessionRoutes:
 
     async def create(self, request: web.Request) -> web.Response:
         req = await _model(request, SessionCreate)
+        if refused := host_path_refusal(request, self.launcher.s.control_host_paths,
+                                        [(f"inputs.{i}.host", b.host)
+                                         for i, b in enumerate(req.inputs)]):
+            return error(400, "bad_request", refused[1], refused[0])
         ruleset = self.svc.rules.current
         spec, profile, isolation = self._spec(req, ruleset)
         if self.svc.closing:
