@@ -287,9 +287,10 @@ def listing(root: str, path: str) -> list[dict[str, Any]]:
           _fd(open_beneath(rootfd, parts, os.O_RDONLY | os.O_DIRECTORY)) as fd,
           os.scandir(fd) as it):  # scandir works on a duplicate: ours is closed here
         for entry in it:
-            if len(out) >= MAX_ENTRIES or entry.name.startswith(TMP_PREFIX):
-                continue
-            out.append(_entry(entry))
+            if len(out) >= MAX_ENTRIES:  # stop reading: the sandbox may have made millions
+                break
+            if not entry.name.startswith(TMP_PREFIX):
+                out.append(_entry(entry))
     return sorted(out, key=lambda e: e["name"])
 
 

@@ -131,3 +131,38 @@ def test_an_unmounted_scratch_is_refused(scratch_tmpfs: Path, tmp_path: Path) ->
             call()
         assert e.value.code == "session_ended"
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_huge_directory_is_not_read_past_the_cut(
+        scratch_tmpfs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A listing is cut at MAX_ENTRIES, and reading stops there: a sandbox's directory of
+    millions of empty files cost a full readdir (and an lstat each) per request."""
+    monkeypatch.setattr(files, "MAX_ENTRIES", 5)
+    for i in range(50):
+        (scratch_tmpfs / f"f{i:02}").touch()
+    read: list[str] = []
+    real = os.scandir
+
+    class Counting:
+        def __init__(self, fd: int) -> None:
+            self.it = real(fd)
+
+        def __enter__(self) -> Counting:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.it.close()
+
+        def __iter__(self) -> Counting:
+            return self
+
+        def __next__(self) -> os.DirEntry[str]:
+            entry = next(self.it)
+            read.append(entry.name)
+            return entry
+
+    monkeypatch.setattr(os, "scandir", Counting)
+    entries = files.listing(str(scratch_tmpfs), "")
+    monkeypatch.undo()
+    assert len(entries) == 5 and {e["type"] for e in entries} == {"file"}
+    assert len(read) <= 6  # the five kept and at most the one that showed the cut
