@@ -359,9 +359,9 @@ class SessionRoutes:
         if path is None:
             return error(400, "bad_request", "path or list query parameter is required",
                          "path")
-        async with self._transfers:
+        async with self._transfers:  # held until the body is sent: it is in memory
             data = await asyncio.to_thread(files.read, root, path, limit)
-        return web.Response(body=data, content_type="application/octet-stream")
+            return await _send(request, data)
 
 
 def _settle(fut: asyncio.Future[None], failed: LauncherError | None) -> None:
@@ -371,6 +371,24 @@ def _settle(fut: asyncio.Future[None], failed: LauncherError | None) -> None:
         fut.set_result(None)
     else:
         fut.set_exception(failed)
+
+
+async def _send(request: web.Request, data: bytes) -> web.StreamResponse:
+    """`data` as the response, a piece at a time: a client that takes none of a piece
+    for FILE_BODY_IDLE_S is cut off (its connection closed), as a stalled upload is."""
+    resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+    resp.content_length = len(data)
+    await resp.prepare(request)
+    view = memoryview(data)
+    try:
+        for i in range(0, len(view), 1 << 20):
+            await asyncio.wait_for(resp.write(view[i:i + (1 << 20)]), FILE_BODY_IDLE_S)
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()
+        return resp
+    await resp.write_eof()
+    return resp
 
 
 async def _read_capped(request: web.Request, limit: int) -> bytearray | None:

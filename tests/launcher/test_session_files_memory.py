@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,13 +22,13 @@ SID = "ab" * 5
 UPLOADS = 2 * session_routes.FILE_TRANSFERS
 
 
-def _routes(scratch: Path) -> session_routes.SessionRoutes:
+def _routes(scratch: Path, limit: int = 1 << 20) -> session_routes.SessionRoutes:
     launcher = SimpleNamespace(
         scratch_root=lambda sid: str(scratch) if sid == SID else None,
         s=SimpleNamespace(sandbox_uid=os.getuid(), sandbox_gid=os.getgid()))
     routes = session_routes.SessionRoutes(SimpleNamespace(launcher=launcher))  # type: ignore[arg-type]
     row = new_row(SID, "p", "container", 0.0, 600, 600, {})
-    row.file_limit = 1 << 20
+    row.file_limit = limit
     routes.table.add(row)
     return routes
 
@@ -113,3 +114,49 @@ async def test_a_stalled_body_gives_its_place_back(
         assert ok.status == 200
         never.set()
     assert sorted(p.name for p in scratch_tmpfs.iterdir()) == ["after"]
+
+
+def _stalled_get(port: int, path: str) -> socket.socket:
+    """A GET whose client then reads nothing (a receive buffer of a few KiB)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(f"GET /v1/sessions/{SID}/files?path={path} HTTP/1.1\r\n"
+                 "Host: x\r\n\r\n".encode())
+    return sock
+
+
+def _drain(sock: socket.socket) -> int:
+    """Bytes received until the server closes the connection (a reset counts)."""
+    sock.settimeout(30)
+    n = 0
+    try:
+        while chunk := sock.recv(1 << 20):
+            n += len(chunk)
+    except ConnectionResetError:
+        pass
+    sock.close()
+    return n
+
+
+async def test_a_stalled_reader_is_cut_off(
+        scratch_tmpfs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A response is held in memory until it is sent, so its place is kept until then: a
+    client that takes none of it for FILE_BODY_IDLE_S is cut off with part of the file,
+    and the next GET gets a place. (Before, the body went to the transport's buffer
+    whole and stayed there for a client that never read: one 64 MiB file per request.)"""
+    monkeypatch.setattr(session_routes, "FILE_BODY_IDLE_S", 0.2)
+    size = 12 << 20
+    (scratch_tmpfs / "big").write_bytes(b"b" * size)
+    (scratch_tmpfs / "small").write_bytes(b"s")
+    app = web.Application()
+    _routes(scratch_tmpfs, limit=size).add_to(app)
+    async with TestClient(TestServer(app)) as client:
+        port = client.server.port
+        assert port is not None
+        socks = [_stalled_get(port, "big") for _ in range(session_routes.FILE_TRANSFERS)]
+        ok = await asyncio.wait_for(client.get(f"/v1/sessions/{SID}/files",
+                                               params={"path": "small"}), 60)
+        assert ok.status == 200 and await ok.read() == b"s"
+        got = await asyncio.gather(*(asyncio.to_thread(_drain, s) for s in socks))
+    assert all(0 < n < size for n in got), got
