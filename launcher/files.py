@@ -27,6 +27,7 @@ from typing import Any
 SYS_OPENAT2 = 437  # x86_64 and aarch64 alike
 RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, RESOLVE_BENEATH = 0x02, 0x04, 0x08
 RESOLVE = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
+RENAME_NOREPLACE = 1
 MAX_PATH = 4096
 MAX_ENTRIES = 10000  # a listing longer than this is cut (a directory of millions)
 TMP_PREFIX = ".stockade-upload-"
@@ -131,7 +132,27 @@ def _fd(fd: int) -> Iterator[int]:
 
 
 def _root(root: str) -> int:
-    return os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    """The fd of the scratch tmpfs's root. Refused (session_ended) once the session's
+    teardown unmounted or removed it: a write would then land on the host's disk under
+    it, beyond the tmpfs's size, and be left behind. (An fd taken while it was mounted
+    keeps the lazily unmounted tmpfs alive until it is closed.)"""
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        raise _ended() from None
+    try:
+        parent = os.stat(os.path.dirname(os.path.normpath(root)))
+        mounted = os.fstat(fd).st_dev != parent.st_dev
+    except OSError:
+        mounted = False
+    if not mounted:
+        os.close(fd)
+        raise _ended()
+    return fd
+
+
+def _ended() -> FileError:
+    return FileError("session_ended", 409, "the session's scratch is no longer mounted")
 
 
 def _parent(rootfd: int, parts: list[str], owner: Owner) -> int:
@@ -144,10 +165,8 @@ def _parent(rootfd: int, parts: list[str], owner: Owner) -> int:
             except FileError as e:
                 if e.code != "not_found":
                     raise
-                with contextlib.suppress(FileExistsError):  # a racing mkdir: open it
-                    os.mkdir(p, 0o755, dir_fd=fd)
+                _mkdir_owned(fd, p, owner)
                 nxt = open_beneath(fd, [p], os.O_RDONLY | os.O_DIRECTORY)
-                os.fchown(nxt, owner.uid, owner.gid)
             os.close(fd)
             fd = nxt
         return fd
@@ -156,7 +175,38 @@ def _parent(rootfd: int, parts: list[str], owner: Owner) -> int:
         raise
 
 
-def write(root: str, path: str, chunks: Iterator[bytes], limit: int, owner: Owner) -> int:
+def _mkdir_owned(dirfd: int, name: str, owner: Owner) -> None:
+    """`name` appears already the sandbox's: made and chowned under a hidden temporary
+    name, then renamed into place (a root-owned moment would make a sandbox writer's
+    mkdir or create there fail with EACCES)."""
+    tmp = TMP_PREFIX + secrets.token_hex(8)
+    try:
+        os.mkdir(tmp, 0o755, dir_fd=dirfd)
+    except OSError as e:
+        raise _refusal(e, name) from None
+    try:
+        with _fd(open_beneath(dirfd, [tmp], os.O_RDONLY | os.O_DIRECTORY)) as fd:
+            os.fchown(fd, owner.uid, owner.gid)
+        _rename_noreplace(dirfd, tmp, name)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.rmdir(tmp, dir_fd=dirfd)
+        if isinstance(e, FileExistsError):  # the sandbox made `name` meanwhile: keep it
+            return
+        if isinstance(e, OSError):
+            raise _refusal(e, name) from None
+        raise
+
+
+def _rename_noreplace(dirfd: int, src: str, dst: str) -> None:
+    """renameat2(RENAME_NOREPLACE): never over a directory a racing sandbox just made."""
+    if _libc.renameat2(dirfd, src.encode(), dirfd, dst.encode(), RENAME_NOREPLACE) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e), dst)
+
+
+def write(root: str, path: str, chunks: Iterator[bytes | bytearray], limit: int,
+          owner: Owner) -> int:
     """Write the file `path` under `root` from `chunks`; its size. At most `limit` bytes
     (FileError too_large, the old file untouched)."""
     parts = check_rel(path)
@@ -211,19 +261,22 @@ def _unlink(dirfd: int, name: str) -> None:
 def read(root: str, path: str, limit: int) -> bytes:
     """The regular file `path` under `root` (FileError: not one, or over `limit`)."""
     parts = check_rel(path)
-    with _fd(_root(root)) as rootfd, _fd(open_beneath(rootfd, parts, os.O_RDONLY)) as fd:
+    # O_NONBLOCK: a FIFO the sandbox planted would block the open until a writer came;
+    # it is refused below like any non-file (a regular file ignores the flag)
+    flags = os.O_RDONLY | os.O_NONBLOCK
+    with _fd(_root(root)) as rootfd, _fd(open_beneath(rootfd, parts, flags)) as fd:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise FileError("path_refused", 400, f"not a regular file: {path}")
         if st.st_size > limit:
             raise FileError("too_large", 413, f"{path} holds {st.st_size} bytes, more than "
                                               f"the {limit} a read may return")
-        data = b""
+        data = bytearray()  # appended in place: `bytes +=` copied it all on every read
         while len(data) <= limit and (chunk := os.read(fd, 1 << 20)):
             data += chunk
         if len(data) > limit:  # grew while we read
             raise FileError("too_large", 413, f"{path} is larger than {limit} bytes")
-        return data
+        return bytes(data)
 
 
 def listing(root: str, path: str) -> list[dict[str, Any]]:
@@ -234,9 +287,10 @@ def listing(root: str, path: str) -> list[dict[str, Any]]:
           _fd(open_beneath(rootfd, parts, os.O_RDONLY | os.O_DIRECTORY)) as fd,
           os.scandir(fd) as it):  # scandir works on a duplicate: ours is closed here
         for entry in it:
-            if len(out) >= MAX_ENTRIES or entry.name.startswith(TMP_PREFIX):
-                continue
-            out.append(_entry(entry))
+            if len(out) >= MAX_ENTRIES:  # stop reading: the sandbox may have made millions
+                break
+            if not entry.name.startswith(TMP_PREFIX):
+                out.append(_entry(entry))
     return sorted(out, key=lambda e: e["name"])
 
 

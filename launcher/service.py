@@ -43,7 +43,7 @@ from .run_request import (  # re-exported: the service's public request format
 )
 from .session_routes import SessionRoutes
 from .spec import TASK_ID_RE, LauncherError, RunResult, SandboxSpec
-from .transport import TokenFile, auth_middleware, start_tcp
+from .transport import TokenFile, auth_middleware, host_path_refusal, start_tcp
 
 if TYPE_CHECKING:  # annotations only
     from .configview import LauncherConfig as Config
@@ -270,6 +270,11 @@ class LauncherService:
             preflight(self.launcher.s, ruleset, spec.profile)
         except LauncherError as e:  # e.g. an isolation tier this backend cannot give
             return _error(400, "bad_request", str(e), field="profile")
+        named = [(f"inputs[{i}]", h) for i, (h, _g) in enumerate(spec.inputs)]
+        if spec.export_dir is not None:
+            named.append(("export_dir", spec.export_dir))
+        if refused := host_path_refusal(request, self.launcher.s.control_host_paths, named):
+            return _error(400, "bad_request", refused[1], field=refused[0])
         for i, (host, _guest) in enumerate(spec.inputs):
             if not os.path.exists(host):
                 return _error(400, "bad_request", f"inputs[{i}]: host path does not exist: "

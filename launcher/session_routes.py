@@ -29,6 +29,7 @@ from .isolation import choose_backend, preflight
 from .session_api import ExecRequest, SessionCreate, TtlRequest, field_of
 from .sessions import SessionRow, SessionTable, extend, new_row
 from .spec import TASK_ID_RE, EndedBy, LauncherError, SandboxSpec
+from .transport import host_path_refusal
 
 if TYPE_CHECKING:  # annotations only
     from .service import LauncherService
@@ -37,6 +38,12 @@ log = logging.getLogger("stockade.launcher.sessions")
 
 MAX_EXECS = 64  # running execs per session
 FILE_MAX = 64 * 2**20  # one file read or written (the profile's disk caps it further)
+# file bodies moved at once across the service: each is held whole in memory (up to
+# FILE_MAX), so without a cap concurrent uploads could take the host's memory
+FILE_TRANSFERS = 4
+# a body that sends nothing for this long is refused: a stalled client would otherwise
+# hold one of the FILE_TRANSFERS places (and its buffer) for ever
+FILE_BODY_IDLE_S = 30.0
 EXPIRY_EVERY_S = 0.5
 RECORD_WAIT_S = 60.0  # a killed session's teardown, on a loaded host
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -84,6 +91,7 @@ class SessionRoutes:
         self.launcher = svc.launcher
         self.table = SessionTable()
         self._expiry: asyncio.Task[None] | None = None
+        self._transfers = asyncio.Semaphore(FILE_TRANSFERS)
 
     def add_to(self, app: web.Application) -> None:
         r = app.router
@@ -164,6 +172,10 @@ class SessionRoutes:
 
     async def create(self, request: web.Request) -> web.Response:
         req = await _model(request, SessionCreate)
+        if refused := host_path_refusal(request, self.launcher.s.control_host_paths,
+                                        [(f"inputs.{i}.host", b.host)
+                                         for i, b in enumerate(req.inputs)]):
+            return error(400, "bad_request", refused[1], refused[0])
         ruleset = self.svc.rules.current
         spec, profile, isolation = self._spec(req, ruleset)
         if self.svc.closing:
@@ -324,11 +336,18 @@ class SessionRoutes:
         files.check_rel(path)
         if request.content_length is not None and request.content_length > limit:
             return error(413, "too_large", f"a file may hold at most {limit} bytes", "body")
-        data = await _read_capped(request, limit)
-        if data is None:
-            return error(413, "too_large", f"a file may hold at most {limit} bytes", "body")
         owner = files.Owner(self.launcher.s.sandbox_uid, self.launcher.s.sandbox_gid)
-        size = await asyncio.to_thread(files.write, root, path, iter([data]), limit, owner)
+        async with self._transfers:
+            try:
+                data = await _read_capped(request, limit)
+            except TimeoutError:
+                return error(408, "bad_request", f"the body sent nothing for "
+                             f"{FILE_BODY_IDLE_S:.0f} s", "body")
+            if data is None:
+                return error(413, "too_large", f"a file may hold at most {limit} bytes",
+                             "body")
+            size = await asyncio.to_thread(files.write, root, path, iter([data]), limit,
+                                           owner)
         return web.json_response({"path": path, "size": size})
 
     async def get_file(self, request: web.Request) -> web.StreamResponse:
@@ -340,8 +359,9 @@ class SessionRoutes:
         if path is None:
             return error(400, "bad_request", "path or list query parameter is required",
                          "path")
-        data = await asyncio.to_thread(files.read, root, path, limit)
-        return web.Response(body=data, content_type="application/octet-stream")
+        async with self._transfers:  # held until the body is sent: it is in memory
+            data = await asyncio.to_thread(files.read, root, path, limit)
+            return await _send(request, data)
 
 
 def _settle(fut: asyncio.Future[None], failed: LauncherError | None) -> None:
@@ -353,13 +373,32 @@ def _settle(fut: asyncio.Future[None], failed: LauncherError | None) -> None:
         fut.set_exception(failed)
 
 
-async def _read_capped(request: web.Request, limit: int) -> bytes | None:
-    buf = bytearray()
-    async for chunk in request.content.iter_chunked(1 << 16):
+async def _send(request: web.Request, data: bytes) -> web.StreamResponse:
+    """`data` as the response, a piece at a time: a client that takes none of a piece
+    for FILE_BODY_IDLE_S is cut off (its connection closed), as a stalled upload is."""
+    resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+    resp.content_length = len(data)
+    await resp.prepare(request)
+    view = memoryview(data)
+    try:
+        for i in range(0, len(view), 1 << 20):
+            await asyncio.wait_for(resp.write(view[i:i + (1 << 20)]), FILE_BODY_IDLE_S)
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()
+        return resp
+    await resp.write_eof()
+    return resp
+
+
+async def _read_capped(request: web.Request, limit: int) -> bytearray | None:
+    """The body, None past `limit`; TimeoutError when it stalls FILE_BODY_IDLE_S."""
+    buf = bytearray()  # handed on as it is: a bytes() copy would double the peak
+    while chunk := await asyncio.wait_for(request.content.read(1 << 16), FILE_BODY_IDLE_S):
         buf += chunk
         if len(buf) > limit:
             return None
-    return bytes(buf)
+    return buf
 
 
 async def _collect(queue: asyncio.Queue[dict[str, Any]]) -> web.Response:

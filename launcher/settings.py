@@ -180,6 +180,9 @@ class LauncherSettings(BaseModel):
     control_tls_cert: str | None = None
     control_tls_key: str | None = None
     control_tls_client_ca: str | None = None
+    # host directories a TCP caller's inputs and export_dir must resolve beneath (the
+    # launcher binds and writes them as root); empty: a TCP caller names no host path
+    control_host_paths: list[str] = []
     # per-sandbox root, scratch tmpfs and /etc files live below this
     scratch_dir: str = "/var/lib/stockade/sandboxes"
     nft_table: str = "stockade"  # the one nftables table (family inet) the launcher owns

@@ -78,6 +78,31 @@ def _over_tcp(request: web.Request) -> bool:
     return sock is None or sock.family != socket.AF_UNIX
 
 
+def beneath(path: str, roots: list[str]) -> bool:
+    """`path`, resolved, is one of `roots` (resolved) or below one."""
+    real = os.path.realpath(path)
+    for root in roots:
+        r = os.path.realpath(root)
+        if real == r or real.startswith(r.rstrip("/") + "/"):
+            return True
+    return False
+
+
+def host_path_refusal(request: web.Request, roots: list[str],
+                      paths: list[tuple[str, str]]) -> tuple[str, str] | None:
+    """(field, detail) of the first host path (field, path) a TCP caller may not name:
+    the launcher, root, binds inputs into sandboxes and writes exports, so a remote token
+    would otherwise read and write any host file. None: all allowed (or the Unix socket,
+    whose caller is root already)."""
+    if not _over_tcp(request):
+        return None
+    for field, path in paths:
+        if not beneath(path, roots):
+            return field, (f"{field}: {path} is not under launcher.control_host_paths, "
+                           "the host paths a TCP caller may name")
+    return None
+
+
 def auth_middleware(tokens: TokenFile) -> Any:
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:

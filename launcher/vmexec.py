@@ -19,6 +19,7 @@ import os
 import queue
 import signal
 import socket
+import subprocess
 import threading
 from collections.abc import Callable
 from typing import IO
@@ -85,6 +86,7 @@ class VmExec(EndedByReport):
         self._link, self.pid = link, chan
         self._init_report()
         self.oom_kills = self.pids_hits = 0
+        self._killed = False  # SIGKILL sent: the guest's silence after it ends the exec
         self.refused: str | None = None  # why the agent did not start it
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -103,6 +105,20 @@ class VmExec(EndedByReport):
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+        self._killed = True
+
+    def wait(self, timeout: float | None = None) -> int:
+        """As EndedByReport's; but a killed exec whose guest does not confirm its end in
+        `timeout` ends here (ENDED_WITH_VM): a hostile guest that never sends its EXIT
+        would otherwise keep its pump threads and pipes for the VM's life."""
+        try:
+            return super().wait(timeout)
+        except subprocess.TimeoutExpired:
+            if not self._killed:
+                raise
+            self._link.forget(self.pid)
+            self._end(ENDED_WITH_VM)
+            return super().wait(0)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -182,6 +198,11 @@ class AgentLink:
             proc._end(ENDED_WITH_VM)
             raise
         return proc
+
+    def forget(self, chan: int) -> None:
+        """Frames for `chan` are dropped from now on (its exec was ended host-side)."""
+        with self._mu:
+            self._execs.pop(chan, None)
 
     def running(self) -> int:
         with self._mu:

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import secrets
 import socket
 import struct
@@ -28,7 +29,7 @@ from typing import Any
 
 import pytest
 from polling import eventually
-from stockade.launcher import Launcher, RunResult, SandboxSpec
+from stockade.launcher import Launcher, RunResult, SandboxSpec, mounts
 from stockade.launcher.cgroups import remove_parent
 from stockade.policy.model import ExportPolicy, Limits, Profile, SyscallRelaxation
 
@@ -338,3 +339,16 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
             asyncio.run_coroutine_threadsafe(r.cleanup(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
         lt.join(timeout=5)
+
+
+@pytest.fixture
+def scratch_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A sandbox's scratch as the launcher makes it: a tmpfs of its own (the files API
+    refuses a root that is not a mount), unmounted after the test."""
+    root = tmp_path / "scratch"
+    root.mkdir()
+    mounts.mount_tmpfs(str(root), 16 << 20, os.getuid(), os.getgid(), 0o755)
+    try:
+        yield root
+    finally:
+        mounts.umount(str(root))

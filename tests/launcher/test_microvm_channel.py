@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import marshal
 import socket
+import subprocess
 import threading
 
 import pytest
@@ -153,4 +154,27 @@ def test_a_guest_that_breaks_the_framing_ends_every_exec() -> None:
     guest.sock.close()
     t.join(30)
     assert done.is_set()
+    link.close()
+
+
+def test_a_killed_exec_the_guest_never_ends_is_ended_here() -> None:
+    """A hostile guest takes the SIGKILL and never sends the exec's EXIT: the host's wait
+    after the kill ends it (ENDED_WITH_VM), its pipes reach EOF (its pump threads have
+    closed them), the link forgets it and a late EXIT is dropped. An exec that was not
+    killed still just times out."""
+    link, guest = link_pair()
+    guest.send(ch.encode(0, ch.READY, b"exec"))
+    link.wait_ready(10, lambda: True)
+    quiet, silent = link.exec(ExecSpec(("q",))), link.exec(ExecSpec(("s",)))
+    guest.frames(2)
+    with pytest.raises(subprocess.TimeoutExpired):
+        quiet.wait(0.05)
+    silent.kill()
+    assert guest.frames(1) == [(2, ch.SIGNAL, b"9")]
+    assert silent.wait(0.05) == ENDED_WITH_VM and silent.poll() == ENDED_WITH_VM
+    assert silent.stdout.read() == b"" and silent.stderr.read() == b""  # type: ignore[union-attr]
+    assert link.running() == 1  # `quiet` only
+    guest.send(ch.encode(2, ch.EXIT, b"0 0 0"), ch.encode(1, ch.EXIT, b"4 0 0"))
+    assert quiet.wait(10) == 4 and silent.returncode == ENDED_WITH_VM
+    assert link.running() == 0 and link.broken is None
     link.close()

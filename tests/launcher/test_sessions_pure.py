@@ -122,14 +122,13 @@ def test_openapi_is_valid_and_committed() -> None:
 
 
 @pytest.mark.parametrize("walk", [False, True])
-def test_confinement_on_a_real_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                    walk: bool) -> None:
+def test_confinement_on_a_real_tree(tmp_path: Path, scratch_tmpfs: Path,
+                                    monkeypatch: pytest.MonkeyPatch, walk: bool) -> None:
     """Both resolvers (openat2, and the O_NOFOLLOW walk of kernels without it) refuse
     every symlink on the way and at the target."""
     if walk:
         monkeypatch.setattr(files, "_openat2_works", False)
-    root, outside = tmp_path / "scratch", tmp_path / "outside"
-    root.mkdir()
+    root, outside = scratch_tmpfs, tmp_path / "outside"
     outside.mkdir()
     (outside / "f").write_text("host")
     (root / "dirlink").symlink_to(outside)

@@ -156,3 +156,47 @@ def test_unusable_token_file_refuses_to_start(lab: Lab, tmp_path: Path) -> None:
     config, _, _ = _tcp_config(lab, tmp_path, "127.0.0.1", "t\n", mode=0o644)
     with pytest.raises(RuntimeError, match="readable by others"), serving(lab, tmp_path, config):
         pass
+
+
+def test_a_tcp_caller_names_no_host_path(tcp: tuple[Rig, int, Path], tmp_path: Path) -> None:
+    """The launcher (root) binds inputs and writes exports where the request says: over
+    TCP a token was a read of /etc/shadow (an input) and a root-owned file of the
+    sandbox's choosing in /etc/cron.d (an export_dir). With control_host_paths empty (as
+    here) a TCP request naming any host path is refused before a sandbox exists; the
+    Unix socket (root's) still may."""
+    rig, port, _ = tcp
+    before = {s["session_id"] for s in rig.api.call("GET", "/v1/sessions").json()["sessions"]}
+    status, body = _call(port, "/v1/sessions", "first-token", "POST",
+                         {"profile": "svc", "inputs": [{"host": "/etc/shadow",
+                                                        "guest": "/in/s"}]})
+    assert (status, body["error"], body["field"]) == (400, "bad_request", "inputs.0.host")
+    status, body = _call(port, "/v1/sandboxes", "first-token", "POST",
+                         {"profile": "svc", "argv": ["true"], "export_dir": "/etc/cron.d"})
+    assert (status, body["field"]) == (400, "export_dir")
+    status, body = _call(port, "/v1/sandboxes", "first-token", "POST",
+                         {"profile": "svc", "argv": ["true"], "inputs": ["/etc/shadow"]})
+    assert (status, body["field"]) == (400, "inputs[0]")
+    after = {s["session_id"] for s in rig.api.call("GET", "/v1/sessions").json()["sessions"]}
+    assert after == before
+    (tmp_path / "in.txt").write_text("mine")
+    s = rig.api.create("svc", inputs=[{"host": str(tmp_path / "in.txt"), "guest": "/in/t"}])
+    try:
+        assert rig.api.exec(s["session_id"], ["cat", "/in/t"])["stdout"] == "mine"
+    finally:
+        rig.api.kill(s["session_id"])
+
+
+def test_control_host_paths_are_resolved(tmp_path: Path) -> None:
+    """A path is allowed only if it resolves beneath a root: a symlink under the root
+    that points out, a sibling that shares the root's prefix, `..` out: all refused."""
+    from stockade.launcher.transport import beneath
+
+    root = tmp_path / "shared"
+    (root / "sub").mkdir(parents=True)
+    (root / "out").symlink_to("/etc")
+    (tmp_path / "shared-not").mkdir()
+    assert beneath(str(root), [str(root)]) and beneath(str(root / "sub"), [str(root) + "/"])
+    assert beneath(str(root / "sub" / "new-export-dir"), [str(root)])
+    for bad in (root / "out" / "shadow", tmp_path / "shared-not", root / ".." / "x"):
+        assert not beneath(str(bad), [str(root)]), bad
+    assert not beneath(str(root / "sub"), [])
