@@ -133,20 +133,21 @@ def network(net):
 
 def make_cgroup():
     """The command's cgroup, no limits yet (a pooled guest makes it before its claim)."""
-    write(f"{CGROOT}/cgroup.subtree_control", "+memory +pids", best_effort=False)
+    write(f"{CGROOT}/cgroup.subtree_control", "+memory +pids +cpu", best_effort=False)
     d = f"{CGROOT}/task"
     os.mkdir(d)
     return d
 
 
 def limit_cgroup(d, plan):
-    """The profile's memory and pids limits (the VM's RAM has headroom for the guest
-    kernel; this is what the command itself may use), before the command runs; on the
-    cgroup `d` made ahead, or on a new one."""
+    """The profile's memory, pids and CPU limits (the VM's RAM has headroom for the guest
+    kernel, the host's quota of QEMU is its vCPUs; this is what the command itself may
+    use), before the command runs; on the cgroup `d` made ahead, or on a new one."""
     d = make_cgroup() if d is None else d
     write(f"{d}/memory.max", str(plan["memory"]), best_effort=False)
     write(f"{d}/memory.swap.max", "0")
     write(f"{d}/pids.max", str(plan["pids"]), best_effort=False)
+    write(f"{d}/cpu.max", plan["cpu_max"], best_effort=False)
     return d
 
 

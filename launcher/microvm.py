@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from . import cgroups
 from .initscript import RESERVED, SCRATCH, TMP, Bind
 
 Accel = Literal["kvm", "tcg"]
@@ -200,7 +201,7 @@ def input_table(layout: Layout) -> str:
 
 def guest_plan(*, argv: list[str], env: dict[str, str], uid: int, gid: int,
                rlimits: dict[str, int], guest_ip: str, host_ip: str, prefixlen: int,
-               memory: int, pids: int, pids_fail_kill: int, stdin: bool,
+               memory: int, pids: int, pids_fail_kill: int, stdin: bool, cpus: float,
                hostname: str = "sandbox", cwd: str = "/scratch",
                congestion_control: str | None = None,
                reserved: Sequence[str] = RESERVED,
@@ -209,8 +210,10 @@ def guest_plan(*, argv: list[str], env: dict[str, str], uid: int, gid: int,
                fresh: dict[str, Any] | None = None, probe_first: bool = False) -> dict[str, Any]:
     """guest_init.py's plan: plain data (dict, list, str, int, bool, bytes, None).
     `reserved`: the paths no input may be mounted at or under (the guest checks its input
-    table again). `seccomp`: the container tier's BPF program (`seccomp_bpf.py`), loaded in
-    the guest right before the exec; the guest refuses to start the command without one.
+    table again). `cpus`: the profile's CPU limit, the `cpu.max` of the command's cgroup in
+    the guest (the host's cgroup of QEMU holds the VM's vCPUs). `seccomp`: the container
+    tier's BPF program (`seccomp_bpf.py`), loaded in the guest right before the exec; the
+    guest refuses to start the command without one.
     `session_modules` ((name, source) of vmchannel and guest_agent): a session guest, whose
     init serves execs through its agent instead of running `argv`; with `probe_first` it
     serves them only until the launcher closes the agent's port (the fence self-test's
@@ -223,7 +226,7 @@ def guest_plan(*, argv: list[str], env: dict[str, str], uid: int, gid: int,
     return {
         "argv": list(argv), "env": dict(env), "uid": uid, "gid": gid, "rlimits": rlimits,
         "cwd": cwd, "hostname": hostname, "stdin": stdin, "memory": memory, "pids": pids,
-        "pids_fail_kill": pids_fail_kill,
+        "cpu_max": cgroups.cpu_max(cpus), "pids_fail_kill": pids_fail_kill,
         "congestion_control": congestion_control, "seccomp": seccomp,
         "reserved": [r.rstrip("/") for r in reserved if r.rstrip("/")],
         "net": {"ip": guest_ip, "prefixlen": prefixlen, "gateway": host_ip},

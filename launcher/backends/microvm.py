@@ -62,11 +62,13 @@ class MicrovmBackend(CgroupControl):
 
     def create(self, live: Live, limits: Any, s: LauncherSettings) -> None:
         vm = s.microvm
-        # the host cgroup holds QEMU; the profile's memory and pids apply in the guest
+        # the host cgroup holds QEMU; the profile's memory, pids and CPU apply in the guest
+        # (guest_init.py's cgroup of the command): QEMU's own share is its vCPUs, so the
+        # guest's start and the emulation's work are not charged to the task's quota
         live.cg.create(cgroups.Limits(
             memory=microvm.host_memory_limit(limits.memory, limits.disk,
                                              vm.guest_kernel_mib, vm.vmm_overhead_mib),
-            pids=vm.vmm_pids, cpus=limits.cpus))
+            pids=vm.vmm_pids, cpus=float(microvm.vcpus(limits.cpus))))
 
     def start(self, live: Live, spec: SandboxSpec, ctx: StartContext) -> None:
         """Raises LauncherError for anything that stops the VM from starting; the caller
@@ -339,7 +341,7 @@ def _plan(spec: SandboxSpec, ctx: StartContext, restored: bool) -> dict[str, Any
                  "MEMLOCK": s.rlimit_memlock},
         guest_ip=a.guest_ip, host_ip=a.host_ip, prefixlen=a.prefixlen,
         memory=limits.memory, pids=limits.pids, pids_fail_kill=s.pids_fail_kill,
-        stdin=spec.stdin is not None,
+        stdin=spec.stdin is not None, cpus=limits.cpus,
         congestion_control=ctx.congestion_control, seccomp=ctx.seccomp(),
         reserved=(*initscript.RESERVED, *s.ro_binds),
         session_modules=_session_modules() if spec.session or ctx.selftest is not None

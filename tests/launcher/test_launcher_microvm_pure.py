@@ -93,16 +93,17 @@ def test_guest_plan_is_plain_data() -> None:
     plan = microvm.guest_plan(
         argv=["sh", "-c", "echo $HOME; rm -rf / #'\""], env={"A": "b c"}, uid=65534,
         gid=65534, rlimits={"NOFILE": 4096}, guest_ip="10.0.0.2", host_ip="10.0.0.1",
-        prefixlen=30, memory=64 * MIB, pids=64, pids_fail_kill=32, stdin=False)
+        prefixlen=30, memory=64 * MIB, pids=64, pids_fail_kill=32, stdin=False, cpus=0.5)
     assert marshal.loads(microvm.encode_plan(plan)) == plan  # noqa: S302 - our own bytes
     assert plan["argv"][2] == "echo $HOME; rm -rf / #'\""
     assert plan["net"] == {"ip": "10.0.0.2", "prefixlen": 30, "gateway": "10.0.0.1"}
+    assert plan["cpu_max"] == "50000 100000"  # the command's cgroup in the guest
     # the guest checks its input table against these again
     assert {"/sbx", "/usr", "/etc", "/lib64", "/scratch"} <= set(plan["reserved"])
     for bad in ({"argv": []}, {"uid": 0}, {"gid": 0}):
         kw = dict(argv=["true"], env={}, uid=1000, gid=1000, rlimits={}, guest_ip="a",
                   host_ip="b", prefixlen=30, memory=1, pids=1, pids_fail_kill=1,
-                  stdin=False)
+                  stdin=False, cpus=1.0)
         kw.update(bad)
         with pytest.raises(ValueError):
             microvm.guest_plan(**kw)  # type: ignore[arg-type]
@@ -116,7 +117,7 @@ def test_a_session_guest_gets_its_agent_port_and_modules() -> None:
     assert "virtserialport,chardev=agent,name=agent,nr=4" in argv
     assert "virtio-serial-device,max_ports=5" in argv
     kw = dict(argv=[], env={}, uid=1000, gid=1000, rlimits={}, guest_ip="a", host_ip="b",
-              prefixlen=30, memory=1, pids=1, pids_fail_kill=1, stdin=False,)
+              prefixlen=30, memory=1, pids=1, pids_fail_kill=1, stdin=False, cpus=1.0)
     plan = microvm.guest_plan(**kw, session_modules=[("vmchannel", "X = 1\n")])  # type: ignore[arg-type]
     assert (plan["session"], plan["modules"]) == (True, [("vmchannel", "X = 1\n")])
     assert marshal.loads(microvm.encode_plan(plan)) == plan  # noqa: S302 - our own bytes
