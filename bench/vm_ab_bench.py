@@ -43,7 +43,7 @@ from stockade.policy.model import Limits, Profile
 
 # every module a guest's plan may carry (vm_backend.POOLED_MODULES, the fence's probes)
 GUEST_FILES = ("launcher/guest_init.py", "launcher/guest_agent.py", "launcher/vmchannel.py",
-               "launcher/guest_inputs.py", "launcher/guest_probes.py")
+               "launcher/guest_inputs.py", "launcher/guest_probes.py", "launcher/guest_pool.py")
 
 
 def base_sources(rev: str) -> dict[str, str]:

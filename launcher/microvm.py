@@ -245,20 +245,37 @@ def fresh_identity(mac: str, seed: bytes, clock: float) -> dict[str, Any]:
     return {"mac": mac, "seed": bytes(seed), "clock": float(clock)}
 
 
-# a pooled guest (guest_init.py `claimed`) says this on its agent port once everything no
+# a pooled guest (guest_pool.py `claimed`) says this on its agent port once everything no
 # task decides is done, then reads its plan there: a 4-byte big-endian length, the plan
 POOLED_READY = b"stockade-pooled-ready\n"
 MAX_PLAN_BYTES = 16 * MIB
 
 
+# what a pooled guest sets up before its claim (the command's user and rlimits, its
+# cgroup's limits, the sysctls): the launcher's settings and the pool's shape, the same
+# for every task the pool serves; the guest refuses a claim whose plan differs in one
+AHEAD_KEYS = ("uid", "gid", "rlimits", "memory", "pids", "cpu_max", "hostname",
+              "congestion_control")
+
+
+def ahead(plan: dict[str, Any]) -> dict[str, Any]:
+    """The part of a task's plan (`guest_plan`) a pooled guest puts in force ahead."""
+    return {k: plan[k] for k in AHEAD_KEYS}
+
+
 def pooled_plan(session_modules: Sequence[tuple[str, str]], guest_ip: str, host_ip: str,
-                prefixlen: int, fresh: dict[str, Any]) -> dict[str, Any]:
+                prefixlen: int, fresh: dict[str, Any],
+                ahead: dict[str, Any]) -> dict[str, Any]:
     """The config share's plan of a pooled guest: no task, only what every task's guest
     loads (the agent's modules), its slot's network and a fresh identity (`fresh_identity`:
-    the claim's plan brings another seed and the clock, the same MAC and network), and the
+    the claim's plan brings another seed and the clock, the same MAC and network), what
+    every task of its pool runs under (`ahead`: put in force before the claim), and the
     mark that its real plan comes on the agent port."""
+    if set(ahead) != set(AHEAD_KEYS) or ahead["uid"] == 0 or ahead["gid"] == 0:
+        raise ValueError("a pooled guest's command never runs as root")
     return {"pooled": True, "modules": list(session_modules), "fresh": fresh,
-            "net": {"ip": guest_ip, "prefixlen": prefixlen, "gateway": host_ip}}
+            "net": {"ip": guest_ip, "prefixlen": prefixlen, "gateway": host_ip},
+            "ahead": dict(ahead)}
 
 
 def plan_frame(plan: dict[str, Any]) -> bytes:
