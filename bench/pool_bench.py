@@ -1,8 +1,10 @@
 """Warm pools next to cold starts, in one run (`launcher_bench.py --pools container`).
 
 Per tier: claim-to-first-instruction (from `Launcher.run` being called to the command's
-first output timestamp, `echo $EPOCHREALTIME`) from a full pool, from a full pool with two
-inputs (a 64 KiB file and a tree of 16 files of 4 KiB), and from a cold start;
+first output timestamp, `echo $EPOCHREALTIME`) from a full pool, the same through
+busybox's static shell (no loader, no libraries: nearer the first instruction than bash's
+start, which under TCG is most of the row), from a full pool with two inputs (a 64 KiB
+file and a tree of 16 files of 4 KiB), and from a cold start;
 the refill rate (pooled sandboxes made per second, from empty to the target with
 `refill_concurrency` 2); `concurrent` claims at once from a pool of that size (all must
 be ready and no two may share a sandbox); the wall time of the short-lived CLI commands
@@ -42,14 +44,19 @@ def _ruleset(tier: str) -> Any:
         version="bench")  # the stand-in registries answer no probe: sampled, at rate 0
 
 
+# busybox-static (a bootstrap package): its shell prints the clock with no loader first
+STATIC_CMD = ["busybox", "sh", "-c", "echo $EPOCHREALTIME"]
+
+
 def _first_instruction(launcher: Launcher, rs: Any, runs: int, wait_full: bool,
-                       inputs: list[tuple[str, str]] | None = None) -> list[float]:
+                       inputs: list[tuple[str, str]] | None = None,
+                       cmd: list[str] = CMD) -> list[float]:
     out = []
     for _ in range(runs):
         if wait_full:
             assert launcher.pools is not None and launcher.pools.wait_full(120)
         t0 = time.time()
-        r = launcher.run(SandboxSpec("bench", CMD, inputs=list(inputs or [])), rs)
+        r = launcher.run(SandboxSpec("bench", cmd, inputs=list(inputs or [])), rs)
         assert r.exit_code == 0, r.stderr
         out.append(float(r.stdout) - t0)
     return out
@@ -191,6 +198,8 @@ def run_pools(tiers: list[str], runs: int, concurrent: int) -> None:
                          f"from the pool, wall {c['wall']:.2f} s")
             rows.append((f"{tier}: claim, pool full", _first_instruction(
                 launcher, rs, runs, True), "p50 <= 50, p99 <= 150"))
+            rows.append((f"{tier}: claim, static shell, full", _first_instruction(
+                launcher, rs, runs, True, cmd=STATIC_CMD), "(same run)"))
             with tempfile.TemporaryDirectory(prefix="stockade-pool-in-") as d:
                 rows.append((f"{tier}: claim + 2 inputs, full", _first_instruction(
                     launcher, rs, runs, True, _inputs(Path(d))), "(same run)"))

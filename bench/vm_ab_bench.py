@@ -41,14 +41,19 @@ from stockade.launcher.backends import microvm as vm_backend
 from stockade.launcher.execspec import ExecSpec
 from stockade.policy.model import Limits, Profile
 
-GUEST_FILES = ("launcher/guest_init.py", "launcher/guest_agent.py", "launcher/vmchannel.py")
+# every module a guest's plan may carry (vm_backend.POOLED_MODULES, the fence's probes)
+GUEST_FILES = ("launcher/guest_init.py", "launcher/guest_agent.py", "launcher/vmchannel.py",
+               "launcher/guest_inputs.py", "launcher/guest_probes.py", "launcher/guest_pool.py")
 
 
 def base_sources(rev: str) -> dict[str, str]:
-    """module name -> source at `rev` of the guest-side modules."""
-    return {Path(p).stem: subprocess.run(["git", "show", f"{rev}:{p}"], check=True,
-                                         capture_output=True, text=True).stdout
-            for p in GUEST_FILES}
+    """module name -> source at `rev` of the guest-side modules (those `rev` has)."""
+    out = {}
+    for p in GUEST_FILES:
+        got = subprocess.run(["git", "show", f"{rev}:{p}"], capture_output=True, text=True)
+        if got.returncode == 0:
+            out[Path(p).stem] = got.stdout
+    return out
 
 
 def build_image(out: Path, vm_images: Path | None = None) -> Path:
@@ -77,7 +82,8 @@ def base_guest_files(image_dir: str, sources: dict[str, str]) -> Iterator[None]:
         original(cfg, ctx, plan, *tables)
         if ctx.settings.microvm.image_dir != image_dir:
             return
-        plan = dict(plan, modules=[(n, sources[n]) for n, _ in plan.get("modules", [])])
+        # a module the base does not have yet keeps this tree's source
+        plan = dict(plan, modules=[(n, sources.get(n, src)) for n, src in plan.get("modules", [])])
         (cfg / "plan").write_bytes(marshal.dumps(plan, 4))
         (cfg / "guest_init.py").write_text(sources["guest_init"])
 

@@ -16,6 +16,16 @@ V1_CONTROLLERS = ("memory", "pids", "cpu", "freezer")
 CPU_PERIOD_US = 100_000
 
 
+def cpu_quota(cpus: float) -> int:
+    """The CFS quota (us per CPU_PERIOD_US) of `cpus` CPUs."""
+    return int(cpus * CPU_PERIOD_US)
+
+
+def cpu_max(cpus: float) -> str:
+    """cgroup v2 `cpu.max` of `cpus` CPUs (a microVM's guest writes it for its command)."""
+    return f"{cpu_quota(cpus)} {CPU_PERIOD_US}"
+
+
 def v1_shares(weight: int) -> int:
     """cgroup v2 `cpu.weight` (1-10000, default 100) as v1 `cpu.shares` (default 1024)."""
     return max(2, weight * 1024 // 100)
@@ -81,10 +91,9 @@ class CgroupSet:
     def cpu_limit(self, cpus: float) -> tuple[str, str]:
         """The file and the value that put a CPU limit of `cpus` in force: for a writer that
         is not this process (the gVisor tier's OCI prestart hook)."""
-        quota = int(cpus * CPU_PERIOD_US)
         if self.version == 2:
-            return str(self.dirs["unified"] / "cpu.max"), f"{quota} {CPU_PERIOD_US}"
-        return str(self.dirs["cpu"] / "cpu.cfs_quota_us"), str(quota)
+            return str(self.dirs["unified"] / "cpu.max"), cpu_max(cpus)
+        return str(self.dirs["cpu"] / "cpu.cfs_quota_us"), str(cpu_quota(cpus))
 
     def create(self, limits: Limits, cpu_later: bool = False) -> None:
         """Make the cgroup(s) with the limits in force; `cpu_later`: no CPU quota yet (the

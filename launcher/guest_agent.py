@@ -88,17 +88,20 @@ def receive(fd):
 
 class Agent:
     """`fork() -> (pid, its pipe, (stdin fd, stdout fd, stderr fd))`: an exec's child, its
-    request still to come on its pipe (`hand`); `seen() -> (oom kills, pids limit hits)` of
-    the task's cgroup; `kill_all()` ends every process in it.
+    request still to come on its pipe (`hand`); `admit(pid)` moves it into the task's
+    cgroup (OSError when it cannot: at its pids limit); `seen() -> (oom kills, pids limit
+    hits)` of the task's cgroup; `kill_all()` ends every process in it.
 
     One child is forked ahead whenever no exec's process runs (before the agent waits), so
-    an exec pays no fork of the init's Python, cgroup move, privilege drop or filter load
-    (~20 ms under emulation, more under load). It is the task's (its cgroup, its uid), as
-    every exec of the session is; it goes with the task's cgroup, and an exec then forks
+    an exec pays no fork of the init's Python, privilege drop or filter load (~20 ms under
+    emulation, more under load). It is the task's user's, under its filter, but joins the
+    task's cgroup only when an exec takes it (`admitted`): its start, this agent's work, is
+    not charged to the task's CPU quota. A fork-bomb kill drops it; an exec then forks
     afresh."""
 
-    def __init__(self, port, fork, seen, kill_all, pids_fail_kill):
+    def __init__(self, port, fork, seen, kill_all, pids_fail_kill, admit):
         self.port, self.fork, self.seen, self.kill_all = port, fork, seen, kill_all
+        self.admit = admit
         self.pids_fail_kill = pids_fail_kill
         self.warm = None  # the child forked ahead
         self.dec = ch.Decoder(ch.HOST_TYPES)
@@ -190,13 +193,24 @@ class Agent:
         request = {"argv": req["argv"], "env": req["env"], "cwd": req["cwd"]}
         if self.warm is not None:
             (pid, ctl, fds), self.warm = self.warm, None
-            if hand(ctl, request):
+            if hand(ctl, self.admitted(pid, request)):
                 return (pid, *fds)
             for fd in fds:
                 os.close(fd)
         pid, ctl, fds = self.fork()
-        hand(ctl, request)  # a child that failed before says why on its stderr and exits
+        # a child that failed before says why on its stderr and exits
+        hand(ctl, self.admitted(pid, request))
         return (pid, *fds)
+
+    def admitted(self, pid, request):
+        """`request`, the child `pid` being in the task's cgroup now; else the reason it
+        fails with instead (guest_init `child`): no command runs outside that cgroup."""
+        try:
+            self.admit(pid)
+        except OSError as e:
+            return {"argv": request["argv"],
+                    "fail": f"cannot join the task's cgroup: {e.strerror or e}"}
+        return request
 
     def fork_ahead(self):
         if self.warm is None:

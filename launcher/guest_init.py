@@ -21,7 +21,7 @@ with -no-reboot: the VM ends).
 
 A pooled guest's plan on the config share is a placeholder (`pooled`): this init loads
 what every task's guest loads, says so on the agent port and reads the task's plan there
-(`claimed`) before anything of the above; its inputs come in it (guest_inputs.py).
+(guest_pool.py) before anything of the above; its inputs come in it (guest_inputs.py).
 """
 
 import _signal as signal  # the C module: `signal` would import enum (and re) first
@@ -38,9 +38,6 @@ CGROOT = "/sbx/cg"
 PORTS = {"stdout": "/sbx/port-stdout", "stderr": "/sbx/port-stderr", "status": "/sbx/port-status"}
 # the agent port's number (microvm.AGENT_PORT_NR); vm-images/init links no port of that name
 AGENT_NR = "p4"
-# microvm.POOLED_READY and MAX_PLAN_BYTES (this script imports nothing of the launcher)
-POOLED_READY = b"stockade-pooled-ready\n"
-MAX_PLAN_BYTES = 16 * 2**20
 
 
 def write(path, value, best_effort=True):
@@ -133,20 +130,21 @@ def network(net):
 
 def make_cgroup():
     """The command's cgroup, no limits yet (a pooled guest makes it before its claim)."""
-    write(f"{CGROOT}/cgroup.subtree_control", "+memory +pids", best_effort=False)
+    write(f"{CGROOT}/cgroup.subtree_control", "+memory +pids +cpu", best_effort=False)
     d = f"{CGROOT}/task"
     os.mkdir(d)
     return d
 
 
 def limit_cgroup(d, plan):
-    """The profile's memory and pids limits (the VM's RAM has headroom for the guest
-    kernel; this is what the command itself may use), before the command runs; on the
-    cgroup `d` made ahead, or on a new one."""
+    """The profile's memory, pids and CPU limits (the VM's RAM has headroom for the guest
+    kernel, the host's quota of QEMU is its vCPUs; this is what the command itself may
+    use), before the command runs; on the cgroup `d` made ahead, or on a new one."""
     d = make_cgroup() if d is None else d
     write(f"{d}/memory.max", str(plan["memory"]), best_effort=False)
     write(f"{d}/memory.swap.max", "0")
     write(f"{d}/pids.max", str(plan["pids"]), best_effort=False)
+    write(f"{d}/cpu.max", plan["cpu_max"], best_effort=False)
     return d
 
 
@@ -222,32 +220,43 @@ def load_filter(bpf):
         raise OSError(ctypes.get_errno(), "cannot load the seccomp filter")
 
 
-def child(plan, cg, fds, ctl=None):
+def set_rlimits(plan):
+    for name, value in plan["rlimits"].items():
+        resource.setrlimit(getattr(resource, "RLIMIT_" + name), (value, value))
+
+
+def child(plan, cg, fds, ctl=None, ahead=None):
     """In the forked child: join the cgroup, take `fds` as stdio, become the sandbox user,
     load the filter and exec the command. (No helper binary runs as root: an exec costs
     ~100 ms under emulation, and an input could not replace what is never run.)
     A child forked ahead (`fork_child`) gets on its pipe `ctl` what it lacked (guest_agent
     `hand`): with no `plan` (a pooled guest's command), the plan once the claim has set up
-    limits and inputs, before anything but the cgroup move; with a plan (a session's next
+    its network and inputs, the child being the sandbox user with the rlimits of `ahead`
+    (the pool's, which the claim's plan must equal) already; with a plan (a session's next
     exec), argv, env and cwd, read as the sandbox user under the filter, before the exec."""
     try:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
-        write(f"{cg}/cgroup.procs", "0", best_effort=False)
-        if plan is None:
+        if ctl is None:  # a child forked ahead is moved in by its parent (`admit`)
+            admit(cg, 0)
+        pooled = plan is None
+        set_rlimits(ahead if pooled else plan)
+        if pooled:
+            become(ahead)  # nothing of a task yet: a claim's child does not pay for it
             plan = wire().receive(ctl)
             fds, ctl = (stdin_of(plan), *fds), None
-        for name, value in plan["rlimits"].items():
-            resource.setrlimit(getattr(resource, "RLIMIT_" + name), (value, value))
         fds = fds if ctl is None else (*fds, ctl)
         for i, fd in enumerate(fds):
             os.dup2(fd, i)
         os.closerange(len(fds), 1024)
         os.umask(0o022)
-        become(plan)
+        if not pooled:
+            become(plan)
         load_filter(plan.get("seccomp"))
         if ctl is not None:
             plan = dict(plan, **wire().receive(3))
             os.close(3)
+            if "fail" in plan:  # it could not be moved into the task's cgroup
+                raise OSError(plan["fail"])
         os.chdir(plan["cwd"])  # as the sandbox user: its own view of its scratch
         # the command's environment comes with the plan: this init (root) never runs with
         # it, so the loader never applies the caller's LD_* to a root process
@@ -258,54 +267,25 @@ def child(plan, cg, fds, ctl=None):
         os._exit(127 if isinstance(e, FileNotFoundError) else 126)
 
 
-def fork_child(plan, cg, fds, new_session=False):
-    """A child that waits on a pipe (`child`'s `ctl`): (pid, the pipe's write end)."""
+def admit(cg, pid):
+    """Process `pid` (0: this one) into the command's cgroup `cg`; OSError when it cannot
+    (its pids limit reached)."""
+    write(f"{cg}/cgroup.procs", str(pid), best_effort=False)
+
+
+def fork_child(plan, cg, fds, new_session=False, ahead=None):
+    """A child that waits on a pipe (`child`'s `ctl`): (pid, the pipe's write end). It
+    stays outside `cg` until its parent `admit`s it, before handing it what it waits for:
+    what it does meanwhile (the user, the filter) is not charged to the task."""
     ctl_r, ctl_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(ctl_w)
         if new_session:
             os.setsid()
-        child(plan, cg, fds, ctl_r)
+        child(plan, cg, fds, ctl_r, ahead)
     os.close(ctl_r)
     return pid, ctl_w
-
-
-def read_exact(fd, n):
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = os.read(fd, n - len(buf))
-        if not chunk:
-            raise OSError("the launcher closed the agent port")
-        buf += chunk
-    return bytes(buf)
-
-
-def claimed(pooled, out_fd, err_fd):
-    """A pooled guest (its config share's plan is microvm.pooled_plan): load what every
-    task's guest loads, take its slot's fresh identity and network, say so on the agent
-    port (root's alone), then wait there for the task's plan: a 4-byte big-endian length
-    and the marshal bytes (microvm.plan_frame; its inputs' bytes too: guest_inputs.py).
-    (The task's plan, the open agent port, the command's cgroup, its child.)"""
-    load_modules(pooled["modules"])
-    libc()  # what the claim's start would load (become, load_filter, refresh)
-    # its slot's identity and network, known before any task: a claim spawns no `ip`
-    # (each spawn forks this Python under emulation); the services deny the address as
-    # unclaimed until the claim, and nothing here sends
-    refresh(pooled["fresh"])
-    network(pooled["net"])
-    # the command's cgroup and its process, forked and in it, waiting on a pipe for the
-    # plan: a claim forks nothing (a fork of this Python and the cgroup's controllers cost
-    # 10-50 ms under emulation); it is given the plan once limits and inputs are set
-    cg = make_cgroup()
-    command = fork_child(None, cg, (out_fd, err_fd))
-
-    port = agent_port()
-    os.write(port, POOLED_READY)
-    n = int.from_bytes(read_exact(port, 4), "big")
-    if n > MAX_PLAN_BYTES:
-        raise OSError("the plan on the agent port is too large")
-    return marshal.loads(read_exact(port, n)), port, cg, command  # noqa: S302 - the launcher's
 
 
 def sysctls(plan):
@@ -348,15 +328,15 @@ def setup(status_fd, out_fd, err_fd):
         with open(f"{RUN}/plan", "rb") as fh:
             plan = marshal.load(fh)  # noqa: S302 - written by the launcher; builtin, fast
         pooled = plan if plan.get("pooled") else None
-        if pooled is not None:
-            plan, port, cg, command = claimed(pooled, out_fd, err_fd)
-            if (plan["net"], plan["fresh"]["mac"]) != (pooled["net"], pooled["fresh"]["mac"]):
-                raise OSError("the plan is not for this pooled guest's address")
+        if pooled is not None:  # its wait for the claim (guest_pool.py, from the plan)
+            load_modules(pooled["modules"])
+            plan, port, cg, command = sys.modules["guest_pool"].claimed(
+                sys.modules[__name__], pooled, out_fd, err_fd)
         if plan.get("fresh"):  # a pooled guest: reseeded again, its clock set again
             refresh(plan["fresh"], mac=pooled is None)
         if pooled is None:
             network(plan["net"])
-        sysctls(plan)
+            sysctls(plan)
         if plan["uid"] == 0 or plan["gid"] == 0:
             raise OSError("the command never runs as root")
         # an image built by an older vm-images/init neither locks the kernel down nor
@@ -364,7 +344,8 @@ def setup(status_fd, out_fd, err_fd):
         with open("/proc/sys/kernel/modules_disabled") as fh:
             if fh.read().strip() != "1" or not os.path.exists(f"{RUN}/inputs"):
                 raise OSError("the guest image is outdated: rebuild it with vm-images/build.sh")
-        cg = limit_cgroup(cg, plan)
+        if pooled is None:
+            cg = limit_cgroup(cg, plan)
         in_fd = stdin_of(plan) if command is None else None
         inputs(plan, port)
     except Exception as e:
@@ -461,12 +442,24 @@ def serve_agent(plan, cg, status_fd, err_fd, port):
             port, lambda: exec_child(plan, cg),
             lambda: (counter(f"{cg}/memory.events", "oom_kill"),
                      counter(f"{cg}/pids.events", "max")),
-            lambda: write(f"{cg}/cgroup.kill", "1"), plan["pids_fail_kill"])
+            lambda: write(f"{cg}/cgroup.kill", "1"), plan["pids_fail_kill"],
+            lambda pid: admit(cg, pid))
     except Exception as e:
         os.write(err_fd, f"stockade-vm-init: {e}\n".encode())
         end(status_fd, "125 0 0\n")
     agent.serve()
     os.close(port)
+
+
+def admitted(cg, command):
+    """The pooled command's child (pid, pipe) moved into `cg`; else False, its pipe closed
+    (it leaves): the fresh child forked instead fails to join it and says why."""
+    try:
+        admit(cg, command[0])
+    except OSError:
+        os.close(command[1])
+        return False
+    return True
 
 
 def main():
@@ -484,7 +477,8 @@ def main():
         session(plan, cg, status_fd, err_fd, port)
     if plan.get("probe_first"):
         probes_first(plan, cg, status_fd, err_fd, port)
-    if command is not None and wire().hand(command[1], dict(plan, modules=())):
+    if command is not None and admitted(cg, command) and \
+            wire().hand(command[1], dict(plan, modules=())):
         pid = command[0]
     else:  # a cold start's command, or a pooled one whose child is gone
         in_fd = stdin_of(plan) if in_fd is None else in_fd

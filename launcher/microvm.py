@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from . import cgroups
 from .initscript import RESERVED, SCRATCH, TMP, Bind
 
 Accel = Literal["kvm", "tcg"]
@@ -200,7 +201,7 @@ def input_table(layout: Layout) -> str:
 
 def guest_plan(*, argv: list[str], env: dict[str, str], uid: int, gid: int,
                rlimits: dict[str, int], guest_ip: str, host_ip: str, prefixlen: int,
-               memory: int, pids: int, pids_fail_kill: int, stdin: bool,
+               memory: int, pids: int, pids_fail_kill: int, stdin: bool, cpus: float,
                hostname: str = "sandbox", cwd: str = "/scratch",
                congestion_control: str | None = None,
                reserved: Sequence[str] = RESERVED,
@@ -209,8 +210,10 @@ def guest_plan(*, argv: list[str], env: dict[str, str], uid: int, gid: int,
                fresh: dict[str, Any] | None = None, probe_first: bool = False) -> dict[str, Any]:
     """guest_init.py's plan: plain data (dict, list, str, int, bool, bytes, None).
     `reserved`: the paths no input may be mounted at or under (the guest checks its input
-    table again). `seccomp`: the container tier's BPF program (`seccomp_bpf.py`), loaded in
-    the guest right before the exec; the guest refuses to start the command without one.
+    table again). `cpus`: the profile's CPU limit, the `cpu.max` of the command's cgroup in
+    the guest (the host's cgroup of QEMU holds the VM's vCPUs). `seccomp`: the container
+    tier's BPF program (`seccomp_bpf.py`), loaded in the guest right before the exec; the
+    guest refuses to start the command without one.
     `session_modules` ((name, source) of vmchannel and guest_agent): a session guest, whose
     init serves execs through its agent instead of running `argv`; with `probe_first` it
     serves them only until the launcher closes the agent's port (the fence self-test's
@@ -223,7 +226,7 @@ def guest_plan(*, argv: list[str], env: dict[str, str], uid: int, gid: int,
     return {
         "argv": list(argv), "env": dict(env), "uid": uid, "gid": gid, "rlimits": rlimits,
         "cwd": cwd, "hostname": hostname, "stdin": stdin, "memory": memory, "pids": pids,
-        "pids_fail_kill": pids_fail_kill,
+        "cpu_max": cgroups.cpu_max(cpus), "pids_fail_kill": pids_fail_kill,
         "congestion_control": congestion_control, "seccomp": seccomp,
         "reserved": [r.rstrip("/") for r in reserved if r.rstrip("/")],
         "net": {"ip": guest_ip, "prefixlen": prefixlen, "gateway": host_ip},
@@ -242,20 +245,37 @@ def fresh_identity(mac: str, seed: bytes, clock: float) -> dict[str, Any]:
     return {"mac": mac, "seed": bytes(seed), "clock": float(clock)}
 
 
-# a pooled guest (guest_init.py `claimed`) says this on its agent port once everything no
+# a pooled guest (guest_pool.py `claimed`) says this on its agent port once everything no
 # task decides is done, then reads its plan there: a 4-byte big-endian length, the plan
 POOLED_READY = b"stockade-pooled-ready\n"
 MAX_PLAN_BYTES = 16 * MIB
 
 
+# what a pooled guest sets up before its claim (the command's user and rlimits, its
+# cgroup's limits, the sysctls): the launcher's settings and the pool's shape, the same
+# for every task the pool serves; the guest refuses a claim whose plan differs in one
+AHEAD_KEYS = ("uid", "gid", "rlimits", "memory", "pids", "cpu_max", "hostname",
+              "congestion_control")
+
+
+def ahead(plan: dict[str, Any]) -> dict[str, Any]:
+    """The part of a task's plan (`guest_plan`) a pooled guest puts in force ahead."""
+    return {k: plan[k] for k in AHEAD_KEYS}
+
+
 def pooled_plan(session_modules: Sequence[tuple[str, str]], guest_ip: str, host_ip: str,
-                prefixlen: int, fresh: dict[str, Any]) -> dict[str, Any]:
+                prefixlen: int, fresh: dict[str, Any],
+                ahead: dict[str, Any]) -> dict[str, Any]:
     """The config share's plan of a pooled guest: no task, only what every task's guest
     loads (the agent's modules), its slot's network and a fresh identity (`fresh_identity`:
-    the claim's plan brings another seed and the clock, the same MAC and network), and the
+    the claim's plan brings another seed and the clock, the same MAC and network), what
+    every task of its pool runs under (`ahead`: put in force before the claim), and the
     mark that its real plan comes on the agent port."""
+    if set(ahead) != set(AHEAD_KEYS) or ahead["uid"] == 0 or ahead["gid"] == 0:
+        raise ValueError("a pooled guest's command never runs as root")
     return {"pooled": True, "modules": list(session_modules), "fresh": fresh,
-            "net": {"ip": guest_ip, "prefixlen": prefixlen, "gateway": host_ip}}
+            "net": {"ip": guest_ip, "prefixlen": prefixlen, "gateway": host_ip},
+            "ahead": dict(ahead)}
 
 
 def plan_frame(plan: dict[str, Any]) -> bytes:

@@ -46,8 +46,8 @@ AGENT_READY_TIMEOUT_S = 180.0
 RESTORE_TIMEOUT_S = 60.0  # QEMU loads a template's state within this (a busy host, TCG)
 # the guest-side modules a session guest's init loads from its plan
 SESSION_MODULES = ("vmchannel", "guest_agent")
-# a pooled guest's too: its claim may bring inputs (vminputs.py)
-POOLED_MODULES = (*SESSION_MODULES, "guest_inputs")
+# a pooled guest's too: its wait for the claim, which may bring inputs (vminputs.py)
+POOLED_MODULES = (*SESSION_MODULES, "guest_pool", "guest_inputs")
 _ABS_PATH = re.compile(r"(?<![\w.])/[^\s,:;'\"()\[\]]+")
 
 
@@ -62,11 +62,13 @@ class MicrovmBackend(CgroupControl):
 
     def create(self, live: Live, limits: Any, s: LauncherSettings) -> None:
         vm = s.microvm
-        # the host cgroup holds QEMU; the profile's memory and pids apply in the guest
+        # the host cgroup holds QEMU; the profile's memory, pids and CPU apply in the guest
+        # (guest_init.py's cgroup of the command): QEMU's own share is its vCPUs, so the
+        # guest's start and the emulation's work are not charged to the task's quota
         live.cg.create(cgroups.Limits(
             memory=microvm.host_memory_limit(limits.memory, limits.disk,
                                              vm.guest_kernel_mib, vm.vmm_overhead_mib),
-            pids=vm.vmm_pids, cpus=limits.cpus))
+            pids=vm.vmm_pids, cpus=float(microvm.vcpus(limits.cpus))))
 
     def start(self, live: Live, spec: SandboxSpec, ctx: StartContext) -> None:
         """Raises LauncherError for anything that stops the VM from starting; the caller
@@ -164,7 +166,8 @@ class MicrovmBackend(CgroupControl):
         a = ctx.addresses
         _write_files(cfg, ctx, microvm.pooled_plan(
             _session_modules(POOLED_MODULES), a.guest_ip, a.host_ip, a.prefixlen,
-            microvm.fresh_identity(a.guest_mac, os.urandom(64), time.time())), *tables)
+            microvm.fresh_identity(a.guest_mac, os.urandom(64), time.time()),
+            _ahead(ctx)), *tables)
         shape = vm_spec(ctx, cfg, layout, machine, [0, 0, 0, 0], 0)
         snapshot = self._pool_template(live, ctx, shape, machine[0].stamp)
         if snapshot is None or not self._restore(live, ctx, cfg, layout, machine, False,
@@ -330,16 +333,29 @@ def _write_files(cfg: Path, ctx: StartContext, plan: dict[str, Any], mount_table
         os.chmod(f, 0o644)
 
 
+def _ahead(ctx: StartContext) -> dict[str, Any]:
+    """What a pooled guest of `ctx`'s shape puts in force before its claim: `_plan`'s
+    values of microvm.AHEAD_KEYS (from the settings and the limits alone)."""
+    s, limits = ctx.settings, ctx.limits
+    return microvm.ahead(microvm.guest_plan(
+        argv=["true"], env={}, uid=s.sandbox_uid, gid=s.sandbox_gid, rlimits=_rlimits(s),
+        guest_ip="", host_ip="", prefixlen=0, memory=limits.memory, pids=limits.pids,
+        pids_fail_kill=s.pids_fail_kill, stdin=False, cpus=limits.cpus,
+        congestion_control=ctx.congestion_control))
+
+
+def _rlimits(s: LauncherSettings) -> dict[str, int]:
+    return {"NOFILE": s.rlimit_nofile, "CORE": s.rlimit_core, "MEMLOCK": s.rlimit_memlock}
+
+
 def _plan(spec: SandboxSpec, ctx: StartContext, restored: bool) -> dict[str, Any]:
     """guest_init.py's plan of the task (`restored`: with a fresh identity)."""
     s, a, limits = ctx.settings, ctx.addresses, ctx.limits
     return microvm.guest_plan(
         argv=list(spec.argv), env=ctx.env, uid=s.sandbox_uid, gid=s.sandbox_gid,
-        rlimits={"NOFILE": s.rlimit_nofile, "CORE": s.rlimit_core,
-                 "MEMLOCK": s.rlimit_memlock},
-        guest_ip=a.guest_ip, host_ip=a.host_ip, prefixlen=a.prefixlen,
+        rlimits=_rlimits(s), guest_ip=a.guest_ip, host_ip=a.host_ip, prefixlen=a.prefixlen,
         memory=limits.memory, pids=limits.pids, pids_fail_kill=s.pids_fail_kill,
-        stdin=spec.stdin is not None,
+        stdin=spec.stdin is not None, cpus=limits.cpus,
         congestion_control=ctx.congestion_control, seccomp=ctx.seccomp(),
         reserved=(*initscript.RESERVED, *s.ro_binds),
         session_modules=_session_modules() if spec.session or ctx.selftest is not None

@@ -220,6 +220,8 @@ def profiles() -> dict[str, Profile]:
         "short": Profile("short", "short ttl", limits=Limits(memory=64 * 2**20, disk=8 * 2**20,
                                                              pids=64, ttl=2)),
         "vm": Profile("vm", "asks for a microVM", isolation="microvm", limits=small),
+        "vm-half": Profile("vm-half", "a microVM of half a CPU", isolation="microvm",
+                           limits=dataclasses.replace(small, cpus=0.5)),
         "vm-short": Profile("vm-short", "a microVM with a short ttl", isolation="microvm",
                             limits=Limits(cpus=1.0, memory=64 * 2**20, disk=8 * 2**20, pids=64,
                                           ttl=20),

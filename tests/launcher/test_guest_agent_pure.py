@@ -112,7 +112,8 @@ class Forks:
 def test_spawn_uses_the_child_forked_ahead_once_then_forks_afresh(agent: ModuleType) -> None:
     forks = Forks()
     a = object.__new__(agent.Agent)
-    a.fork, a.warm = forks, forks()
+    admitted: list[int] = []
+    a.fork, a.warm, a.admit = forks, forks(), admitted.append
     req = {"argv": ["true"], "env": {"PATH": "/usr/bin"}, "cwd": "/scratch", "stdin": False}
     pid, *_ = a.spawn(req)
     assert pid == 1000 and a.warm is None and len(forks.children) == 1
@@ -121,13 +122,30 @@ def test_spawn_uses_the_child_forked_ahead_once_then_forks_afresh(agent: ModuleT
     pid2, *_ = a.spawn(dict(req, argv=["id"]))  # none ahead: a fresh child
     assert pid2 == 1001 and forks.request(1, agent)["argv"] == ["id"]
     assert not forks.closed(0)  # the exec's stdio: the agent's to pump
+    assert admitted == [1000, 1001]  # each moved into the task's cgroup before its request
+
+
+def test_a_child_that_cannot_join_the_cgroup_is_told_to_fail(agent: ModuleType) -> None:
+    """At the task's pids limit the move into its cgroup fails: the child is not handed
+    the command (it would run outside the cgroup) but the reason it fails with."""
+    forks = Forks()
+    a = object.__new__(agent.Agent)
+
+    def full(pid: int) -> None:
+        raise OSError(11, "Resource temporarily unavailable")
+
+    a.fork, a.warm, a.admit = forks, forks(), full
+    a.spawn({"argv": ["sh", "-c", "x"], "env": {"A": "b"}, "cwd": "/scratch"})
+    assert forks.request(0, agent) == {
+        "argv": ["sh", "-c", "x"],
+        "fail": "cannot join the task's cgroup: Resource temporarily unavailable"}
 
 
 def test_a_child_ahead_that_is_gone_is_replaced_and_its_pipes_closed(
         agent: ModuleType) -> None:
     forks = Forks()
     a = object.__new__(agent.Agent)
-    a.fork, a.warm = forks, forks(dead=True)  # killed with the task's cgroup, say
+    a.fork, a.warm, a.admit = forks, forks(dead=True), lambda pid: None  # killed, say
     pid, *_ = a.spawn({"argv": ["true"], "env": {}, "cwd": "/scratch"})
     assert pid == 1001 and forks.request(1, agent)["argv"] == ["true"]
     assert forks.closed(0) and not forks.closed(1)

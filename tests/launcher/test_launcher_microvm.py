@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -573,6 +574,25 @@ def test_ro_binds_with_etc_keeps_the_host_etc_in_a_microvm(lab: Lab) -> None:
     """Listing /etc in ro_binds shares the host's /etc with the generated resolv.conf,
     hosts and hostname over it, as in the netns backend."""
     check_ro_binds_with_etc(lab, "vm")
+
+
+def test_the_profiles_cpu_limit_holds_in_the_guest(lab: Lab) -> None:
+    """The command's cgroup in the guest has the profile's CPU quota before the command's
+    first instruction; QEMU's host cgroup holds the VM's vCPUs (here one), so the guest's
+    start and the emulation are not charged to the task's half CPU."""
+    from stockade.launcher import Launcher
+    from stockade.launcher.backends.microvm import MicrovmBackend
+
+    made: list[Any] = []
+    live = SimpleNamespace(cg=SimpleNamespace(create=lambda limits, **_: made.append(limits)))
+    MicrovmBackend().create(live, lab.ruleset.profiles["vm-half"].limits,  # type: ignore[arg-type]
+                            lab.config.launcher)
+    assert made[0].cpus == 1.0
+    assert isinstance(lab.launcher, Launcher)
+    res = lab.launcher.run(SandboxSpec("vm-half", [
+        "sh", "-c", "cat /proc/self/cgroup /sbx/cg/task/cpu.max"]), lab.ruleset)
+    assert (res.exit_code, res.stdout) == (0, "0::/task\n50000 100000\n"), res.stderr
+    assert leftovers(lab) == EMPTY
 
 
 def test_output_cap_and_a_memory_bomb_in_the_guest(lab: Lab) -> None:

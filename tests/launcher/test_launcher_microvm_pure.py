@@ -93,16 +93,17 @@ def test_guest_plan_is_plain_data() -> None:
     plan = microvm.guest_plan(
         argv=["sh", "-c", "echo $HOME; rm -rf / #'\""], env={"A": "b c"}, uid=65534,
         gid=65534, rlimits={"NOFILE": 4096}, guest_ip="10.0.0.2", host_ip="10.0.0.1",
-        prefixlen=30, memory=64 * MIB, pids=64, pids_fail_kill=32, stdin=False)
+        prefixlen=30, memory=64 * MIB, pids=64, pids_fail_kill=32, stdin=False, cpus=0.5)
     assert marshal.loads(microvm.encode_plan(plan)) == plan  # noqa: S302 - our own bytes
     assert plan["argv"][2] == "echo $HOME; rm -rf / #'\""
     assert plan["net"] == {"ip": "10.0.0.2", "prefixlen": 30, "gateway": "10.0.0.1"}
+    assert plan["cpu_max"] == "50000 100000"  # the command's cgroup in the guest
     # the guest checks its input table against these again
     assert {"/sbx", "/usr", "/etc", "/lib64", "/scratch"} <= set(plan["reserved"])
     for bad in ({"argv": []}, {"uid": 0}, {"gid": 0}):
         kw = dict(argv=["true"], env={}, uid=1000, gid=1000, rlimits={}, guest_ip="a",
                   host_ip="b", prefixlen=30, memory=1, pids=1, pids_fail_kill=1,
-                  stdin=False)
+                  stdin=False, cpus=1.0)
         kw.update(bad)
         with pytest.raises(ValueError):
             microvm.guest_plan(**kw)  # type: ignore[arg-type]
@@ -116,7 +117,7 @@ def test_a_session_guest_gets_its_agent_port_and_modules() -> None:
     assert "virtserialport,chardev=agent,name=agent,nr=4" in argv
     assert "virtio-serial-device,max_ports=5" in argv
     kw = dict(argv=[], env={}, uid=1000, gid=1000, rlimits={}, guest_ip="a", host_ip="b",
-              prefixlen=30, memory=1, pids=1, pids_fail_kill=1, stdin=False,)
+              prefixlen=30, memory=1, pids=1, pids_fail_kill=1, stdin=False, cpus=1.0)
     plan = microvm.guest_plan(**kw, session_modules=[("vmchannel", "X = 1\n")])  # type: ignore[arg-type]
     assert (plan["session"], plan["modules"]) == (True, [("vmchannel", "X = 1\n")])
     assert marshal.loads(microvm.encode_plan(plan)) == plan  # noqa: S302 - our own bytes
@@ -267,20 +268,55 @@ def test_a_pooled_guests_plan_comes_on_its_agent_port() -> None:
     from pathlib import Path
 
     fresh = microvm.fresh_identity("02:00:0a:d5:00:02", b"s" * 64, 1.5)
+    ahead = microvm.ahead(microvm.guest_plan(
+        argv=["true"], env={}, uid=65534, gid=65534, rlimits={"NOFILE": 4096}, guest_ip="",
+        host_ip="", prefixlen=0, memory=MIB, pids=8, pids_fail_kill=4, stdin=False, cpus=0.5))
     placeholder = microvm.pooled_plan([("vmchannel", "X = 1")], "10.213.0.2", "10.213.0.1",
-                                      30, fresh)
-    # no task in it: its slot's network and identity, the agent's modules
+                                      30, fresh, ahead)
+    # no task in it: its slot's network and identity, the agent's modules, and what every
+    # task of its pool runs under (the settings' user and rlimits, the shape's limits)
     assert marshal.loads(microvm.encode_plan(placeholder)) == {  # noqa: S302
         "pooled": True, "modules": [("vmchannel", "X = 1")], "fresh": fresh,
-        "net": {"ip": "10.213.0.2", "prefixlen": 30, "gateway": "10.213.0.1"}}
+        "net": {"ip": "10.213.0.2", "prefixlen": 30, "gateway": "10.213.0.1"},
+        "ahead": {"uid": 65534, "gid": 65534, "rlimits": {"NOFILE": 4096}, "memory": MIB,
+                  "pids": 8, "cpu_max": "50000 100000", "hostname": "sandbox",
+                  "congestion_control": None}}
+    for bad in ({**ahead, "uid": 0}, {**ahead, "gid": 0}, {"uid": 1}):
+        with pytest.raises(ValueError):
+            microvm.pooled_plan([], "10.213.0.2", "10.213.0.1", 30, fresh, bad)
     plan = {"argv": ["true"], "stdin_data": b"in"}
     frame = microvm.plan_frame(plan)
     n = int.from_bytes(frame[:4], "big")
     assert n == len(frame) - 4 and marshal.loads(frame[4:]) == plan  # noqa: S302
     with pytest.raises(ValueError, match="over"):
         microvm.plan_frame({"env": {"BIG": "x" * microvm.MAX_PLAN_BYTES}})
-    # the guest's init (standalone: it imports nothing of the launcher) agrees
-    src = (Path(microvm.__file__).parent / "guest_init.py").read_text()
+    # the guest's side (standalone: it imports nothing of the launcher) agrees
+    src = (Path(microvm.__file__).parent / "guest_pool.py").read_text()
     for name in ("POOLED_READY", "MAX_PLAN_BYTES"):
         line = next(x for x in src.splitlines() if x.startswith(f"{name} = "))
         assert eval(line.split("=", 1)[1]) == getattr(microvm, name)  # noqa: S307 - ours
+
+
+def test_a_pooled_guests_ahead_is_what_every_claims_plan_carries() -> None:
+    """What a pooled guest puts in force before its claim (backends.microvm._ahead, from
+    the settings and the pool's shape) equals that part of any task's plan of the shape,
+    whatever the task's command, stdin, session or environment."""
+    from types import SimpleNamespace
+
+    from stockade.launcher import SandboxSpec
+    from stockade.launcher.backends import microvm as backend
+    from stockade.launcher.settings import LauncherSettings
+    from stockade.policy.model import Limits
+
+    ctx = SimpleNamespace(
+        settings=LauncherSettings(), limits=Limits(cpus=0.5, memory=64 * MIB, disk=8 * MIB,
+                                                   pids=64, ttl=30),
+        addresses=SimpleNamespace(guest_ip="10.213.0.2", host_ip="10.213.0.1", prefixlen=30,
+                                  guest_mac="02:00:0a:d5:00:02"),
+        env={"PATH": "/usr/bin", "LD_PRELOAD": "x"}, congestion_control="bbr",
+        seccomp=lambda: b"\0" * 8, selftest=None)
+    for spec in (SandboxSpec("p", ["bash", "-c", "x"], stdin=b"in"),
+                 SandboxSpec("p", ["true"], session=True)):
+        plan = backend._plan(spec, ctx, restored=True)  # type: ignore[arg-type]
+        assert microvm.ahead(plan) == backend._ahead(ctx)  # type: ignore[arg-type]
+    assert backend._ahead(ctx)["cpu_max"] == "50000 100000"  # type: ignore[arg-type]

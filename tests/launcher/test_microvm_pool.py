@@ -88,13 +88,16 @@ def test_a_pooled_microvm_waits_unclaimed_then_runs_one_task(
     res = vm_pool.run(SandboxSpec("agent-vm", [
         "sh", "-c", "curl -sS -k --max-time 20 https://allowed.test/ >/dev/null && "
         "echo allowed; curl -sS -k --max-time 10 https://denied.test/ >/dev/null || "
-        "echo denied; id -u; ip -o -4 addr show eth0 | cut -d' ' -f7; cat"],
+        "echo denied; id -u; ip -o -4 addr show eth0 | cut -d' ' -f7; cat; "
+        "cat /sbx/cg/task/memory.max /sbx/cg/task/pids.max; ulimit -Hn"],
         stdin=b"from-stdin\n"), stack.ruleset)
     assert res.task_id == task_id, "the task ran in the pooled guest"
     lines = res.stdout.split()
     assert lines[:3] == ["allowed", "denied", "65534"], (res.stdout, res.stderr)
     assert lines[3].split("/")[0] == row["address"]  # its own address, set at the claim
-    assert lines[4:] == ["from-stdin"]  # the plan's stdin
+    assert lines[4:5] == ["from-stdin"]  # the plan's stdin
+    # the profile's limits and the settings' rlimits, put in force before the claim
+    assert lines[5:] == [str(256 * 2**20), "128", str(vm_pool.s.rlimit_nofile)]
     (start,) = [e for e in _events(stack, task_id) if e["stockade"].get("lifecycle") ==
                 "start"]
     assert start["stockade"]["pool"] and start["stockade"]["selftest"], start
@@ -107,6 +110,25 @@ def test_a_pooled_microvm_waits_unclaimed_then_runs_one_task(
     (again,) = _pooled_records(vm_pool)
     assert again["task_id"] != task_id
     assert vm_pool.pools.rows()[0]["claims"] == 1
+
+
+def test_a_claim_whose_plan_differs_from_the_pooled_guests_is_refused(
+        stack: Stack, vm_pool: Launcher, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """A pooled guest has its pool's user, rlimits and limits in force before its claim: a
+    plan that asks for others (a launcher bug; settings changed under a running pool) is
+    refused by the guest, the command never runs with the pool's instead."""
+    from stockade.launcher.backends import microvm as backend
+
+    (row,) = _pooled_records(vm_pool)
+    netns = vm_pool.state.read()[row["task_id"]].netns
+    real = backend._plan
+    monkeypatch.setattr(backend, "_plan", lambda spec, ctx, restored: dict(
+        real(spec, ctx, restored), memory=2**20))
+    # (the profile's fence self-test waits for the guest's agent: the guest's reason)
+    with pytest.raises(LauncherError, match="stockade-vm-init: the plan's user, rlimits or "
+                       "limits are not this pooled guest's"):
+        vm_pool.run(SandboxSpec("agent-vm", ["sh", "-c", "echo ran"]), stack.ruleset)
+    _claimed_and_gone(vm_pool, row["task_id"], netns)
 
 
 def _qemu_of(task_id: str) -> bool:

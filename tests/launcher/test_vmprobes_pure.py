@@ -102,7 +102,7 @@ def test_a_probed_one_shot_guest_serves_its_agent_first() -> None:
 
     common = dict(argv=["true"], env={}, uid=1000, gid=1000, rlimits={}, guest_ip="10.0.0.2",
                   host_ip="10.0.0.1", prefixlen=30, memory=1, pids=1, pids_fail_kill=1,
-                  stdin=False, session_modules=[("m", "")])
+                  stdin=False, cpus=1.0, session_modules=[("m", "")])
     first = microvm.guest_plan(**common, probe_first=True)  # type: ignore[arg-type]
     assert (first["session"], first["probe_first"], first["argv"]) == (False, True, ["true"])
     session = microvm.guest_plan(**common)  # type: ignore[arg-type]
