@@ -5,11 +5,16 @@ cold start's guest runs from its plan; here they run before any task exists, wit
 the pooled plan says every task of the pool runs under (`ahead`).
 """
 
+import _signal as signal  # the C module: `signal` would import enum (and re) first
 import marshal
 import os
 
 POOLED_READY = b"stockade-pooled-ready\n"  # microvm.POOLED_READY
 MAX_PLAN_BYTES = 16 * 2**20  # microvm.MAX_PLAN_BYTES
+WARMUP_S = 10  # a warm-up command still running then is killed (SIGALRM)
+WARMUP_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "LC_ALL": "C"}
+CLONE_NEWNS = 0x20000
+MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
 
 
 def read_exact(fd, n):
@@ -43,6 +48,8 @@ def claimed(init, pooled, out_fd, err_fd):
     # 10-50 ms under emulation); it is given the plan once the inputs are in place
     cg = init.limit_cgroup(init.make_cgroup(), ahead)
     command = init.fork_child(None, cg, (out_fd, err_fd), ahead=ahead)
+    for argv in pooled.get("warmup", ()):
+        warm_up(init, ahead, argv)
     port = init.agent_port()
     os.write(port, POOLED_READY)
     n = int.from_bytes(read_exact(port, 4), "big")
@@ -51,6 +58,50 @@ def claimed(init, pooled, out_fd, err_fd):
     plan = marshal.loads(read_exact(port, n))  # noqa: S302 - the launcher's
     check(pooled, plan)
     return plan, port, cg, command
+
+
+def warm_up(init, ahead, argv):
+    """Run `argv` once and wait for its end (at most WARMUP_S): as the sandbox user, outside
+    the task's cgroup, with /dev/null as stdio and a fixed environment; before the agent
+    port is open and before any task exists, so there is nothing of one it could reach.
+    Under TCG a command's first start translates its code; the claim's start then finds
+    the translation (and the page cache) warm. A failure is no failure of the guest."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            fd = os.open("/dev/null", os.O_RDWR)
+            read_only_view(init.libc())
+            for i in range(3):
+                os.dup2(fd, i)
+            os.closerange(3, 1024)
+            os.chdir("/")
+            init.become(ahead)
+            signal.alarm(WARMUP_S)  # survives the exec: the kernel ends a hung one
+            os.execve(argv[0], argv, WARMUP_ENV)  # noqa: S606 - no shell on purpose
+        finally:
+            os._exit(127)
+    try:  # noqa: SIM105 - no contextlib: an import costs a lot under emulation
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+
+
+def read_only_view(libc):
+    """This process's mounts, in a mount namespace of its own, all read-only: what a
+    warm-up writes (to /scratch, /tmp) cannot outlive it. `libc`: guest_init.libc()."""
+    ctypes, lib, _ = libc
+    if lib.unshare(CLONE_NEWNS) != 0 or \
+            lib.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        raise OSError(ctypes.get_errno(), "cannot make the warm-up's mount namespace")
+    with open("/proc/self/mounts", "rb") as fh:
+        mounts = [line.split() for line in fh]
+    for m in mounts:
+        if b"rw" not in m[3].split(b","):
+            continue
+        # /proc/self/mounts escapes a space, tab, newline and backslash in octal
+        target = m[1].decode("unicode_escape").encode("latin-1")
+        if lib.mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY, None) != 0:
+            raise OSError(ctypes.get_errno(), f"cannot make {target!r} read-only")
 
 
 def check(pooled, plan):

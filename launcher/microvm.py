@@ -264,18 +264,19 @@ def ahead(plan: dict[str, Any]) -> dict[str, Any]:
 
 
 def pooled_plan(session_modules: Sequence[tuple[str, str]], guest_ip: str, host_ip: str,
-                prefixlen: int, fresh: dict[str, Any],
-                ahead: dict[str, Any]) -> dict[str, Any]:
+                prefixlen: int, fresh: dict[str, Any], ahead: dict[str, Any],
+                warmup: Sequence[Sequence[str]] = ()) -> dict[str, Any]:
     """The config share's plan of a pooled guest: no task, only what every task's guest
     loads (the agent's modules), its slot's network and a fresh identity (`fresh_identity`:
     the claim's plan brings another seed and the clock, the same MAC and network), what
-    every task of its pool runs under (`ahead`: put in force before the claim), and the
-    mark that its real plan comes on the agent port."""
+    every task of its pool runs under (`ahead`: put in force before the claim), the
+    commands it runs once before (`warmup`: microvm.pool_warmup), and the mark that its
+    real plan comes on the agent port."""
     if set(ahead) != set(AHEAD_KEYS) or ahead["uid"] == 0 or ahead["gid"] == 0:
         raise ValueError("a pooled guest's command never runs as root")
     return {"pooled": True, "modules": list(session_modules), "fresh": fresh,
             "net": {"ip": guest_ip, "prefixlen": prefixlen, "gateway": host_ip},
-            "ahead": dict(ahead)}
+            "ahead": dict(ahead), "warmup": [list(a) for a in warmup]}
 
 
 def plan_frame(plan: dict[str, Any]) -> bytes:

@@ -40,6 +40,20 @@ class MicrovmSettings(BaseModel):
     # background; a warm pool's refill builds it first), later guests restore from it;
     # a corrupt or refused template is removed and that start boots cold (an event says so)
     snapshots: bool = True
+    # commands a pooled guest runs once before its claim, as the sandbox user with nothing
+    # of a task (stdio /dev/null, killed after 10 s), so that a claim's command start finds
+    # their code translated and cached (under TCG a first start of bash costs ~60 ms more);
+    # absolute paths in the guest (its /usr is the host's); [] runs none
+    pool_warmup: list[list[str]] = [["/usr/bin/bash", "-c", ":"]]
+
+    @field_validator("pool_warmup")
+    @classmethod
+    def _warmup_argvs(cls, v: list[list[str]]) -> list[list[str]]:
+        for argv in v:
+            if not argv or not argv[0].startswith("/") or any("\0" in a for a in argv):
+                raise ValueError("each warm-up command is an argv whose first item is an "
+                                 "absolute path")
+        return v
 
 
 class GvisorSettings(BaseModel):

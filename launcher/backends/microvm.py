@@ -167,7 +167,7 @@ class MicrovmBackend(CgroupControl):
         _write_files(cfg, ctx, microvm.pooled_plan(
             _session_modules(POOLED_MODULES), a.guest_ip, a.host_ip, a.prefixlen,
             microvm.fresh_identity(a.guest_mac, os.urandom(64), time.time()),
-            _ahead(ctx)), *tables)
+            _ahead(ctx), ctx.settings.microvm.pool_warmup), *tables)
         shape = vm_spec(ctx, cfg, layout, machine, [0, 0, 0, 0], 0)
         snapshot = self._pool_template(live, ctx, shape, machine[0].stamp)
         if snapshot is None or not self._restore(live, ctx, cfg, layout, machine, False,

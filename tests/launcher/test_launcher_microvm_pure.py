@@ -272,7 +272,7 @@ def test_a_pooled_guests_plan_comes_on_its_agent_port() -> None:
         argv=["true"], env={}, uid=65534, gid=65534, rlimits={"NOFILE": 4096}, guest_ip="",
         host_ip="", prefixlen=0, memory=MIB, pids=8, pids_fail_kill=4, stdin=False, cpus=0.5))
     placeholder = microvm.pooled_plan([("vmchannel", "X = 1")], "10.213.0.2", "10.213.0.1",
-                                      30, fresh, ahead)
+                                      30, fresh, ahead, (("/usr/bin/bash", "-c", ":"),))
     # no task in it: its slot's network and identity, the agent's modules, and what every
     # task of its pool runs under (the settings' user and rlimits, the shape's limits)
     assert marshal.loads(microvm.encode_plan(placeholder)) == {  # noqa: S302
@@ -280,7 +280,14 @@ def test_a_pooled_guests_plan_comes_on_its_agent_port() -> None:
         "net": {"ip": "10.213.0.2", "prefixlen": 30, "gateway": "10.213.0.1"},
         "ahead": {"uid": 65534, "gid": 65534, "rlimits": {"NOFILE": 4096}, "memory": MIB,
                   "pids": 8, "cpu_max": "50000 100000", "hostname": "sandbox",
-                  "congestion_control": None}}
+                  "congestion_control": None},
+        "warmup": [["/usr/bin/bash", "-c", ":"]]}
+    from stockade.launcher.settings import MicrovmSettings
+
+    assert MicrovmSettings().pool_warmup == [["/usr/bin/bash", "-c", ":"]]
+    for bad in ([[]], [["bash", "-c", ":"]], [["/bin/sh", "a\0b"]]):
+        with pytest.raises(ValueError, match="absolute path"):
+            MicrovmSettings(pool_warmup=bad)
     for bad in ({**ahead, "uid": 0}, {**ahead, "gid": 0}, {"uid": 1}):
         with pytest.raises(ValueError):
             microvm.pooled_plan([], "10.213.0.2", "10.213.0.1", 30, fresh, bad)

@@ -131,6 +131,30 @@ def test_a_claim_whose_plan_differs_from_the_pooled_guests_is_refused(
     _claimed_and_gone(vm_pool, row["task_id"], netns)
 
 
+def test_a_pooled_guests_warm_up_leaves_nothing_to_its_task(stack: Stack) -> None:  # noqa: F811
+    """The pool's warm-up commands run before the claim in a read-only view of their own
+    (guest_pool.warm_up): one that writes everywhere it could leaves nothing the claimed
+    task finds."""
+    cfg = _vm_pool_config(stack.config, 1)
+    data = cfg.model_dump()
+    data["launcher"]["microvm"]["pool_warmup"] = [[
+        "/usr/bin/sh", "-c", "for d in /scratch /scratch/tmp /tmp /dev/shm /sbx; do "
+        "echo warm > $d/warm-up; done; mkdir /scratch/warm-dir"]]
+    launcher = Launcher(Config.model_validate(data), nflog=False, pools=True)
+    launcher.start()
+    try:
+        assert launcher.pools is not None and launcher.pools.wait_full(FILL_TIMEOUT_S)
+        (row,) = _pooled_records(launcher)
+        res = launcher.run(SandboxSpec("agent-vm", [
+            "sh", "-c", "ls -A /scratch /tmp; ls -A /dev/shm 2>/dev/null; "
+            "ls /sbx/warm-up 2>&1; true"]), stack.ruleset)
+    finally:
+        launcher.close()
+    assert res.task_id == row["task_id"] and res.exit_code == 0, res.stderr
+    assert {"out", "tmp", "home"} <= set(res.stdout.split()), res.stdout  # /scratch listed
+    assert "warm" not in res.stdout.replace("/sbx/warm-up", ""), res.stdout
+
+
 def _qemu_of(task_id: str) -> bool:
     return subprocess.run(["pgrep", "-f", rf"^\S*qemu-system-\S+ .*/{task_id}/"],
                           capture_output=True).returncode == 0
