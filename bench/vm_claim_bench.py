@@ -1,0 +1,84 @@
+"""Pooled microVM claims and session execs of this tree's launcher (TCG, as root).
+
+    .venv/bin/python bench/vm_claim_bench.py [--claims 8] [--execs 30] [--cpus 0.5]
+
+Unlike vm_ab_bench.py (two guests, one host), this times the whole path of whichever
+tree's virtualenv runs it, host and guest: run it with each tree's `.venv/bin/python`
+(a worktree of the older revision, bootstrapped), alternating, to compare revisions.
+
+- `--claims` claims from a full pool of one to the command's first output, `bash -c 'echo
+  $EPOCHREALTIME'` and busybox's static shell (no loader: nearer the first instruction),
+  each against the host's clock at `Launcher.run`, and to the run's end;
+- `--execs` exec round trips of `true`, `busybox true` and `bash -c :`, back to back in one
+  warm session (`Backend.exec` in-process, through the agent's port).
+
+The profile's CPU limit is `--cpus` (pool_bench's shape: 0.5). Nothing asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import types
+from typing import Any
+
+import vm_ab_bench
+from launcher_rig import started_launcher
+from pool_bench import SHAPE, STATIC_CMD
+from stockade.launcher import Launcher, SandboxSpec
+from stockade.policy.model import Limits, Profile
+from vm_ab_bench import load, session, trip
+
+CLAIMS = {"bash": ["bash", "-c", "echo $EPOCHREALTIME"], "static shell": STATIC_CMD}
+EXECS = (("true",), ("busybox", "true"), ("bash", "-c", ":"))
+
+
+def _rules(cpus: float) -> Any:
+    return types.SimpleNamespace(version="bench", profiles={"bench": Profile(
+        "bench", "vm claims", isolation="microvm", selftest="sampled", limits=Limits(
+            memory=128 * 2**20, disk=16 * 2**20, pids=64, ttl=1800, cpus=cpus))})
+
+
+def _claims(launcher: Launcher, rules: Any, n: int, rows: dict[str, list[float]]) -> None:
+    for _ in range(n):
+        for name, cmd in CLAIMS.items():
+            assert launcher.pools is not None and launcher.pools.wait_full(300)
+            t0 = time.time()
+            r = launcher.run(SandboxSpec("bench", cmd), rules)
+            t1 = time.time()
+            assert r.exit_code == 0, r.stderr
+            rows.setdefault(f"claim, {name}: first output", []).append(float(r.stdout) - t0)
+            rows.setdefault(f"claim, {name}: run done", []).append(t1 - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--claims", type=int, default=8)
+    ap.add_argument("--execs", type=int, default=30)
+    ap.add_argument("--cpus", type=float, default=0.5)
+    args = ap.parse_args()
+    rules = _rules(args.cpus)
+    vm_ab_bench.RULES = rules  # its session() claims with these: the same profile here
+    pools = {"targets": [{"isolation": "microvm", "size": 1, **dict(SHAPE, cpus=args.cpus)}],
+             "refill_concurrency": 1}
+    rows: dict[str, list[float]] = {}
+    loads = [load()]
+    with started_launcher("vmcb", "10.213.248.0/22", 7395, keep_pools=True, pools=pools,
+                          microvm={"accel": "tcg"}, selftest={"sample_rate": 0.0}) as launcher:
+        _claims(launcher, rules, args.claims, rows)
+        with session(launcher) as live:
+            for _ in range(args.execs):
+                for argv in EXECS:
+                    rows.setdefault(f"exec {' '.join(argv)}", []).append(trip(live, argv))
+    loads.append(load())
+    print(f"\nmicroVM claims and execs, this tree, cpus {args.cpus} (ms; load "
+          f"{' -> '.join(loads)})\n")
+    for name, xs in rows.items():
+        ok = sorted(x * 1000 for x in xs if x == x)
+        print(f"{name:<36} p50 {statistics.median(ok):7.1f}  p90 {ok[int(len(ok) * 0.9)]:7.1f}"
+              f"  n={len(ok)}")
+
+
+if __name__ == "__main__":
+    main()
