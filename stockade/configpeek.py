@@ -138,7 +138,7 @@ SELFTEST: dict[str, tuple[Check, Any]] = {
 # models' to refuse; of these only LAUNCHER's and `selftest` are read here
 LAUNCHER_KEYS = frozenset({
     "backend", "microvm", "gvisor", "pools", "selftest", "downgrade_isolation",
-    "address_pool", "control_socket", "control_listen", "control_token_file",
+    "address_pool", "control_socket", "control_listen", "control_token_file", "control_host_paths",
     "control_tls_cert", "control_tls_key", "control_tls_client_ca", "scratch_dir",
     "nft_table", "nflog_group", "default_ttl_s", "reconcile_interval_s",
     "rules_poll_interval_s", "name_prefix", "cgroup_parent", "cgroup_cpu_weight",
