@@ -85,6 +85,9 @@ class VmSpec:
     tsc_khz: int | None = None  # TCG: the host's TSC rate (the guest cannot calibrate it)
     tb_size_mib: int = 64  # TCG translation cache (QEMU's default would be 1 GiB)
     runas: tuple[int, int] | None = None  # QEMU drops to this uid:gid once set up
+    # QEMU 8.1+ spells the drop `-run-with user=` (10.0 removed `-runas`): vmimage.run_with
+    run_with: bool = False
+    bios: str | None = None  # `-bios` (vmimage.microvm_bios); None: QEMU's default
     seccomp: bool = True  # QEMU's -sandbox filter
     extra_cmdline: tuple[str, ...] = field(default_factory=tuple)
 
@@ -298,8 +301,8 @@ def qemu_argv(v: VmSpec) -> list[str]:
     # TCG) and the local APIC; interrupts: the I/O APIC), no option ROMs; the RTC stays: it
     # is the guest's only wall clock under TCG (no kvmclock), and TLS needs the date
     machine = "microvm,pit=off,pic=off,x-option-roms=off"
-    argv = [v.qemu, "-M", machine, "-nodefaults", "-no-user-config", "-nographic",
-            "-no-reboot"]
+    argv = [v.qemu, "-M", machine, *(["-bios", v.bios] if v.bios else []), "-nodefaults",
+            "-no-user-config", "-nographic", "-no-reboot"]
     if v.accel == "kvm":
         argv += ["-accel", "kvm", "-cpu", "host"]
     else:
@@ -329,11 +332,12 @@ def qemu_argv(v: VmSpec) -> list[str]:
                            f"readonly={'on' if s.readonly else 'off'},multidevs=remap",
                  "-device", f"virtio-9p-device,fsdev=fs{i},mount_tag={check_tag(s.tag)}"]
     if v.seccomp:
-        # elevateprivileges stays allowed: QEMU's filter is installed before -runas drops
-        # root (which needs setuid); after the drop there is nothing to elevate to
+        # elevateprivileges stays allowed: QEMU's filter is installed before -runas (or
+        # -run-with user=) drops root (which needs setuid); after it nothing is left to gain
         argv += ["-sandbox", "on,obsolete=deny,spawn=deny,resourcecontrol=deny"]
     if v.runas is not None:
-        argv += ["-runas", f"{v.runas[0]}:{v.runas[1]}"]
+        user = f"{v.runas[0]}:{v.runas[1]}"
+        argv += ["-run-with", f"user={user}"] if v.run_with else ["-runas", user]
     if v.qmp_fd is not None:
         argv += ["-chardev", f"socket,id=qmp,fd={v.qmp_fd}", "-mon", "chardev=qmp,mode=control"]
     if v.incoming_fd is not None:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -56,6 +58,50 @@ def qemu_path(qemu: str) -> str | None:
     return shutil.which(qemu)
 
 
+# qboot, the minimal firmware that jumps straight into the kernel's PVH entry: QEMU 7.2's
+# microvm default (bios-microvm.bin, a link to it); Debian's QEMU 10 ships no
+# bios-microvm.bin, so its microvm falls back to SeaBIOS, which cannot boot our kernel
+# without the option ROMs the machine turns off ("No bootable device")
+QBOOT_PATHS = ("/usr/share/qemu/qboot.rom", "/usr/share/qboot/bios.bin")
+
+
+def microvm_bios() -> str | None:
+    """The firmware to name with `-bios` (None: QEMU's default)."""
+    return next((p for p in QBOOT_PATHS if os.path.isfile(p)), None)
+
+
+_VERSION = re.compile(rb"QEMU emulator version (\d+)\.(\d+)")
+RUN_WITH_SINCE = (8, 1)  # `-run-with user=`; QEMU 10.0 removed `-runas`
+
+
+def parse_qemu_version(text: bytes) -> tuple[int, int] | None:
+    """(major, minor) from `qemu -version`'s first line, None when it has none."""
+    m = _VERSION.search(text[:512])
+    return (int(m[1]), int(m[2])) if m else None
+
+
+@functools.lru_cache(maxsize=8)
+def _qemu_version(path: str, identity: tuple[int, int, int]) -> tuple[int, int] | None:
+    """Keyed by the binary's identity, so an upgraded QEMU is asked again."""
+    try:
+        proc = subprocess.run([path, "-version"], stdin=subprocess.DEVNULL,
+                              capture_output=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_qemu_version(proc.stdout)
+
+
+def run_with(qemu: str) -> bool:
+    """Whether this QEMU binary drops privileges with `-run-with user=` (8.1 and later);
+    an older or unknown one gets `-runas`, which it refuses with a clear error if wrong."""
+    try:
+        st = os.stat(qemu)
+    except OSError:
+        return False
+    version = _qemu_version(qemu, (st.st_size, st.st_mtime_ns, st.st_ino))
+    return version is not None and version >= RUN_WITH_SINCE
+
+
 def host_problem(image_dir: str, qemu: str, init_python: str) -> str | None:
     """Why the microVM backend cannot run here (None: it can). Cheap: a few stat calls."""
     if qemu_path(qemu) is None:
@@ -85,7 +131,7 @@ def tsc_khz() -> int | None:
 
 def probe_key(qemu: str, image: Image) -> str:
     return json.dumps([qemu_path(qemu), _mtime(qemu_path(qemu)), image.stamp,
-                       os.uname().release])
+                       os.uname().release, microvm_bios()])
 
 
 def _mtime(path: str | None) -> float:
@@ -146,8 +192,10 @@ def resolve_accel(setting: str, qemu: str, image: Image, cache_file: Path,
 def probe_kvm(qemu: str, image: Image, timeout_s: float) -> Probe:
     """"ok" when a KVM guest boots to its init and ends within `timeout_s`, "timeout" when it
     does not end in time, "failed" otherwise."""
-    argv = [qemu, "-M", "microvm", "-nodefaults", "-no-user-config", "-nographic",
-            "-no-reboot", "-accel", "kvm", "-cpu", "host", "-m", "128M", "-smp", "1",
+    bios = microvm_bios()
+    argv = [qemu, "-M", "microvm", *(["-bios", bios] if bios else []), "-nodefaults",
+            "-no-user-config", "-nographic", "-no-reboot", "-accel", "kvm", "-cpu", "host",
+            "-m", "128M", "-smp", "1",
             "-kernel", image.kernel, "-initrd", image.initrd,
             "-append", "console=ttyS0 quiet panic=-1 reboot=t", "-serial", "stdio"]
     try:

@@ -62,8 +62,9 @@ def file_identity(path: str) -> list[int] | None:
 
 
 def image_files(v: microvm.VmSpec) -> dict[str, list[int] | None]:
-    """The QEMU binary, kernel and initramfs of `v`, each with its `file_identity` now."""
-    return {f: file_identity(f) for f in (v.qemu, v.kernel, v.initrd)}
+    """The QEMU binary, kernel, initramfs and firmware of `v`, each with its
+    `file_identity` now."""
+    return {f: file_identity(f) for f in (v.qemu, v.kernel, v.initrd, v.bios) if f}
 
 
 def shape_key(v: microvm.VmSpec, stamp: str) -> str:

@@ -33,26 +33,52 @@ if [ ${#missing[@]} -gt 0 ]; then
     done
 fi
 
-# the gVisor tier's runsc: bookworm-backports has 20240729 (the systrap platform); bookworm's
-# own 20221219 runs with ptrace only. The backports source is added when missing (opt out:
-# STOCKADE_BACKPORTS=0); apt pins backports low, so only packages asked for with -t come from
-# it. A failure there falls back to bookworm's runsc; no runsc at all is a warning (gvisor
-# profiles are then refused with the reason).
-if ! dpkg-query -W -f='${Status}' runsc 2>/dev/null | grep -q "install ok installed"; then
+# bookworm-backports for two packages: the gVisor tier's runsc (20240729 has the systrap
+# platform; bookworm's own 20221219 runs with ptrace only) and QEMU 10 (bookworm's 7.2 keys
+# its TCG translations by virtual address, so under emulation every exec of a dynamically
+# linked program, laid out anew by ASLR, is translated again: 2x slower; 8.0+ translates
+# position-independently). The source is added when missing (opt out: STOCKADE_BACKPORTS=0);
+# apt pins backports low, so only packages asked for with -t come from it. A failure there
+# keeps bookworm's package (the launcher speaks both QEMUs); no runsc at all is a warning
+# (gvisor profiles are then refused with the reason).
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+qemu_old() {
+    dpkg --compare-versions "$(dpkg-query -W -f='${Version}' qemu-system-x86 2>/dev/null)" lt 1:8.1
+}
+backports_added=
+backports() {
+    [ -n "$backports_added" ] && return 0
+    backports_added=1
     export DEBIAN_FRONTEND=noninteractive
     bpo=/etc/apt/sources.list.d/bookworm-backports.list
     if [ "${STOCKADE_BACKPORTS:-1}" = 1 ] && . /etc/os-release && [ "${VERSION_CODENAME:-}" = bookworm ] \
         && ! grep -rqs "bookworm-backports" /etc/apt/sources.list /etc/apt/sources.list.d/; then
-        echo "bootstrap: adding $bpo (runsc with systrap)" >&2
+        echo "bootstrap: adding $bpo (runsc with systrap, QEMU 10)" >&2
         echo "deb http://deb.debian.org/debian bookworm-backports main" > "$bpo"
     fi
     # a plain update: `-o Dir::Etc::sourcelist=<one file>` would drop every other list
     apt-get update -qq || true
+}
+if ! installed runsc; then
+    backports
     echo "bootstrap: installing runsc" >&2
     apt-get install -y -qq --no-install-recommends -t bookworm-backports runsc >/dev/null 2>&1 \
         || apt-get install -y -qq --no-install-recommends runsc >/dev/null \
         || echo "bootstrap: WARNING: runsc could not be installed; profiles with" \
                 "isolation: gvisor are refused (or list gvisor in launcher.downgrade_isolation)" >&2
+fi
+if [ "${STOCKADE_BACKPORTS:-1}" = 1 ] && qemu_old; then
+    offered() { apt-cache policy qemu-system-x86 2>/dev/null | grep -q bookworm-backports; }
+    offered || backports
+    if offered; then
+        echo "bootstrap: installing QEMU from bookworm-backports" >&2
+        apt-get install -y -qq --no-install-recommends -t bookworm-backports qemu-system-x86 \
+            >/dev/null 2>&1 || true
+    fi
+    if qemu_old; then
+        echo "bootstrap: note: keeping $(qemu-system-x86_64 -version | head -1) (no newer QEMU" \
+             "in bookworm-backports: microVM execs are slower under TCG)" >&2
+    fi
 fi
 
 # the microVM backend's guest (Debian's kernel + a busybox initramfs); idempotent, into the

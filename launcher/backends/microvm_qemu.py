@@ -59,6 +59,7 @@ def vm_spec(ctx: StartContext, cfg: Path, layout: microvm.Layout,
         layout=layout, console=con, ports=(ports[0], ports[1], ports[2]),
         tsc_khz=vmimage.tsc_khz(), tb_size_mib=vm.tb_size_mib,
         runas=(s.sandbox_uid, s.sandbox_gid) if vm.harden_qemu else None,
+        run_with=vmimage.run_with(qemu), bios=vmimage.microvm_bios(),
         seccomp=vm.harden_qemu, agent_fd=agent_fd)
 
 

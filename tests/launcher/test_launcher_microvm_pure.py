@@ -4,9 +4,10 @@ plan and mount table, sizing, the netns wiring commands, the status line."""
 from __future__ import annotations
 
 import marshal
+from pathlib import Path
 
 import pytest
-from stockade.launcher import microvm, netns
+from stockade.launcher import microvm, netns, vmimage
 from stockade.launcher.isolation import decide_backend
 from stockade.launcher.settings import LauncherSettings
 from stockade.launcher.spec import LauncherError
@@ -73,9 +74,25 @@ def test_qemu_argv() -> None:
     assert argv[argv.index("-sandbox") + 1].startswith("on,")
     kvm = microvm.qemu_argv(_spec(accel="kvm", runas=None, seccomp=False))
     assert kvm[kvm.index("-accel") + 1] == "kvm" and kvm[kvm.index("-cpu") + 1] == "host"
-    assert "-runas" not in kvm and "-sandbox" not in kvm
+    assert "-runas" not in kvm and "-sandbox" not in kvm and "-run-with" not in kvm
     with pytest.raises(ValueError, match="QEMU option"):
         microvm.qemu_argv(_spec(cfg_dir="/a,b"))
+
+
+def test_privilege_drop_in_the_qemu_versions_spelling() -> None:
+    # QEMU 10.0 refuses -runas (gone since 8.1's -run-with); 7.2 knows only -runas
+    new = microvm.qemu_argv(_spec(run_with=True))
+    assert new[new.index("-run-with") + 1] == "user=65534:65534" and "-runas" not in new
+    assert "-run-with" not in microvm.qemu_argv(_spec(run_with=False))
+    assert microvm.qemu_argv(_spec(run_with=True, runas=None)).count("-run-with") == 0
+
+
+def test_firmware_named_when_the_host_has_qboot() -> None:
+    # Debian's QEMU 10 has no bios-microvm.bin: its microvm would boot SeaBIOS instead
+    argv = microvm.qemu_argv(_spec(bios="/usr/share/qemu/qboot.rom"))
+    assert argv[argv.index("-bios") + 1] == "/usr/share/qemu/qboot.rom"
+    assert argv.index("-bios") < argv.index("-kernel")
+    assert "-bios" not in microvm.qemu_argv(_spec())
 
 
 def test_kernel_cmdline_has_no_task_data() -> None:
@@ -327,3 +344,26 @@ def test_a_pooled_guests_ahead_is_what_every_claims_plan_carries() -> None:
         plan = backend._plan(spec, ctx, restored=True)  # type: ignore[arg-type]
         assert microvm.ahead(plan) == backend._ahead(ctx)  # type: ignore[arg-type]
     assert backend._ahead(ctx)["cpu_max"] == "50000 100000"  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("text", "version"), [
+    (b"QEMU emulator version 7.2.22 (Debian 1:7.2+dfsg-7+deb12u18+b3)\n", (7, 2)),
+    (b"QEMU emulator version 10.0.2 (Debian 1:10.0.2+ds-2)\nCopyright", (10, 0)),
+    (b"QEMU emulator version 8.1.0\n", (8, 1)),
+    (b"not a qemu\n", None),
+    (b"", None),
+])
+def test_qemu_version_parsed(text: bytes, version: tuple[int, int] | None) -> None:
+    assert vmimage.parse_qemu_version(text) == version
+
+
+def test_run_with_asks_the_binary_and_again_once_it_changes(tmp_path: Path) -> None:
+    qemu = tmp_path / "qemu"
+    qemu.write_text("#!/bin/sh\necho 'QEMU emulator version 7.2.0'\n")
+    qemu.chmod(0o755)
+    assert vmimage.run_with(str(qemu)) is False
+    qemu.write_text("#!/bin/sh\necho 'QEMU emulator version 10.0.2 (Debian)'\n")
+    assert vmimage.run_with(str(qemu)) is True  # a replaced binary is asked again
+    qemu.write_text("#!/bin/sh\nexit 1\n")
+    assert vmimage.run_with(str(qemu)) is False  # unknown: the old spelling
+    assert vmimage.run_with(str(tmp_path / "missing")) is False
