@@ -1,6 +1,7 @@
 """Pooled microVM claims and session execs of this tree's launcher (TCG, as root).
 
     .venv/bin/python bench/vm_claim_bench.py [--claims 8] [--execs 30] [--cpus 0.5]
+        [--qemu BIN[,BIN...]]
 
 Unlike vm_ab_bench.py (two guests, one host), this times the whole path of whichever
 tree's virtualenv runs it, host and guest: run it with each tree's `.venv/bin/python`
@@ -12,13 +13,16 @@ tree's virtualenv runs it, host and guest: run it with each tree's `.venv/bin/py
 - `--execs` exec round trips of `true`, `busybox true` and `bash -c :`, back to back in one
   warm session (`Backend.exec` in-process, through the agent's port).
 
-The profile's CPU limit is `--cpus` (pool_bench's shape: 0.5). Nothing asserts on time.
+The profile's CPU limit is `--cpus` (pool_bench's shape: 0.5). `--qemu` names QEMU
+binaries (e.g. one extracted from another Debian package with `dpkg-deb -x`) to run the
+same rows with, one launcher each, one after the other in this run. Nothing asserts on time.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import time
 import types
 from typing import Any
@@ -58,27 +62,41 @@ def main() -> None:
     ap.add_argument("--claims", type=int, default=8)
     ap.add_argument("--execs", type=int, default=30)
     ap.add_argument("--cpus", type=float, default=0.5)
+    ap.add_argument("--qemu", default="qemu-system-x86_64")
     args = ap.parse_args()
     rules = _rules(args.cpus)
     vm_ab_bench.RULES = rules  # its session() claims with these: the same profile here
     pools = {"targets": [{"isolation": "microvm", "size": 1, **dict(SHAPE, cpus=args.cpus)}],
              "refill_concurrency": 1}
-    rows: dict[str, list[float]] = {}
     loads = [load()]
+    for qemu in args.qemu.split(","):
+        rows = _rows(rules, pools, qemu, args)
+        loads.append(load())
+        print(f"\nmicroVM claims and execs, this tree, cpus {args.cpus}, {_version(qemu)} "
+              f"(ms; load {' -> '.join(loads[-2:])})\n")
+        for name, xs in rows.items():
+            ok = [x * 1000 for x in xs if x == x]  # a failed exec is nan
+            print(f"{name:<36} p50 {statistics.median(ok):7.1f}  p90 {pct(ok, 90):7.1f}"
+                  f"  n={len(ok)}", flush=True)
+
+
+def _rows(rules: Any, pools: dict[str, Any], qemu: str,
+          args: argparse.Namespace) -> dict[str, list[float]]:
+    rows: dict[str, list[float]] = {}
     with started_launcher("vmcb", "10.213.248.0/22", 7395, keep_pools=True, pools=pools,
-                          microvm={"accel": "tcg"}, selftest={"sample_rate": 0.0}) as launcher:
+                          microvm={"accel": "tcg", "qemu": qemu},
+                          selftest={"sample_rate": 0.0}) as launcher:
         _claims(launcher, rules, args.claims, rows)
         with session(launcher) as live:
             for _ in range(args.execs):
                 for argv in EXECS:
                     rows.setdefault(f"exec {' '.join(argv)}", []).append(trip(live, argv))
-    loads.append(load())
-    print(f"\nmicroVM claims and execs, this tree, cpus {args.cpus} (ms; load "
-          f"{' -> '.join(loads)})\n")
-    for name, xs in rows.items():
-        ok = [x * 1000 for x in xs if x == x]  # a failed exec is nan
-        print(f"{name:<36} p50 {statistics.median(ok):7.1f}  p90 {pct(ok, 90):7.1f}"
-              f"  n={len(ok)}")
+    return rows
+
+
+def _version(qemu: str) -> str:
+    out = subprocess.run([qemu, "-version"], capture_output=True, text=True, check=False)
+    return out.stdout.split("\n", 1)[0].replace("QEMU emulator version", "QEMU")
 
 
 if __name__ == "__main__":
