@@ -83,7 +83,7 @@ class VmSpec:
     qmp_fd: int | None = None
     incoming_fd: int | None = None
     tsc_khz: int | None = None  # TCG: the host's TSC rate (the guest cannot calibrate it)
-    tb_size_mib: int = 64  # TCG translation cache (QEMU's default would be 1 GiB)
+    tb_size_mib: int = 256  # TCG translation cache (QEMU's default would be 1 GiB)
     runas: tuple[int, int] | None = None  # QEMU drops to this uid:gid once set up
     # QEMU 8.1+ spells the drop `-run-with user=` (10.0 removed `-runas`): vmimage.run_with
     run_with: bool = False
@@ -153,11 +153,12 @@ def guest_memory_mib(profile_memory: int, guest_kernel_mib: int) -> int:
 
 
 def host_memory_limit(profile_memory: int, profile_disk: int, guest_kernel_mib: int,
-                      vmm_overhead_mib: int) -> int:
-    """The sandbox cgroup's memory limit on the host: guest RAM, QEMU's own memory, and the
-    scratch tmpfs (its pages are charged to QEMU, who writes them for the guest)."""
-    return ((guest_memory_mib(profile_memory, guest_kernel_mib) + vmm_overhead_mib) * MIB
-            + profile_disk)
+                      vmm_overhead_mib: int, tb_mib: int = 0) -> int:
+    """The sandbox cgroup's memory limit on the host: guest RAM, QEMU's own memory, its TCG
+    translation cache (`tb_mib`, 0 under KVM), and the scratch tmpfs (its pages are charged
+    to QEMU, who writes them for the guest)."""
+    return ((guest_memory_mib(profile_memory, guest_kernel_mib) + vmm_overhead_mib + tb_mib)
+            * MIB + profile_disk)
 
 
 def vcpus(profile_cpus: float) -> int:

@@ -66,8 +66,9 @@ class MicrovmBackend(CgroupControl):
         # (guest_init.py's cgroup of the command): QEMU's own share is its vCPUs, so the
         # guest's start and the emulation's work are not charged to the task's quota
         live.cg.create(cgroups.Limits(
-            memory=microvm.host_memory_limit(limits.memory, limits.disk,
-                                             vm.guest_kernel_mib, vm.vmm_overhead_mib),
+            memory=microvm.host_memory_limit(
+                limits.memory, limits.disk, vm.guest_kernel_mib, vm.vmm_overhead_mib,
+                0 if vm.accel == "kvm" else vm.tb_size_mib),
             pids=vm.vmm_pids, cpus=float(microvm.vcpus(limits.cpus))))
 
     def start(self, live: Live, spec: SandboxSpec, ctx: StartContext) -> None:

@@ -60,7 +60,7 @@ def test_qemu_argv() -> None:
                         "microvm,pit=off,pic=off,x-option-roms=off"]
     for flag in ("-nodefaults", "-no-user-config", "-nographic", "-no-reboot"):
         assert flag in argv
-    assert argv[argv.index("-accel") + 1] == "tcg,tb-size=64"
+    assert argv[argv.index("-accel") + 1] == "tcg,tb-size=256"
     assert argv[argv.index("-m") + 1] == "128M"
     assert "tap,id=net0,ifname=tap0,script=no,downscript=no,vhost=off,vnet_hdr=off" in argv
     assert "virtio-net-device,netdev=net0,mac=02:00:0a:d5:00:02" in argv
@@ -164,6 +164,9 @@ def test_sizing() -> None:
     assert microvm.guest_memory_mib(64 * MIB, 64) == 128
     assert microvm.guest_memory_mib(64 * MIB + 1, 64) == 129
     assert microvm.host_memory_limit(64 * MIB, 8 * MIB, 64, 192) == (128 + 192 + 8) * MIB
+    # the TCG translation cache is QEMU's memory too, on top of its own
+    assert microvm.host_memory_limit(64 * MIB, 8 * MIB, 64, 192, 256) == (
+        128 + 192 + 256 + 8) * MIB
     assert [microvm.vcpus(c) for c in (0.25, 1.0, 1.5, 2)] == [1, 1, 2, 2]
 
 
