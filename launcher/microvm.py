@@ -297,12 +297,17 @@ def encode_plan(plan: dict[str, Any]) -> bytes:
     return marshal.dumps(plan, 4)
 
 
+def bios_argv(bios: str | None) -> list[str]:
+    """`-bios` naming the firmware, nothing for QEMU's default."""
+    return ["-bios", bios] if bios else []
+
+
 def qemu_argv(v: VmSpec) -> list[str]:
     # no legacy PIT and PIC (the guest's timers: TSC (its rate on the command line under
     # TCG) and the local APIC; interrupts: the I/O APIC), no option ROMs; the RTC stays: it
     # is the guest's only wall clock under TCG (no kvmclock), and TLS needs the date
     machine = "microvm,pit=off,pic=off,x-option-roms=off"
-    argv = [v.qemu, "-M", machine, *(["-bios", v.bios] if v.bios else []), "-nodefaults",
+    argv = [v.qemu, "-M", machine, *bios_argv(v.bios), "-nodefaults",
             "-no-user-config", "-nographic", "-no-reboot"]
     if v.accel == "kvm":
         argv += ["-accel", "kvm", "-cpu", "host"]

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from .microvm import Accel
+from . import vmsnapshot
+from .microvm import Accel, bios_argv
 
 KERNEL = "vmlinux"
 INITRD = "initramfs.cpio.gz"
@@ -81,7 +82,7 @@ def parse_qemu_version(text: bytes) -> tuple[int, int] | None:
 
 
 @functools.lru_cache(maxsize=8)
-def _qemu_version(path: str, identity: tuple[int, int, int]) -> tuple[int, int] | None:
+def _qemu_version(path: str, identity: tuple[int, ...]) -> tuple[int, int] | None:
     """Keyed by the binary's identity, so an upgraded QEMU is asked again."""
     try:
         proc = subprocess.run([path, "-version"], stdin=subprocess.DEVNULL,
@@ -94,11 +95,10 @@ def _qemu_version(path: str, identity: tuple[int, int, int]) -> tuple[int, int] 
 def run_with(qemu: str) -> bool:
     """Whether this QEMU binary drops privileges with `-run-with user=` (8.1 and later);
     an older or unknown one gets `-runas`, which it refuses with a clear error if wrong."""
-    try:
-        st = os.stat(qemu)
-    except OSError:
+    identity = vmsnapshot.file_identity(qemu)
+    if identity is None:
         return False
-    version = _qemu_version(qemu, (st.st_size, st.st_mtime_ns, st.st_ino))
+    version = _qemu_version(qemu, tuple(identity))
     return version is not None and version >= RUN_WITH_SINCE
 
 
@@ -192,8 +192,7 @@ def resolve_accel(setting: str, qemu: str, image: Image, cache_file: Path,
 def probe_kvm(qemu: str, image: Image, timeout_s: float) -> Probe:
     """"ok" when a KVM guest boots to its init and ends within `timeout_s`, "timeout" when it
     does not end in time, "failed" otherwise."""
-    bios = microvm_bios()
-    argv = [qemu, "-M", "microvm", *(["-bios", bios] if bios else []), "-nodefaults",
+    argv = [qemu, "-M", "microvm", *bios_argv(microvm_bios()), "-nodefaults",
             "-no-user-config", "-nographic", "-no-reboot", "-accel", "kvm", "-cpu", "host",
             "-m", "128M", "-smp", "1",
             "-kernel", image.kernel, "-initrd", image.initrd,

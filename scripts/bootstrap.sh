@@ -72,8 +72,8 @@ if [ "${STOCKADE_BACKPORTS:-1}" = 1 ] && qemu_old; then
     offered || backports
     if offered; then
         echo "bootstrap: installing QEMU from bookworm-backports" >&2
-        apt-get install -y -qq --no-install-recommends -t bookworm-backports qemu-system-x86 \
-            >/dev/null 2>&1 || true
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            -t bookworm-backports qemu-system-x86 >/dev/null 2>&1 || true
     fi
     if qemu_old; then
         echo "bootstrap: note: keeping $(qemu-system-x86_64 -version | head -1) (no newer QEMU" \
