@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ from stockade.client import (
     TransportError,
     Unauthorized,
 )
+from stockade.ports import free_port
 
 TOKEN = "s3cret-token"
 SESSION = {"session_id": "0123456789", "profile": "p", "isolation": "netns",
@@ -86,10 +86,7 @@ class Server:
         self.seen: list[web.Request] = []
         self.gate = threading.Event()
         self.socket = str(tmp / "l.sock")
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        self.port = s.getsockname()[1]
-        s.close()
+        self.port = free_port()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)

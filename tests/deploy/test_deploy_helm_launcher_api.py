@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,16 +21,11 @@ from configmap_volume import project
 from test_deploy_helm import API, containers, kinds, one, render, values
 
 from stockade.config import load_config
+from stockade.ports import free_port
 
 trustme = pytest.importorskip("trustme")
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(os.geteuid() != 0,
                                                     reason="needs root (nftables, mounts)")]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _secret_volume(root: Path, mount: str, files: dict[str, bytes]) -> None:
@@ -53,7 +47,7 @@ def _launcher_config(vals: dict[str, Any], tmp: Path) -> tuple[Any, Path]:
     root = tmp / "pod"
     sfx = secrets.token_hex(3)
     lc = cfg["launcher"]
-    port = _free_port()
+    port = free_port()
     assert lc["control_listen"].startswith("0.0.0.0:")
     lc["control_listen"] = f"0.0.0.0:{port}"
     for key in ("control_token_file", "control_tls_cert", "control_tls_key",

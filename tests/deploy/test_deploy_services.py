@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import shutil
 import signal
 import socket
@@ -39,6 +38,7 @@ from deploy_support import (
 from dnslib import DNSRecord
 
 from stockade.events import read_events, validate
+from stockade.ports import free_port
 
 NOBODY = 65534
 STRACE = shutil.which("strace")
@@ -46,22 +46,6 @@ pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("setpriv") is None,
     reason="needs root and setpriv (util-linux) to run the services as an unprivileged user",
 )
-
-
-_taken: set[int] = set()
-
-
-def _free_port() -> int:
-    """A free port below the ephemeral range, where other tests' bind(0) never lands."""
-    rng = random.Random()
-    while True:
-        port = rng.randrange(20000, 32000)
-        if port in _taken:
-            continue
-        with socket.socket() as s, contextlib.suppress(OSError):
-            s.bind(("127.0.0.1", port))
-            _taken.add(port)
-            return port
 
 
 def _wait(what: str, check: Callable[[], bool], proc: subprocess.Popen[bytes], log: Path) -> None:
@@ -88,7 +72,7 @@ class Stack:
         self.cfg: dict[str, Any] = yaml.safe_load(EXAMPLE_CONFIG.read_text())
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.ports = {
-            k: _free_port() for k in ("gw_metrics", "br_metrics", "broker", "gw_t", "proxy", "dns")
+            k: free_port() for k in ("gw_metrics", "br_metrics", "broker", "gw_t", "proxy", "dns")
         }
         c, r = self.cfg, str(root)
         # the example config with this host's paths and free loopback ports; the rest as shipped
@@ -117,7 +101,7 @@ class Stack:
         creds.mkdir()
         for name in ("vault-role-id", "vault-secret-id"):
             (creds / name).write_text("not-a-real-id\n")
-        c["vault"]["address"] = f"http://127.0.0.1:{_free_port()}"  # nothing listens
+        c["vault"]["address"] = f"http://127.0.0.1:{free_port()}"  # nothing listens
         c["vault"]["approle"].update(
             role_id_file=str(creds / "vault-role-id"),
             secret_id_file=str(creds / "vault-secret-id"),

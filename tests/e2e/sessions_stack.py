@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -32,11 +31,6 @@ class Stack:
         return self.config.launcher.control_socket
 
 
-def free_port() -> int:
-    """A loopback TCP port free now (a listener of a test's own: MCP, the launcher's TCP)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

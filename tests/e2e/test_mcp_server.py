@@ -20,9 +20,10 @@ from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamablehttp_client
 from polling import eventually
-from sessions_stack import Stack, free_port
+from sessions_stack import Stack
 
 from stockade.client import Client
+from stockade.ports import free_port
 
 pytestmark = [pytest.mark.netns, pytest.mark.vault, pytest.mark.slow]
 

@@ -12,9 +12,10 @@ import pytest
 import trustme
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
-from sessions_stack import Stack, free_port
+from sessions_stack import Stack
 
 from stockade.client import AsyncSandbox, Client, Sandbox, TransportError, Unauthorized
+from stockade.ports import free_port
 
 pytestmark = [pytest.mark.netns, pytest.mark.vault, pytest.mark.slow]
 

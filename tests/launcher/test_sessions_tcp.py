@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import ssl
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 import trustme
 
 from stockade.config import Config
+from stockade.ports import free_port
 
 from .conftest import Lab
 from .sessions_rig import Rig, _config, serving
@@ -22,18 +22,12 @@ from .sessions_rig import Rig, _config, serving
 pytestmark = pytest.mark.netns
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _tcp_config(lab: Lab, tmp: Path, host: str, token_text: str, mode: int = 0o600,
                 **tls: str) -> tuple[Config, int, Path]:
     token = tmp / "token"
     token.write_text(token_text)
     token.chmod(mode)
-    port = _free_port()
+    port = free_port()
     return _config(lab, tmp, control_listen=f"{host}:{port}", control_token_file=str(token),
                    **tls), port, token
 
