@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -41,6 +41,9 @@ FILE_MAX = 64 * 2**20  # one file read or written (the profile's disk caps it fu
 # file bodies moved at once across the service: each is held whole in memory (up to
 # FILE_MAX), so without a cap concurrent uploads could take the host's memory
 FILE_TRANSFERS = 4
+# of those, one session's: its orchestrator's slow or stalled bodies leave the other
+# sessions' files a place
+FILE_TRANSFERS_PER_SESSION = 2
 # a body that sends nothing for this long is refused: a stalled client would otherwise
 # hold one of the FILE_TRANSFERS places (and its buffer) for ever
 FILE_BODY_IDLE_S = 30.0
@@ -85,13 +88,41 @@ async def _model(request: web.Request, model: type[BaseModel]) -> Any:
         raise Refused(error(400, "bad_request", detail, field)) from None
 
 
+class Transfers:
+    """The places for file bodies in memory: FILE_TRANSFERS across the service, at most
+    FILE_TRANSFERS_PER_SESSION of them one session's. A session's gate is kept only
+    while one of its transfers waits or runs."""
+
+    def __init__(self) -> None:
+        self._all = asyncio.Semaphore(FILE_TRANSFERS)
+        self._sessions: dict[str, tuple[asyncio.Semaphore, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def place(self, sid: str) -> AsyncIterator[None]:
+        gate, users = self._sessions.get(sid, (None, 0))
+        gate = gate or asyncio.Semaphore(FILE_TRANSFERS_PER_SESSION)
+        self._sessions[sid] = (gate, users + 1)
+        try:
+            async with gate, self._all:
+                yield
+        finally:
+            users = self._sessions[sid][1] - 1
+            if users:
+                self._sessions[sid] = (gate, users)
+            else:
+                del self._sessions[sid]
+
+    def sessions(self) -> int:
+        return len(self._sessions)
+
+
 class SessionRoutes:
     def __init__(self, svc: LauncherService) -> None:
         self.svc = svc
         self.launcher = svc.launcher
         self.table = SessionTable()
         self._expiry: asyncio.Task[None] | None = None
-        self._transfers = asyncio.Semaphore(FILE_TRANSFERS)
+        self.transfers = Transfers()
 
     def add_to(self, app: web.Application) -> None:
         r = app.router
@@ -321,15 +352,16 @@ class SessionRoutes:
               lambda: self.launcher.denials(sid, mark))
 
     # -- files -------------------------------------------------------------------------------
-    def _file_target(self, request: web.Request) -> tuple[str, int]:
+    def _file_target(self, request: web.Request) -> tuple[str, str, int]:
+        """(session id, scratch root, file size limit)."""
         row = self._row(request)
         root = self.launcher.scratch_root(row.session_id)
         if root is None:
             raise Refused(error(409, "session_ended", f"session {row.session_id} has ended"))
-        return root, row.file_limit
+        return row.session_id, root, row.file_limit
 
     async def put_file(self, request: web.Request) -> web.Response:
-        root, limit = self._file_target(request)
+        sid, root, limit = self._file_target(request)
         path = request.query.get("path")
         if path is None:
             return error(400, "bad_request", "the path query parameter is required", "path")
@@ -337,7 +369,7 @@ class SessionRoutes:
         if request.content_length is not None and request.content_length > limit:
             return error(413, "too_large", f"a file may hold at most {limit} bytes", "body")
         owner = files.Owner(self.launcher.s.sandbox_uid, self.launcher.s.sandbox_gid)
-        async with self._transfers:
+        async with self.transfers.place(sid):
             try:
                 data = await _read_capped(request, limit)
             except TimeoutError:
@@ -351,7 +383,7 @@ class SessionRoutes:
         return web.json_response({"path": path, "size": size})
 
     async def get_file(self, request: web.Request) -> web.StreamResponse:
-        root, limit = self._file_target(request)
+        sid, root, limit = self._file_target(request)
         if "list" in request.query:
             entries = await asyncio.to_thread(files.listing, root, request.query["list"])
             return web.json_response({"entries": entries})
@@ -359,7 +391,7 @@ class SessionRoutes:
         if path is None:
             return error(400, "bad_request", "path or list query parameter is required",
                          "path")
-        async with self._transfers:  # held until the body is sent: it is in memory
+        async with self.transfers.place(sid):  # held until the body is sent: in memory
             data = await asyncio.to_thread(files.read, root, path, limit)
             return await _send(request, data)
 
