@@ -3,8 +3,11 @@
 Hand-written because no library scrubs a byte stream for a known set of values: an
 upstream that echoes the request (httpbin style) returns the injected key raw, inside
 the rendered header, base64'd (at any of the 3 byte alignments inside a longer string),
-URL-encoded, hex'd or JSON-escaped. The streaming form holds back `longest pattern - 1`
-bytes between chunks so a secret split across chunk boundaries is still caught.
+URL-encoded, hex'd, JSON-escaped or UTF-16. Base64 may be wrapped (MIME at 76
+characters, PEM at 64): a line break, raw or JSON-escaped, may fall anywhere inside a
+base64 form. The streaming form holds back `longest pattern - 1` bytes between chunks
+(lines wrapped at 64 or more characters counted in) so a secret split across chunk
+boundaries is still caught.
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ from urllib.parse import quote, quote_plus
 
 REDACTED = b"[REDACTED]"
 MIN_DERIVED = 6  # shorter derived forms would redact ordinary text by accident
+# a line break that wrapped base64 may carry between any two of its characters
+WRAP = rb"(?:\r?\n|(?:\\r)?\\n)?"
+WRAP_MIN = 64  # the narrowest common wrap (PEM): sizes the stream's hold-back
+WRAP_MAX_BYTES = 4  # one break's longest form, JSON-escaped `\r\n`
 
 
 def _b64_cores(data: bytes) -> set[bytes]:
@@ -45,6 +52,8 @@ def forms(value: str) -> set[bytes]:
     raw = value.encode("utf-8")
     derived: set[bytes] = set()
     derived |= _b64_cores(raw)
+    derived.add(value.encode("utf-16-le"))
+    derived.add(value.encode("utf-16-be"))
     derived.add(raw.hex().encode())
     derived.add(raw.hex().upper().encode())
     for q in (quote(value, safe=""), quote_plus(value, safe="")):
@@ -59,6 +68,11 @@ def forms(value: str) -> set[bytes]:
     return out
 
 
+def _wrapped(core: bytes) -> bytes:
+    """A base64 core as a pattern that also matches it with line breaks inside."""
+    return WRAP.join(re.escape(core[i:i + 1]) for i in range(len(core)))
+
+
 @dataclass(frozen=True)
 class Patterns:
     """A compiled set of forms; build once per (secret, rendered values), share freely."""
@@ -69,14 +83,19 @@ class Patterns:
     @staticmethod
     def build(values: Iterable[str]) -> Patterns:
         pats: set[bytes] = set()
+        cores: set[bytes] = set()
         for v in values:
             if v:
                 pats |= forms(v)
+                cores |= {c for c in _b64_cores(v.encode("utf-8")) if len(c) >= MIN_DERIVED}
         if not pats:
             raise ValueError("no values to scrub")
         ordered = sorted(pats, key=lambda p: (-len(p), p))  # longest first at one position
-        rx = re.compile(b"|".join(re.escape(p) for p in ordered))
-        return Patterns(rx, max(len(p) for p in ordered))
+        wrapped = [_wrapped(c) for c in sorted(cores, key=lambda c: (-len(c), c))]
+        rx = re.compile(b"|".join([re.escape(p) for p in ordered] + wrapped))
+        longest_core = max((len(c) for c in cores), default=0)
+        wrapped_len = longest_core + WRAP_MAX_BYTES * (longest_core // WRAP_MIN + 1)
+        return Patterns(rx, max(wrapped_len, *(len(p) for p in ordered)))
 
     def scrub(self, data: bytes) -> tuple[bytes, int]:
         """One-shot scrub (header values, whole bodies): (clean bytes, replacements)."""
