@@ -275,6 +275,9 @@ def force_close(head: RequestHead, data: bytes) -> bytes:
 
 
 _DIGITS = frozenset("0123456789")
+# methods whose requests carry no content (RFC 9110 9.3.1-2): a body on one would pass a
+# rule that allows only them ("read-only") with an upload inside
+BODYLESS_METHODS = frozenset({"GET", "HEAD"})
 
 
 def body_length(head: RequestHead) -> int | None:

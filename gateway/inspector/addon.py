@@ -27,12 +27,14 @@ from stockade.policy.ruleset import RuleSet
 
 from stockade.events import make_event
 
+from ..sniff_http import BODYLESS_METHODS
 from .handoff import FLOW_HEADER, HEALTH_HOST, FlowMeta, MetaError, decode_meta
 from .patches import DENIED_EARLY, refuse_layer
 from .requests import (
     InnerRequest,
     RequestDecision,
     decide_request,
+    declares_body,
     denial_body,
     request_syntax_error,
 )
@@ -42,6 +44,7 @@ Emit = Callable[[dict[str, Any]], None]
 
 __all__ = ["DENIED_EARLY", "RULES_KEPT", "RulesByVersion", "StockadeAddon", "inner_request"]
 
+BODY_DROPPED = "stockade_body_dropped"  # flow metadata: a GET's or HEAD's body was held back
 RULES_KEPT = 4  # rule set versions kept, so flows decided just before a reload still match
 RELOAD_MIN_INTERVAL_S = 0.5
 
@@ -227,9 +230,14 @@ class StockadeAddon:
                 )
             else:
                 d = decide_request(ruleset, meta, inner_request(req))
+        bodyless = req.method in BODYLESS_METHODS
+        if d.allowed and bodyless and declares_body(req.data.headers.fields):
+            d = _refused(Reason.PROTOCOL_UNRECOGNISED, meta, f"a {req.method} request with a body")
         self._request_event(meta, flow, d)
         if d.allowed:
-            req.stream = True  # bodies go through, never buffered here
+            # bodies go through, never buffered here; a GET's or HEAD's never (HTTP/2 can
+            # send one without announcing it): the request hook refuses the flow
+            req.stream = _no_body(flow) if bodyless else True
             return
         req.stream = False
         # a body still to come is never read: the stream patch (patches.py)
@@ -244,12 +252,15 @@ class StockadeAddon:
         meta = self.flows.get(flow.client_conn.id)
         if flow.request.trailers:
             flow.request.trailers = None
-            if meta is not None:
-                self._request_event(
-                    meta, flow, _refused(Reason.PROTOCOL_UNRECOGNISED, meta, "request trailers")
-                )
-            if flow.killable:
-                flow.kill()
+            why = "request trailers"
+        elif flow.metadata.get(BODY_DROPPED):
+            why = f"a {flow.request.method} request with a body"
+        else:
+            return
+        if meta is not None:
+            self._request_event(meta, flow, _refused(Reason.PROTOCOL_UNRECOGNISED, meta, why))
+        if flow.killable:
+            flow.kill()
 
     def error(self, flow: Any) -> None:
         """mitmproxy would answer an upstream failure (refused, certificate not valid for
@@ -343,6 +354,19 @@ def inner_request(req: Any) -> InnerRequest:
         names.append(req.authority)
     upgrade = "upgrade" in req.headers or bool(req.headers.get(":protocol"))
     return InnerRequest(req.method, req.path, tuple(names), upgrade)
+
+
+def _no_body(flow: Any) -> Callable[[bytes], list[bytes]]:
+    """The request stream of a GET or HEAD: nothing of a body goes upstream (an empty
+    chunk written to an HTTP/1.1 upstream would end a chunked body); its first byte
+    marks the flow for the request hook."""
+
+    def drop(chunk: bytes) -> list[bytes]:
+        if chunk:
+            flow.metadata[BODY_DROPPED] = True
+        return []
+
+    return drop
 
 
 def _refused(reason: Reason, meta: FlowMeta, detail: str) -> RequestDecision:

@@ -151,6 +151,18 @@ def request_syntax_error(
     return None
 
 
+def declares_body(fields: Any) -> bool:
+    """Whether a request head announces content: a Transfer-Encoding, or a Content-Length
+    other than zero. `fields`: (name, value) bytes pairs."""
+    for name, value in fields:
+        n = name.lower()
+        if n == b"transfer-encoding" or (
+            n == b"content-length" and value.strip().lstrip(b"0") != b""
+        ):
+            return True
+    return False
+
+
 def denial_body(reason: str, rule: str | None, task: str | None) -> bytes:
     """The same small JSON body the gateway sends to plain-HTTP clients (gateway/deny.py)."""
     return json.dumps(

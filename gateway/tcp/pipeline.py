@@ -37,7 +37,7 @@ from .route import (
     Route,
     choose_route,
     connect_route,
-    refuse_chunked,
+    refuse_framing,
 )
 from .start import first_bytes, make_relay
 
@@ -120,7 +120,7 @@ class Pipeline:
         elif conn.listener == "transparent":
             inner = await self._flight(conn, deadline)
         assert inner is not None
-        decision = refuse_chunked(self._decide(conn, task, ruleset, inner, proxy, pre), inner)
+        decision = refuse_framing(self._decide(conn, task, ruleset, inner, proxy, pre), inner)
         route = choose_route(decision, pre, early is not None, InspectorState.of(self.inspector))
         followed = await self._follow(conn, task, ruleset, route, early)
         if followed is None:

@@ -12,7 +12,7 @@ from stockade.policy.reasons import Reason
 from stockade.policy.ruleset import RuleSet
 
 from ..flow import FlowDecision, FlowInput, decide_flow
-from ..sniff_http import RequestHead, body_length
+from ..sniff_http import BODYLESS_METHODS, RequestHead, body_length
 from .flight import Sniffed
 
 VERDICT_CACHE_SIZE = 4096  # memoised CONNECT verdicts (see ConnectVerdicts)
@@ -92,19 +92,25 @@ def why_uninspected(d: FlowDecision, state: InspectorState) -> FlowDecision:
     return replace(d, detail=f"{d.detail}: {why}" if d.detail else why)
 
 
-def refuse_chunked(d: FlowDecision, inner: Sniffed) -> FlowDecision:
+def refuse_framing(d: FlowDecision, inner: Sniffed) -> FlowDecision:
     """Only the first request of a plain-HTTP connection is decided, and the relay
-    forwards exactly its head and body: a body it cannot count is refused."""
+    forwards exactly its head and body: a body it cannot count is refused, and so is a
+    body on a GET or HEAD."""
     if not (d.allowed and d.protocol == "http" and inner.http is not None):
         return d
-    if body_length(inner.http) is not None:
+    length = body_length(inner.http)
+    if length is None:
+        detail = "plain-HTTP request body without a plain Content-Length (chunked)"
+    elif length and inner.http.method in BODYLESS_METHODS:
+        detail = f"a {inner.http.method} request with a body"
+    else:
         return d
     return replace(
         d,
         allowed=False,
         reason=Reason.PROTOCOL_UNRECOGNISED,
         report_only=False,
-        detail="plain-HTTP request body without a plain Content-Length (chunked)",
+        detail=detail,
     )
 
 

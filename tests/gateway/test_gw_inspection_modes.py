@@ -197,6 +197,27 @@ def test_a_plain_http_body_it_cannot_count_is_refused(
     assert ev["stockade"]["decision"] == "denied"
 
 
+def test_a_plain_http_get_with_a_body_is_refused(
+    plaingw: GatewayHarness, plainns: ClientNamespace, fake_internet: FakeInternet
+) -> None:
+    """A body on a GET would pass a GET-only rule with an upload inside (HEAD: the same
+    stage, tests/gateway/test_gw_stages.py)."""
+    method = b"GET"
+    host = f"echo.test:{ECHO_PORT}".encode()
+    head = method + b" /allowed/g HTTP/1.1\r\nHost: " + host + b"\r\nContent-Length: 5\r\n\r\n"
+    got = _raw(plainns, fake_internet, head + b"hello")
+    assert b"hello" not in got and not got.startswith(method), got  # never dialled
+    ev = find_event(
+        plaingw,
+        "connection_decision",
+        labels__task_id="t-plain",
+        event__reason="protocol_unrecognised",
+        destination__port=ECHO_PORT,
+        message=f"a {method.decode()} request with a body",
+    )
+    assert ev["stockade"]["decision"] == "denied"
+
+
 @pytest.mark.parametrize(
     ("framing", "want"),
     [

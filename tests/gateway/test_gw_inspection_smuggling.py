@@ -12,6 +12,7 @@ it off that rewrite happens, and these tests guard it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import socket
@@ -103,6 +104,10 @@ class RecordingUpstream:
         return out
 
     def close(self) -> None:
+        # close() alone leaves the port bound while _accept blocks in accept(): the
+        # shutdown wakes it, so the next module's upstream can bind the same address
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
 
 

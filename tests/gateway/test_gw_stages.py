@@ -21,7 +21,7 @@ from stockade.gateway.tcp.route import (
     choose_route,
     connect_route,
     inspectable,
-    refuse_chunked,
+    refuse_framing,
     why_uninspected,
 )
 from stockade.gateway.tcp.start import first_bytes
@@ -133,17 +133,35 @@ def _head(raw: bytes) -> RequestHead:
     return head
 
 
-def test_refuse_chunked() -> None:
+def test_refuse_framing() -> None:
     te = b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
     chunked = Sniffed(http=_head(te))
     counted = Sniffed(http=_head(b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\n\r\n"))
     d = _d(protocol="http", port=80)
-    refused = refuse_chunked(d, chunked)
+    refused = refuse_framing(d, chunked)
     assert (refused.allowed, refused.reason) == (False, Reason.PROTOCOL_UNRECOGNISED)
     assert refused.detail.endswith("(chunked)")
-    assert refuse_chunked(d, counted) is d
-    assert refuse_chunked(_d(False, R, protocol="http"), chunked).reason == R
-    assert refuse_chunked(_d(), chunked) == _d()  # a TLS flow: not the plain-HTTP rule
+    assert refuse_framing(d, counted) is d
+    assert refuse_framing(_d(False, R, protocol="http"), chunked).reason == R
+    assert refuse_framing(_d(), chunked) == _d()  # a TLS flow: not the plain-HTTP rule
+
+
+def test_a_body_on_get_or_head_is_refused() -> None:
+    """A rule that allows only GET must not pass an upload on a GET."""
+    d = _d(protocol="http", port=80)
+    for method in ("GET", "HEAD"):
+        upload = Sniffed(http=_head(
+            method.encode() + b" / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\n"))
+        refused = refuse_framing(d, upload)
+        assert (refused.allowed, refused.reason) == (False, Reason.PROTOCOL_UNRECOGNISED)
+        assert refused.detail == f"a {method} request with a body"
+        empty = Sniffed(http=_head(
+            method.encode() + b" / HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n"))
+        assert refuse_framing(d, empty) is d
+        assert refuse_framing(d, Sniffed(http=_head(
+            method.encode() + b" / HTTP/1.1\r\nHost: a\r\n\r\n"))) is d
+    post = Sniffed(http=_head(b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\n"))
+    assert refuse_framing(d, post) is d
 
 
 def test_choose_route_ladder() -> None:
