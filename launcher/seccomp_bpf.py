@@ -14,9 +14,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from .seccomp_rules import Rule, filter_rules
+from . import seccomp_guard
+from .seccomp_rules import Rule, filter_rules, guard_numbers
 
 BPF_INSN = 8  # bytes of one struct sock_filter
+LOAD_ARCH = seccomp_guard.INSN.pack(seccomp_guard.LD_ABS_W, 0, 0, seccomp_guard.OFF_ARCH)
 
 
 class SeccompError(RuntimeError):
@@ -39,10 +41,14 @@ def filter_for(python: str, profile: Any) -> bytes:
 
 @functools.cache
 def compile_rules(python: str, rules: tuple[Rule, ...]) -> bytes:
+    """libseccomp's program for `rules`, behind the guard for the calls it cannot name
+    (`seccomp_guard.py`)."""
     out = _compiler(python, rules)
     if not out or len(out) % BPF_INSN:
         raise SeccompError(f"the seccomp compiler gave {len(out)} bytes, not a program")
-    return out
+    if out[:BPF_INSN] != LOAD_ARCH:  # the guard falls through: it must load its own input
+        raise SeccompError("libseccomp's program does not begin by loading the architecture")
+    return seccomp_guard.program(*guard_numbers()) + out
 
 
 def filter_text(python: str, rules: tuple[Rule, ...]) -> str:

@@ -70,6 +70,33 @@ def test_denied_calls_fail_with_eperm(lab: Lab) -> None:
     assert {k: v for k, v in out.items() if v != "EPERM"} == {}
 
 
+NUMBERS_PROBE = r"""
+import ctypes, errno, json, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+out = {}
+for nr in json.loads(sys.argv[1]):
+    ctypes.set_errno(0)
+    r = libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(-1)] * 6)
+    out[nr] = "ok" if r >= 0 else errno.errorcode.get(ctypes.get_errno(), "?")
+print(json.dumps(out))
+"""
+
+
+def test_calls_newer_than_the_review_fail_with_enosys(lab: Lab) -> None:
+    # on this host's kernel (6.18) 457-469 exist: unfiltered, -1 arguments give EINVAL,
+    # EBADF or EFAULT; open_tree_attr (467) is a mount call and denied; numbers past the
+    # last reviewed one are ENOSYS whether or not the kernel has them
+    nums = [457, 458, 463, 467, 468, 469, 470, 471, 500, 1000]
+    res = lab.run(["python3", "-c", NUMBERS_PROBE, json.dumps(nums)])
+    assert res.exit_code == 0, res.stderr
+    out = {int(k): v for k, v in json.loads(res.stdout).items()}
+    assert out[467] == "EPERM"
+    assert {n: out[n] for n in (470, 471, 500, 1000)} == dict.fromkeys((470, 471, 500, 1000),
+                                                                       "ENOSYS")
+    assert not {n: v for n, v in out.items() if n < 467 or n in (468, 469)
+                if v in ("EPERM", "ENOSYS")}, out
+
 def test_vhangup_refused(lab: Lab) -> None:
     # vhangup takes no argument: probed alone, it would hang up the sandbox's own stdio
     code = ("import ctypes, errno, seccomp\nlibc = ctypes.CDLL(None, use_errno=True)\n"
