@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from stockade.launcher import Launcher
+from stockade.launcher import Launcher, SandboxSpec
 from stockade.launcher.cgroups import remove_parent
 
 from stockade.config import Config
@@ -78,8 +78,6 @@ def sleeping_sandbox(launcher: Launcher, ruleset: Any,
                      profile: str = "bench") -> tuple[threading.Thread, dict[str, Any], str]:
     """A `sleep 60` sandbox run in a thread: the thread, its result box (`r` once it
     ended) and its task id once it is running."""
-    from stockade.launcher import SandboxSpec
-
     box: dict[str, Any] = {}
     th = threading.Thread(target=lambda: box.setdefault(
         "r", launcher.run(SandboxSpec(profile, ["sleep", "60"]), ruleset)))
@@ -89,3 +87,18 @@ def sleeping_sandbox(launcher: Launcher, ruleset: Any,
         if running:
             return th, box, running[0]["task_id"]
         time.sleep(0.001)
+
+
+def timed_claim(launcher: Launcher, ruleset: Any, cmd: list[str], *, wait_full: float = 300,
+                inputs: list[tuple[str, str]] | None = None) -> tuple[float, float]:
+    """One run of `cmd` (which prints the guest's `$EPOCHREALTIME`): (seconds from the run's
+    start to that output, to the run's end). `wait_full`: seconds to wait for a full pool
+    first (0: no wait, e.g. a cold start)."""
+    if wait_full:
+        assert launcher.pools is not None and launcher.pools.wait_full(wait_full)
+    t0 = time.time()
+    r = launcher.run(SandboxSpec("bench", cmd, inputs=list(inputs or [])), ruleset)
+    t1 = time.time()
+    assert r.exit_code == 0, r.stderr
+    return float(r.stdout) - t0, t1 - t0
+

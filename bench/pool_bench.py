@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 from launcher_bench import CMD, ms, pct
-from launcher_rig import sleeping_sandbox, started_launcher
+from launcher_rig import sleeping_sandbox, started_launcher, timed_claim
 from stockade.launcher import Launcher, SandboxSpec
 from stockade.policy.model import Limits, Profile
 from tier_bench import MIB, sandbox_memory
@@ -51,15 +51,8 @@ STATIC_CMD = ["busybox", "sh", "-c", "echo $EPOCHREALTIME"]
 def _first_instruction(launcher: Launcher, rs: Any, runs: int, wait_full: bool,
                        inputs: list[tuple[str, str]] | None = None,
                        cmd: list[str] = CMD) -> list[float]:
-    out = []
-    for _ in range(runs):
-        if wait_full:
-            assert launcher.pools is not None and launcher.pools.wait_full(120)
-        t0 = time.time()
-        r = launcher.run(SandboxSpec("bench", cmd, inputs=list(inputs or [])), rs)
-        assert r.exit_code == 0, r.stderr
-        out.append(float(r.stdout) - t0)
-    return out
+    return [timed_claim(launcher, rs, cmd, wait_full=120 if wait_full else 0,
+                        inputs=inputs)[0] for _ in range(runs)]
 
 
 def _inputs(d: Path) -> list[tuple[str, str]]:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher_bench import CMD, ms, pct
-from launcher_rig import started_launcher
+from launcher_rig import started_launcher, timed_claim
 from pool_bench import SHAPE
 from stockade.launcher import Launcher, SandboxSpec, vmimage
 from stockade.launcher.backends import microvm as vm_backend
@@ -101,11 +101,7 @@ RULES = types.SimpleNamespace(version="bench", profiles={"bench": Profile(
 
 
 def claim(launcher: Launcher) -> float:
-    assert launcher.pools is not None and launcher.pools.wait_full(300)
-    t0 = time.time()
-    r = launcher.run(SandboxSpec("bench", CMD), RULES)
-    assert r.exit_code == 0, r.stderr
-    return float(r.stdout) - t0
+    return timed_claim(launcher, RULES, CMD)[0]
 
 
 @contextlib.contextmanager

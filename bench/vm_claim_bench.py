@@ -23,15 +23,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
-import time
 import types
 from typing import Any
 
 import vm_ab_bench
 from launcher_bench import pct
-from launcher_rig import started_launcher
+from launcher_rig import started_launcher, timed_claim
 from pool_bench import SHAPE, STATIC_CMD
-from stockade.launcher import Launcher, SandboxSpec
+from stockade.launcher import Launcher
 from stockade.policy.model import Limits, Profile
 from vm_ab_bench import load, session, trip
 
@@ -48,13 +47,9 @@ def _rules(cpus: float) -> Any:
 def _claims(launcher: Launcher, rules: Any, n: int, rows: dict[str, list[float]]) -> None:
     for _ in range(n):
         for name, cmd in CLAIMS.items():
-            assert launcher.pools is not None and launcher.pools.wait_full(300)
-            t0 = time.time()
-            r = launcher.run(SandboxSpec("bench", cmd), rules)
-            t1 = time.time()
-            assert r.exit_code == 0, r.stderr
-            rows.setdefault(f"claim, {name}: first output", []).append(float(r.stdout) - t0)
-            rows.setdefault(f"claim, {name}: run done", []).append(t1 - t0)
+            first, done = timed_claim(launcher, rules, cmd)
+            rows.setdefault(f"claim, {name}: first output", []).append(first)
+            rows.setdefault(f"claim, {name}: run done", []).append(done)
 
 
 def main() -> None:
