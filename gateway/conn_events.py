@@ -26,7 +26,6 @@ Emit = Callable[[dict[str, Any]], None]
 Counted = Callable[[EventHead], bool]
 EVENT_DELAY_S = 0.01  # how long an allowed flow's events may wait to be written in a batch
 EVENT_SLICE = 4  # deferred events written per event-loop round
-COUNTERS_MAX = 4096
 
 
 def decision_event(
@@ -120,24 +119,6 @@ def close_event(
     )
 
 
-class DecisionCounter:
-    """`decisions{outcome, reason, profile}`: labels() takes a lock and builds a tuple
-    per call; the label space is small, so the children are kept."""
-
-    def __init__(self, metrics: GatewayMetrics) -> None:
-        self.metrics = metrics
-        self._children: dict[tuple[str, str, str], Any] = {}
-
-    def count(self, outcome: str, reason: str, profile: str) -> None:
-        key = (outcome, reason, profile)
-        child = self._children.get(key)
-        if child is None:
-            if len(self._children) > COUNTERS_MAX:
-                self._children.clear()
-            child = self._children[key] = self.metrics.decisions.labels(*key)
-        child.inc()
-
-
 class EventBatch:
     """Runs event builders a moment later, in a batch.
 
@@ -195,7 +176,7 @@ class ConnEvents:
         self.emit = emit
         self.tally = tally
         self.counted = counted
-        self.counter = DecisionCounter(metrics)
+        self.tally = metrics.tally
         self.batch = EventBatch()
 
     def decision(
@@ -209,7 +190,7 @@ class ConnEvents:
     ) -> None:
         conn.decided = True
         profile = conn.task.profile if conn.task else None
-        self.counter.count("allowed" if d.allowed else "denied", str(d.reason), profile or "")
+        self.tally.decided("allowed" if d.allowed else "denied", str(d.reason), profile or "")
         # a caller's `extra` may carry its own count or override the key: built in full
         if emit is None and extra is None and self.counted is not None and \
                 self.counted(decision_head(conn, d, dialled)):
@@ -219,14 +200,13 @@ class ConnEvents:
     def allowed(
         self, conn: Conn, d: FlowDecision, dialled: str, elapsed: float, now: float
     ) -> None:
-        self.metrics.decision_seconds.observe(elapsed)
+        self.tally.timed(elapsed)
         self.decision(conn, d, dialled, now)
 
     def closed(
         self, conn: Conn, relay: Relay, d: FlowDecision, dialled: str, now: float, ended: float
     ) -> None:
-        self.metrics.bytes_up.inc(relay.bytes_up)
-        self.metrics.bytes_down.inc(relay.bytes_down)
+        self.tally.relayed(relay.bytes_up, relay.bytes_down)
         if self.counted is not None and self.counted(close_head(conn, d, dialled)):
             return
         self.emit(close_event(conn, relay, d, dialled, now, ended))

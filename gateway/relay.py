@@ -268,8 +268,10 @@ class _Pump:
         if state in ("eof", "limit"):
             self._watch(read=False, write=False)
             if state == "eof":
-                with contextlib.suppress(OSError):
+                try:  # noqa: SIM105 - no context object: twice per connection
                     self.dst.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
             self.done = True
             if self.other is not None and self.other.done and not self.finished.done():
                 self.finished.set_result(None)

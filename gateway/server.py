@@ -244,11 +244,15 @@ class Gateway:
             if started is None:
                 self.events.cut_short(conn, self.rules.current.version)
             self.table.forget(conn)
-            with contextlib.suppress(OSError):
+            try:  # noqa: SIM105 - no context object: every connection passes here
                 conn.client.close()
+            except OSError:
+                pass
             if started is not None:
-                with contextlib.suppress(OSError):
+                try:  # noqa: SIM105 - as above
                     started.upstream.close()
+                except OSError:
+                    pass
                 self.events.batch.defer(
                     self.events.closed, conn, started.relay, started.decision,
                     started.dialled, time.time(), time.monotonic(),

@@ -229,8 +229,10 @@ def stream_socket(ip: str) -> socket.socket:
     sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, kind)
     if sock.gettimeout() != 0.0:  # no SOCK_NONBLOCK on this platform
         sock.setblocking(False)
-    with contextlib.suppress(OSError):
+    try:  # noqa: SIM105 - no context object: this runs per connection
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:
+        pass
     return sock
 
 

@@ -100,7 +100,10 @@ class MetricDef:
         return {self.name: self.labels}
 
 
-_KINDS = {"Counter": "counter", "Gauge": "gauge", "Histogram": "histogram", "Summary": "summary"}
+_KINDS = {"Counter": "counter", "Gauge": "gauge", "Histogram": "histogram", "Summary": "summary",
+          # the families a custom collector yields at scrape time (gateway/metrics.py)
+          "CounterMetricFamily": "counter", "GaugeMetricFamily": "gauge",
+          "HistogramMetricFamily": "histogram"}
 
 
 def _str_list(node: ast.AST | None) -> frozenset[str]:
@@ -114,7 +117,8 @@ def _str_list(node: ast.AST | None) -> frozenset[str]:
 @functools.cache
 def source_metrics() -> dict[str, MetricDef]:
     """Every prometheus_client metric constructed in the component source, found by reading
-    the code (ast): Counter/Gauge/Histogram/Summary("stockade_...", help, labels)."""
+    the code (ast): Counter/Gauge/Histogram/Summary("stockade_...", help, labels), and a
+    collector's Counter/Gauge/HistogramMetricFamily("stockade_...", help, labels=...)."""
     found: dict[str, MetricDef] = {}
     for folder in SOURCE_DIRS:
         for path in sorted((REPO / folder).rglob("*.py")):
@@ -134,7 +138,7 @@ def source_metrics() -> dict[str, MetricDef]:
                     continue
                 labels = _str_list(node.args[2] if len(node.args) > 2 else None)
                 for kw in node.keywords:
-                    if kw.arg == "labelnames":
+                    if kw.arg in ("labelnames", "labels"):
                         labels = _str_list(kw.value)
                 rel = path.relative_to(REPO)
                 found[first.value] = MetricDef(
