@@ -59,6 +59,9 @@ UPSTREAM_CODE = textwrap.dedent(
         try:
             hdr = await reader.readexactly(5)
             await reader.readexactly(int.from_bytes(hdr[3:5], "big"))
+            # answered as a TLS server would, before the client's next bytes (which the
+            # gateway holds until the server's first handshake message went by)
+            writer.write(bytes.fromhex("1603030026020000220303") + bytes(32))
             cmd = await reader.readexactly(1)
             if cmd == b"D":
                 n = int.from_bytes(await reader.readexactly(8), "big")
@@ -99,6 +102,16 @@ def client_hello(sni: str) -> bytes:
     with contextlib.suppress(ssl.SSLWantReadError):
         obj.do_handshake()
     return out.read()
+
+
+def read_server_hello(s: socket.socket, name: str) -> None:
+    """The upstream's ServerHello head, sent before it reads the command (UPSTREAM_CODE)."""
+    got = b""
+    while len(got) < connrate.SERVER_HELLO_LEN:
+        chunk = s.recv(connrate.SERVER_HELLO_LEN - len(got))
+        if not chunk:
+            raise RuntimeError(f"{name}: closed before the ServerHello")
+        got += chunk
 
 
 def parse_size(text: str) -> int:
@@ -241,7 +254,9 @@ class Bench:
                 raise RuntimeError(f"{proxy.name}: CONNECT refused: {head[:80]!r}")
         self.opened_at = time.perf_counter()
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        s.sendall(self.hello + cmd)
+        s.sendall(self.hello)
+        read_server_hello(s, proxy.name)
+        s.sendall(cmd)  # as a TLS client's next bytes, after the server's first flight
         return s
 
     def throughput(self, proxy: Proxy, nbytes: int) -> float:

@@ -55,6 +55,7 @@ from gateway_bench import (
     client_hello,
     cpu_seconds,
     parse_size,
+    read_server_hello,
     spawn_gateway,
 )
 from hostcost import describe as host_cost
@@ -88,7 +89,9 @@ def worker(spec: dict[str, dict[str, object]]) -> None:
             if not head.startswith((b"HTTP/1.1 200", b"HTTP/1.0 200")):
                 raise RuntimeError(f"CONNECT refused: {head[:120]!r}")
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        s.sendall(hello + cmd)
+        s.sendall(hello)
+        read_server_hello(s, str(path["addr"]))
+        s.sendall(cmd)
         return s
 
     def tput(path: dict[str, object], nbytes: int) -> float:

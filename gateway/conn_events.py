@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +20,7 @@ from .flow import FlowDecision
 from .metrics import GatewayMetrics
 from .relay import Relay
 from .tcp.conn import Conn
+from .tls_retry import Refused
 
 log = logging.getLogger("stockade.gateway")
 Emit = Callable[[dict[str, Any]], None]
@@ -83,7 +85,7 @@ def close_head(conn: Conn, d: FlowDecision, dialled: str) -> EventHead:
     return EventHead(
         (task.task_id or None) if task else None, task.profile if task else None,
         ("gateway", "connection_close",
-         "denied" if reason in (Reason.UPLOAD_LIMIT, Reason.TASK_ENDED) else "none",
+         "denied" if reason in DENIED_CLOSES else "none",
          str(reason or "closed"), d.host or dialled or ""),
         d.host or "", dialled or "")
 
@@ -96,7 +98,7 @@ def close_event(
     return make_event(
         component="gateway",
         action="connection_close",
-        decision="denied" if reason in (Reason.UPLOAD_LIMIT, Reason.TASK_ENDED) else None,
+        decision="denied" if reason in DENIED_CLOSES else None,
         reason=reason or "closed",
         task_id=task.task_id if task else None,
         profile=task.profile if task else None,
@@ -176,7 +178,7 @@ class ConnEvents:
         self.emit = emit
         self.tally = tally
         self.counted = counted
-        self.tally = metrics.tally
+        self.numbers = metrics.tally  # the metrics' per-connection counts
         self.batch = EventBatch()
 
     def decision(
@@ -190,7 +192,7 @@ class ConnEvents:
     ) -> None:
         conn.decided = True
         profile = conn.task.profile if conn.task else None
-        self.tally.decided("allowed" if d.allowed else "denied", str(d.reason), profile or "")
+        self.numbers.decided("allowed" if d.allowed else "denied", str(d.reason), profile or "")
         # a caller's `extra` may carry its own count or override the key: built in full
         if emit is None and extra is None and self.counted is not None and \
                 self.counted(decision_head(conn, d, dialled)):
@@ -200,16 +202,25 @@ class ConnEvents:
     def allowed(
         self, conn: Conn, d: FlowDecision, dialled: str, elapsed: float, now: float
     ) -> None:
-        self.tally.timed(elapsed)
+        self.numbers.timed(elapsed)
         self.decision(conn, d, dialled, now)
 
     def closed(
         self, conn: Conn, relay: Relay, d: FlowDecision, dialled: str, now: float, ended: float
     ) -> None:
-        self.tally.relayed(relay.bytes_up, relay.bytes_down)
+        self.numbers.relayed(relay.bytes_up, relay.bytes_down)
         if self.counted is not None and self.counted(close_head(conn, d, dialled)):
             return
         self.emit(close_event(conn, relay, d, dialled, now, ended))
+
+    def retry_refused(self, conn: Conn, d: FlowDecision, dialled: str, r: Refused) -> None:
+        """An allowed TLS flow refused after a HelloRetryRequest (relay_gate.py): a second,
+        denied decision (destination_mismatch when the second ClientHello named another
+        destination), written in the batch after the allowed one."""
+        refused = FlowDecision(False, r.reason, d.protocol, d.port, host=d.host, ip=d.ip,
+                               rule_id=d.rule_id, policy_version=d.policy_version,
+                               detail=r.detail)  # fmt: skip
+        self.batch.defer(self.decision, conn, refused, dialled, time.time(), _RETRY_PHASE)
 
     def cut_short(self, conn: Conn, policy_version: str) -> None:
         """A task's connection that ended before its flow was decided (the task ended
@@ -226,6 +237,13 @@ class ConnEvents:
                                          policy_version=policy_version, detail=why[1]), None)
 
 
+_RETRY_PHASE = {"phase": "hello_retry"}
+# a connection_close with one of these reasons was ended by a refusal: decision "denied"
+DENIED_CLOSES = frozenset({
+    Reason.UPLOAD_LIMIT, Reason.TASK_ENDED,
+    # after a HelloRetryRequest (relay_gate.py): the second ClientHello, or what came instead
+    Reason.DESTINATION_MISMATCH, Reason.PROTOCOL_UNRECOGNISED, Reason.HEAD_TOO_LARGE,
+})  # fmt: skip
 # close reason -> (the decision's reason, its detail) for a connection cut short
 _CUT_SHORT: dict[str | None, tuple[Reason, str]] = {
     None: (Reason.PROTOCOL_UNRECOGNISED, "the connection failed before its flow was decided"),

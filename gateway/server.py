@@ -40,7 +40,7 @@ from .dns.settings import DnsSettings
 from .flow import Listener
 from .metrics import GatewayMetrics
 from .name_refusals import name_budget_summaries
-from .relay import PipePool, UploadLimit, splice_works
+from .relay import HelloRetryRefused, PipePool, UploadLimit, splice_works
 from .settings import GatewaySettings
 from .tcp.conn import SHUTDOWN, Conn, ConnTable, unmap_ip
 from .tcp.dial import Dialer
@@ -234,6 +234,10 @@ class Gateway:
             pass  # closed by deregistration, expiry, idle timeout or shutdown
         except UploadLimit:
             conn.close_reason = Reason.UPLOAD_LIMIT
+        except HelloRetryRefused as e:  # after a HelloRetryRequest (relay_gate.py)
+            assert started is not None
+            conn.close_reason = e.refused.reason
+            self.events.retry_refused(conn, started.decision, started.dialled, e.refused)
         except OSError:
             pass  # a reset by either side ends the relay; the close event says so
         except Exception:

@@ -22,10 +22,11 @@ from ..deny import CONNECT_ESTABLISHED
 from ..dns.guards import GuardDenial
 from ..flow import FlowDecision, FlowInput, Protocol, decide_flow
 from ..original_dst import original_destination
-from ..relay import PipePool, Relay, UploadLimit
+from ..relay import PipePool, Relay, RetryGate, UploadLimit
 from ..settings import GatewaySettings
 from ..sniff_common import SniffError
 from ..sniff_http import RequestHead
+from ..tls_retry import Refused
 from .conn import Conn, ConnTable, unmap_ip
 from .dial import Dialer, DialResult, EarlyDial, discard, hand_over, send_some
 from .flight import FirstFlight, Sniffed, read_first_flight
@@ -39,7 +40,7 @@ from .route import (
     connect_route,
     refuse_framing,
 )
-from .start import first_bytes, make_relay
+from .start import first_bytes, make_relay, retry_gate
 
 
 class Started(NamedTuple):
@@ -130,7 +131,12 @@ class Pipeline:
             assert failure is not None
             await self._deny(conn, denial(decision, failure.reason, failure.detail), failure.status)
             return None
-        return self._start(conn, task, decision, upstream, dialled, inner)
+        gate = retry_gate(inner, decision, self.settings.sniff_max_bytes)
+        if isinstance(gate, Refused):  # bytes after the first hello it cannot hold apart
+            upstream.close()
+            await self._deny(conn, denial(decision, gate.reason, gate.detail))
+            return None
+        return self._start(conn, task, decision, upstream, dialled, inner, gate)
 
     def _locate(self, conn: Conn) -> None:
         # the task first: a socket reset before its address is read still has one
@@ -266,7 +272,10 @@ class Pipeline:
         upstream: socket.socket,
         dialled: str,
         inner: Sniffed,
+        gate: tuple[RetryGate, int] | None,
     ) -> Started:
+        """`gate`: a watched TLS tunnel's, with where its first ClientHello ends in the
+        first bytes: only that much goes upstream now, the gate holds the rest."""
         elapsed = time.monotonic() - conn.started
         data, up_limit = first_bytes(inner, decision)
         if data and not self.table.count_up(task, len(data)):
@@ -279,9 +288,11 @@ class Pipeline:
         # the sniffed bytes go upstream before the relay is even built: the upstream's
         # answer is the latency path, and the relay listens long before it can come
         # (readiness is level-triggered, so a reader registered later misses nothing)
-        sent = send_some(upstream, data)
+        head = data if gate is None else data[: gate[1]]
+        sent = send_some(upstream, head)
         count_up = functools.partial(self.table.count_up, task)
-        relay = make_relay(conn, upstream, (data, sent, up_limit), count_up, self.pool, self.loop)
+        relay = make_relay(conn, upstream, (head, sent, up_limit), count_up, self.pool,
+                           self.loop, gate[0] if gate is not None else None)
         return Started(upstream, relay, decision, dialled)
 
     async def _flight(

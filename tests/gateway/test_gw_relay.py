@@ -104,7 +104,7 @@ def test_pooled_pipes_are_large_and_fall_back_when_refused(
 ) -> None:
     import fcntl
 
-    from stockade.gateway import relay as relay_mod
+    from stockade.gateway import relay_pump as relay_mod
 
     pool = PipePool()
     r, w = pool.get()
