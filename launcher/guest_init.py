@@ -173,7 +173,8 @@ def end(status_fd, line):
     os.execv(BUSYBOX, ["reboot", "-f"])  # noqa: S606 - syncs, then reboot(2): the VM ends
 
 
-PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 24, 22, 2
+PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_SET_SECCOMP, PR_SET_DUMPABLE = 38, 24, 22, 4
+SECCOMP_MODE_FILTER = 2
 _LIBC = []  # (ctypes, libc, SockFprog), made once: a session's execs reuse them
 
 
@@ -203,6 +204,12 @@ def become(plan):
     os.setgroups([])
     os.setresgid(plan["gid"], plan["gid"], plan["gid"])
     os.setresuid(plan["uid"], plan["uid"], plan["uid"])
+    # Belt and braces: leaving uid 0 made it non-dumpable (fs.suid_dumpable is 0 in the
+    # guest): its /proc/<pid>/mem and fds are out of the sandbox's other processes' reach
+    # while it waits outside the task's cgroup. Set after the last credential change (each
+    # resets it to the sysctl's), so no default decides it; the execve undoes it, in the cgroup.
+    if lib.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "cannot clear dumpable")
     if lib.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "cannot set no_new_privs")
 

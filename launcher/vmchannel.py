@@ -6,7 +6,7 @@ A frame is a 9-byte header, then the payload:
     length (4 bytes, big endian: the payload's size) | channel (4 bytes) | type (1 byte)
 
 Channel 0 is the agent's own (READY, PLAN, PLANNED); every exec gets a channel the host
-chooses (1 and up). Both sides import this module: the guest runs it under its init's rules
+chooses (random, non-zero). Both sides import this module: the guest runs it under its init's rules
 (builtin modules only, no `__future__`, no dataclasses or typing: each import is read over
 9p and run under emulation). Host-to-guest structured payloads are marshal (written by the
 launcher, trusted); guest-to-host payloads are bytes or ASCII text only, never unmarshalled:

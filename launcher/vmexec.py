@@ -6,21 +6,29 @@ exec is.
 An exec's stdout and stderr are the read ends of pipes; a pump thread per stream writes
 what the guest sent into it, so a caller that stops reading one exec's output never stalls
 the demux (and every other exec). Whatever the guest sends is untrusted: a frame that breaks
-the framing, or an exit status that is not one, ends the link and every exec on it.
+the framing, an exit status that is not one, or a frame for a channel the host never issued
+ends the link and every exec on it.
+
+Channel numbers are random (`secrets`), never the guest's to predict: a guest whose kernel
+has fallen cannot queue output or an exit for an exec the host is about to start (with
+sequential numbers, frames sent ahead for N+1 would sit in the socket and land in the next
+exec once the host registered it); a frame for a number not yet issued is a breach, not
+output to drop.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import marshal
 import os
 import queue
+import secrets
 import signal
 import socket
 import subprocess
 import threading
+from collections import deque
 from collections.abc import Callable
 from typing import IO
 
@@ -31,6 +39,15 @@ from .spec import LauncherError
 log = logging.getLogger("stockade.launcher")
 # an exec still running when the link ends (the VM was killed or died): it was killed
 ENDED_WITH_VM = 128 + signal.SIGKILL
+# how many issued channels a link remembers past their exec's end: frames for those are
+# dropped (a killed or forgotten exec's late output is legitimate), for any other never
+# issued a breach. Bounded so a long session stays O(1) in memory, and safe so: a live
+# exec's channel is known through the live execs whatever its age; an honest agent sends
+# an exec's last frames within guest_agent.LINGER_S (0.2 s) of its process's end, far less
+# time than 4096 more execs take to be issued; and a late frame past the bound is taken
+# for a breach, which ends the link: it fails closed and never reaches another exec. A new
+# channel is unique among the live and the remembered ones (~250 KB per link at most).
+RECENT_CHANNELS = 4096
 
 
 def exec_payload(req: ExecSpec) -> bytes:
@@ -138,6 +155,10 @@ class VmExec(EndedByReport):
         self._report_end(rc)
 
 
+class _Unissued(ch.ChannelError):
+    """A frame for a channel the host never issued: the guest is guessing or sending ahead."""
+
+
 class AgentLink:
     """The connection to one guest's agent. `start` runs the demux; `wait_ready` until the
     agent says it waits; `exec` starts one exec; `close` ends the link (and its execs)."""
@@ -147,7 +168,8 @@ class AgentLink:
         self._dec = ch.Decoder(ch.GUEST_TYPES)
         self._send = threading.Lock()
         self._execs: dict[int, VmExec] = {}
-        self._chans = itertools.count(1)
+        self._recent: deque[int] = deque()  # issued channels, oldest first (RECENT_CHANNELS)
+        self._issued: set[int] = set()  # the same, to look up
         self._mu = threading.Lock()
         self.ready = threading.Event()
         self.ended = threading.Event()
@@ -184,7 +206,7 @@ class AgentLink:
         if not self.ready.is_set():
             raise LauncherError("the session's microVM is not ready")
         with self._mu:
-            chan = next(self._chans)
+            chan = self._new_channel()
             proc = VmExec(self, chan)
             self._execs[chan] = proc
         try:
@@ -198,6 +220,18 @@ class AgentLink:
             proc._end(ENDED_WITH_VM)
             raise
         return proc
+
+    def _new_channel(self) -> int:
+        """A random non-zero channel, neither live nor recently issued (`_mu` held)."""
+        while True:
+            chan = secrets.randbits(32)
+            if chan and chan not in self._execs and chan not in self._issued:
+                break
+        if len(self._recent) >= RECENT_CHANNELS:
+            self._issued.discard(self._recent.popleft())
+        self._recent.append(chan)
+        self._issued.add(chan)
+        return chan
 
     def forget(self, chan: int) -> None:
         """Frames for `chan` are dropped from now on (its exec was ended host-side)."""
@@ -223,6 +257,8 @@ class AgentLink:
             while data := self.sock.recv(256 * 1024):
                 for chan, kind, payload in self._dec.feed(data):
                     self._route(chan, kind, payload)
+        except _Unissued as e:
+            why = f"the guest agent broke the protocol: {e}"
         except ch.ChannelError as e:
             why = f"the guest agent broke its framing: {e}"
         except OSError:
@@ -236,8 +272,10 @@ class AgentLink:
             return
         with self._mu:
             proc = self._execs.get(chan)
+            if proc is None and chan not in self._issued:
+                raise _Unissued(f"a frame (type {kind}) for channel {chan}, never issued")
         if proc is None:
-            return  # output of an exec already ended (or never started): dropped
+            return  # output of an exec already ended or forgotten: dropped
         if kind in (ch.STDOUT, ch.STDERR):
             proc._output(kind, payload)
             return

@@ -1,6 +1,8 @@
 """The guest agent's framing (`vmchannel`, pure; fuzzed with hypothesis) and the host's end of
 the link (`vmexec.AgentLink`) against a peer that plays a guest over a real socket pair:
-frames route to their execs, and a guest that breaks the framing ends every exec."""
+frames route to their execs, and a guest that breaks the framing, or sends frames for a
+channel the host never issued (channels are random: none can be sent ahead), ends every
+exec; a forgotten exec's late frames are dropped."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import threading
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from stockade.launcher import LauncherError
+from stockade.launcher import LauncherError, vmexec
 from stockade.launcher import vmchannel as ch
 from stockade.launcher.execspec import ExecSpec
 from stockade.launcher.vmexec import ENDED_WITH_VM, AgentLink, exec_payload
@@ -105,6 +107,14 @@ def link_pair() -> tuple[AgentLink, Guest]:
     return link, Guest(b)
 
 
+def ready_pair() -> tuple[AgentLink, Guest]:
+    """A link whose guest has said READY."""
+    link, guest = link_pair()
+    guest.send(ch.encode(0, ch.READY, b"exec"))
+    link.wait_ready(10, lambda: True)
+    return link, guest
+
+
 def test_frames_route_to_their_execs() -> None:
     link, guest = link_pair()
     with pytest.raises(LauncherError, match="not ready"):
@@ -113,30 +123,30 @@ def test_frames_route_to_their_execs() -> None:
     link.wait_ready(10, lambda: True)
     p1 = link.exec(ExecSpec(("a",), stdin=b"in"))
     p2 = link.exec(ExecSpec(("b",)))
+    c1, c2 = p1.pid, p2.pid
+    assert 0 < c1 <= ch.MAX_CHANNEL and 0 < c2 <= ch.MAX_CHANNEL and c1 != c2
     got = guest.frames(4)  # p1's EXEC, its stdin and EOF; p2's EXEC
-    assert [(c, k) for c, k, _ in got] == [(1, ch.EXEC), (1, ch.STDIN), (1, ch.STDIN),
-                                           (2, ch.EXEC)]
+    assert [(c, k) for c, k, _ in got] == [(c1, ch.EXEC), (c1, ch.STDIN), (c1, ch.STDIN),
+                                           (c2, ch.EXEC)]
     assert [p for _, _, p in got[1:3]] == [b"in", b""]
     p2.send_signal(15)
-    assert guest.frames(1) == [(2, ch.SIGNAL, b"15")]
-    guest.send(ch.encode(2, ch.STDOUT, b"two"), ch.encode(1, ch.STDERR, b"one"),
-               ch.encode(1, ch.EXIT, b"3 0 0"), ch.encode(2, ch.ERROR, b"cwd refused"),
-               ch.encode(9, ch.STDOUT, b"nobody's"))
+    assert guest.frames(1) == [(c2, ch.SIGNAL, b"15")]
+    guest.send(ch.encode(c2, ch.STDOUT, b"two"), ch.encode(c1, ch.STDERR, b"one"),
+               ch.encode(c1, ch.EXIT, b"3 0 0"), ch.encode(c2, ch.ERROR, b"cwd refused"),
+               ch.encode(c1, ch.STDOUT, b"after its end"))  # an ended exec's: dropped
     assert (p1.wait(10), p1.stderr.read(), p1.stdout.read()) == (3, b"one", b"")  # type: ignore[union-attr]
     assert (p2.wait(10), p2.stdout.read()) == (126, b"two")  # type: ignore[union-attr]
     assert p2.refused == "cwd refused" and b"cwd refused" in p2.stderr.read()  # type: ignore[union-attr]
-    assert link.running() == 0
+    assert link.running() == 0 and link.broken is None
     link.close()
     with pytest.raises(LauncherError):
         link.exec(ExecSpec(("true",)))
 
 
 def test_a_guest_that_breaks_the_framing_ends_every_exec() -> None:
-    link, guest = link_pair()
-    guest.send(ch.encode(0, ch.READY, b"exec"))
-    link.wait_ready(10, lambda: True)
+    link, guest = ready_pair()
     procs = [link.exec(ExecSpec(("x",))) for _ in range(3)]
-    guest.send(ch.encode(1, ch.EXIT, b"999 0 0"))  # not an exit status
+    guest.send(ch.encode(procs[0].pid, ch.EXIT, b"999 0 0"))  # not an exit status
     assert [p.wait(10) for p in procs] == [ENDED_WITH_VM] * 3
     assert link.broken and "bad exit status" in link.broken
     link.close()
@@ -162,19 +172,76 @@ def test_a_killed_exec_the_guest_never_ends_is_ended_here() -> None:
     after the kill ends it (ENDED_WITH_VM), its pipes reach EOF (its pump threads have
     closed them), the link forgets it and a late EXIT is dropped. An exec that was not
     killed still just times out."""
-    link, guest = link_pair()
-    guest.send(ch.encode(0, ch.READY, b"exec"))
-    link.wait_ready(10, lambda: True)
+    link, guest = ready_pair()
     quiet, silent = link.exec(ExecSpec(("q",))), link.exec(ExecSpec(("s",)))
     guest.frames(2)
     with pytest.raises(subprocess.TimeoutExpired):
         quiet.wait(0.05)
     silent.kill()
-    assert guest.frames(1) == [(2, ch.SIGNAL, b"9")]
+    assert guest.frames(1) == [(silent.pid, ch.SIGNAL, b"9")]
     assert silent.wait(0.05) == ENDED_WITH_VM and silent.poll() == ENDED_WITH_VM
     assert silent.stdout.read() == b"" and silent.stderr.read() == b""  # type: ignore[union-attr]
     assert link.running() == 1  # `quiet` only
-    guest.send(ch.encode(2, ch.EXIT, b"0 0 0"), ch.encode(1, ch.EXIT, b"4 0 0"))
+    # its late output, refusal and exit are dropped: it was issued (no breach)
+    guest.send(ch.encode(silent.pid, ch.STDOUT, b"late"), ch.encode(silent.pid, ch.ERROR, b"x"),
+               ch.encode(silent.pid, ch.EXIT, b"0 0 0"), ch.encode(quiet.pid, ch.EXIT, b"4 0 0"))
     assert quiet.wait(10) == 4 and silent.returncode == ENDED_WITH_VM
     assert link.running() == 0 and link.broken is None
+    link.close()
+
+
+def test_frames_sent_ahead_for_a_channel_never_issued_end_the_link() -> None:
+    """A guest whose kernel fell sends output and an exit for the channels it expects next
+    (the old numbering's 1, 2, ... and one past the running exec's): with sequential
+    numbers they would land in the next exec once the host registers it. Channels are
+    random, and the first frame for one never issued ends the link and every exec on it."""
+    link, guest = ready_pair()
+    running = link.exec(ExecSpec(("r",)))
+    guest.frames(1)
+    for chan in (1, 2, running.pid + 1):
+        if chan != running.pid:
+            guest.send(ch.encode(chan, ch.STDOUT, b"forged\n"), ch.encode(chan, ch.EXIT, b"0 0 0"))
+    assert link.ended.wait(10)
+    assert running.wait(10) == ENDED_WITH_VM and running.stdout.read() == b""  # type: ignore[union-attr]
+    assert link.broken is not None and "never issued" in link.broken
+    with pytest.raises(LauncherError, match="has ended"):
+        link.exec(ExecSpec(("next",)))
+    link.close()
+
+
+def test_channels_are_random_non_zero_and_unique(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A channel is never 0, never a live exec's nor a remembered one's; the memory of
+    issued channels is bounded (RECENT_CHANNELS): a frame for one issued past it is taken
+    for a breach (fails closed), one for a remembered one is dropped."""
+    draws = iter([0, 7, 7, 9, 7, 11, 12, 13, 7])
+    monkeypatch.setattr(vmexec.secrets, "randbits", lambda n: next(draws))
+    monkeypatch.setattr(vmexec, "RECENT_CHANNELS", 4)
+    link, guest = ready_pair()
+    first = link.exec(ExecSpec(("a",)))
+    second = link.exec(ExecSpec(("b",)))  # 0 and a second 7 are drawn again
+    assert (first.pid, second.pid) == (7, 9)
+    guest.send(ch.encode(7, ch.EXIT, b"0 0 0"))
+    assert first.wait(10) == 0
+    assert link.exec(ExecSpec(("c",))).pid == 11  # 7 ended, but is remembered
+    ended = [link.exec(ExecSpec((str(i),))) for i in range(2)]  # 12, 13: 7 is forgotten
+    assert [p.pid for p in ended] == [12, 13]
+    assert link.exec(ExecSpec(("d",))).pid == 7
+    guest.send(ch.encode(12, ch.EXIT, b"0 0 0"), ch.encode(12, ch.STDOUT, b"late"))
+    assert ended[0].wait(10) == 0 and link.broken is None
+    guest.send(ch.encode(9, ch.STDOUT, b"past the memory"))  # live: still routed
+    guest.send(ch.encode(9, ch.EXIT, b"0 0 0"))
+    assert (second.wait(10), second.stdout.read()) == (0, b"past the memory")  # type: ignore[union-attr]
+    guest.send(ch.encode(8, ch.STDOUT, b"never issued"))
+    assert link.ended.wait(10) and "never issued" in (link.broken or "")
+    link.close()
+
+
+def test_real_channels_are_32_bit_spread_and_unique() -> None:
+    link, guest = ready_pair()
+    chans = set()
+    for _ in range(300):
+        chans.add(link.exec(ExecSpec(("x",))).pid)
+        guest.frames(1)  # its EXEC: the socket's buffer never fills
+    assert len(chans) == 300 and all(0 < c <= ch.MAX_CHANNEL for c in chans)
+    assert max(chans) > 1 << 24  # not 1, 2, 3, ...: any chance of that is 2**-2400
     link.close()
