@@ -168,21 +168,25 @@ class Pump:
             self._fail(e)
             return
         if state in ("eof", "limit"):
-            self.watch(read=False, write=False)
-            if state == "eof":
-                try:  # noqa: SIM105 - no context object: twice per connection
-                    self.dst.shutdown(socket.SHUT_WR)
-                except OSError:
-                    pass
-            self.done = True
-            if self.other is not None and self.other.done and not self.finished.done():
-                self.finished.set_result(None)
+            self._end(state == "eof")
         elif state == "read":
             self.watch(read=True, write=False)
         elif state == "write":  # the destination is not taking bytes
             self.watch(read=False, write=True)
         else:  # "hold": the gate keeps the client unread; it wakes this pump
             self.watch(read=False, write=False)
+
+    def _end(self, eof: bool) -> None:
+        """This direction is done (at the source's EOF: the half-close passed on)."""
+        self.watch(read=False, write=False)
+        if eof:
+            try:  # noqa: SIM105 - no context object: twice per connection
+                self.dst.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+        self.done = True
+        if self.other is not None and self.other.done and not self.finished.done():
+            self.finished.set_result(None)
 
     def _fail(self, exc: BaseException) -> None:
         self.close()

@@ -204,10 +204,9 @@ def become(plan):
     os.setgroups([])
     os.setresgid(plan["gid"], plan["gid"], plan["gid"])
     os.setresuid(plan["uid"], plan["uid"], plan["uid"])
-    # Belt and braces: leaving uid 0 made it non-dumpable (fs.suid_dumpable is 0 in the
-    # guest): its /proc/<pid>/mem and fds are out of the sandbox's other processes' reach
-    # while it waits outside the task's cgroup. Set after the last credential change (each
-    # resets it to the sysctl's), so no default decides it; the execve undoes it, in the cgroup.
+    # not dumpable whatever fs.suid_dumpable says (each credential change resets it to
+    # that): its /proc/<pid>/mem and fds stay out of the sandbox's reach while it waits
+    # outside the task's cgroup; the execve, inside the cgroup, undoes it
     if lib.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "cannot clear dumpable")
     if lib.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
