@@ -68,12 +68,17 @@ if ! installed runsc; then
                 "isolation: gvisor are refused (or list gvisor in launcher.downgrade_isolation)" >&2
 fi
 if [ "${STOCKADE_BACKPORTS:-1}" = 1 ] && qemu_old; then
-    offered() { apt-cache policy qemu-system-x86 2>/dev/null | grep -q bookworm-backports; }
+    # the whole answer first: `| grep -q` would stop reading at the first match, and
+    # apt-cache's SIGPIPE then fails the pipeline under pipefail (QEMU 10 silently skipped)
+    offered() { [[ "$(apt-cache policy qemu-system-x86 2>/dev/null)" == *bookworm-backports* ]]; }
     offered || backports
     if offered; then
         echo "bootstrap: installing QEMU from bookworm-backports" >&2
+        qlog=$(mktemp)
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-            -t bookworm-backports qemu-system-x86 >/dev/null 2>&1 || true
+            -t bookworm-backports qemu-system-x86 >"$qlog" 2>&1 \
+            || { echo "bootstrap: QEMU from bookworm-backports failed:" >&2; tail -5 "$qlog" >&2; }
+        rm -f "$qlog"
     fi
     if qemu_old; then
         echo "bootstrap: note: keeping $(qemu-system-x86_64 -version | head -1) (no newer QEMU" \

@@ -18,6 +18,7 @@ import contextlib
 import itertools
 import socket
 import ssl
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +26,13 @@ from dataclasses import dataclass, field
 
 import pytest
 import trustme
-from gw_harness import GatewayHarness, fake_internet_config, newest_event, running_gateway
+from gw_harness import (
+    GatewayHarness,
+    fake_internet_config,
+    newest_event,
+    registered_client,
+    running_gateway,
+)
 from gw_tlsgen import hello_with_sni, real_client_hello
 from polling import wait_until
 from stockade.gateway.sniff_common import NEED_MORE
@@ -129,7 +136,9 @@ def hgw(
         tmp_path_factory.mktemp("hrr"),
         fake_internet,
         {"hrr": PROFILE.format(port=upstream.port)},
-        transparent_listen=["127.0.0.1:0"],
+        # reachable from a client namespace's redirect (the transparent test), as in
+        # conftest.py's gateway; the clients of the other tests come from 127.0.0.x
+        transparent_listen=["0.0.0.0:0"],
         proxy_listen=["127.0.0.1:0"],
         allow_addresses=[fake_internet.subnet, "127.0.0.1/32"],
         sniff_timeout_s=3.0,
@@ -373,3 +382,48 @@ def test_a_real_handshake_with_a_retry_completes(
             assert t.recv(100) == b"echo:hello through a retry"
         close = newest_event(gw, "connection_close", labels__task_id="t-hrr-real")
         assert close["event"]["reason"] == "closed"
+
+
+# run inside a client namespace: its TCP to anywhere is redirected to the gateway's
+# transparent listener, as a sandbox's is; prints the answer, how the gateway ended the
+# connection and how many bytes came after the answer
+TRANSPARENT_CLIENT = r"""
+import socket, sys
+ip, port, want = sys.argv[1], int(sys.argv[2]), int(sys.argv[5])
+first, second = bytes.fromhex(sys.argv[3]), bytes.fromhex(sys.argv[4])
+s = socket.create_connection((ip, port), timeout=10)
+s.sendall(first)
+got = b""
+while len(got) < want and (d := s.recv(want - len(got))):
+    got += d
+s.sendall(second)
+rest, how = b"", "eof"
+try:
+    while d := s.recv(65536):
+        rest += d
+except ConnectionResetError:
+    how = "reset"
+print(got.hex(), how, len(rest))
+"""
+
+
+def test_the_transparent_listener_refuses_another_name_after_a_retry(
+    hgw: GatewayHarness, fake_internet: FakeInternet, script: ScriptedUpstream
+) -> None:
+    # the sandbox dials any address (here one of the fake internet's); the gateway decides
+    # on the SNI, dials loopback.test's checked address, and judges the second hello
+    anywhere = next(iter(fake_internet.addresses.values()))
+    n = len(script.conns)
+    with registered_client(hgw, "t-hrr-transparent", "hrr", tag="hrr") as ns:
+        second = CCS_RECORD + hello_with_sni("other.test")
+        r = ns.run([sys.executable, "-c", TRANSPARENT_CLIENT, anywhere, str(script.port),
+                    real_client_hello(NAME).hex(), second.hex(), str(len(HRR))],
+                   capture_output=True, text=True, timeout=40)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        got, _how, rest = r.stdout.split()
+        assert (bytes.fromhex(got), rest) == (HRR, "0")
+        seen = upstream_conn(script, n)
+        assert seen.done.wait(5), "the upstream connection was left open"
+        assert bytes(seen.after) == b""
+        refused_events(hgw, "t-hrr-transparent")
+
