@@ -225,15 +225,19 @@ def set_rlimits(plan):
         resource.setrlimit(getattr(resource, "RLIMIT_" + name), (value, value))
 
 
-def child(plan, cg, fds, ctl=None, ahead=None):
+def child(plan, cg, fds, ctl=None, ahead=None, ready=None):
     """In the forked child: join the cgroup, take `fds` as stdio, become the sandbox user,
     load the filter and exec the command. (No helper binary runs as root: an exec costs
     ~100 ms under emulation, and an input could not replace what is never run.)
     A child forked ahead (`fork_child`) gets on its pipe `ctl` what it lacked (guest_agent
     `hand`): with no `plan` (a pooled guest's command), the plan once the claim has set up
     its network and inputs, the child being the sandbox user with the rlimits of `ahead`
-    (the pool's, which the claim's plan must equal) already; with a plan (a session's next
-    exec), argv, env and cwd, read as the sandbox user under the filter, before the exec."""
+    (the pool's, which the claim's plan must equal) already, under the pool's filter
+    (`ahead["seccomp"]`: the init hands it only a plan whose filter is those bytes,
+    `guest_pool.keep_child`; it refuses any other), which it says on `ready` before it
+    waits (`guest_pool.settled` then moves it into the cgroup); with a plan (a session's
+    next exec), argv, env and cwd, read as the sandbox user under the filter, before the
+    exec."""
     try:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
         if ctl is None:  # a child forked ahead is moved in by its parent (`admit`)
@@ -242,6 +246,9 @@ def child(plan, cg, fds, ctl=None, ahead=None):
         set_rlimits(ahead if pooled else plan)
         if pooled:
             become(ahead)  # nothing of a task yet: a claim's child does not pay for it
+            load_filter(ahead["seccomp"])  # the pool's: a claim's child does not pay either
+            os.write(ready, b".")
+            os.close(ready)
             plan = wire().receive(ctl)
             fds, ctl = (stdin_of(plan), *fds), None
         fds = fds if ctl is None else (*fds, ctl)
@@ -249,9 +256,11 @@ def child(plan, cg, fds, ctl=None, ahead=None):
             os.dup2(fd, i)
         os.closerange(len(fds), 1024)
         os.umask(0o022)
+        if pooled and plan.get("seccomp") != ahead["seccomp"]:  # (keep_child hands none)
+            raise OSError("the plan's seccomp filter is not the one loaded ahead")
         if not pooled:
             become(plan)
-        load_filter(plan.get("seccomp"))
+            load_filter(plan.get("seccomp"))
         if ctl is not None:
             plan = dict(plan, **wire().receive(3))
             os.close(3)
@@ -275,17 +284,25 @@ def admit(cg, pid):
 
 def fork_child(plan, cg, fds, new_session=False, ahead=None):
     """A child that waits on a pipe (`child`'s `ctl`): (pid, the pipe's write end). It
-    stays outside `cg` until its parent `admit`s it, before handing it what it waits for:
-    what it does meanwhile (the user, the filter) is not charged to the task."""
+    stays outside `cg` until its parent `admit`s it: before handing it what it waits for,
+    or (a pooled guest's command, `ahead`) once it says on a pipe of its own that it has
+    done what it does ahead, whose read end comes third: what it does meanwhile (the
+    user, the filter) is not charged to the task."""
     ctl_r, ctl_w = os.pipe()
+    ready_r, ready_w = os.pipe() if ahead is not None else (None, None)
     pid = os.fork()
     if pid == 0:
         os.close(ctl_w)
+        if ready_r is not None:
+            os.close(ready_r)
         if new_session:
             os.setsid()
-        child(plan, cg, fds, ctl_r, ahead)
+        child(plan, cg, fds, ctl_r, ahead, ready_w)
     os.close(ctl_r)
-    return pid, ctl_w
+    if ready_r is None:
+        return pid, ctl_w
+    os.close(ready_w)
+    return pid, ctl_w, ready_r
 
 
 def sysctls(plan):
@@ -307,10 +324,21 @@ def stdin_of(plan):
     return os.open(f"{RUN}/stdin" if plan["stdin"] else "/dev/null", os.O_RDONLY)
 
 
-def inputs(plan, port):
-    """The input table's, then a claimed pooled guest's (guest_inputs.py), said on `port`."""
+def image_checked():
+    """The input table (`RUN/inputs`), once the image is found current: one built by an
+    older vm-images/init neither locks the kernel down nor leaves the inputs to this init,
+    and is refused rather than run with less. (A pooled guest does this before its claim:
+    the image, and its config share's table, are the same for every task it could get.)"""
+    with open("/proc/sys/kernel/modules_disabled") as fh:
+        if fh.read().strip() != "1" or not os.path.exists(f"{RUN}/inputs"):
+            raise OSError("the guest image is outdated: rebuild it with vm-images/build.sh")
     with open(f"{RUN}/inputs") as fh:
-        table = fh.read()
+        return fh.read()
+
+
+def inputs(plan, port, table):
+    """The input table's (`image_checked`), then a claimed pooled guest's
+    (guest_inputs.py), said on `port`; each checked by `mount_inputs`."""
     claim = plan.get("claim_inputs") if port is not None else None
     mount_inputs(table + (sys.modules["guest_inputs"].stage(claim, bb) if claim else ""),
                  plan["reserved"])
@@ -330,7 +358,7 @@ def setup(status_fd, out_fd, err_fd):
         pooled = plan if plan.get("pooled") else None
         if pooled is not None:  # its wait for the claim (guest_pool.py, from the plan)
             load_modules(pooled["modules"])
-            plan, port, cg, command = sys.modules["guest_pool"].claimed(
+            plan, port, cg, command, table = sys.modules["guest_pool"].claimed(
                 sys.modules[__name__], pooled, out_fd, err_fd)
         if plan.get("fresh"):  # a pooled guest: reseeded again, its clock set again
             refresh(plan["fresh"], mac=pooled is None)
@@ -339,15 +367,11 @@ def setup(status_fd, out_fd, err_fd):
             sysctls(plan)
         if plan["uid"] == 0 or plan["gid"] == 0:
             raise OSError("the command never runs as root")
-        # an image built by an older vm-images/init neither locks the kernel down nor
-        # leaves the inputs to this init: refuse it rather than run with less
-        with open("/proc/sys/kernel/modules_disabled") as fh:
-            if fh.read().strip() != "1" or not os.path.exists(f"{RUN}/inputs"):
-                raise OSError("the guest image is outdated: rebuild it with vm-images/build.sh")
         if pooled is None:
+            table = image_checked()  # (a pooled guest checked its image before its claim)
             cg = limit_cgroup(cg, plan)
         in_fd = stdin_of(plan) if command is None else None
-        inputs(plan, port)
+        inputs(plan, port, table)
     except Exception as e:
         os.write(err_fd, f"stockade-vm-init: {e}\n".encode())
         end(status_fd, "125 0 0\n")
@@ -356,7 +380,10 @@ def setup(status_fd, out_fd, err_fd):
 
 def reap(status_fd, pid, cg, limit):
     """As pid 1, reap every orphan; leave when the command ends. Like the netns backend, a
-    command that keeps hitting its pids limit (a fork bomb) is ended: the whole cgroup."""
+    command that keeps hitting its pids limit (a fork bomb) is ended: the whole cgroup.
+    It waits first: the command, just handed its plan, starts without this init's
+    reads of pids.events beside it on the vCPU."""
+    signal.sigtimedwait([signal.SIGCHLD], 0.05)
     while True:
         try:
             got, st = os.waitpid(-1, os.WNOHANG)
@@ -453,7 +480,7 @@ def serve_agent(plan, cg, status_fd, err_fd, port):
 
 def admitted(cg, command):
     """The pooled command's child (pid, pipe) moved into `cg`; else False, its pipe closed
-    (it leaves): the fresh child forked instead fails to join it and says why."""
+    (it leaves): the claim's fresh child fails to join it too and says why."""
     try:
         admit(cg, command[0])
     except OSError:
@@ -477,8 +504,8 @@ def main():
         session(plan, cg, status_fd, err_fd, port)
     if plan.get("probe_first"):
         probes_first(plan, cg, status_fd, err_fd, port)
-    if command is not None and admitted(cg, command) and \
-            wire().hand(command[1], dict(plan, modules=())):
+    # a pooled command's child is in the cgroup already (guest_pool.settled)
+    if command is not None and wire().hand(command[1], dict(plan, modules=())):
         pid = command[0]
     else:  # a cold start's command, or a pooled one whose child is gone
         in_fd = stdin_of(plan) if in_fd is None else in_fd
