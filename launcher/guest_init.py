@@ -5,19 +5,16 @@ when the host has no KVM, where `json`, `ctypes` or `signal` (enum, re, ...) cos
 vm-images/init has already built the filesystem, copied the plan to /sbx/run, unmounted
 the config share and made the root read-only.
 
-It reads the plan (`microvm.guest_plan`, marshal: the values are data, never parsed as
-shell), sets up eth0 with the sandbox's address (busybox `ip`, argument lists), puts the
-command in a cgroup with the profile's memory and pids limits, and only then mounts the
-inputs (their table from the config share; a target at or under a reserved path, or one
-reached through a symlink, is refused): from there on it execs, as root, only
-/sbx/busybox of the initramfs, so an input can replace nothing it runs. Its forked child
-becomes the unprivileged sandbox user itself (`become`: empty capability bounding set, no
-supplementary groups, no_new_privs; the container tier's steps) with the rlimits, loads
-the container tier's seccomp filter and execs the command (PATH of the plan's
-environment), its stdout and stderr on their virtio-serial ports; the command's
-environment (LD_* included) is never this root init's. It waits for the command, writes
-`<exit status> <oom kills> <pids limit hits>` to the status port and reboots (QEMU runs
-with -no-reboot: the VM ends).
+It reads the plan (`microvm.guest_plan`, marshal: data, never parsed as shell), sets up
+eth0 (busybox `ip`, argument lists), puts the command in a cgroup with the profile's
+limits, and only then mounts the inputs (a target at or under a reserved path, or reached
+through a symlink, is refused): from there on it execs, as root, only /sbx/busybox of the
+initramfs, so an input can replace nothing it runs. Its forked child becomes the sandbox
+user itself (`become`: the container tier's steps) with the rlimits, loads the seccomp
+filter and execs the command, stdout and stderr on their virtio-serial ports; the
+command's environment (LD_* included) is never this root init's. It waits for the
+command, writes `<exit status> <oom kills> <pids limit hits>` to the status port and
+reboots (QEMU runs with -no-reboot: the VM ends).
 
 A pooled guest's plan on the config share is a placeholder (`pooled`): this init loads
 what every task's guest loads, says so on the agent port and reads the task's plan there
@@ -137,9 +134,8 @@ def make_cgroup():
 
 
 def limit_cgroup(d, plan):
-    """The profile's memory, pids and CPU limits (the VM's RAM has headroom for the guest
-    kernel, the host's quota of QEMU is its vCPUs; this is what the command itself may
-    use), before the command runs; on the cgroup `d` made ahead, or on a new one."""
+    """The profile's memory, pids and CPU limits (what the command itself may use: the VM
+    has more), before the command runs; on the cgroup `d` made ahead, or on a new one."""
     d = make_cgroup() if d is None else d
     write(f"{d}/memory.max", str(plan["memory"]), best_effort=False)
     write(f"{d}/memory.swap.max", "0")
@@ -204,9 +200,8 @@ def become(plan):
     os.setgroups([])
     os.setresgid(plan["gid"], plan["gid"], plan["gid"])
     os.setresuid(plan["uid"], plan["uid"], plan["uid"])
-    # not dumpable whatever fs.suid_dumpable says (each credential change resets it to
-    # that): its /proc/<pid>/mem and fds stay out of the sandbox's reach while it waits
-    # outside the task's cgroup; the execve, inside the cgroup, undoes it
+    # not dumpable whatever fs.suid_dumpable says: its /proc/<pid>/mem and fds stay out of
+    # the sandbox's reach while it waits outside the task's cgroup (the execve undoes it)
     if lib.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "cannot clear dumpable")
     if lib.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
@@ -231,15 +226,15 @@ def set_rlimits(plan):
         resource.setrlimit(getattr(resource, "RLIMIT_" + name), (value, value))
 
 
-def child(plan, cg, fds, ctl=None, ahead=None):
+def child(plan, cg, fds, ctl=None, ahead=None, ready=None):
     """In the forked child: join the cgroup, take `fds` as stdio, become the sandbox user,
-    load the filter and exec the command. (No helper binary runs as root: an exec costs
-    ~100 ms under emulation, and an input could not replace what is never run.)
-    A child forked ahead (`fork_child`) gets on its pipe `ctl` what it lacked (guest_agent
-    `hand`): with no `plan` (a pooled guest's command), the plan once the claim has set up
-    its network and inputs, the child being the sandbox user with the rlimits of `ahead`
-    (the pool's, which the claim's plan must equal) already; with a plan (a session's next
-    exec), argv, env and cwd, read as the sandbox user under the filter, before the exec."""
+    load the filter and exec the command (no helper binary runs as root: an exec costs
+    ~100 ms under emulation). A child forked ahead (`fork_child`) gets what it lacked on
+    its pipe `ctl` (guest_agent `hand`): a pooled guest's command (no `plan`) its plan at
+    the claim, being the sandbox user with the pool's rlimits (`ahead`) under the pool's
+    filter already, said on `ready` (then `guest_pool.settled` moves it into the cgroup;
+    only a plan with that very filter is handed, `guest_pool.keep_child`, and it refuses
+    any other); a session's next exec its argv, env and cwd, under the filter."""
     try:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
         if ctl is None:  # a child forked ahead is moved in by its parent (`admit`)
@@ -248,6 +243,9 @@ def child(plan, cg, fds, ctl=None, ahead=None):
         set_rlimits(ahead if pooled else plan)
         if pooled:
             become(ahead)  # nothing of a task yet: a claim's child does not pay for it
+            load_filter(ahead["seccomp"])  # the pool's: a claim's child does not pay either
+            os.write(ready, b".")
+            os.close(ready)
             plan = wire().receive(ctl)
             fds, ctl = (stdin_of(plan), *fds), None
         fds = fds if ctl is None else (*fds, ctl)
@@ -255,9 +253,11 @@ def child(plan, cg, fds, ctl=None, ahead=None):
             os.dup2(fd, i)
         os.closerange(len(fds), 1024)
         os.umask(0o022)
+        if pooled and plan.get("seccomp") != ahead["seccomp"]:  # (keep_child hands none)
+            raise OSError("the plan's seccomp filter is not the one loaded ahead")
         if not pooled:
             become(plan)
-        load_filter(plan.get("seccomp"))
+            load_filter(plan.get("seccomp"))
         if ctl is not None:
             plan = dict(plan, **wire().receive(3))
             os.close(3)
@@ -280,18 +280,25 @@ def admit(cg, pid):
 
 
 def fork_child(plan, cg, fds, new_session=False, ahead=None):
-    """A child that waits on a pipe (`child`'s `ctl`): (pid, the pipe's write end). It
-    stays outside `cg` until its parent `admit`s it, before handing it what it waits for:
-    what it does meanwhile (the user, the filter) is not charged to the task."""
+    """A child that waits on a pipe (`child`'s `ctl`): (pid, the pipe's write end; with
+    `ahead`, third, the read end of its `ready` pipe). It stays outside `cg` until its
+    parent `admit`s it (what it does meanwhile is not charged to the task): before it is
+    handed what it waits for, or once it said it is ready (a pooled guest's command)."""
     ctl_r, ctl_w = os.pipe()
+    ready_r, ready_w = os.pipe() if ahead is not None else (None, None)
     pid = os.fork()
     if pid == 0:
         os.close(ctl_w)
+        if ready_r is not None:
+            os.close(ready_r)
         if new_session:
             os.setsid()
-        child(plan, cg, fds, ctl_r, ahead)
+        child(plan, cg, fds, ctl_r, ahead, ready_w)
     os.close(ctl_r)
-    return pid, ctl_w
+    if ready_r is None:
+        return pid, ctl_w
+    os.close(ready_w)
+    return pid, ctl_w, ready_r
 
 
 def sysctls(plan):
@@ -313,10 +320,20 @@ def stdin_of(plan):
     return os.open(f"{RUN}/stdin" if plan["stdin"] else "/dev/null", os.O_RDONLY)
 
 
-def inputs(plan, port):
-    """The input table's, then a claimed pooled guest's (guest_inputs.py), said on `port`."""
+def image_checked():
+    """The input table (`RUN/inputs`) of a current image (an older one neither locks the
+    kernel down nor leaves the inputs to this init: refused). A pooled guest asks before
+    its claim: the image and its table are the same for every task it could get."""
+    with open("/proc/sys/kernel/modules_disabled") as fh:
+        if fh.read().strip() != "1" or not os.path.exists(f"{RUN}/inputs"):
+            raise OSError("the guest image is outdated: rebuild it with vm-images/build.sh")
     with open(f"{RUN}/inputs") as fh:
-        table = fh.read()
+        return fh.read()
+
+
+def inputs(plan, port, table):
+    """The input table's (`image_checked`), then a claimed pooled guest's
+    (guest_inputs.py), said on `port`; each checked by `mount_inputs`."""
     claim = plan.get("claim_inputs") if port is not None else None
     mount_inputs(table + (sys.modules["guest_inputs"].stage(claim, bb) if claim else ""),
                  plan["reserved"])
@@ -325,10 +342,9 @@ def inputs(plan, port):
 
 
 def setup(status_fd, out_fd, err_fd):
-    """The guest's network, names and inputs from the plan; (plan, the command's cgroup,
-    its stdin, the agent port and the command's waiting child when a pooled guest's plan
-    came on it (its stdin is then the child's to open)) or the end of the guest with
-    status 125."""
+    """The guest's network, names and inputs from the plan: (plan, the command's cgroup,
+    its stdin, the agent port and waiting child of a pooled guest (whose stdin is then
+    the child's to open)), or the guest's end with status 125."""
     port = cg = command = None
     try:
         with open(f"{RUN}/plan", "rb") as fh:
@@ -336,7 +352,7 @@ def setup(status_fd, out_fd, err_fd):
         pooled = plan if plan.get("pooled") else None
         if pooled is not None:  # its wait for the claim (guest_pool.py, from the plan)
             load_modules(pooled["modules"])
-            plan, port, cg, command = sys.modules["guest_pool"].claimed(
+            plan, port, cg, command, table = sys.modules["guest_pool"].claimed(
                 sys.modules[__name__], pooled, out_fd, err_fd)
         if plan.get("fresh"):  # a pooled guest: reseeded again, its clock set again
             refresh(plan["fresh"], mac=pooled is None)
@@ -345,15 +361,11 @@ def setup(status_fd, out_fd, err_fd):
             sysctls(plan)
         if plan["uid"] == 0 or plan["gid"] == 0:
             raise OSError("the command never runs as root")
-        # an image built by an older vm-images/init neither locks the kernel down nor
-        # leaves the inputs to this init: refuse it rather than run with less
-        with open("/proc/sys/kernel/modules_disabled") as fh:
-            if fh.read().strip() != "1" or not os.path.exists(f"{RUN}/inputs"):
-                raise OSError("the guest image is outdated: rebuild it with vm-images/build.sh")
         if pooled is None:
+            table = image_checked()  # (a pooled guest checked its image before its claim)
             cg = limit_cgroup(cg, plan)
         in_fd = stdin_of(plan) if command is None else None
-        inputs(plan, port)
+        inputs(plan, port, table)
     except Exception as e:
         os.write(err_fd, f"stockade-vm-init: {e}\n".encode())
         end(status_fd, "125 0 0\n")
@@ -361,8 +373,10 @@ def setup(status_fd, out_fd, err_fd):
 
 
 def reap(status_fd, pid, cg, limit):
-    """As pid 1, reap every orphan; leave when the command ends. Like the netns backend, a
-    command that keeps hitting its pids limit (a fork bomb) is ended: the whole cgroup."""
+    """As pid 1, reap every orphan; leave when the command ends; a command that keeps
+    hitting its pids limit (a fork bomb) ends with its cgroup, as in the netns backend. It
+    waits first: the command starts without this init's pids.events reads on the vCPU."""
+    signal.sigtimedwait([signal.SIGCHLD], 0.05)
     while True:
         try:
             got, st = os.waitpid(-1, os.WNOHANG)
@@ -391,8 +405,7 @@ def load_modules(sources):
 
 
 def agent_port():
-    """The agent's virtio-serial port (number AGENT_NR of the one virtio-serial device),
-    made root's alone before anything of the sandbox runs."""
+    """The agent's virtio-serial port (AGENT_NR), root's alone before the sandbox runs."""
     names = [n for n in os.listdir("/dev") if n.startswith("vport") and n.endswith(AGENT_NR)]
     if len(names) != 1:
         raise OSError("no agent port in the guest")
@@ -403,10 +416,8 @@ def agent_port():
 
 
 def exec_child(plan, cg):
-    """A session's exec child (the agent's `fork`): the first command's start, its stdio on
-    fresh pipes, in a session of its own (a signal reaches its group), waiting for its argv,
-    env and cwd (`child`) as the sandbox user under the filter: (pid, its pipe, the stdio's
-    ends)."""
+    """A session's exec child (the agent's `fork`), stdio on fresh pipes, in a session of its
+    own, waiting for argv, env and cwd (`child`): (pid, its pipe, the stdio's ends)."""
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -457,17 +468,6 @@ def serve_agent(plan, cg, status_fd, err_fd, port):
     os.close(port)
 
 
-def admitted(cg, command):
-    """The pooled command's child (pid, pipe) moved into `cg`; else False, its pipe closed
-    (it leaves): the fresh child forked instead fails to join it and says why."""
-    try:
-        admit(cg, command[0])
-    except OSError:
-        os.close(command[1])
-        return False
-    return True
-
-
 def main():
     # SIGCHLD blocked: the wait loop sleeps in sigtimedwait until a child changes state
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
@@ -483,8 +483,8 @@ def main():
         session(plan, cg, status_fd, err_fd, port)
     if plan.get("probe_first"):
         probes_first(plan, cg, status_fd, err_fd, port)
-    if command is not None and admitted(cg, command) and \
-            wire().hand(command[1], dict(plan, modules=())):
+    # a pooled command's child is in the cgroup already (guest_pool.settled)
+    if command is not None and wire().hand(command[1], dict(plan, modules=())):
         pid = command[0]
     else:  # a cold start's command, or a pooled one whose child is gone
         in_fd = stdin_of(plan) if in_fd is None else in_fd

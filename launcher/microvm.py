@@ -269,18 +269,27 @@ def ahead(plan: dict[str, Any]) -> dict[str, Any]:
 
 def pooled_plan(session_modules: Sequence[tuple[str, str]], guest_ip: str, host_ip: str,
                 prefixlen: int, fresh: dict[str, Any], ahead: dict[str, Any],
-                warmup: Sequence[Sequence[str]] = ()) -> dict[str, Any]:
+                seccomp: bytes, warmup: Sequence[Sequence[str]] = (),
+                warmup_locale: dict[str, str] | None = None) -> dict[str, Any]:
     """The config share's plan of a pooled guest: no task, only what every task's guest
     loads (the agent's modules), its slot's network and a fresh identity (`fresh_identity`:
     the claim's plan brings another seed and the clock, the same MAC and network), what
     every task of its pool runs under (`ahead`: put in force before the claim), the
-    commands it runs once before (`warmup`: microvm.pool_warmup), and the mark that its
-    real plan comes on the agent port."""
+    seccomp filter of a profile without relaxations (`seccomp`: the command's child loads
+    it while it waits; a claim whose filter is other bytes gets a fresh child, which
+    loads the claim's), the commands it runs once before (`warmup`:
+    microvm.pool_warmup) under the locale its tasks get (`warmup_locale`: LANG and LC_*
+    only), and the mark that its real plan comes on the agent port."""
     if set(ahead) != set(AHEAD_KEYS) or ahead["uid"] == 0 or ahead["gid"] == 0:
         raise ValueError("a pooled guest's command never runs as root")
+    if not seccomp or len(seccomp) % 8:
+        raise ValueError("a pooled guest's child loads a seccomp filter: none given")
     return {"pooled": True, "modules": list(session_modules), "fresh": fresh,
             "net": {"ip": guest_ip, "prefixlen": prefixlen, "gateway": host_ip},
-            "ahead": dict(ahead), "warmup": [list(a) for a in warmup]}
+            "ahead": dict(ahead), "seccomp": bytes(seccomp),
+            "warmup": [list(a) for a in warmup],
+            "warmup_locale": {k: v for k, v in (warmup_locale or {}).items()
+                              if k == "LANG" or k.startswith("LC_")}}
 
 
 def plan_frame(plan: dict[str, Any]) -> bytes:

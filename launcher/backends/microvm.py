@@ -32,7 +32,7 @@ from ..lifecycle import snapshot_fallback_event
 from ..spec import LauncherError
 from ..supervise import Ended, feed_stdin, kill_marker, kill_proc, started, watch
 from ..vmexec import VmExec
-from . import CgroupControl, Live, StartContext
+from . import CgroupControl, Live, StartContext, pool_seccomp_program
 from .microvm_qemu import VmPipes, spawn, unspawn, vm_spec
 
 if TYPE_CHECKING:  # annotations only
@@ -161,14 +161,17 @@ class MicrovmBackend(CgroupControl):
         first when there is none: a refill is off every task's path; a cold boot when none
         can be), it mounts its shares and starts its init, which loads what every task's
         guest loads, takes its slot's identity and address (denied as unclaimed; nothing
-        in it sends) and waits on the agent port. `claim_pooled` sends the plan there."""
+        in it sends), forks the command's child, which becomes the sandbox user and loads
+        the filter of a profile that relaxes nothing (`pool_seccomp_program`), and waits
+        on the agent port. `claim_pooled` sends the plan there."""
         machine = _machine(ctx)
         cfg, layout, tables = _prepare(live, ctx)
         a = ctx.addresses
         _write_files(cfg, ctx, microvm.pooled_plan(
             _session_modules(POOLED_MODULES), a.guest_ip, a.host_ip, a.prefixlen,
             microvm.fresh_identity(a.guest_mac, os.urandom(64), time.time()),
-            _ahead(ctx), ctx.settings.microvm.pool_warmup), *tables)
+            _ahead(ctx), pool_seccomp_program(ctx.init_python),
+            ctx.settings.microvm.pool_warmup, _task_locale(ctx.settings)), *tables)
         shape = vm_spec(ctx, cfg, layout, machine, [0, 0, 0, 0], 0)
         snapshot = self._pool_template(live, ctx, shape, machine[0].stamp)
         if snapshot is None or not self._restore(live, ctx, cfg, layout, machine, False,
@@ -343,6 +346,14 @@ def _ahead(ctx: StartContext) -> dict[str, Any]:
         guest_ip="", host_ip="", prefixlen=0, memory=limits.memory, pids=limits.pids,
         pids_fail_kill=s.pids_fail_kill, stdin=False, cpus=limits.cpus,
         congestion_control=ctx.congestion_control))
+
+
+def _task_locale(s: LauncherSettings) -> dict[str, str]:
+    """The locale variables every task gets from the host's environment (`env_allowlist`,
+    environment.sandbox_env; a caller's own may differ): its pool's warm-up runs under
+    them, so a claim's start of the same program runs code already translated."""
+    return {k: os.environ[k] for k in s.env_allowlist
+            if (k == "LANG" or k.startswith("LC_")) and k in os.environ}
 
 
 def _rlimits(s: LauncherSettings) -> dict[str, int]:

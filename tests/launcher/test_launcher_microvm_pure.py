@@ -292,16 +292,23 @@ def test_a_pooled_guests_plan_comes_on_its_agent_port() -> None:
         argv=["true"], env={}, uid=65534, gid=65534, rlimits={"NOFILE": 4096}, guest_ip="",
         host_ip="", prefixlen=0, memory=MIB, pids=8, pids_fail_kill=4, stdin=False, cpus=0.5))
     placeholder = microvm.pooled_plan([("vmchannel", "X = 1")], "10.213.0.2", "10.213.0.1",
-                                      30, fresh, ahead, (("/usr/bin/bash", "-c", ":"),))
+                                      30, fresh, ahead, b"\1" * 16,
+                                      (("/usr/bin/bash", "-c", ":"),))
     # no task in it: its slot's network and identity, the agent's modules, and what every
-    # task of its pool runs under (the settings' user and rlimits, the shape's limits)
+    # task of its pool runs under (the settings' user and rlimits, the shape's limits, the
+    # filter of a profile that relaxes nothing, which its command's child loads ahead)
     assert marshal.loads(microvm.encode_plan(placeholder)) == {  # noqa: S302
         "pooled": True, "modules": [("vmchannel", "X = 1")], "fresh": fresh,
         "net": {"ip": "10.213.0.2", "prefixlen": 30, "gateway": "10.213.0.1"},
         "ahead": {"uid": 65534, "gid": 65534, "rlimits": {"NOFILE": 4096}, "memory": MIB,
                   "pids": 8, "cpu_max": "50000 100000", "hostname": "sandbox",
                   "congestion_control": None},
-        "warmup": [["/usr/bin/bash", "-c", ":"]]}
+        "seccomp": b"\1" * 16, "warmup": [["/usr/bin/bash", "-c", ":"]],
+        "warmup_locale": {}}
+    # its warm-up runs under the locale its tasks get from the host (nothing else of it)
+    assert microvm.pooled_plan([], "10.213.0.2", "10.213.0.1", 30, fresh, ahead, b"\1" * 8, (),
+                               {"LANG": "C.UTF-8", "LC_CTYPE": "C", "TZ": "UTC"}
+                               )["warmup_locale"] == {"LANG": "C.UTF-8", "LC_CTYPE": "C"}
     from stockade.launcher.settings import MicrovmSettings
 
     assert MicrovmSettings().pool_warmup == [["/usr/bin/bash", "-c", ":"]]
@@ -310,7 +317,10 @@ def test_a_pooled_guests_plan_comes_on_its_agent_port() -> None:
             MicrovmSettings(pool_warmup=bad)
     for bad in ({**ahead, "uid": 0}, {**ahead, "gid": 0}, {"uid": 1}):
         with pytest.raises(ValueError):
-            microvm.pooled_plan([], "10.213.0.2", "10.213.0.1", 30, fresh, bad)
+            microvm.pooled_plan([], "10.213.0.2", "10.213.0.1", 30, fresh, bad, b"\1" * 8)
+    for no_filter in (b"", b"\1" * 7):  # its child would run a claim's command unfiltered
+        with pytest.raises(ValueError, match="seccomp"):
+            microvm.pooled_plan([], "10.213.0.2", "10.213.0.1", 30, fresh, ahead, no_filter)
     plan = {"argv": ["true"], "stdin_data": b"in"}
     frame = microvm.plan_frame(plan)
     n = int.from_bytes(frame[:4], "big")
@@ -347,6 +357,43 @@ def test_a_pooled_guests_ahead_is_what_every_claims_plan_carries() -> None:
         plan = backend._plan(spec, ctx, restored=True)  # type: ignore[arg-type]
         assert microvm.ahead(plan) == backend._ahead(ctx)  # type: ignore[arg-type]
     assert backend._ahead(ctx)["cpu_max"] == "50000 100000"  # type: ignore[arg-type]
+
+
+def test_a_pooled_guests_warm_up_locale_is_its_tasks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The locale a pool's warm-up runs under: the host's allowlisted LANG and LC_*, which
+    every task gets (environment.sandbox_env); nothing else of the host's environment."""
+    from stockade.launcher.backends import microvm as backend
+    from stockade.launcher.settings import LauncherSettings
+
+    for k in ("LANG", "LC_ALL", "LC_CTYPE", "TZ", "TERM"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("LANG", "C.UTF-8")
+    monkeypatch.setenv("LC_CTYPE", "en_US.UTF-8")  # not allowlisted: no task gets it
+    monkeypatch.setenv("TZ", "UTC")
+    s = LauncherSettings()
+    assert "LC_CTYPE" not in s.env_allowlist and "TZ" in s.env_allowlist
+    assert backend._task_locale(s) == {"LANG": "C.UTF-8"}
+    monkeypatch.delenv("LANG")
+    assert backend._task_locale(s) == {}
+
+
+def test_a_pooled_guests_filter_is_a_default_profiles_own() -> None:
+    """The filter a pooled guest's command child loads before its claim is byte for byte
+    what a claim of a profile without relaxations carries (the guest hands that child only
+    such a plan), and not what a profile relaxing ptrace carries (that claim's command gets
+    a fresh child, which loads the claim's filter)."""
+    import types
+
+    from stockade.launcher.backends import pool_seccomp_program, seccomp_program
+    from stockade.policy.model import SyscallRelaxation
+
+    python = "/usr/bin/python3"  # the init's interpreter, with python3-seccomp
+    plain = types.SimpleNamespace(name="p", syscalls=None)
+    debug = types.SimpleNamespace(
+        name="d", syscalls=SyscallRelaxation(frozenset({"ptrace"}), "debugger"))
+    pooled = pool_seccomp_program(python)
+    assert pooled == seccomp_program(python, plain)
+    assert pooled != seccomp_program(python, debug)
 
 
 @pytest.mark.parametrize(("text", "version"), [

@@ -131,6 +131,43 @@ def test_a_claim_whose_plan_differs_from_the_pooled_guests_is_refused(
     _claimed_and_gone(vm_pool, row["task_id"], netns)
 
 
+# the filter's words from inside: its mode and count, ptrace (strace), a new namespace
+FILTER_PROBE = ("grep -E '^Seccomp(_filters)?:' /proc/self/status; "
+                "strace -f -o /dev/null true && echo traced; "
+                "unshare -U true || echo unshare-refused")
+
+
+def test_a_claimed_command_runs_under_its_profiles_filter_alone(
+        stack: Stack, vm_pool: Launcher) -> None:  # noqa: F811
+    """The pooled command's child loads the filter of a profile that relaxes nothing before
+    the claim. A claim of such a profile runs under it, once; a profile that relaxes
+    ptrace gets a fresh child with its own filter (under both, the stricter would hold):
+    ptrace works there and nothing else is relaxed."""
+    import dataclasses
+
+    from stockade.policy.model import SyscallRelaxation
+
+    (row,) = _pooled_records(vm_pool)
+    res = vm_pool.run(SandboxSpec("agent-vm", ["sh", "-c", FILTER_PROBE]), stack.ruleset)
+    assert res.task_id == row["task_id"], "claimed from the pool"
+    assert res.stdout.split("\n")[:2] == ["Seccomp:\t2", "Seccomp_filters:\t1"], res.stdout
+    assert "traced" not in res.stdout and "unshare-refused" in res.stdout, res.stdout
+    assert "PTRACE_TRACEME: Operation not permitted" in res.stderr, res.stderr
+    assert "unshare failed: Operation not permitted" in res.stderr, res.stderr
+    assert vm_pool.pools is not None and vm_pool.pools.wait_full(FILL_TIMEOUT_S)
+    (row,) = _pooled_records(vm_pool)
+    profile = dataclasses.replace(stack.ruleset.profiles["agent-vm"], syscalls=SyscallRelaxation(
+        frozenset({"ptrace"}), "debugger tests"))
+    debug = dataclasses.replace(stack.ruleset, profiles={
+        **stack.ruleset.profiles, "agent-vm": profile})
+    res = vm_pool.run(SandboxSpec("agent-vm", ["sh", "-c", FILTER_PROBE]), debug)
+    assert res.task_id == row["task_id"], "claimed from the pool"
+    assert res.stdout.split("\n")[:2] == ["Seccomp:\t2", "Seccomp_filters:\t1"], res.stdout
+    assert "traced" in res.stdout and "unshare-refused" in res.stdout, (res.stdout, res.stderr)
+    assert res.stderr.count("Operation not permitted") == 1, res.stderr
+    assert "unshare failed: Operation not permitted" in res.stderr, res.stderr  # alone
+
+
 def test_a_pooled_guests_warm_up_leaves_nothing_to_its_task(stack: Stack) -> None:  # noqa: F811
     """The pool's warm-up commands run before the claim in a read-only view of their own
     (guest_pool.warm_up): one that writes everywhere it could leaves nothing the claimed
