@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import secrets
 import shutil
 import subprocess
@@ -104,3 +105,15 @@ def timed_claim(launcher: Launcher, ruleset: Any, cmd: list[str], *, wait_full: 
     assert r.exit_code == 0, r.stderr
     return clock(r.stdout) - t0, t1 - t0
 
+
+def proc_clock(out: str) -> float:
+    """`stat -c %y`'s `2026-12-07 11:01:44.938178600 +0000` (or `$EPOCHREALTIME`'s seconds)
+    as seconds since the epoch (the guest's clock is UTC)."""
+    if " " not in out.strip():
+        return float(out)
+    day, clock, zone = out.split()
+    if zone != "+0000":
+        raise ValueError(f"not UTC: {out!r}")
+    whole, _, frac = clock.partition(".")
+    at = datetime.datetime.fromisoformat(f"{day}T{whole}+00:00").timestamp()
+    return at + float(f"0.{frac or 0}")

@@ -27,7 +27,6 @@ same rows with, one launcher each, one after the other in this run. Nothing asse
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import subprocess
 import types
@@ -35,27 +34,16 @@ from typing import Any
 
 import vm_ab_bench
 from launcher_bench import pct
-from launcher_rig import started_launcher, timed_claim
-from pool_bench import SHAPE, STATIC_CMD
+from launcher_rig import proc_clock, started_launcher, timed_claim
+from pool_bench import FIRST_CMD, SHAPE, STATIC_CMD
 from stockade.launcher import Launcher
 from stockade.policy.model import Limits, Profile
 from vm_ab_bench import load, session, trip
 
 CLAIMS = {"bash": ["bash", "-c", "echo $EPOCHREALTIME"], "static shell": STATIC_CMD,
-          "busybox stat, no shell": ["busybox", "stat", "-L", "-c", "%y", "/proc/self"]}
+          "busybox stat, no shell": FIRST_CMD}
 
 
-def proc_clock(out: str) -> float:
-    """`stat -c %y`'s `2026-12-07 11:01:44.938178600 +0000` (or `$EPOCHREALTIME`'s seconds)
-    as seconds since the epoch (the guest's clock is UTC)."""
-    if " " not in out.strip():
-        return float(out)
-    day, clock, zone = out.split()
-    if zone != "+0000":
-        raise ValueError(f"not UTC: {out!r}")
-    whole, _, frac = clock.partition(".")
-    at = datetime.datetime.fromisoformat(f"{day}T{whole}+00:00").timestamp()
-    return at + float(f"0.{frac or 0}")
 EXECS = (("true",), ("busybox", "true"), ("bash", "-c", ":"))
 
 
@@ -94,6 +82,7 @@ def main() -> None:
         for name, xs in rows.items():
             ok = [x * 1000 for x in xs if x == x]  # a failed exec is nan
             print(f"{name:<50} p50 {statistics.median(ok):7.1f}  p90 {pct(ok, 90):7.1f}"
+                  f"  p99 {pct(ok, 99):7.1f}"
                   f"  n={len(ok)}", flush=True)
 
 
