@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from polling import async_wait_until
 from stockade.launcher import mounts, session_routes
 from stockade.launcher.sessions import new_row
 
@@ -196,7 +197,8 @@ async def test_a_stalled_reader_is_cut_off(
     (scratch_tmpfs / "big").write_bytes(b"b" * size)
     (scratch_tmpfs / "small").write_bytes(b"s")
     app = web.Application()
-    _routes(scratch_tmpfs, limit=size).add_to(app)
+    routes = _routes(scratch_tmpfs, limit=size)
+    routes.add_to(app)
     async with TestClient(TestServer(app)) as client:
         port = client.server.port
         assert port is not None
@@ -204,5 +206,10 @@ async def test_a_stalled_reader_is_cut_off(
         ok = await asyncio.wait_for(client.get(f"/v1/sessions/{SID}/files",
                                                params={"path": "small"}), 60)
         assert ok.status == 200 and await ok.read() == b"s"
+        # every stalled GET cut off before any is read: a loaded host may answer the small
+        # GET while a stalled one still waits for its place (two per session), and reading
+        # it then would let it finish whole
+        await async_wait_until(lambda: not routes.transfers.sessions(), 30,
+                               what="a stalled GET was never cut off")
         got = await asyncio.gather(*(asyncio.to_thread(_drain, s) for s in socks))
     assert all(0 < n < size for n in got), got
