@@ -92,7 +92,8 @@ def sleeping_sandbox(launcher: Launcher, ruleset: Any,
 
 def timed_claim(launcher: Launcher, ruleset: Any, cmd: list[str], *, wait_full: float = 300,
                 inputs: list[tuple[str, str]] | None = None,
-                clock: Callable[[str], float] = float) -> tuple[float, float]:
+                clock: Callable[[str], float] = float,
+                profile: str = "bench") -> tuple[float, float]:
     """One run of `cmd` (which prints the guest's `$EPOCHREALTIME`, or a time `clock` reads
     as seconds since the epoch): (seconds from the run's start to that output, to the run's
     end). `wait_full`: seconds to wait for a full pool first (0: no wait, e.g. a cold
@@ -100,7 +101,7 @@ def timed_claim(launcher: Launcher, ruleset: Any, cmd: list[str], *, wait_full: 
     if wait_full:
         assert launcher.pools is not None and launcher.pools.wait_full(wait_full)
     t0 = time.time()
-    r = launcher.run(SandboxSpec("bench", cmd, inputs=list(inputs or [])), ruleset)
+    r = launcher.run(SandboxSpec(profile, cmd, inputs=list(inputs or [])), ruleset)
     t1 = time.time()
     assert r.exit_code == 0, r.stderr
     return clock(r.stdout) - t0, t1 - t0
