@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import threading
@@ -208,3 +209,20 @@ def pip_download(
         timeout=120,
         env=run_env,
     )  # fmt: skip
+
+
+def connect_tunnel(proxy: tuple[str, int], authority: str,
+                   source: str | None = None) -> socket.socket:
+    """A CONNECT tunnel to `authority` through the explicit proxy at `proxy` (from
+    `source`), its `200` read a byte at a time: nothing after the head is consumed."""
+    s = socket.create_connection(proxy, timeout=10,
+                                 source_address=(source, 0) if source else None)
+    s.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        got = s.recv(1)
+        assert got, f"closed after {head!r}"
+        head += got
+    assert head.startswith(b"HTTP/1.1 200"), head
+    return s
+

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gw_harness import free_port, gateway_config, write_config
+from gw_harness import connect_tunnel, free_port, gateway_config, write_config
 from gw_rules import write_rules
 from polling import wait_until
 
@@ -98,15 +98,9 @@ def served(fake_internet: FakeInternet, tmp_path: Path) -> Iterator[Served]:
             s.stop()
 
 
-def connect_tunnel(s: Served, authority: str) -> socket.socket:
+def served_tunnel(s: Served, authority: str) -> socket.socket:
     host, port = s.config.gateway.proxy_listen[0].rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=10)
-    sock.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
-    head = b""
-    while b"\r\n\r\n" not in head:
-        head += sock.recv(4096)
-    assert head.startswith(b"HTTP/1.1 200"), head
-    return sock
+    return connect_tunnel((host, int(port)), authority)
 
 
 def echo(sock: socket.socket, payload: bytes) -> bytes:
@@ -146,7 +140,7 @@ def test_serve_reload_and_restart(served: Served, fake_internet: FakeInternet) -
 
     # a live raw-TCP tunnel (cidr rule) to the fake internet's echo server
     echo_ip, echo_port = fake_internet.tcp_echo
-    tunnel = connect_tunnel(served, f"{echo_ip}:{echo_port}")
+    tunnel = served_tunnel(served, f"{echo_ip}:{echo_port}")
     assert echo(tunnel, b"ping-1") == b"ping-1"
 
     # an invalid rule file: refused on SIGHUP, old rules stay in force

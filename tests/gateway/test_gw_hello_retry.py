@@ -28,6 +28,7 @@ import pytest
 import trustme
 from gw_harness import (
     GatewayHarness,
+    connect_tunnel,
     fake_internet_config,
     newest_event,
     registered_client,
@@ -170,14 +171,7 @@ def script(upstream: ScriptedUpstream) -> Iterator[ScriptedUpstream]:
 
 def tunnel(gw: GatewayHarness, source: str, port: int) -> socket.socket:
     """A CONNECT tunnel to loopback.test:`port` through the explicit proxy, from `source`."""
-    s = socket.create_connection(("127.0.0.1", gw.port("proxy")), timeout=10,
-                                 source_address=(source, 0))  # fmt: skip
-    s.sendall(f"CONNECT {NAME}:{port} HTTP/1.1\r\nHost: {NAME}:{port}\r\n\r\n".encode())
-    head = b""
-    while b"\r\n\r\n" not in head:
-        head += s.recv(1)
-    assert head.startswith(b"HTTP/1.1 200"), head
-    return s
+    return connect_tunnel(("127.0.0.1", gw.port("proxy")), f"{NAME}:{port}", source)
 
 
 def read_exactly(s: socket.socket, n: int) -> bytes:
