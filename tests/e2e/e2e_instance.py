@@ -44,6 +44,19 @@ inject: {style: bearer}
 """
 
 
+_TAKEN: set[tuple[str, int]] = set()  # (what, value) handed to an instance of this process
+
+
+def _unused(what: str, choices: int) -> int:
+    """A value in 0..choices-1 no earlier instance of this process was given: two instances
+    side by side on one /24 (1 in 250 when drawn freely) route each other's sandboxes'
+    packets to the wrong veth, and every fence probe times out."""
+    while (what, n := secrets.randbelow(choices)) in _TAKEN:
+        pass
+    _TAKEN.add((what, n))
+    return n
+
+
 def instance_config(root: Path, inet: Any, **extra: Any) -> dict[str, Any]:
     """run_dir, base_port, state/log dirs and the launcher's host-wide names; the fake
     internet's CA as the one upstream CA (gateway inspection and broker)."""
@@ -66,8 +79,8 @@ def instance_config(root: Path, inet: Any, **extra: Any) -> dict[str, Any]:
             "name_prefix": f"i{sfx[:3]}",
             "cgroup_parent": f"stockade_i{sfx}",
             "scratch_dir": str(root / "sbx"),
-            "address_pool": f"10.215.{secrets.randbelow(250)}.0/24",
-            "nflog_group": 7300 + secrets.randbelow(99),
+            "address_pool": f"10.215.{_unused('pool', 250)}.0/24",
+            "nflog_group": 7300 + _unused("nflog", 99),
         },
     }
     for key, value in extra.items():
