@@ -88,9 +88,7 @@ class RetryGate:
             # sent from here (the upstream takes them at once, as a rule): no writer
             # registration and no loop round just for them
             up.gate = None
-            up.pending, up.chunk = memoryview(bytes(self.held)), self.uncounted
-            self.held = bytearray()
-            if up.send_pending() == "write":
+            if self._release(up) == "write":
                 up.watch(read=False, write=True)
                 return
         up.watch(read=True, write=False)
@@ -103,8 +101,11 @@ class RetryGate:
             if state is not None:
                 return state
         pump.gate = None  # no retry, or the second hello passed: relayed as before
-        if not self.held:
-            return None
+        return self._release(pump) if self.held else None
+
+    def _release(self, pump: Pump) -> str | None:
+        """`held` goes to the upload pump's pending bytes and is sent; "write" when the
+        upstream would block (`uncounted` of them are accounted once they are sent)."""
         pump.pending, pump.chunk = memoryview(bytes(self.held)), self.uncounted
         self.held = bytearray()
         return pump.send_pending()
