@@ -70,7 +70,7 @@ NEWER_CALLS: dict[str, int] = {
     "getxattrat": 464, "listxattrat": 465, "removexattrat": 466, "open_tree_attr": 467,
     "file_getattr": 468, "file_setattr": 469,
 }
-LAST_REVIEWED = 469
+LAST_REVIEWED = max(NEWER_CALLS.values())  # 469, file_setattr: the last of Linux 6.18
 NEWER_DENIED = ("open_tree_attr",)  # open_tree and mount_setattr in one: a mount call
 # denied unless a profile relaxes them by name (`sandbox.syscalls.allow`, with a reason)
 RELAXABLE: tuple[str, ...] = ("ptrace", "process_vm_readv", "process_vm_writev", "kcmp",
